@@ -1,0 +1,1 @@
+"""Prompt sources: synthetic verifiable tasks and the data cursor a checkpoint saves."""

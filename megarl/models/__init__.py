@@ -1,0 +1,1 @@
+"""Model families: tiny HF checkpoints for tests and the demo."""

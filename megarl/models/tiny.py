@@ -1,0 +1,183 @@
+"""Tiny, real HF checkpoints built locally: config.json, safetensors weights, a tokenizer.
+
+Two families, both deterministic by seed and never downloaded:
+
+- ``qwen3_moe``: Qwen3-MoE style (q/k RMSNorm, routed experts, no biases);
+- ``qwen2``: Qwen2 style dense (bias on q/k/v only).
+
+The tokenizer is a character vocabulary (the task's alphabet plus ``<pad>`` and
+``<|endoftext|>``) wrapped as a ``PreTrainedTokenizerFast``. Weights are drawn
+from N(0, init_std) with a seeded generator and written under the exact tensor
+names the hub checkpoints of these families use, so vLLM, transformers and our
+Megatron adapter all read them as they would a real model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megarl.data.addition import ALPHABET
+
+PAD, EOS = "<pad>", "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """The shape of a tiny model; defaults fit the 2-core CPU machine."""
+
+    family: str = "qwen3_moe"
+    vocab_size: int = 32
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 128
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+def build_tokenizer(vocab_size: int):
+    """A character-level fast tokenizer over the task alphabet (no download)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1}
+    for ch in ALPHABET:
+        vocab[ch] = len(vocab)
+    if len(vocab) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} < the {len(vocab)} tokens the alphabet needs")
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, model_max_length=4096
+    )
+
+
+def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
+    """The config.json of the tiny model, as the hub would write it."""
+    common = {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if shape.family == "qwen3_moe":
+        return {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": shape.head_dim,
+            "intermediate_size": shape.intermediate_size,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            "num_experts": shape.num_experts,
+            "num_experts_per_tok": shape.experts_per_token,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    if shape.family == "qwen2":
+        return {
+            **common,
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "intermediate_size": shape.intermediate_size,
+        }
+    raise ValueError(f"unknown tiny model family {shape.family!r}; valid: 'qwen3_moe', 'qwen2'")
+
+
+def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of an HF checkpoint of this config (qwen2 / qwen3_moe)."""
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // heads)
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg["vocab_size"], h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (heads * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * d)
+        if cfg["model_type"] == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv * d,)
+        if cfg["model_type"] == "qwen3_moe":
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            ffn = cfg["moe_intermediate_size"]
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                shapes[q + "gate_proj.weight"] = (ffn, h)
+                shapes[q + "up_proj.weight"] = (ffn, h)
+                shapes[q + "down_proj.weight"] = (h, ffn)
+        else:
+            ffn = cfg["intermediate_size"]
+            shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.up_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, ffn)
+    return shapes
+
+
+def random_weights(cfg: dict, seed: int, init_std: float) -> dict[str, torch.Tensor]:
+    """Seeded N(0, init_std) matrices, ones for norm weights, zeros for biases."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(hf_weight_shapes(cfg).items()):
+        if name.endswith("norm.weight") or "layernorm" in name:
+            out[name] = torch.ones(shape)
+        elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape)
+        else:
+            out[name] = torch.randn(shape, generator=gen) * init_std
+    return out
+
+
+def save_hf_checkpoint(path: str | Path, cfg: dict, weights: dict[str, torch.Tensor], tokenizer) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen_cfg = {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in weights.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def make_tiny_model(path: str | Path, shape: TinyShape = TinyShape(), seed: int = 0) -> Path:
+    """Create a tiny HF checkpoint directory at ``path``; the same seed gives the same bytes."""
+    tok = build_tokenizer(shape.vocab_size)
+    cfg = hf_config(shape, eos_id=tok.convert_tokens_to_ids(EOS), pad_id=tok.pad_token_id)
+    return save_hf_checkpoint(path, cfg, random_weights(cfg, seed, shape.init_std), tok)

@@ -1,0 +1,1 @@
+"""The megatron-core trainer: parallel state, model building, logprobs, optimizer."""

@@ -1,0 +1,138 @@
+"""Run stock megatron-core 0.16.1 on a machine without CUDA (gloo backend, CPU tensors).
+
+megatron-core assumes a GPU in many places. ``activate()`` applies the smallest set
+of patches measured to make TP (+SP), PP, EP (allgather and alltoall), DP and the
+distributed optimizer compute on CPU exactly what they compute on GPU. It is a
+no-op when CUDA is available, and idempotent. Call it after vLLM is imported
+(vLLM evaluates ``torch.cuda.Stream | None`` at import time) and before megatron's
+seed call, model and optimizer are built.
+
+Each patch names the megatron-core call that needs it. The cuda→cpu
+``TorchFunctionMode`` costs ~5% in step time (measured on the tiny models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Bare ints mean "cuda:<n>" to torch factories (e.g. device=torch.cuda.current_device()).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA device request to the CPU, process-wide.
+
+    Needed by ~40 hard-coded ``device="cuda"`` sites: the causal mask in
+    ``transformer.utils``, ``optimizer.distrib_optimizer`` buffers, ``clip_grads``
+    (asserts ``torch.cuda.FloatTensor`` and builds its norm on cuda),
+    ``pipeline_parallel.p2p_communication`` shape tensors, ``DistributedDataParallel``
+    grad buffers.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]  # Tensor.cuda() / pin_memory(): stay where we are.
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads: `assert grad.type() == 'torch.cuda.FloatTensor'`.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.is_pinned:
+            return False
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _DummyStream:
+    """Stands in for ``torch.cuda.Stream`` in the alltoall token dispatcher's DtoH side stream."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # the dispatcher later calls .synchronize() on the returned event
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _DummyStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _patch_rng() -> None:
+    """``model_parallel_cuda_manual_seed`` and the tracker's fork() use the CUDA RNG: use the CPU one."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device=None, clone: bool = False, graph_safe: bool = False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_state(new_state, device=-1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
+
+
+def _patch_moe() -> None:
+    """MoE without Transformer Engine and with the alltoall dispatcher on CPU."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # moe_utils.router_gemm: `te_general_gemm` is referenced even when TE is absent.
+    moe_utils.te_general_gemm = None
+
+    # token_dispatcher.preprocess: split sizes for all_to_all must be host lists; on CPU
+    # the tensors are already on the host and are not converted by the stock helper.
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def activate() -> bool:
+    """Apply the CPU patches once; returns True when they are active (no CUDA here)."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE is not None:
+        return True
+    # GPTModel / DDP buffer allocation: `device=torch.cuda.current_device()`.
+    torch.cuda.current_device = lambda: "cpu"
+    # pipeline p2p and dist-checkpoint save call torch.cuda.synchronize().
+    torch.cuda.synchronize = lambda device=None: None
+    # token_dispatcher: side stream for the DtoH copy of split sizes.
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.current_stream = lambda device=None: _DummyStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _patch_rng()
+    _patch_moe()
+    _ACTIVE = _CudaToCpuMode()
+    _ACTIVE.__enter__()
+    return True

@@ -1,0 +1,133 @@
+"""Build a megatron-core GPTModel (dense or MoE) from an HF config and load HF weights into it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megarl.trainer.parallel import ParallelState
+from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
+from megarl.weight_sync.sharding import shard_for_rank
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model.path: no config.json in {model_dir}")
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {cfg.get('model_type')!r} is not supported; valid: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return cfg
+
+
+def num_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer (0 for dense)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def rope_theta(cfg: dict) -> float:
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+
+
+def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float = 0.0,
+                       moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32):
+    """megatron-core TransformerConfig for an HF config and a parallel layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    heads = cfg["num_attention_heads"]
+    experts = num_experts(cfg)
+    moe = {}
+    if experts:
+        moe = dict(
+            num_moe_experts=experts,
+            moe_router_topk=cfg["num_experts_per_tok"],
+            moe_ffn_hidden_size=cfg.get("moe_intermediate_size", cfg["intermediate_size"]),
+            # softmax over the top-k logits == softmax over all, then top-k renormalised.
+            moe_router_pre_softmax=not cfg.get("norm_topk_prob", True),
+            moe_token_dispatcher_type=moe_dispatcher,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_grouped_gemm=False,
+        )
+    return TransformerConfig(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn_hidden_size=cfg["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg["model_type"] == "qwen2",
+        qk_layernorm=cfg["model_type"] in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=ps.tp,
+        pipeline_model_parallel_size=ps.pp,
+        expert_model_parallel_size=ps.ep,
+        expert_tensor_parallel_size=ps.etp,
+        sequence_parallel=ps.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        **moe,
+    )
+
+
+def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
+    """A GPTModel for this rank's pipeline stage (local spec; TE spec is chosen by the FP8 path)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tcfg = transformer_config(cfg, ps, **kwargs)
+    spec = get_gpt_layer_local_spec(
+        num_experts=tcfg.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=tcfg.qk_layernorm,
+        normalization="RMSNorm",
+    )
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=cfg["vocab_size"],
+        max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        pre_process=ps.pp_rank == 0,
+        post_process=ps.is_last_stage,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta(cfg)),
+    )
+    return model
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps: ParallelState) -> None:
+    """Copy an HF checkpoint into this rank's shards of ``model``; every parameter must be covered."""
+    full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
+    mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(mine))
+    if missing:
+        raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = mine[name]
+            if src.shape != p.shape:
+                raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
+            p.copy_(src.to(p.dtype))

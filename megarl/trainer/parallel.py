@@ -1,0 +1,96 @@
+"""Parallel state as one explicit object, built once and handed to constructors.
+
+This is the one place that touches Megatron's parallel globals
+(``parallel_state.initialize_model_parallel``); everything else reads the
+``ParallelState`` it is given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.weight_sync.sharding import RankCoords
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Sizes and this process's ranks in every parallel dimension."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    sequence_parallel: bool
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    etp_rank: int
+    dp_rank: int
+
+    @property
+    def coords(self) -> RankCoords:
+        return RankCoords(self.tp_rank, self.tp, self.pp_rank, self.pp, self.ep_rank, self.ep, self.etp_rank, self.etp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def init_process_group() -> tuple[int, int]:
+    """Join (or start) the default gloo/nccl group from torchrun's environment; world 1 without it."""
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, sequence_parallel: bool = False) -> ParallelState:
+    """Initialise Megatron's model-parallel groups on the default group and describe them."""
+    from megatron.core import parallel_state as mpu
+
+    rank, world = init_process_group()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp×pp = {tp}×{pp}")
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            create_gloo_process_groups=True,
+        )
+    return ParallelState(
+        world_size=world,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        dp=world // (tp * pp),
+        sequence_parallel=sequence_parallel and tp > 1,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+    )

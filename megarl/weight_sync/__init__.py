@@ -1,0 +1,1 @@
+"""Moving weights between layouts: Megatron shards ⇄ HF names ⇄ vLLM engines."""

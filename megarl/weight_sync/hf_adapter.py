@@ -1,0 +1,174 @@
+"""The HF adapter of the Qwen/Llama families: Megatron-core names and layouts ⇄ HF names.
+
+One map, shared by the offline conversion tools and the online weight sync. It
+works on *full* (unsharded) tensors with *global* layer and expert indices;
+``shard_for_rank`` / the trainer's gather turn those into one rank's pieces.
+
+Layouts (Megatron-core local spec, ``GPTModel``):
+
+===============================================  =================================================
+Megatron                                          HF
+===============================================  =================================================
+embedding.word_embeddings.weight                  model.embed_tokens.weight
+decoder.layers.L.input_layernorm.weight           model.layers.L.input_layernorm.weight
+decoder.layers.L.self_attention.linear_qkv.*      q_proj / k_proj / v_proj (``*`` weight or bias),
+                                                  interleaved per query group: for each of the
+                                                  ``kv`` groups, [its heads/kv q heads, k, v]
+decoder.layers.L.self_attention.q_layernorm       self_attn.q_norm (Qwen3)
+decoder.layers.L.self_attention.linear_proj       self_attn.o_proj
+decoder.layers.L.pre_mlp_layernorm.weight         post_attention_layernorm.weight
+decoder.layers.L.mlp.linear_fc1.weight            cat(mlp.gate_proj, mlp.up_proj) (dense)
+decoder.layers.L.mlp.linear_fc2.weight            mlp.down_proj
+decoder.layers.L.mlp.router.weight                mlp.gate.weight (MoE)
+...mlp.experts.local_experts.E.linear_fc1/fc2     mlp.experts.E.{gate_proj,up_proj}/down_proj
+decoder.final_layernorm.weight                    model.norm.weight
+output_layer.weight                               lm_head.weight
+===============================================  =================================================
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+# Per-layer names that map one to one.
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+_SIMPLE_BACK = {v: k for k, v in _SIMPLE.items()}
+_GLOBAL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
+
+
+def head_layout(cfg: dict) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of an HF config."""
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return heads, kv, cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
+def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Interleave HF q/k/v (weights [out, in] or biases [out]) into Megatron's per-group layout."""
+    heads, kv, d = head_layout(cfg)
+    rest = q.shape[1:]
+    q = q.reshape(kv, heads // kv * d, *rest)
+    k = k.reshape(kv, d, *rest)
+    v = v.reshape(kv, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def qkv_from_megatron(qkv: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``qkv_to_megatron``."""
+    heads, kv, d = head_layout(cfg)
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(kv, (heads // kv + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [heads // kv * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Megatron tensors (global layer / expert indices) → HF (name, tensor) pairs."""
+    for name, t in named:
+        if name in _GLOBAL:
+            yield _GLOBAL[name], t
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            raise KeyError(f"no HF name for Megatron parameter {name!r}")
+        layer, rest = m.groups()
+        p = f"model.layers.{layer}."
+        e = _EXPERT.match(rest)
+        if rest in _SIMPLE:
+            yield p + _SIMPLE[rest], t
+        elif rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]  # weight | bias
+            q, k, v = qkv_from_megatron(t, cfg)
+            yield from ((f"{p}self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v)))
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = torch.chunk(t, 2, dim=0)
+            yield p + "mlp.gate_proj.weight", gate
+            yield p + "mlp.up_proj.weight", up
+        elif e is not None:
+            expert, fc = e.groups()
+            q = f"{p}mlp.experts.{expert}."
+            if fc == "linear_fc2":
+                yield q + "down_proj.weight", t
+            else:
+                gate, up = torch.chunk(t, 2, dim=0)
+                yield q + "gate_proj.weight", gate
+                yield q + "up_proj.weight", up
+        else:
+            raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """An HF state dict → full Megatron tensors with global layer / expert indices."""
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        if name in _GLOBAL_BACK:
+            out[_GLOBAL_BACK[name]] = t
+            continue
+        m = _HF_LAYER.match(name)
+        if m is None:
+            raise KeyError(f"no Megatron name for HF tensor {name!r}")
+        layer, rest = m.groups()
+        if rest in _SIMPLE_BACK:
+            out[f"decoder.layers.{layer}.{_SIMPLE_BACK[rest]}"] = t
+        else:
+            pending[name] = t  # fused below, once all of its parts are known
+    for name in list(pending):
+        if name not in pending:
+            continue
+        layer, rest = _HF_LAYER.match(name).groups()
+        p, mp = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        e = _HF_EXPERT.match(rest)
+        if rest.startswith("self_attn.") and rest.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+            kind = rest.rsplit(".", 1)[1]
+            q, k, v = (pending.pop(f"{p}self_attn.{n}_proj.{kind}") for n in "qkv")
+            out[f"{mp}self_attention.linear_qkv.{kind}"] = qkv_to_megatron(q, k, v, cfg)
+        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            gate, up = pending.pop(p + "mlp.gate_proj.weight"), pending.pop(p + "mlp.up_proj.weight")
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        elif e is not None:
+            expert, proj = e.groups()
+            q, mq = f"{p}mlp.experts.{expert}.", f"{mp}mlp.experts.local_experts.{expert}."
+            if proj == "down_proj":
+                out[mq + "linear_fc2.weight"] = pending.pop(name)
+            else:
+                gate, up = pending.pop(q + "gate_proj.weight"), pending.pop(q + "up_proj.weight")
+                out[mq + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        else:
+            raise KeyError(f"no Megatron name for HF tensor {name!r}")
+    return out
+
+
+def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (every ``*.safetensors`` file)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
