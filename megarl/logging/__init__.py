@@ -1,0 +1,1 @@
+"""Metrics: the TensorBoard writer, console progress and the metric names."""

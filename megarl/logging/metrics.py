@@ -1,0 +1,58 @@
+"""TensorBoard scalars under stable names, and one console line per step with an ETA."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+# The stable scalar names every run writes (dashboards and tests rely on them).
+STEP_SCALARS = (
+    "reward/mean",
+    "reward/pass_rate",
+    "response/len_mean",
+    "response/len_max",
+    "loss/policy",
+    "timing/gen_s",
+    "timing/train_s",
+    "timing/sync_s",
+)
+
+
+class MetricsLogger:
+    """Writes scalars to TensorBoard (rank 0 only) and prints a progress line per step."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool = True, stream=sys.stdout) -> None:
+        self.enabled, self.total, self.stream = enabled, total_steps, stream
+        self.start = time.time()
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            self.writer.add_scalar(name, float(value), step)
+        self.writer.flush()
+
+    def progress(self, step: int, values: dict[str, float], keys: tuple[str, ...]) -> None:
+        """``step 3/20 | reward/mean 0.41 | ... | eta 1m12s`` (steps are 1-based here)."""
+        if not self.enabled:
+            return
+        elapsed = time.time() - self.start
+        eta = elapsed / max(step, 1) * max(self.total - step, 0)
+        parts = [f"step {step}/{self.total}"] + [f"{k} {values[k]:.4g}" for k in keys if k in values]
+        parts.append(f"elapsed {_fmt(elapsed)} eta {_fmt(eta)}")
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"

@@ -1,0 +1,1 @@
+"""Verifiable rewards behind one protocol; failures and timeouts are contained and counted."""

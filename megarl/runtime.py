@@ -1,0 +1,97 @@
+"""Build everything a run needs, in the one order that works with megatron-core and vLLM in one process.
+
+Order: process group + Megatron parallel groups → (rank 0) tiny model if asked →
+vLLM engine (it patches torch.cuda on CPU) → the CPU adapter for megatron-core
+(applied after vLLM so its patches win) → Megatron's RNG seed → trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import RunConfig, to_dict, validate
+from megarl.data.addition import AdditionTask
+from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.logging.metrics import MetricsLogger
+from megarl.models.tiny import TinyShape, make_tiny_model
+from megarl.rewards.addition import exact_answer
+from megarl.rewards.base import RewardRunner
+from megarl.trainer import cpu_adapter
+from megarl.trainer.model import read_hf_config
+from megarl.trainer.parallel import ParallelState, build_parallel_state
+from megarl.trainer.policy import PolicyTrainer
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    ps: ParallelState
+    hf_cfg: dict
+    tokenizer: object
+    engine: VLLMEngine
+    trainer: PolicyTrainer
+    task: AdditionTask
+    rewards: RewardRunner
+    logger: MetricsLogger
+    run_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.ps.rank == 0
+
+
+def ensure_model(cfg: RunConfig) -> None:
+    """Create the tiny checkpoint at ``model.path`` if ``model.make_tiny`` asks for one and none is there."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file() or not cfg.model.make_tiny:
+        return
+    make_tiny_model(path, TinyShape(family=cfg.model.make_tiny), seed=cfg.model.seed)
+
+
+def build_session(cfg: RunConfig) -> Session:
+    set_cpu_engine_env(cfg.engine.kv_cache_gib)
+    import vllm  # noqa: F401  (import before the CPU adapter patches torch.cuda)
+
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    p = cfg.parallel
+    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp, p.sequence_parallel)
+    if ps.rank == 0:
+        ensure_model(cfg)
+    dist.barrier()
+    hf_cfg = read_hf_config(cfg.model.path)
+    validate(cfg, ps.world_size, hf_cfg)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
+                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed)
+    cpu_adapter.activate()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    trainer = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, temperature=cfg.rollout.temperature,
+                            moe_dispatcher=p.moe_dispatcher)
+    d = cfg.data
+    task = AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
+    run_dir = Path(cfg.train.run_dir)
+    if ps.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0)
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, task, RewardRunner(exact_answer), logger, run_dir)
+
+
+def configure_threads() -> None:
+    """One BLAS/OpenMP thread per process when several share the machine (faster on 2 cores)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")

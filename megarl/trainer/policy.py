@@ -1,0 +1,130 @@
+"""The policy trainer: a megatron-core GPTModel under DDP with Megatron's optimizer.
+
+``train_step`` runs one optimizer step through ``get_forward_backward_func`` (so
+pipeline schedules and microbatching are Megatron's own). The loss is given as a
+per-token function plus per-token weights: the objective is
+``Σ_t weight_t · loss_t`` over the whole step batch, which expresses every
+aggregation mode (token mean, sequence mean of token means, constant
+normaliser) without the trainer knowing which one is in use.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from megarl.config.schema import OptimConfig
+from megarl.trainer.logprobs import token_logprobs
+from megarl.trainer.model import build_gpt_model, load_hf_weights, num_experts
+from megarl.trainer.parallel import ParallelState
+from megarl.types import TrainBatch
+from megarl.weight_sync.export import gather_hf_weights
+
+# (logprobs [mb, T], microbatch fields) -> (per-token loss [mb, T], {metric: scalar tensor})
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+class PolicyTrainer:
+    def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
+                 temperature: float = 1.0, moe_dispatcher: str = "alltoall") -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
+        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff, moe_dispatcher=moe_dispatcher)
+        load_hf_weights(module, model_dir, hf_cfg, ps)
+        self.tcfg = module.config
+        self.model = DistributedDataParallel(
+            config=self.tcfg,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=ps.dp > 1),
+            module=module,
+        )
+        self.tcfg.no_sync_func = self.model.no_sync
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                clip_grad=optim.grad_clip,
+                use_distributed_optimizer=ps.dp > 1,
+                params_dtype=torch.float32,
+            ),
+            [self.model],
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model.module
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _microbatches(self, batch: TrainBatch) -> list[dict]:
+        mbs = self.optim_cfg.micro_batch_size
+        return [batch.slice(i, i + mbs).as_dict() for i in range(0, batch.size, mbs)]
+
+    def _run(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = self._microbatches(batch)
+        scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
+        temperature = self.temperature
+
+        def forward_step(data_iter, model):
+            mb = next(data_iter)
+            output = model(mb["input_ids"], mb["position_ids"], None)
+
+            def loss_func(logits):
+                logp = token_logprobs(logits, mb["labels"], temperature)
+                if loss_fn is None:  # forward only: hand the logprobs back
+                    return torch.zeros((), requires_grad=False), {"logprobs": logp.detach()}
+                per_token, metrics = loss_fn(logp, mb)
+                loss = (per_token * mb["weights"]).sum() * scale
+                report = {k: v.detach().float() for k, v in metrics.items()}
+                report["loss_sum"] = loss.detach() / scale
+                return loss, report
+
+            return output, loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=batch.seq_len,
+            micro_batch_size=min(self.optim_cfg.micro_batch_size, batch.size),
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """Per-label-position logprobs [N, T] of ``batch`` (last pipeline stage; None elsewhere)."""
+        self.model.eval()
+        out = self._run(batch, None, forward_only=True)
+        self.model.train()
+        if not self.ps.is_last_stage:
+            return None
+        return torch.cat([o["logprobs"] for o in out], dim=0)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns the loss and mean metrics (last stage)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run(batch, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics: dict[str, float] = {"grad_norm": float(grad_norm or 0.0), "skipped": float(not ok)}
+        if out:
+            metrics["loss"] = float(sum(o["loss_sum"] for o in out))
+            for key in out[0]:
+                if key != "loss_sum":
+                    metrics[key] = float(sum(o[key] for o in out) / len(out))
+        return metrics
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full model under HF names (gathered across TP/PP/EP), for the engines."""
+        return gather_hf_weights(self.module, self.hf_cfg, self.ps, num_experts(self.hf_cfg))

@@ -1,0 +1,76 @@
+"""Boundary types shared by the rooms: samples, groups, and the trainer's batch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SampleStatus(enum.Enum):
+    """A sample's lifecycle: queued → running → finished | truncated → (resumed →) consumed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"  # ended with EOS
+    TRUNCATED = "truncated"  # hit the length cap
+    RESUMED = "resumed"  # interrupted, to be continued from its partial tokens
+    CONSUMED = "consumed"  # handed to the trainer
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with its behaviour-policy record per token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each response token
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each token
+    status: SampleStatus = SampleStatus.QUEUED
+    reward: float = 0.0
+    text: str = ""
+
+
+@dataclass
+class Group:
+    """The G samples of one prompt; advantages are computed within it."""
+
+    prompt_index: int
+    prompt_text: str
+    answer: str
+    samples: list[Sample]
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for the trainer, one row per sequence, one column per label position.
+
+    Row ``i`` feeds ``input_ids[i]`` (prompt + response without its last token) and
+    predicts ``labels[i]`` (the same shifted by one). ``loss_mask`` marks label
+    positions that are response tokens; ``weights`` are the loss-aggregation weights
+    (zero off the mask); ``old_logprobs`` the behaviour logprobs and ``advantages``
+    the per-token advantages at those positions.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    weights: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def slice(self, start: int, stop: int) -> "TrainBatch":
+        return TrainBatch(**{k: v[start:stop] for k, v in self.as_dict().items()})
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}

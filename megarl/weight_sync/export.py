@@ -1,0 +1,53 @@
+"""Gather a trainer's Megatron shards into full HF-named tensors (the engines' input)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.trainer.parallel import ParallelState
+from megarl.weight_sync.hf_adapter import megatron_to_hf
+from megarl.weight_sync.sharding import global_name, join_tp_shards, tp_split_dim
+
+
+def _merge_over(group, local: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+    """Union of every rank's dict in ``group`` (pipeline stages or expert ranks hold disjoint names)."""
+    if size == 1:
+        return local
+    parts: list = [None] * size
+    dist.all_gather_object(parts, local, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+@torch.no_grad()
+def gather_full_megatron(module: torch.nn.Module, ps: ParallelState, num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """Full tensors under global Megatron names, identical on every rank."""
+    from megatron.core import parallel_state as mpu
+
+    full: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        t = p.detach()
+        is_expert = ".experts." in name
+        size = ps.etp if is_expert else ps.tp
+        if size > 1 and tp_split_dim(name) is not None:
+            group = mpu.get_expert_tensor_parallel_group() if is_expert else mpu.get_tensor_model_parallel_group()
+            shards = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            t = join_tp_shards(name, shards)
+        full[global_name(name, num_layers, num_experts, ps.coords)] = t.clone()
+    if ps.ep > 1:
+        experts = {k: v for k, v in full.items() if ".experts." in k}
+        full.update(_merge_over(mpu.get_expert_model_parallel_group(), experts, ps.ep))
+    if ps.pp > 1:
+        full = _merge_over(mpu.get_pipeline_model_parallel_group(), full, ps.pp)
+    return full
+
+
+def gather_hf_weights(module: torch.nn.Module, hf_cfg: dict, ps: ParallelState, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    full = gather_full_megatron(module, ps, hf_cfg["num_hidden_layers"], num_experts)
+    return megatron_to_hf(sorted(full.items()), hf_cfg)
