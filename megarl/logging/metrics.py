@@ -31,6 +31,10 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
+    def reset_clock(self) -> None:
+        """Start the ETA clock now (call when the stepped phase begins)."""
+        self.start = time.time()
+
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:
             return

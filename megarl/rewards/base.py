@@ -11,7 +11,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import logging
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 

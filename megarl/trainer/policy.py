@@ -10,7 +10,7 @@ normaliser) without the trainer knowing which one is in use.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -28,7 +28,11 @@ LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 class PolicyTrainer:
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall") -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature

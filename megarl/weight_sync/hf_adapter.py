@@ -29,7 +29,7 @@ output_layer.weight                               lm_head.weight
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

