@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
-from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.addition import exact_answer
 from megarl.rewards.base import RewardRunner
+from megarl.rollout.controller import ControllerConfig, RolloutController
+from megarl.rollout.scoring import group_scorer, task_prompt_source
 from megarl.trainer import cpu_adapter
 from megarl.trainer.model import read_hf_config
 from megarl.trainer.parallel import ParallelState, build_parallel_state
@@ -39,6 +41,7 @@ class Session:
     trainer: PolicyTrainer
     task: AdditionTask
     rewards: RewardRunner
+    controller: RolloutController
     logger: MetricsLogger
     run_dir: Path
 
@@ -73,7 +76,7 @@ def build_session(cfg: RunConfig) -> Session:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
-                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed)
+                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots)
     cpu_adapter.activate()
     from megatron.core import tensor_parallel
 
@@ -87,7 +90,21 @@ def build_session(cfg: RunConfig) -> Session:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0)
-    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, task, RewardRunner(exact_answer), logger, run_dir)
+    rewards = RewardRunner(exact_answer)
+    controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), task_prompt_source(task, tokenizer),
+                                  group_scorer(tokenizer, rewards))
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, task, rewards, controller, logger, run_dir)
+
+
+def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutController:
+    r = cfg.rollout
+    ccfg = ControllerConfig(
+        mode=r.mode, group_size=r.samples_per_prompt, update_groups=r.prompts_per_step,
+        rollout_groups=max(r.prompts_per_step, round(r.prompts_per_step * r.oversubscription)),
+        max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, staleness_limit=r.staleness_limit,
+        stale_action=r.stale_action, max_discards=r.max_discards, token_budget=r.token_budget, dispatch=r.dispatch,
+    )
+    return RolloutController(ccfg, [engine], next_prompt, score=score)
 
 
 def configure_threads() -> None:

@@ -16,7 +16,6 @@ from megarl.algo.batch import build_batch
 from megarl.algo.losses import ppo_clip_loss
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import greedy_pass_at_1
-from megarl.rollout.sync import generate_groups, score_groups
 from megarl.runtime import Session, build_session
 from megarl.trainer.sft import supervised_warmup
 from megarl.types import Group
@@ -46,12 +45,11 @@ def evaluate(s: Session) -> float:
 
 def rl_step(s: Session, step: int) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
-    problems = s.task.next_problems(cfg.rollout.prompts_per_step)
-    groups = generate_groups(s.engine, s.tokenizer, problems, step * len(problems), cfg.rollout.samples_per_prompt,
-                             cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                             seed=cfg.train.seed * 100003 + step, version=step)
-    score_groups(groups, s.rewards)
+    torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
+    groups, phase = s.controller.run_phase(version=step)
     t1 = time.time()
+    if not groups:
+        raise RuntimeError("the rollout phase released no group (prompt source exhausted?)")
     metrics = s.trainer.train_step(rl_batch(groups, cfg, s.tokenizer.pad_token_id), policy_loss(cfg))
     t2 = time.time()
     s.engine.update_weights(s.trainer.hf_weights())
@@ -71,6 +69,7 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
         "timing/gen_s": t1 - t0,
         "timing/train_s": t2 - t1,
         "timing/sync_s": t3 - t2,
+        **phase.summary(),
     }
 
 

@@ -30,6 +30,8 @@ class Sample:
     status: SampleStatus = SampleStatus.QUEUED
     reward: float = 0.0
     text: str = ""
+    finish_reason: str = ""  # 'stop' | 'length' once done
+    interruptions: int = 0  # times generation was stopped and later resumed (partial mode)
 
 
 @dataclass

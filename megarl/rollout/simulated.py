@@ -1,0 +1,70 @@
+"""A discrete-event engine for the rollout simulator: S slots, known sample lengths, modelled step time.
+
+Each decode step every active sequence emits one token; a sequence stops with
+'stop' when it reaches its full length from the trace, or with 'length' when its
+request's ``max_tokens`` runs out. A decode step costs ``base`` seconds
+(``constant`` model) or ``base + per_seq · active`` (``batch`` model: decode cost
+grows with the number of sequences in the batch).
+
+For speed one ``step()`` advances several decode steps at once: up to the next
+finish (nothing changes for the controller in between) and at most
+``max_chunk`` steps, so that engines running side by side stay within
+``max_chunk`` decode steps of each other in simulated time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
+
+
+class StepTimeModel:
+    def __init__(self, kind: str = "batch", base: float = 0.02, per_seq: float = 0.0002) -> None:
+        if kind not in ("constant", "batch"):
+            raise ValueError(f"step time model must be 'constant' or 'batch', got {kind!r}")
+        self.kind, self.base, self.per_seq = kind, base, per_seq
+
+    def __call__(self, active: int) -> float:
+        return self.base if self.kind == "constant" else self.base + self.per_seq * active
+
+
+class SimulatedEngine:
+    """Implements ``SlotEngine`` with lengths looked up by (prompt index, sample index)."""
+
+    def __init__(self, slots: int, length_of: Callable[[tuple[int, int]], int], step_time: StepTimeModel,
+                 max_chunk: int = 32) -> None:
+        self.slots, self.length_of, self.step_time, self.max_chunk = slots, length_of, step_time, max_chunk
+        self._active: dict[str, list[int]] = {}  # rid → [full length, generated so far, tokens left]
+
+    def submit(self, request: SlotRequest) -> None:
+        if len(self._active) >= self.slots:
+            raise RuntimeError("simulated engine: submit beyond its slots")
+        self._active[request.request_id] = [self.length_of(request.key), request.generated, request.max_tokens]
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._active.pop(rid, None)
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def step(self) -> StepReport:
+        active = len(self._active)
+        if not active:
+            return StepReport([], 0.0, 0)
+        n = min(self.max_chunk, *(min(full - done, left) for full, done, left in self._active.values()))
+        n = max(n, 1)
+        events = []
+        for rid, state in list(self._active.items()):
+            state[1] += n
+            state[2] -= n
+            ev = TokenEvent(rid, [0] * n, [0.0] * n)
+            if state[1] >= state[0]:
+                ev.finished, ev.finish_reason = True, "stop"
+            elif state[2] <= 0:
+                ev.finished, ev.finish_reason = True, "length"
+            if ev.finished:
+                del self._active[rid]
+            events.append(ev)
+        return StepReport(events, n * self.step_time(active), active)

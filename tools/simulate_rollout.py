@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Simulate K engines × S slots under sync, on-policy and partial rollout, with the real controller.
+
+    python tools/simulate_rollout.py --workload sortedrl-paper
+    python tools/simulate_rollout.py --lengths trace.txt --group-size 8 --engines 2 --slots 32 \\
+        --prompts-per-step 8 --max-tokens 4096 --step-time-model constant --mode sync
+
+Prints one JSON object per mode, one per line: mode, bubble_ratio, tokens_per_s,
+useful_tokens_per_s, wasted_token_fraction, eta_gen, steps, samples_trained, …
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megarl.rollout.simulator import SimSettings, paper_workload, simulate
+
+
+def read_lengths(path: str) -> list[int]:
+    lengths = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                value = int(line)
+            except ValueError:
+                raise SystemExit(f"{path}:{n}: expected one integer length per line, got {line!r}") from None
+            if value < 1:
+                raise SystemExit(f"{path}:{n}: lengths must be >= 1, got {value}")
+            lengths.append(value)
+    if not lengths:
+        raise SystemExit(f"{path}: no lengths")
+    return lengths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="file with one generation length per line; runs of G lines form a group")
+    src.add_argument("--workload", choices=["sortedrl-paper"], help="built-in workload (512 prompts, 16K cap)")
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--engines", type=int)
+    p.add_argument("--slots", type=int, help="concurrent sequences per engine")
+    p.add_argument("--prompts-per-step", type=int, help="prompts per update step (default: the whole trace)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--step-time-model", choices=["constant", "batch"])
+    p.add_argument("--mode", choices=["sync", "on_policy", "partial", "all"], default="all")
+    p.add_argument("--steps", type=int, help="update steps per mode (default: one pass over the trace)")
+    p.add_argument("--oversubscription", type=float, help="live groups per update group (non-sync modes)")
+    p.add_argument("--staleness-limit", type=int)
+    p.add_argument("--dispatch", choices=["pull", "lpt"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    s = SimSettings()
+    if args.workload == "sortedrl-paper":
+        s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=16)
+        lengths = paper_workload(args.seed, 512, s.group_size, s.max_tokens)
+    else:
+        lengths = read_lengths(args.lengths)
+    for name in ("group_size", "engines", "slots", "prompts_per_step", "max_tokens", "step_time_model", "steps",
+                 "oversubscription", "staleness_limit", "dispatch"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, value)
+    for name in ("group_size", "engines", "slots", "max_tokens"):
+        if getattr(s, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if len(lengths) % s.group_size:
+        raise SystemExit(f"trace has {len(lengths)} lengths, not a multiple of --group-size {s.group_size}")
+    modes = ["sync", "on_policy", "partial"] if args.mode == "all" else [args.mode]
+    for mode in modes:
+        print(json.dumps(simulate(lengths, mode, s)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
