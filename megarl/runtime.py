@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,9 @@ def ensure_model(cfg: RunConfig) -> None:
 
 
 def build_session(cfg: RunConfig) -> Session:
+    # megatron-core warns at import that TE/Apex are absent (expected on CPU; the fallbacks are used).
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (are|is) not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
     set_cpu_engine_env(cfg.engine.kv_cache_gib)
     import vllm  # noqa: F401  (import before the CPU adapter patches torch.cuda)
 
@@ -89,7 +93,7 @@ def build_session(cfg: RunConfig) -> Session:
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0)
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     rewards = RewardRunner(exact_answer)
     controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), task_prompt_source(task, tokenizer),
                                   group_scorer(tokenizer, rewards))

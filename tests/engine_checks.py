@@ -24,7 +24,8 @@ from megarl.config import load_config
 from megarl.engines.base import GenerationRequest
 from megarl.engines.vllm_engine import _repack_moe
 from megarl.logging.metrics import STEP_SCALARS
-from megarl.runtime import build_session
+from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
+from megarl.runtime import build_controller, build_session
 from megarl.train import rl_step
 
 
@@ -43,6 +44,33 @@ def logprob_gap(s, seed):
     batch = sample_batch(s, seed)
     gap = ((s.trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max()
     return float(gap), int(batch.loss_mask.sum())
+
+
+def partial_greedy_resume(s) -> dict:
+    """Greedy samples generated under the controller in partial mode with tiny phases (so they are
+    interrupted and resumed) versus the same prompts generated in one go."""
+    problems = s.task.next_problems(6)
+    items = [PromptItem(i, s.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for i, p in enumerate(problems)]
+    source = iter(items)
+    cfg = ControllerConfig(mode="partial", group_size=2, update_groups=1, rollout_groups=3, max_tokens=20,
+                           temperature=0.0, staleness_limit=100, token_budget=8)
+    from megarl.engines.vllm_engine import VLLMSlotEngine
+
+    ctrl = RolloutController(cfg, [VLLMSlotEngine(s.engine, 4)], lambda: next(source, None))
+    released = []
+    for version in range(40):
+        groups, _ = ctrl.run_phase(version)
+        released += groups
+        if len(released) == len(items):
+            break
+    reqs = [GenerationRequest(it.prompt_ids, n=1, max_tokens=20, greedy=True) for it in items]
+    reference = [o[0] for o in s.engine.generate(reqs, seed=0)]
+    same = all(smp.response_ids == reference[g.prompt_index].token_ids for g in released for smp in g.samples)
+    lp_gap = max(abs(a - b) for g in released for smp in g.samples
+                 for a, b in zip(smp.logprobs, reference[g.prompt_index].logprobs))
+    return {"released": len(released), "interruptions": sum(x.interruptions for g in released for x in g.samples),
+            "versions_mixed": sum(len(set(x.versions)) > 1 for g in released for x in g.samples),
+            "same_tokens": same, "logprob_gap": lp_gap}
 
 
 def main(family: str, workdir: str) -> None:
@@ -75,6 +103,13 @@ def main(family: str, workdir: str) -> None:
     s.logger.scalars(1, metrics)
     s.logger.close()
     out["rl_metrics"] = metrics
+
+    if family == "qwen2":  # SortedRL modes with the real engine, inside the real loop
+        out["resume"] = partial_greedy_resume(s)
+        for mode in ("partial", "on_policy"):
+            s.cfg.rollout.mode = mode
+            s.controller = build_controller(s.cfg, s.controller.engines[0], s.controller.next_prompt, s.controller.score)
+            out[f"rl_{mode}"] = [rl_step(s, step) for step in range(1, 3)]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -71,3 +71,4 @@ def test_reward_fn_by_dotted_path():
             assert bad.split(":")[0] in str(exc)
         else:
             raise AssertionError(f"{bad} accepted")
+

@@ -1,33 +1,122 @@
-"""Policy losses, per token; aggregation is done by the batch's weights (see ``batch.py``)."""
+"""Per-token losses; aggregation over tokens is done by the batch's weights (``batch.py``).
+
+Every function returns (per-token loss [N, T], metrics) or a per-token tensor;
+gradients flow through the current ``logp`` (and ``values``) only.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict]:
-    """PPO-clip (Schulman et al. 2017) with decoupled bounds (DAPO's clip-higher, Yu et al. 2025).
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
-    r_t = exp(logp_t − old_logp_t);  ℓ_t = −min(r_t·Â_t, clip(r_t, 1−ε_low, 1+ε_high)·Â_t).
-    ``old_logp`` is the behaviour logprob of the token as sampled; gradients flow
-    through ``logp`` only.
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  clip_low: float, clip_high: float, dual_clip: float = 0.0,
+                  is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """PPO-clip (Schulman et al. 2017) with decoupled bounds (DAPO's clip-higher) and optional dual-clip.
+
+    r_t = exp(logp_t − old_logp_t);  J_t = min(r_t·Â_t, clip(r_t, 1−ε_low, 1+ε_high)·Â_t);
+    dual-clip (Ye et al. 2020, c > 1): for Â_t < 0, J_t = max(J_t, c·Â_t);  ℓ_t = −w_t·J_t, where w_t is a
+    (detached) importance weight, e.g. truncated IS of the trainer/engine mismatch (1 when absent).
     """
     log_ratio = (logp - old_logp.detach()) * mask
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped) * mask
-    n = mask.sum().clamp(min=1)
+    objective = torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(mask)
+    if dual_clip > 0:
+        floor = dual_clip * adv
+        dual = ((adv < 0) & (objective < floor)).float()
+        objective = torch.where(adv < 0, torch.maximum(objective, floor), objective)
+    if is_weight is not None:
+        objective = objective * is_weight.detach()
     metrics = {
-        "clip_frac": ((clipped < unclipped).float() * mask).sum() / n,
-        "ratio_mean": (ratio * mask).sum() / n,
-        "approx_kl": (((ratio - 1) - log_ratio) * mask).sum() / n,  # k3 estimator of KL(old||new)
+        "clip_frac": _masked_mean((clipped < unclipped).float(), mask),
+        "dual_clip_frac": _masked_mean(dual, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "approx_kl": _masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+    }
+    return -objective * mask, metrics
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean over masked tokens, [N, T] → [N]."""
+    return (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025): a sequence-level, length-normalised ratio
+    s_i = exp((1/|y_i|) Σ_t (logp_t − old_logp_t)),  J_i = min(s_i·Â_i, clip(s_i, 1−ε_low, 1+ε_high)·Â_i).
+
+    ℓ_t = −J_i on every token of sequence i; with ``seq_mean_token_mean`` weights the
+    objective is the mean of J_i over sequences. ``adv`` is per token (constant per sequence).
+    """
+    seq_log_ratio = sequence_mean(logp - old_logp.detach(), mask)
+    s = torch.exp(seq_log_ratio)
+    a = sequence_mean(adv, mask)
+    objective = torch.minimum(s * a, torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a)
+    loss = -objective.unsqueeze(1) * mask
+    has = (mask.sum(dim=1) > 0).float()
+    metrics = {
+        "clip_frac": ((s < 1 - clip_low) | (s > 1 + clip_high)).float().mul(has).sum() / has.sum().clamp(min=1),
+        "ratio_mean": (s * has).sum() / has.sum().clamp(min=1),
     }
     return loss, metrics
 
 
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020, "Approximating KL"):
+    k1 = log r, k2 = ½(log r)², k3 = exp(−log r) − 1 + log r, with log r = logp − ref_logp."""
+    log_r = logp - ref_logp.detach()
+    if kind == "k1":
+        return log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.exp(-log_r) - 1 + log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: 'k1', 'k2', 'k3'")
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Value regression ½(V − R)², clipped as in PPO when ``clip`` > 0:
+    ½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)."""
+    err = (values - returns) ** 2
+    if clip > 0:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    return 0.5 * err * mask, {"value_mse": _masked_mean((values - returns) ** 2, mask)}
+
+
 def nll_loss(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Supervised next-token loss ℓ_t = −log p(y_t), for the warm-up phase."""
+    """Supervised next-token loss ℓ_t = −log p(y_t) (warm-up; VAPO's positive-example LM term)."""
     loss = -logp * mask
     return loss, {"nll": loss.sum() / mask.sum().clamp(min=1)}
+
+
+def truncated_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
+                         level: str, cap: float) -> torch.Tensor:
+    """Truncated importance sampling of the trainer/engine mismatch (Yao et al. 2025):
+    token: w_t = min(π_trainer(y_t)/π_engine(y_t), C);  sequence: w_i = min(Π_t π_trainer/π_engine, C)."""
+    log_w = (prox_logp - behaviour_logp) * mask
+    if level == "token":
+        return torch.clamp(torch.exp(log_w), max=cap) * mask
+    if level == "sequence":
+        return torch.clamp(torch.exp(log_w.sum(dim=1, keepdim=True)), max=cap) * mask
+    raise ValueError(f"unknown TIS level {level!r}; valid: 'token', 'sequence'")
+
+
+def mismatch_metrics(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sampler-vs-trainer logprob gap: mean and max |Δ|, and a k3 estimate of KL(engine ‖ trainer)."""
+    diff = (prox_logp - behaviour_logp) * mask
+    n = mask.sum().clamp(min=1)
+    return {
+        "mismatch/abs_mean": float(diff.abs().sum() / n),
+        "mismatch/abs_max": float(diff.abs().max()),
+        "mismatch/kl": float(((torch.exp(diff) - 1 - diff) * mask).sum() / n),
+    }

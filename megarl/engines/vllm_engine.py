@@ -35,7 +35,7 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
     """Environment vLLM reads at import/start-up; call before importing vllm."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-sync "RotaryEmbedding: Failed to load weights" is noise
 
 
 class VLLMEngine:
@@ -113,8 +113,9 @@ class VLLMSlotEngine:
     (continuous batching inside vLLM); its wall time is the step's ``elapsed``.
     """
 
-    def __init__(self, engine: VLLMEngine, slots: int) -> None:
-        self.engine, self.slots = engine, slots
+    def __init__(self, engine: VLLMEngine, slots: int, length_of=None) -> None:
+        """``length_of(key)``, for benchmarks only: each sample's full length, generated with ignore_eos."""
+        self.engine, self.slots, self.length_of = engine, slots, length_of
         self._active: set[str] = set()
 
     def submit(self, request: SlotRequest) -> None:
@@ -122,8 +123,12 @@ class VLLMSlotEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        max_tokens, ignore_eos = request.max_tokens, False
+        if self.length_of is not None:
+            max_tokens = min(max_tokens, self.length_of(request.key) - request.generated)
+            ignore_eos = True
         params = SamplingParams(
-            n=1, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            n=1, max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, ignore_eos=ignore_eos,
             logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
         )
         self.engine.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),

@@ -22,8 +22,9 @@ STEP_SCALARS = (
 class MetricsLogger:
     """Writes scalars to TensorBoard (rank 0 only) and prints a progress line per step."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool = True, stream=sys.stdout) -> None:
-        self.enabled, self.total, self.stream = enabled, total_steps, stream
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool = True, stream=sys.stdout,
+                 time_limit_s: float = 0.0) -> None:
+        self.enabled, self.total, self.stream, self.time_limit_s = enabled, total_steps, stream, time_limit_s
         self.start = time.time()
         self.writer = None
         if enabled:
@@ -48,6 +49,8 @@ class MetricsLogger:
             return
         elapsed = time.time() - self.start
         eta = elapsed / max(step, 1) * max(self.total - step, 0)
+        if self.time_limit_s:
+            eta = min(eta, max(self.time_limit_s - elapsed, 0.0))
         parts = [f"step {step}/{self.total}"] + [f"{k} {values[k]:.4g}" for k in keys if k in values]
         parts.append(f"elapsed {_fmt(elapsed)} eta {_fmt(eta)}")
         print(" | ".join(parts), file=self.stream, flush=True)

@@ -48,8 +48,8 @@ Invariants (each is tested):
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megarl.rollout.engine_api import SlotEngine, SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics

@@ -14,9 +14,19 @@ finish (nothing changes for the controller in between) and at most
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
+
+
+def sim_token(position: int) -> int:
+    """The token a simulated sample emits at ``position`` (a function of position only)."""
+    return 2 + position % 7
+
+
+def sim_logprob(key: tuple[int, int], position: int) -> float:
+    """A distinct, reproducible behaviour logprob per (sample, position), so tests can trace it."""
+    return -0.001 * (position + 1) - 0.01 * key[1] - 1e-6 * key[0]
 
 
 class StepTimeModel:
@@ -35,12 +45,13 @@ class SimulatedEngine:
     def __init__(self, slots: int, length_of: Callable[[tuple[int, int]], int], step_time: StepTimeModel,
                  max_chunk: int = 32) -> None:
         self.slots, self.length_of, self.step_time, self.max_chunk = slots, length_of, step_time, max_chunk
-        self._active: dict[str, list[int]] = {}  # rid → [full length, generated so far, tokens left]
+        self._active: dict[str, list] = {}  # rid → [full length, generated so far, tokens left, key]
 
     def submit(self, request: SlotRequest) -> None:
         if len(self._active) >= self.slots:
             raise RuntimeError("simulated engine: submit beyond its slots")
-        self._active[request.request_id] = [self.length_of(request.key), request.generated, request.max_tokens]
+        self._active[request.request_id] = [self.length_of(request.key), request.generated, request.max_tokens,
+                                            request.key]
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -53,13 +64,15 @@ class SimulatedEngine:
         active = len(self._active)
         if not active:
             return StepReport([], 0.0, 0)
-        n = min(self.max_chunk, *(min(full - done, left) for full, done, left in self._active.values()))
+        n = min(self.max_chunk, *(min(full - done, left) for full, done, left, _ in self._active.values()))
         n = max(n, 1)
         events = []
         for rid, state in list(self._active.items()):
             state[1] += n
             state[2] -= n
-            ev = TokenEvent(rid, [0] * n, [0.0] * n)
+            start = state[1] - n
+            ev = TokenEvent(rid, [sim_token(t) for t in range(start, state[1])],
+                            [sim_logprob(state[3], t) for t in range(start, state[1])])
             if state[1] >= state[0]:
                 ev.finished, ev.finish_reason = True, "stop"
             elif state[2] <= 0:
