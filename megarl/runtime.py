@@ -11,12 +11,14 @@ import json
 import os
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megarl.algo.curriculum import CurriculumSource, PassRateTracker
+from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
@@ -25,11 +27,12 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.addition import exact_answer
 from megarl.rewards.base import RewardRunner
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import group_scorer, task_prompt_source
+from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source
 from megarl.trainer import cpu_adapter
 from megarl.trainer.model import read_hf_config
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
+from megarl.trainer.rl_update import Learners
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Session:
     tokenizer: object
     engine: VLLMEngine
     trainer: PolicyTrainer
+    learners: Learners
     task: AdditionTask
     rewards: RewardRunner
     controller: RolloutController
@@ -85,8 +89,8 @@ def build_session(cfg: RunConfig) -> Session:
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-    trainer = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, temperature=cfg.rollout.temperature,
-                            moe_dispatcher=p.moe_dispatcher)
+    learners = build_learners(cfg, hf_cfg, ps)
+    trainer = learners.policy
     d = cfg.data
     task = AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     run_dir = Path(cfg.train.run_dir)
@@ -95,9 +99,34 @@ def build_session(cfg: RunConfig) -> Session:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     rewards = RewardRunner(exact_answer)
-    controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), task_prompt_source(task, tokenizer),
-                                  group_scorer(tokenizer, rewards))
-    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, task, rewards, controller, logger, run_dir)
+    score = group_scorer(tokenizer, rewards)
+    if d.pool_size:
+        pool = task.next_problems(d.pool_size)
+        tracker = PassRateTracker()
+        draw = (CurriculumSource(pool, lambda p: p.prompt, tracker, cfg.algo.curriculum_eps, seed=d.seed)
+                if cfg.algo.curriculum else None)
+        source = pool_prompt_source(pool, tokenizer, d.seed, draw)
+        base_score = score
+
+        def score(group):  # noqa: F811  (the scorer also feeds the pass-rate tracker)
+            base_score(group)
+            tracker.update(group.prompt_text, [s.reward for s in group.samples])
+    else:
+        source = task_prompt_source(task, tokenizer)
+    controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), source, score)
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir)
+
+
+def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
+    """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
+    a, common = cfg.algo, dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher)
+    policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
+    critic = reference = None
+    if a.advantage == "gae":
+        critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
+    if a.kl_coef > 0:
+        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, **common)
+    return Learners(policy, critic, reference)
 
 
 def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutController:
@@ -107,8 +136,10 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         rollout_groups=max(r.prompts_per_step, round(r.prompts_per_step * r.oversubscription)),
         max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, staleness_limit=r.staleness_limit,
         stale_action=r.stale_action, max_discards=r.max_discards, token_budget=r.token_budget, dispatch=r.dispatch,
+        release_cap=round(cfg.algo.oversample_cap * r.prompts_per_step) if cfg.algo.dynamic_sampling else 0,
     )
-    return RolloutController(ccfg, [engine], next_prompt, score=score)
+    keep = is_informative if cfg.algo.dynamic_sampling else None
+    return RolloutController(ccfg, [engine], next_prompt, score=score, keep_group=keep)
 
 
 def configure_threads() -> None:

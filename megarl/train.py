@@ -1,7 +1,13 @@
 """The RL loop in one page: generate → reward → advantage → train → sync → log.
 
-Run it with ``megarl train --config FILE [key=value ...]`` (or under torchrun with
-``python -m megarl.train``). Every step calls into a room and nothing else.
+Run it with ``megarl train --config FILE [key=value ...]`` (or ``--nproc N`` for
+torchrun). Every step calls into a room and nothing else:
+
+- generate + reward: the SortedRL controller runs one phase on the engines and
+  scores each group as it is released (``megarl/rollout``);
+- advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
+  algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
+- sync: the trainer's weights go into the engine in memory (``megarl/weight_sync``).
 """
 
 from __future__ import annotations
@@ -11,32 +17,14 @@ import time
 
 import torch
 
-from megarl.algo.advantage import grpo_advantages
-from megarl.algo.batch import build_batch
-from megarl.algo.losses import ppo_clip_loss
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import greedy_pass_at_1
 from megarl.runtime import Session, build_session
+from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
-from megarl.types import Group
 
-CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "timing/gen_s", "timing/train_s")
-
-
-def rl_batch(groups: list[Group], cfg: RunConfig, pad_id: int):
-    """Advantages per group (GRPO), then one padded batch of every sample."""
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups])
-    adv = grpo_advantages(rewards).flatten().tolist()
-    samples = [s for g in groups for s in g.samples]
-    return build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                       [s.logprobs for s in samples], adv, loss_agg=cfg.algo.loss_agg, pad_id=pad_id)
-
-
-def policy_loss(cfg: RunConfig):
-    def loss(logp, mb):
-        return ppo_clip_loss(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                             cfg.algo.clip_low, cfg.algo.clip_high)
-    return loss
+CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubble_ratio", "timing/gen_s",
+                "timing/train_s", "eval/pass_at_1")
 
 
 def evaluate(s: Session) -> float:
@@ -46,29 +34,27 @@ def evaluate(s: Session) -> float:
 def rl_step(s: Session, step: int) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
-    groups, phase = s.controller.run_phase(version=step)
+    groups, phase = s.controller.run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()
-    if not groups:
-        raise RuntimeError("the rollout phase released no group (prompt source exhausted?)")
-    metrics = s.trainer.train_step(rl_batch(groups, cfg, s.tokenizer.pad_token_id), policy_loss(cfg))
+    if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
+        print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
+        return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
+    metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
-    s.engine.update_weights(s.trainer.hf_weights())
+    s.engine.update_weights(s.trainer.hf_weights())  # sync
     t3 = time.time()
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "reward/errors": float(s.rewards.errors + s.rewards.timeouts),
         "response/len_mean": sum(lengths) / len(lengths),
         "response/len_max": max(lengths),
-        "loss/policy": metrics.get("loss", 0.0),
-        "loss/clip_frac": metrics.get("clip_frac", 0.0),
-        "loss/approx_kl": metrics.get("approx_kl", 0.0),
-        "loss/grad_norm": metrics["grad_norm"],
-        "reward/errors": float(s.rewards.errors + s.rewards.timeouts),
         "timing/gen_s": t1 - t0,
         "timing/train_s": t2 - t1,
         "timing/sync_s": t3 - t2,
+        **metrics,
         **phase.summary(),
     }
 
@@ -94,7 +80,7 @@ def run(cfg: RunConfig) -> dict:
         if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
             metrics["eval/pass_at_1"] = evaluate(s)
         s.logger.scalars(steps, metrics)
-        s.logger.progress(steps, metrics, CONSOLE_KEYS + ("eval/pass_at_1",))
+        s.logger.progress(steps, metrics, CONSOLE_KEYS)
     after = evaluate(s)
     s.logger.scalars(steps, {"eval/pass_at_1": after})
     s.logger.close()

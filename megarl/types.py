@@ -62,6 +62,12 @@ class TrainBatch:
     weights: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    # Optional per-token fields some objectives need (None when unused):
+    ref_logprobs: torch.Tensor | None = None  # frozen reference policy (KL penalty)
+    is_weight: torch.Tensor | None = None  # truncated importance weights (TIS)
+    positive: torch.Tensor | None = None  # 1 on tokens of samples with reward 1 (VAPO's LM term)
+    old_values: torch.Tensor | None = None  # critic values at rollout time
+    returns: torch.Tensor | None = None  # value targets
 
     @property
     def size(self) -> int:
@@ -74,5 +80,9 @@ class TrainBatch:
     def slice(self, start: int, stop: int) -> "TrainBatch":
         return TrainBatch(**{k: v[start:stop] for k, v in self.as_dict().items()})
 
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        return TrainBatch(**{k: v[rows] for k, v in self.as_dict().items()})
+
     def as_dict(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """The fields that are set (optional ones left None are omitted)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}

@@ -202,3 +202,19 @@ def test_invalid_config_is_rejected():
         ControllerConfig(mode="async").validate()
     with pytest.raises(ValueError, match="rollout_groups"):
         ControllerConfig(mode="partial", update_groups=8, rollout_groups=4).validate()
+
+
+def test_sync_dynamic_sampling_replaces_filtered_groups_up_to_the_cap():
+    def keep(group):
+        return group.prompt_index % 3 == 0
+
+    ctrl, _ = make("sync", heavy_lengths(30, seed=8), keep=keep, update=2, rollout=2)
+    ctrl.cfg.release_cap = 12
+    groups, m = ctrl.run_phase(0)
+    assert len(groups) == 2 and all(g.prompt_index % 3 == 0 for g in groups)
+    assert m.groups_filtered >= 2
+
+    ctrl, _ = make("sync", heavy_lengths(30, seed=8), keep=lambda g: False, update=2, rollout=2)
+    ctrl.cfg.release_cap = 5
+    groups, m = ctrl.run_phase(0)
+    assert groups == [] and m.groups_filtered == 5  # the cap bounds the search

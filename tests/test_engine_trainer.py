@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from conftest import run_script
 
 _RESULTS: dict[str, dict] = {}

@@ -3,7 +3,13 @@
 Aggregation modes (the objective is Σ_t w_t·ℓ_t over the step batch):
 
 - ``token_mean``: w_t = 1 / (response tokens in the batch) — DAPO's token-level loss;
-- ``seq_mean_token_mean``: w_t = 1 / (N · |o_i|) — vanilla GRPO, each sequence counts once.
+- ``seq_mean_token_mean``: w_t = 1 / (N · |o_i|) — vanilla GRPO, each sequence counts once;
+- ``seq_mean_token_sum_norm``: w_t = 1 / (N · C) with a constant C (e.g. the length cap) —
+  Dr. GRPO, which removes the length normalisation's bias.
+
+With Â = −1, a 100-token and a 1000-token sample get per-token weights 1/100 and
+1/1000 under ``seq_mean_token_mean`` (the long wrong answer is penalised less per
+token) but equal weights under ``token_mean`` and ``seq_mean_token_sum_norm``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from megarl.types import TrainBatch
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[list[float]] | None = None,
                 advantages: list[float] | None = None, loss_agg: str = "token_mean", pad_id: int = 0,
-                seq_len: int | None = None) -> TrainBatch:
+                seq_len: int | None = None, norm_tokens: int = 1) -> TrainBatch:
     """One row per (prompt, response); ``seq_len`` pads every row to a fixed width (pipeline schedules)."""
     n = len(prompts)
     full = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -39,15 +45,23 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logpro
             old[i, start:start + len(r)] = torch.tensor(old_logprobs[i], dtype=torch.float32)
         if advantages is not None:
             adv[i, start:start + len(r)] = float(advantages[i])
-    weights = aggregation_weights(mask, loss_agg)
+    weights = aggregation_weights(mask, loss_agg, norm_tokens)
     positions = torch.arange(width).unsqueeze(0).expand(n, -1).contiguous()
     return TrainBatch(input_ids, positions, labels, mask, weights, old, adv)
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregation_weights(mask: torch.Tensor, mode: str, norm_tokens: int = 1) -> torch.Tensor:
     if mode == "token_mean":
         return mask / mask.sum().clamp(min=1)
     if mode == "seq_mean_token_mean":
         per_seq = mask.sum(dim=1, keepdim=True).clamp(min=1)
         return mask / per_seq / mask.shape[0]
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: 'token_mean', 'seq_mean_token_mean'")
+    if mode == "seq_mean_token_sum_norm":
+        return mask / (mask.shape[0] * max(norm_tokens, 1))
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: 'token_mean', 'seq_mean_token_mean', "
+                     "'seq_mean_token_sum_norm'")
+
+
+def per_token(values: list[float], mask: torch.Tensor) -> torch.Tensor:
+    """A per-sequence scalar broadcast onto the sequence's response tokens."""
+    return torch.tensor(values, dtype=torch.float32).unsqueeze(1) * mask

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from megarl.config.presets import PRESETS
 from megarl.config.schema import RunConfig
 
 
@@ -83,8 +84,9 @@ def parse_override(text: str) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file (if any), then each override in order."""
+    """Defaults, then the ``algo.preset`` (wherever it is set), then the YAML file, then each override."""
     cfg = RunConfig()
+    data = None
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -93,9 +95,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             data = _yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-        _apply(cfg, data, str(path))
-    for text in overrides:
-        _apply(cfg, parse_override(text), f"override {text!r}")
+    layers = ([(data, str(path))] if data is not None else []) + [
+        (parse_override(text), f"override {text!r}") for text in overrides]
+    preset = ""
+    for layer, _ in layers:
+        if isinstance(layer, dict) and isinstance(layer.get("algo"), dict) and "preset" in layer["algo"]:
+            preset = layer["algo"]["preset"]
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"algo.preset {preset!r} is not known; valid: {', '.join(PRESETS)}")
+        _apply(cfg, {"algo": PRESETS[preset]}, f"preset {preset!r}")
+    for layer, source in layers:
+        _apply(cfg, layer, source)
     return cfg
 
 
@@ -148,10 +159,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
-    if cfg.algo.name not in ("grpo",):
-        raise ConfigError(f"algo.name {cfg.algo.name!r} is not known; valid: 'grpo'")
-    if cfg.algo.loss_agg not in ("token_mean", "seq_mean_token_mean"):
-        raise ConfigError(f"algo.loss_agg must be 'token_mean' or 'seq_mean_token_mean', got {cfg.algo.loss_agg!r}")
+    _validate_algo(cfg)
     if cfg.model.make_tiny not in ("", "qwen3_moe", "qwen2"):
         raise ConfigError(f"model.make_tiny must be '', 'qwen3_moe' or 'qwen2', got {cfg.model.make_tiny!r}")
     if cfg.data.task != "addition":
@@ -182,3 +190,33 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
             f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
             f"max_position_embeddings ({hf['max_position_embeddings']})"
         )
+
+
+_CHOICES = {
+    "advantage": ("grpo", "dr_grpo", "rloo", "gae"),
+    "policy_loss": ("ppo", "gspo"),
+    "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "kl_estimator": ("k1", "k2", "k3"),
+    "tis": ("none", "token", "sequence"),
+}
+
+
+def _validate_algo(cfg: RunConfig) -> None:
+    a = cfg.algo
+    for key, valid in _CHOICES.items():
+        if getattr(a, key) not in valid:
+            raise ConfigError(f"algo.{key} must be one of {', '.join(valid)}; got {getattr(a, key)!r}")
+    if a.clip_low < 0 or a.clip_high < 0:
+        raise ConfigError("algo.clip_low and algo.clip_high must be >= 0")
+    if a.dual_clip and a.dual_clip <= 1:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 for off), got {a.dual_clip}")
+    if a.ppo_epochs < 1 or a.minibatches < 1:
+        raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
+    if a.minibatches > cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt:
+        raise ConfigError("algo.minibatches exceeds the samples per step")
+    if a.curriculum and cfg.data.pool_size < 1:
+        raise ConfigError("algo.curriculum needs a finite prompt pool: set data.pool_size > 0")
+    if a.overlong_cache >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens")
+    if a.tis_cap <= 0:
+        raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")

@@ -45,6 +45,8 @@ class DataConfig:
     """Power-law exponent of the operand size distribution (larger: more short problems)."""
     eval_size: int = 200
     """Held-out prompts for greedy pass@1."""
+    pool_size: int = 0
+    """Train on a finite pool of this many prompts (0: an endless stream); the curriculum needs one."""
     seed: int = 0
     """Seed of the prompt stream and of the held-out set."""
 
@@ -91,14 +93,70 @@ class EngineConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"
-    """Advantage estimator: 'grpo' (group mean and std)."""
+    preset: str = ""
+    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo (explicit keys win)."""
+    advantage: str = "grpo"
+    """'grpo' (group mean/std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out), 'gae' (critic)."""
+    policy_loss: str = "ppo"
+    """'ppo' (token ratio, clipped) or 'gspo' (sequence ratio, length-normalised)."""
     clip_low: float = 0.2
-    """PPO clip bound below: ratio ≥ 1 − clip_low."""
+    """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range)."""
     clip_high: float = 0.2
     """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative advantages (0: off)."""
     loss_agg: str = "token_mean"
-    """Loss aggregation: 'token_mean' (all tokens of the batch) or 'seq_mean_token_mean'."""
+    """'token_mean' (DAPO), 'seq_mean_token_mean' (GRPO), 'seq_mean_token_sum_norm' (Dr. GRPO)."""
+    loss_norm_tokens: int = 0
+    """Dr. GRPO's constant normaliser in tokens (0: rollout.max_new_tokens)."""
+    kl_coef: float = 0.0
+    """KL(π_θ ‖ π_ref) penalty coefficient; > 0 keeps a frozen reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: 'k1', 'k2' or 'k3'."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (loss −= coef · entropy)."""
+    tis: str = "none"
+    """Truncated importance sampling of the trainer/engine mismatch: 'none', 'token', 'sequence'."""
+    tis_cap: float = 2.0
+    """TIS cap C on the importance weight."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE λ (PPO); the value target's λ under VAPO is lam_critic."""
+    lam_critic: float = 1.0
+    """VAPO decoupled GAE: λ for the value targets."""
+    length_adaptive_alpha: float = 0.0
+    """VAPO length-adaptive λ_policy = 1 − 1/(α·l) (0: off, use lam)."""
+    whiten_advantages: bool = False
+    """Normalise GAE advantages to zero mean, unit std over the batch's tokens."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values (0: off)."""
+    critic_lr: float = 1.0e-3
+    """Learning rate of the critic."""
+    critic_warmup_steps: int = 0
+    """Value pre-training: RL steps that train only the critic before the policy moves."""
+    positive_nll_coef: float = 0.0
+    """VAPO: weight of the LM loss on samples with reward 1 (positive examples)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards all match; a phase ends at prompts_per_step useful groups."""
+    oversample_cap: float = 3.0
+    """Dynamic sampling: stop a phase once this × prompts_per_step groups were released, useful or not."""
+    overlong_filter: bool = False
+    """Mask the loss of samples truncated by the length cap."""
+    overlong_cache: int = 0
+    """DAPO soft over-long punishment: length of the penalty ramp before the cap (0: off)."""
+    overlong_penalty: float = 1.0
+    """Penalty λ reached at the cap."""
+    ppo_epochs: int = 1
+    """Inner epochs over each rollout batch (replay)."""
+    minibatches: int = 1
+    """Optimizer steps per epoch (mini-batches of the rollout batch)."""
+    prioritized_replay: bool = False
+    """Draw mini-batch rows ∝ |advantage| instead of uniformly."""
+    curriculum: bool = False
+    """Draw prompts from a finite pool ∝ p(1−p) + ε of their pass rates (needs data.pool_size)."""
+    curriculum_eps: float = 0.05
+    """ε of the curriculum weights."""
 
 
 @dataclass

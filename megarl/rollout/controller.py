@@ -82,6 +82,7 @@ class ControllerConfig:
     stale_action: str = "regenerate"  # 'regenerate' the stale sample | 'drop' its group and re-queue the prompt
     max_discards: int = 2  # on-policy: after this many discards a prompt is protected from early termination
     token_budget: int = 0  # also end a phase after this many generated tokens (0: off)
+    release_cap: int = 0  # dynamic sampling: also end once this many groups were released, useful or not (0: off)
     dispatch: str = "pull"  # 'pull' (FIFO) | 'lpt' (longest first, when lengths are known)
 
     def validate(self) -> None:
@@ -132,8 +133,9 @@ class RolloutController:
         samples = [Sample(prompt_ids=list(item.prompt_ids)) for _ in range(self.cfg.group_size)]
         self.live[item.index] = _Live(item, samples, discards, version)
 
-    def _admit(self, version: int) -> None:
-        target = self.cfg.update_groups if self.cfg.mode == "sync" else self.cfg.rollout_groups
+    def _admit(self, version: int, target: int | None = None) -> None:
+        if target is None:
+            target = self.cfg.update_groups if self.cfg.mode == "sync" else self.cfg.rollout_groups
         while len(self.live) < target:
             if self.requeued:
                 item, discards = self.requeued.popleft()
@@ -212,9 +214,13 @@ class RolloutController:
             if cfg.mode == "sync":
                 return not self.live
             protected = any(g.discards >= cfg.max_discards for g in self.live.values())
-            if cfg.token_budget and phase_tokens >= cfg.token_budget and useful > 0 and not protected:
+            if protected or useful == 0:
+                return False
+            if cfg.token_budget and phase_tokens >= cfg.token_budget:
                 return True
-            return useful >= cfg.update_groups and not protected
+            if cfg.release_cap and useful + m.groups_filtered >= cfg.release_cap:
+                return True  # oversampling cap: train on the useful groups there are
+            return useful >= cfg.update_groups
 
         for k in range(len(self.engines)):
             dispatch(k)
@@ -240,11 +246,17 @@ class RolloutController:
                     m.len_finished_sum += len(s.response_ids)
                     if all(x.status in (SampleStatus.FINISHED, SampleStatus.TRUNCATED) for x in self.live[index].samples):
                         self._release(index, version, released, m)
+            before = len(self.live)
             if cfg.mode != "sync":
-                before = len(self.live)
                 self._admit(version)
-                if len(self.live) > before:
-                    queue.extend(self._queue_new(before))
+            elif m.groups_filtered and (not cfg.release_cap or len(released) + m.groups_filtered < cfg.release_cap):
+                # sync + dynamic sampling: replace each filtered group until U useful ones (or the cap)
+                target = cfg.update_groups - len(released)
+                if cfg.release_cap:  # never release more than the cap, in flight included
+                    target = min(target, cfg.release_cap - len(released) - m.groups_filtered)
+                self._admit(version, target=target)
+            if len(self.live) > before:
+                queue.extend(self._queue_new(before))
             for kk in range(len(self.engines)):
                 dispatch(kk)
             now = times[k]

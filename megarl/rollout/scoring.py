@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable
 
 from megarl.rewards.base import RewardRunner
@@ -16,6 +17,19 @@ def task_prompt_source(task, tokenizer) -> Callable[[], PromptItem]:
 
     def next_prompt() -> PromptItem:
         problem = task.next_problem()
+        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
+
+    return next_prompt
+
+
+def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], object] | None = None
+                       ) -> Callable[[], PromptItem]:
+    """Prompts from a finite pool: drawn by ``draw`` (the curriculum) or uniformly with a seeded RNG."""
+    counter, rng = itertools.count(), random.Random(seed)
+
+    def next_prompt() -> PromptItem:
+        problem = draw() if draw is not None else rng.choice(pool)
         ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
         return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
 

@@ -117,11 +117,12 @@ def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
     return model
 
 
-def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps: ParallelState) -> None:
-    """Copy an HF checkpoint into this rank's shards of ``model``; every parameter must be covered."""
+def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps: ParallelState,
+                    skip: tuple[str, ...] = ()) -> None:
+    """Copy an HF checkpoint into this rank's shards of ``model``; every parameter (but ``skip``) must be covered."""
     full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
     mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
     missing = sorted(set(params) - set(mine))
     if missing:
         raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")

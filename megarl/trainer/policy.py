@@ -1,4 +1,4 @@
-"""The policy trainer: a megatron-core GPTModel under DDP with Megatron's optimizer.
+"""The policy trainer (and, with a value head, the critic): a megatron-core GPTModel under DDP.
 
 ``train_step`` runs one optimizer step through ``get_forward_backward_func`` (so
 pipeline schedules and microbatching are Megatron's own). The loss is given as a
@@ -15,19 +15,40 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megarl.config.schema import OptimConfig
-from megarl.trainer.logprobs import token_logprobs
+from megarl.trainer.logprobs import token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, num_experts
 from megarl.trainer.parallel import ParallelState
 from megarl.types import TrainBatch
 from megarl.weight_sync.export import gather_hf_weights
 
-# (logprobs [mb, T], microbatch fields) -> (per-token loss [mb, T], {metric: scalar tensor})
+# (logprobs [mb, T] — values for a critic —, microbatch fields) -> (per-token loss [mb, T], {metric: scalar})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
+class ValueHead(torch.nn.Module):
+    """The critic's scalar head in place of GPTModel's output layer: V = w·h + b per position."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
 class PolicyTrainer:
+    """``head='lm'``: the policy (logprobs); ``head='value'``: a critic on the same backbone (values).
+    ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty)."""
+
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
-                 temperature: float = 1.0, moe_dispatcher: str = "alltoall") -> None:
+                 temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
+                 trainable: bool = True, entropy: bool = False) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -35,9 +56,14 @@ class PolicyTrainer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
+        self.head, self.entropy = head, entropy
         module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff, moe_dispatcher=moe_dispatcher)
-        load_hf_weights(module, model_dir, hf_cfg, ps)
+        if head == "value" and ps.is_last_stage:
+            module.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
+        load_hf_weights(module, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
         self.tcfg = module.config
         self.model = DistributedDataParallel(
             config=self.tcfg,
@@ -46,6 +72,11 @@ class PolicyTrainer:
         )
         self.tcfg.no_sync_func = self.model.no_sync
         self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = None
+        if not trainable:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            return
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -77,17 +108,22 @@ class PolicyTrainer:
 
         mbs = self._microbatches(batch)
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
-        temperature = self.temperature
+        temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
 
         def forward_step(data_iter, model):
-            mb = next(data_iter)
+            mb = dict(next(data_iter))
             output = model(mb["input_ids"], mb["position_ids"], None)
 
             def loss_func(logits):
-                logp = token_logprobs(logits, mb["labels"], temperature)
-                if loss_fn is None:  # forward only: hand the logprobs back
-                    return torch.zeros((), requires_grad=False), {"logprobs": logp.detach()}
-                per_token, metrics = loss_fn(logp, mb)
+                if head == "value":
+                    out = logits[..., 0].float()  # values, one per position
+                else:
+                    out = token_logprobs(logits, mb["labels"], temperature)
+                    if with_entropy:
+                        mb["entropy"] = token_entropy(logits, temperature)
+                if loss_fn is None:  # forward only: hand the logprobs (or values) back
+                    return torch.zeros((), requires_grad=False), {"logprobs": out.detach()}
+                per_token, metrics = loss_fn(out, mb)
                 loss = (per_token * mb["weights"]).sum() * scale
                 report = {k: v.detach().float() for k, v in metrics.items()}
                 report["loss_sum"] = loss.detach() / scale
@@ -107,7 +143,7 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Per-label-position logprobs [N, T] of ``batch`` (last pipeline stage; None elsewhere)."""
+        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — (last stage; None elsewhere)."""
         self.model.eval()
         out = self._run(batch, None, forward_only=True)
         self.model.train()
@@ -117,6 +153,8 @@ class PolicyTrainer:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch``; returns the loss and mean metrics (last stage)."""
+        if self.optimizer is None:
+            raise RuntimeError("this model was built frozen (trainable=False)")
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(batch, loss_fn, forward_only=False)

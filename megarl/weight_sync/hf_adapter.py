@@ -172,3 +172,19 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def save_hf_checkpoint(out_dir: str, named: Iterable[tuple[str, torch.Tensor]], like_dir: str) -> None:
+    """Write HF-named tensors as ``model.safetensors`` beside the config and tokenizer files of ``like_dir``."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out, src = Path(out_dir), Path(like_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    tensors = {name: t.detach().contiguous().clone() for name, t in named}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,80 @@
+"""The RL objective assembled from config: rewards → advantages → per-token loss functions.
+
+Pure torch over a ``TrainBatch``; which functions run is chosen by ``AlgoConfig``
+(``megarl/config/schema.py``; presets in ``megarl/config/presets.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algo.advantage import grpo_advantages, rloo_advantages
+from megarl.algo.filters import soft_overlong_penalty
+from megarl.algo.losses import gspo_loss, kl_penalty, ppo_clip_loss, value_loss
+from megarl.config.schema import AlgoConfig
+from megarl.types import Group
+
+
+def shaped_rewards(groups: list[Group], a: AlgoConfig, max_new_tokens: int) -> torch.Tensor:
+    """[groups, G] task rewards plus DAPO's soft over-long penalty when ``overlong_cache`` > 0."""
+    rows = []
+    for g in groups:
+        row = []
+        for s in g.samples:
+            r = s.reward
+            if a.overlong_cache:
+                r += soft_overlong_penalty(len(s.response_ids), max_new_tokens, a.overlong_cache, a.overlong_penalty)
+            row.append(r)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def group_advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
+    """[groups, G] → per-sample advantages for the critic-free estimators."""
+    if kind == "grpo":
+        return grpo_advantages(rewards)
+    if kind == "dr_grpo":
+        return grpo_advantages(rewards, scale_by_std=False)
+    if kind == "rloo":
+        return rloo_advantages(rewards)
+    raise ValueError(f"{kind!r} is not a group advantage (GAE needs the critic)")
+
+
+def whiten(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(Â − mean) / std over the masked tokens of the batch."""
+    n = mask.sum().clamp(min=1)
+    mean = (adv * mask).sum() / n
+    var = (((adv - mean) * mask) ** 2).sum() / n
+    return (adv - mean) / (var.sqrt() + 1e-8) * mask
+
+
+def policy_loss_fn(a: AlgoConfig):
+    """ℓ_t = policy term (PPO-clip or GSPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples)."""
+
+    def loss(logp: torch.Tensor, mb: dict):
+        mask = mb["loss_mask"]
+        if a.policy_loss == "gspo":
+            per_token, metrics = gspo_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low, a.clip_high)
+        else:
+            per_token, metrics = ppo_clip_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low,
+                                               a.clip_high, a.dual_clip, mb.get("is_weight"))
+        if a.kl_coef:
+            kl = kl_penalty(logp, mb["ref_logprobs"], a.kl_estimator) * mask
+            per_token = per_token + a.kl_coef * kl
+            metrics["kl_ref"] = kl.sum() / mask.sum().clamp(min=1)
+        if a.entropy_coef:
+            per_token = per_token - a.entropy_coef * mb["entropy"] * mask
+        if "entropy" in mb:
+            metrics["entropy"] = (mb["entropy"] * mask).sum() / mask.sum().clamp(min=1)
+        if a.positive_nll_coef:
+            per_token = per_token - a.positive_nll_coef * logp * mb["positive"]
+        return per_token, metrics
+
+    return loss
+
+
+def value_loss_fn(a: AlgoConfig):
+    def loss(values: torch.Tensor, mb: dict):
+        return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], a.value_clip)
+
+    return loss

@@ -1,0 +1,98 @@
+"""One RL update from released groups: batch → (reference, proximal, critic) forwards → advantages →
+critic and policy optimizer steps over mini-batches and inner epochs.
+
+The learners are handed in (policy, optional critic and frozen reference); this
+module knows the algorithm's data flow, not engines or scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_to_tokens
+from megarl.algo.batch import aggregation_weights, build_batch, per_token
+from megarl.algo.curriculum import minibatch_rows
+from megarl.algo.filters import overlong_mask
+from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
+from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
+from megarl.config.schema import RunConfig
+from megarl.trainer.policy import PolicyTrainer
+from megarl.types import Group, TrainBatch
+
+
+@dataclass
+class Learners:
+    policy: PolicyTrainer
+    critic: PolicyTrainer | None = None
+    reference: PolicyTrainer | None = None
+
+
+def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[TrainBatch, torch.Tensor]:
+    """All samples of the groups as one batch (behaviour logprobs as ``old_logprobs``), and [groups, G] rewards."""
+    a = cfg.algo
+    samples = [s for g in groups for s in g.samples]
+    batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                        [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
+                        norm_tokens=a.loss_norm_tokens or cfg.rollout.max_new_tokens)
+    if a.overlong_filter:
+        batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)
+    rewards = shaped_rewards(groups, a, cfg.rollout.max_new_tokens)
+    batch.positive = per_token([float(s.reward >= 1.0) for s in samples], batch.loss_mask)
+    return batch, rewards
+
+
+def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, seed: int) -> dict[str, float]:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps; each mini-batch re-normalises its own weights."""
+    a = cfg.algo
+    priority = sequence_mean(batch.advantages.abs(), batch.loss_mask)
+    gen = torch.Generator().manual_seed(seed)
+    metrics: dict[str, float] = {}
+    steps = minibatch_rows(priority, a.minibatches, a.ppo_epochs, a.prioritized_replay, gen)
+    for rows in steps:
+        mb = batch.select(rows) if len(steps) > 1 else batch
+        mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, a.loss_norm_tokens or cfg.rollout.max_new_tokens)
+        for k, v in learner.train_step(mb, loss_fn).items():
+            metrics[k] = metrics.get(k, 0.0) + v / len(steps)
+    return metrics
+
+
+def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
+    a = cfg.algo
+    batch, rewards = rollout_batch(groups, cfg, pad_id)
+    mask = batch.loss_mask
+    out: dict[str, float] = {}
+    if a.tis != "none":  # decoupled: ratio against the trainer's own (proximal) logprobs, IS weight for the rest
+        prox = learners.policy.logprobs(batch)
+        out.update(mismatch_metrics(prox, batch.old_logprobs, mask))
+        batch.is_weight = truncated_is_weights(prox, batch.old_logprobs, mask, a.tis, a.tis_cap)
+        batch.old_logprobs = prox
+    if learners.reference is not None:
+        batch.ref_logprobs = learners.reference.logprobs(batch)
+    if a.advantage == "gae":
+        values = learners.critic.logprobs(batch) * mask
+        token_rewards = outcome_rewards_to_tokens(rewards.flatten(), mask)
+        lam = length_adaptive_lambda(mask.sum(dim=1), a.length_adaptive_alpha) if a.length_adaptive_alpha else a.lam
+        adv, _ = gae(token_rewards, values, mask, a.gamma, lam)
+        _, batch.returns = gae(token_rewards, values, mask, a.gamma, a.lam_critic)
+        batch.old_values = values
+        batch.advantages = whiten(adv, mask) if a.whiten_advantages else adv
+        critic_metrics = _train(learners.critic, batch, value_loss_fn(a), cfg, seed=step)
+        out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+    else:
+        batch.advantages = per_token(group_advantages(rewards, a.advantage).flatten().tolist(), mask)
+    if step < a.critic_warmup_steps:  # value pre-training: the policy waits for a useful critic
+        out["loss/policy"] = 0.0
+        return out
+    policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1)
+    out.update({
+        "loss/policy": policy.get("loss", 0.0),
+        "loss/clip_frac": policy.get("clip_frac", 0.0),
+        "loss/approx_kl": policy.get("approx_kl", 0.0),
+        "loss/grad_norm": policy.get("grad_norm", 0.0),
+    })
+    for key in ("kl_ref", "entropy", "dual_clip_frac"):
+        if key in policy:
+            out[f"loss/{key}"] = policy[key]
+    return out

@@ -1,0 +1,207 @@
+"""Hand-computed values for the objective family (pure torch)."""
+
+import math
+
+import pytest
+import torch
+
+from megarl.algo.advantage import (
+    gae,
+    grpo_advantages,
+    length_adaptive_lambda,
+    outcome_rewards_to_tokens,
+    rloo_advantages,
+    vapo_advantages,
+)
+from megarl.algo.batch import aggregation_weights, build_batch
+from megarl.algo.curriculum import CurriculumSource, PassRateTracker, budget_weights, minibatch_rows
+from megarl.algo.filters import (
+    degenerate_group_probability,
+    is_informative,
+    overlong_mask,
+    oversampling_factor,
+    soft_overlong_penalty,
+)
+from megarl.algo.losses import gspo_loss, kl_penalty, mismatch_metrics, ppo_clip_loss, truncated_is_weights, value_loss
+from megarl.algo.objective import group_advantages, policy_loss_fn
+from megarl.config.schema import AlgoConfig
+from megarl.types import Group, Sample
+
+
+def test_grpo_dr_grpo_rloo_on_one_group():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(grpo_advantages(r), torch.tensor([[1.0, -1.0, -1.0, 1.0]]), atol=1e-5)
+    assert torch.allclose(grpo_advantages(r, scale_by_std=False), torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
+    # leave-one-out: 1 − (0+0+1)/3 = 2/3, 0 − 2/3 = −2/3
+    assert torch.allclose(rloo_advantages(r), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
+    assert torch.equal(grpo_advantages(torch.ones(1, 4)), torch.zeros(1, 4))  # degenerate group
+    assert torch.equal(group_advantages(r, "dr_grpo"), grpo_advantages(r, scale_by_std=False))
+
+
+def test_textbook_degenerate_groups_and_oversampling():
+    assert degenerate_group_probability(0.5, 8) == pytest.approx(2 / 256)
+    assert degenerate_group_probability(0.9, 8) == pytest.approx(0.4305, abs=1e-4)
+    assert oversampling_factor(0.35) == pytest.approx(1 / 0.65)
+    with pytest.raises(ValueError):
+        oversampling_factor(1.0)
+
+
+def test_length_normalisation_penalty_per_token():
+    """Â = −1, lengths 100 and 1000: 1/100 vs 1/1000 per token under length normalisation, equal under
+    the token-level mean (and under Dr. GRPO's constant normaliser)."""
+    mask = torch.zeros(2, 1000)
+    mask[0, :100] = 1
+    mask[1, :] = 1
+    seq = aggregation_weights(mask, "seq_mean_token_mean") * 2  # × N: the per-sequence view
+    assert seq[0, 0].item() == pytest.approx(1 / 100) and seq[1, 0].item() == pytest.approx(1 / 1000)
+    tok = aggregation_weights(mask, "token_mean")
+    assert tok[0, 0].item() == pytest.approx(tok[1, 0].item()) == pytest.approx(1 / 1100)
+    dr = aggregation_weights(mask, "seq_mean_token_sum_norm", norm_tokens=1000)
+    assert dr[0, 0].item() == pytest.approx(dr[1, 0].item()) == pytest.approx(1 / 2000)
+
+
+def test_clip_higher_matches_direct_computation():
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.2, 0.6]]))
+    old = torch.log(torch.tensor([[0.4, 0.5, 0.4, 0.6]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, -2.0]])
+    mask = torch.ones(1, 4)
+    loss, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    expected = []
+    for lp, o, a in zip(logp[0], old[0], adv[0]):
+        r = math.exp(lp - o)
+        expected.append(-min(r * a, min(max(r, 0.8), 1.28) * a))
+    assert torch.allclose(loss[0], torch.tensor(expected), atol=1e-6)
+    # ratio 1.8 with Â>0 is clipped at 1.28 (clip-higher), ratio 0.5 with Â<0 at 0.8
+    assert loss[0, 1].item() == pytest.approx(-1.28) and loss[0, 2].item() == pytest.approx(0.8)
+    assert m["clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    logp, old = torch.log(torch.tensor([[0.9]])), torch.log(torch.tensor([[0.1]]))  # ratio 9
+    adv, mask = torch.tensor([[-1.0]]), torch.ones(1, 1)
+    plain, _ = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    dual, m = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, dual_clip=3.0)
+    assert plain.item() == pytest.approx(9.0) and dual.item() == pytest.approx(3.0)
+    assert m["dual_clip_frac"].item() == 1.0
+
+
+def test_gradients_flow_only_through_current_logprobs():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9]], requires_grad=True)
+    loss, _ = ppo_clip_loss(logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), 0.2, 0.2)
+    loss.sum().backward()
+    assert logp.grad is not None and logp.grad.abs().sum() > 0
+    assert old.grad is None
+
+
+def test_gspo_ratio_equals_token_ratio_when_all_equal():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    logp = old + 0.1  # every token ratio is e^0.1
+    adv, mask = torch.full((1, 3), 0.5), torch.ones(1, 3)
+    _, m = gspo_loss(logp, old, adv, mask, 0.5, 0.5)
+    _, mt = ppo_clip_loss(logp, old, adv, mask, 0.5, 0.5)
+    assert m["ratio_mean"].item() == pytest.approx(math.exp(0.1)) == pytest.approx(mt["ratio_mean"].item())
+    # the sequence ratio is the geometric mean of token ratios, not their product
+    logp2 = old + torch.tensor([[0.3, 0.0, -0.3]])
+    _, m2 = gspo_loss(logp2, old, adv, mask, 0.5, 0.5)
+    assert m2["ratio_mean"].item() == pytest.approx(1.0)
+
+
+def test_gae_lambda_one_is_reward_to_go_minus_value():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
+    values = torch.tensor([[0.3, 0.5, 0.7, 9.0], [0.1, 0.2, 9.0, 9.0]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    to_go = torch.tensor([[1.0, 1, 1, 0], [2, 2, 0, 0]])
+    assert torch.allclose(adv, (to_go - values) * mask)
+    assert torch.allclose(ret, to_go * mask)
+    adv0, _ = gae(rewards, values, mask, gamma=1.0, lam=0.0)  # one-step TD errors
+    assert adv0[0, 0].item() == pytest.approx(0.0 + 0.5 - 0.3)
+
+
+def test_vapo_decoupled_and_length_adaptive_lambda():
+    lam = length_adaptive_lambda(torch.tensor([100, 1000]), alpha=0.05)
+    assert lam.tolist() == pytest.approx([1 - 1 / 5, 1 - 1 / 50])
+    mask = torch.ones(1, 5)
+    values = torch.tensor([[0.2, 0.4, 0.1, 0.3, 0.6]])
+    adv, targets = vapo_advantages(torch.tensor([1.0]), values, mask, alpha=0.05)
+    assert torch.allclose(targets, torch.ones(1, 5))  # λ_critic = 1: Monte-Carlo returns
+    tok = outcome_rewards_to_tokens(torch.tensor([1.0]), mask)
+    expected, _ = gae(tok, values, mask, 1.0, float(length_adaptive_lambda(torch.tensor([5]), 0.05)))
+    assert torch.allclose(adv, expected)
+
+
+def test_kl_estimators_and_value_clipping():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    lr = math.log(2)
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(lr)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * lr**2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + lr)
+    v, old, ret, mask = torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.ones(1, 1)
+    plain, _ = value_loss(v, old, ret, mask, clip=0.0)
+    clipped, _ = value_loss(v, old, ret, mask, clip=0.2)
+    assert plain.item() == pytest.approx(0.5) and clipped.item() == pytest.approx(0.5 * 1.8**2)
+
+
+def test_truncated_importance_sampling_and_mismatch_metrics():
+    prox = torch.log(torch.tensor([[0.5, 0.9, 0.3]]))
+    beh = torch.log(torch.tensor([[0.25, 0.3, 0.3]]))
+    mask = torch.ones(1, 3)
+    w = truncated_is_weights(prox, beh, mask, "token", cap=2.0)
+    assert w.tolist()[0] == pytest.approx([2.0, 2.0, 1.0])  # 2.0 and 3.0 capped at 2
+    ws = truncated_is_weights(prox, beh, mask, "sequence", cap=10.0)
+    assert ws.tolist()[0] == pytest.approx([6.0] * 3)
+    m = mismatch_metrics(prox, beh, mask)
+    assert m["mismatch/abs_max"] == pytest.approx(math.log(3))
+    assert m["mismatch/kl"] > 0
+
+
+def test_filters_and_overlong_shaping():
+    g = Group(0, "", "", [Sample([1], reward=1.0), Sample([1], reward=1.0)])
+    assert not is_informative(g)
+    g.samples[1].reward = 0.0
+    assert is_informative(g)
+    m = overlong_mask(["stop", "length"], torch.ones(2, 3))
+    assert m.tolist() == [[1, 1, 1], [0, 0, 0]]
+    # no penalty below the soft start (L_max − L_cache = 80), linear to −λ at the cap
+    assert soft_overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert soft_overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert soft_overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
+
+
+def test_curriculum_budget_and_replay():
+    assert budget_weights([0.0, 0.5, 1.0], eps=0.0 + 1e-9)[1] == pytest.approx(1.0, abs=1e-6)
+    w = budget_weights([0.0, 0.5], eps=0.05)
+    assert w[1] / w[0] == pytest.approx(0.30 / 0.05)
+    tracker = PassRateTracker()
+    tracker.update("a", [1, 1, 1, 1])
+    tracker.update("b", [1, 0, 1, 0])
+    assert tracker.rate("a") == 1.0 and tracker.rate("b") == 0.5 and tracker.rate("c") == 0.5
+    src = CurriculumSource(["a", "b"], key=lambda x: x, tracker=tracker, eps=0.01, seed=0)
+    draws = [src() for _ in range(400)]
+    assert draws.count("b") > 0.9 * len(draws)
+    gen = torch.Generator().manual_seed(0)
+    rows = minibatch_rows(torch.arange(8.0), minibatches=2, epochs=3, prioritized=False, generator=gen)
+    assert len(rows) == 6 and all(sorted(torch.cat(rows[i:i + 2]).tolist()) == list(range(8)) for i in (0, 2, 4))
+    prio = minibatch_rows(torch.tensor([0.0, 0.0, 0.0, 5.0]), 1, 50, True, gen)
+    assert sum(int(r[0]) == 3 for r in prio) > 45  # the large-|Â| row comes first
+
+
+def test_policy_loss_combines_kl_entropy_and_positive_nll():
+    a = AlgoConfig(kl_coef=0.5, entropy_coef=0.1, positive_nll_coef=0.2, kl_estimator="k1")
+    logp = torch.tensor([[-1.0, -2.0]])
+    mb = {"old_logprobs": logp.clone(), "advantages": torch.zeros(1, 2), "loss_mask": torch.ones(1, 2),
+          "ref_logprobs": torch.tensor([[-1.5, -2.0]]), "entropy": torch.tensor([[0.3, 0.4]]),
+          "positive": torch.tensor([[1.0, 0.0]])}
+    loss, m = policy_loss_fn(a)(logp, mb)
+    expected = torch.tensor([[0.5 * 0.5 - 0.1 * 0.3 + 0.2 * 1.0, 0.0 - 0.1 * 0.4]])
+    assert torch.allclose(loss, expected)
+    assert m["kl_ref"].item() == pytest.approx(0.25)
+
+
+def test_build_batch_aligns_labels_logprobs_and_advantages():
+    b = build_batch([[5, 6, 7]], [[8, 9]], [[-0.1, -0.2]], [1.5])
+    assert b.input_ids.tolist() == [[5, 6, 7, 8]] and b.labels.tolist() == [[6, 7, 8, 9]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1]]
+    assert b.old_logprobs.tolist()[0][2:] == pytest.approx([-0.1, -0.2])
+    assert b.advantages.tolist() == [[0, 0, 1.5, 1.5]]
