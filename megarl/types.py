@@ -83,6 +83,26 @@ class TrainBatch:
     def select(self, rows: torch.Tensor) -> "TrainBatch":
         return TrainBatch(**{k: v[rows] for k, v in self.as_dict().items()})
 
+    def pad_rows(self, n: int) -> "TrainBatch":
+        """Append ``n`` rows that count for nothing (zero mask and weight)."""
+        def pad(k, v):
+            extra = v[:1].expand(n, *v.shape[1:]).clone()
+            if k in ("loss_mask", "weights", "positive", "is_weight"):
+                extra.zero_()
+            return torch.cat([v, extra])
+
+        return TrainBatch(**{k: pad(k, v) for k, v in self.as_dict().items()})
+
+    def pad_columns(self, n: int) -> "TrainBatch":
+        """Append ``n`` label positions that count for nothing (zero mask and weight; positions continue)."""
+        def pad(k, v):
+            extra = torch.zeros(v.shape[0], n, dtype=v.dtype)
+            if k == "position_ids":
+                extra = v[:, -1:] + 1 + torch.arange(n).unsqueeze(0)
+            return torch.cat([v, extra], dim=1)
+
+        return TrainBatch(**{k: pad(k, v) for k, v in self.as_dict().items()})
+
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The fields that are set (optional ones left None are omitted)."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}

@@ -60,7 +60,7 @@ def test_section_must_be_mapping(tmp_path):
     "overrides, world, message",
     [
         (["parallel.tp=3"], 2, "must divide the world size 2"),
-        (["parallel.tp=2"], 2, None),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, None),
         (["parallel.tp=4"], 4, r"parallel.tp=4 must divide attention heads \(4\) and KV heads \(2\); valid: \[1, 2\]"),
         (["parallel.pp=3"], 3, r"parallel.pp=3 must divide the number of layers \(4\); valid: \[1, 2, 4\]"),
         (["parallel.ep=3"], 3, r"parallel.ep=3 must divide the number of experts \(4\)"),
@@ -100,3 +100,11 @@ def test_override_value_is_parsed_as_yaml():
     assert parse_override("a.b=3e-4") == {"a": {"b": 3e-4}}
     assert parse_override("a=true") == {"a": True}
     assert parse_override("a=text") == {"a": "text"}
+
+
+def test_moe_tensor_parallel_needs_sequence_parallel_and_matching_etp():
+    with pytest.raises(ConfigError, match="needs parallel.sequence_parallel=true"):
+        validate(load_config(None, ["parallel.tp=2"]), 2, MOE)
+    with pytest.raises(ConfigError, match="use etp = tp"):
+        validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]), 2, MOE)
+    validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"]), 2, MOE)

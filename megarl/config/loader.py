@@ -121,9 +121,11 @@ def _divisors(n: int) -> list[int]:
 def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
     """Cross-field checks; raises ConfigError naming the key and suggesting valid values."""
     p = cfg.parallel
-    for key in ("tp", "pp", "ep", "etp"):
+    for key in ("tp", "pp", "ep"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    if p.etp < 0:
+        raise ConfigError(f"parallel.etp must be >= 0 (0: same as tp), got {p.etp}")
     if world_size % (p.tp * p.pp):
         raise ConfigError(
             f"parallel.tp × parallel.pp = {p.tp}×{p.pp} must divide the world size {world_size}; "
@@ -134,8 +136,9 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
     if p.moe_dispatcher not in ("alltoall", "allgather"):
         raise ConfigError(f"parallel.moe_dispatcher must be 'alltoall' or 'allgather', got {p.moe_dispatcher!r}")
-    if (p.ep * p.etp) > 1 and (dp * p.tp) % (p.ep * p.etp):
-        raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * p.etp} must divide tp×dp = {dp * p.tp}")
+    etp = p.etp or p.tp
+    if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
+        raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * etp} must divide tp×dp = {dp * p.tp}")
     if cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size:
         raise ConfigError(
             f"engine.tensor_parallel_size must be 1 or the world size {world_size}, got {cfg.engine.tensor_parallel_size}"
@@ -181,6 +184,13 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
         raise ConfigError(f"parallel.pp={p.pp} must divide the number of layers ({layers}); valid: {_divisors(layers)}")
     if p.ep > 1 and not experts:
         raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; {cfg.model.path} is dense")
+    if experts and p.tp > 1 and not p.sequence_parallel:
+        raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
+                          "(megatron-core refuses MoE + TP without it)")
+    if experts and p.tp > 1 and (p.etp or p.tp) != p.tp:
+        raise ConfigError(f"parallel.etp={p.etp} with parallel.tp={p.tp}: expert gradients differed from the "
+                          "single-process run in this layout (measured on megatron-core 0.16.1); use etp = tp "
+                          "(or 0)")
     if experts and experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the number of experts ({experts}); valid: {_divisors(experts)}")
     if hf["vocab_size"] % p.tp:

@@ -27,8 +27,8 @@ class ParallelConfig:
     """Pipeline-parallel size (must divide the number of layers)."""
     ep: int = 1
     """Expert-parallel size (must divide the number of experts; MoE only)."""
-    etp: int = 1
-    """Expert tensor-parallel size."""
+    etp: int = 0
+    """Expert tensor-parallel size (0: the same as tp, megatron's default)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp > 1)."""
     moe_dispatcher: str = "alltoall"

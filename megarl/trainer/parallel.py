@@ -64,10 +64,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, sequence_parallel: bool = False) -> ParallelState:
-    """Initialise Megatron's model-parallel groups on the default group and describe them."""
+def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
+                         sequence_parallel: bool = False) -> ParallelState:
+    """Initialise Megatron's model-parallel groups on the default group and describe them (etp 0: = tp)."""
     from megatron.core import parallel_state as mpu
 
+    etp = etp or tp
     rank, world = init_process_group()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp×pp = {tp}×{pp}")

@@ -99,6 +99,24 @@ class PolicyTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def _local(self, batch: TrainBatch) -> TrainBatch:
+        """This data-parallel rank's rows, padded for the schedule.
+
+        Rows are split in contiguous chunks over DP ranks; the loss weights stay those of
+        the whole batch, so the DP-averaged gradient equals the single-process one. Under
+        pipeline parallelism every microbatch must have the same shape: rows are padded
+        to a multiple of the microbatch size (zero weight, zero mask). Under sequence
+        parallelism the sequence is padded to a multiple of TP.
+        """
+        if self.ps.dp > 1:
+            batch = batch.select(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])
+        mbs = self.optim_cfg.micro_batch_size
+        if self.ps.pp > 1 and batch.size % mbs:
+            batch = batch.pad_rows(mbs - batch.size % mbs)
+        if self.ps.sequence_parallel and batch.seq_len % self.ps.tp:
+            batch = batch.pad_columns(self.ps.tp - batch.seq_len % self.ps.tp)
+        return batch
+
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size
         return [batch.slice(i, i + mbs).as_dict() for i in range(0, batch.size, mbs)]
@@ -106,6 +124,7 @@ class PolicyTrainer:
     def _run(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        batch = self._local(batch)
         mbs = self._microbatches(batch)
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
@@ -149,7 +168,14 @@ class PolicyTrainer:
         self.model.train()
         if not self.ps.is_last_stage:
             return None
-        return torch.cat([o["logprobs"] for o in out], dim=0)
+        local = torch.cat([o["logprobs"] for o in out], dim=0)
+        if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
+            from megatron.core import parallel_state as mpu
+
+            parts: list = [None] * self.ps.dp
+            torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
+            local = torch.cat(parts, dim=0)
+        return local[: batch.size, : batch.seq_len]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch``; returns the loss and mean metrics (last stage)."""
@@ -165,6 +191,14 @@ class PolicyTrainer:
             for key in out[0]:
                 if key != "loss_sum":
                     metrics[key] = float(sum(o[key] for o in out) / len(out))
+            if self.ps.dp > 1:  # the loss is a sum over the DP ranks' rows; the other metrics are means
+                from megatron.core import parallel_state as mpu
+
+                keys = sorted(k for k in metrics if k not in ("grad_norm", "skipped"))
+                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+                torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
+                for k, v in zip(keys, values.tolist()):
+                    metrics[k] = v if k == "loss" else v / self.ps.dp
         return metrics
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

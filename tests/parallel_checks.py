@@ -1,0 +1,93 @@
+"""One parallel layout of the megatron-core trainer on a fixed batch (gloo, CPU), for comparison
+with the single-process run. Launched by the tests with torchrun (2 processes) or plainly (1).
+
+    python tests/parallel_checks.py LAYOUT MODEL_DIR OUT_DIR [lm|value]
+    torchrun --nproc-per-node 2 tests/parallel_checks.py ep2_alltoall MODEL_DIR OUT_DIR
+
+The last pipeline stage of data-parallel rank 0 writes OUT_DIR/result.json (loss, logprobs of the
+whole batch, gathered from every data-parallel rank) and rank 0 OUT_DIR/weights.pt (the full model
+after one optimizer step). The same script serves the critic check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = {
+    "single": dict(),
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "pp2": dict(pp=2),
+    "dp2": dict(),
+    "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
+    "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
+}
+
+
+def fixed_batch(vocab: int, n: int = 8, prompt: int = 5, seq: int = 20):
+    from megarl.algo.batch import build_batch
+
+    g = torch.Generator().manual_seed(1234)
+    prompts, responses, logps = [], [], []
+    for i in range(n):
+        length = 4 + (i * 5) % (seq - prompt - 3)
+        prompts.append(torch.randint(2, vocab, (prompt,), generator=g).tolist())
+        responses.append(torch.randint(2, vocab, (length,), generator=g).tolist())
+        logps.append((-torch.rand(length, generator=g) - 2.5).tolist())
+    adv = (torch.rand(n, generator=g) * 2 - 1).tolist()
+    return build_batch(prompts, responses, logps, adv, loss_agg="token_mean", seq_len=seq)
+
+
+def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
+    from megarl.algo.losses import ppo_clip_loss, value_loss
+    from megarl.config.schema import OptimConfig
+    from megarl.trainer import cpu_adapter
+    from megarl.trainer.model import num_experts, read_hf_config
+    from megarl.trainer.parallel import build_parallel_state
+    from megarl.trainer.policy import PolicyTrainer
+    from megarl.weight_sync.export import gather_full_megatron
+
+    spec = dict(LAYOUTS[layout])
+    dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    ps = build_parallel_state(**spec)
+    cpu_adapter.activate()
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = read_hf_config(model_dir)
+    trainer = PolicyTrainer(cfg, model_dir, ps, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
+                            moe_dispatcher=dispatcher, head=head)
+    batch = fixed_batch(cfg["vocab_size"])
+    if head == "value":  # the critic regresses onto fixed targets
+        batch.old_values = torch.zeros_like(batch.loss_mask)
+        batch.returns = batch.advantages.clone()
+    logp = trainer.logprobs(batch)
+
+    def loss(lp, mb):
+        if head == "value":
+            return value_loss(lp, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.0)
+        return ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28)
+
+    metrics = trainer.train_step(batch, loss)
+    full = gather_full_megatron(trainer.module, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    os.makedirs(out_dir, exist_ok=True)
+    if ps.rank == 0:
+        torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))
+    if ps.is_last_stage and ps.dp_rank == 0 and ps.tp_rank == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"],
+                       "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
+                       "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"ok": True}), flush=True)
