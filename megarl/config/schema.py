@@ -175,6 +175,8 @@ class OptimConfig:
     """Sequences per forward/backward microbatch."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss coefficient for MoE routers (0: off)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer) when DP > 1."""
 
 
 @dataclass

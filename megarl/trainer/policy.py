@@ -67,7 +67,7 @@ class PolicyTrainer:
         self.tcfg = module.config
         self.model = DistributedDataParallel(
             config=self.tcfg,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=ps.dp > 1),
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer and ps.dp > 1),
             module=module,
         )
         self.tcfg.no_sync_func = self.model.no_sync
@@ -85,7 +85,7 @@ class PolicyTrainer:
                 adam_beta1=optim.adam_beta1,
                 adam_beta2=optim.adam_beta2,
                 clip_grad=optim.grad_clip,
-                use_distributed_optimizer=ps.dp > 1,
+                use_distributed_optimizer=optim.distributed_optimizer and ps.dp > 1,
                 params_dtype=torch.float32,
             ),
             [self.model],

@@ -1,0 +1,1 @@
+"""Saving and resuming what a run needs: Megatron dist checkpoints of model and optimizer."""

@@ -1,0 +1,189 @@
+"""Model + optimizer as a megatron-core dist checkpoint (torch_dist), loadable at another layout.
+
+A checkpoint saved at TP=2 / PP=2 / EP=2 (any DP, distributed optimizer or not) loads at
+TP=1 / PP=1 / EP=1 and back: megatron-core stores each tensor by its global shape and
+offsets. Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed.
+
+Known on megatron-core 0.16.1: with MoE and DP > 1 the optimizer is a ``ChainedOptimizer``
+(dense and expert parts) whose sharded keys carry a ``chained_<i>.`` prefix; at EP=1/DP=1
+there is one optimizer and no prefix, so a stock EP2→EP1 load fails with
+``KeyError: ...chained_0.optimizer.state...``. ``load_checkpoint`` matches each requested
+optimizer key to the saved one that differs only by that prefix (``_match_chain_prefixes``).
+The distributed optimizer is saved ``fully_reshardable`` (per parameter, canonical layout),
+so its state reshards over TP/PP/EP/DP rather than over DP only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def _sharded(trainer, is_loading: bool) -> dict:
+    model_sd = trainer.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if trainer.optimizer is None:
+        return state
+    fresh = []
+    if is_loading:
+        for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+            # A distributed optimizer that never stepped has no 'step' to describe its state: give it
+            # dummy state for the description, then drop it again so that loading allocates its own.
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+                fresh.append(opt)
+    # 'fully_reshardable': the distributed optimizer's state is stored per parameter in the
+    # canonical layout, so it reshards across TP/PP/EP/DP (the default reshards over DP only).
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    for opt in fresh:
+        opt.optimizer.state.clear()
+    return state
+
+
+def save_checkpoint(trainer, path: str | Path) -> Path:
+    """Write model and optimizer of every rank to ``path`` (a directory); all ranks must call it."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(trainer, is_loading=False), str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> None:
+    """Load ``path`` into this trainer, whatever layout saved it."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
+    _patch_step_copy()
+    sharded = _sharded(trainer, is_loading=True)
+    if not load_optimizer:
+        sharded.pop("optimizer", None)
+    else:
+        _match_chain_prefixes(sharded["optimizer"], set(dist_checkpointing.load_tensors_metadata(str(path))))
+    state = dist_checkpointing.load(sharded, str(path))
+    if "optimizer" in state:
+        chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+        if hasattr(chain[0], "gbuf_ranges"):  # distributed optimizer(s) here
+            _align_chain(state["optimizer"], trainer.optimizer)
+        else:
+            _fill_param_groups(state["optimizer"], trainer.optimizer)
+    trainer.module.load_state_dict(state["model"])
+    if "optimizer" in state:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+
+
+_CHAIN = re.compile(r"^chained_\d+\.")
+
+
+def _match_chain_prefixes(optimizer_sd: dict, saved_keys: set[str]) -> None:
+    """Rename requested optimizer tensors whose key was saved under another ``chained_<i>.`` prefix."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    by_bare: dict[str, list[str]] = {}
+    for key in saved_keys:
+        by_bare.setdefault(_CHAIN.sub("", key), []).append(key)
+    for value in nested_values(optimizer_sd):
+        # Expert weights of SequentialMLP come as factories that build their ShardedTensors later.
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.key not in saved_keys:
+            candidates = by_bare.get(_CHAIN.sub("", value.key), [])
+            if len(candidates) == 1:
+                value.key = candidates[0]
+
+
+def _align_chain(loaded: dict, optimizer) -> None:
+    """Make the saved optimizer groups fit this layout's chain of (distributed) optimizers.
+
+    With MoE, megatron builds a ``ChainedOptimizer`` (dense and expert parts, integer keys in the
+    state dict) when expert and dense parameters have different data-parallel groups (EP > 1),
+    and a single optimizer otherwise. The sharded tensors were already matched by key
+    (``_match_chain_prefixes``); the common state (param groups with Adam's step) is regrouped
+    here: merged into one optimizer, or split over the chain by each group's identity.
+    """
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
+
+    def ident(group: dict) -> tuple:
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in ident_keys)
+
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    parts = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    if len(chain) == 1 and parts:  # saved chained, loading into one optimizer: merge
+        saved_groups = [g for part in parts for g in part["optimizer"]["param_groups"]]
+        loaded["optimizer"] = {**parts[0]["optimizer"], "param_groups": saved_groups}
+        loaded["param_state_sharding_type"] = parts[0]["param_state_sharding_type"]
+        for key in [k for k in loaded if isinstance(k, int)]:
+            del loaded[key]
+    elif len(chain) > 1 and "optimizer" in loaded:  # saved as one, loading into a chain: split
+        saved_groups = loaded.pop("optimizer")["param_groups"]
+        sharding = loaded.pop("param_state_sharding_type")
+        for i, opt in enumerate(chain):
+            mine = {ident(g) for g in opt.param_groups}
+            part = loaded.setdefault(i, {})
+            part["optimizer"] = {"param_groups": [g for g in saved_groups if ident(g) in mine]}
+            part["param_state_sharding_type"] = sharding
+
+
+def _patch_step_copy() -> None:
+    """megatron-core 0.16.1, torch Adam (no Apex/TE): a 'fully_reshardable' load restores Adam's
+    ``step`` from the param groups into each parameter's state, then copies the loaded tensors into
+    *every* state entry, 'step' included, which the loaded tensors lack (KeyError: 'step'). Keep the
+    restored step for that copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_megarl_keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    set_states._megarl_keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _fill_param_groups(loaded: dict, optimizer) -> None:
+    """Loading a distributed (or chained) optimizer's checkpoint into a plain one merges in the saver's
+    common state (``optimizer`` / integer keys of the chain) next to what was asked for, and the param
+    groups carry only their ``params``. Keep the state tensors, take Adam's ``step`` from the saved
+    groups (the distributed optimizer keeps it per group, torch's Adam per parameter) and the group
+    hyper-parameters (lr/wd multipliers, expert flags) from the running optimizer."""
+    if "param_groups" not in loaded:
+        return
+    saved = [loaded[k] for k in loaded if isinstance(k, int)] + [loaded]
+    steps = [int(g["step"]) for part in saved for g in part.get("optimizer", {}).get("param_groups", [])
+             if isinstance(g, dict) and "step" in g]
+    for key in [k for k in loaded if isinstance(k, int) or k in ("optimizer", "param_state_sharding_type")]:
+        del loaded[key]
+    if steps:
+        import torch
+
+        for param_state in loaded.get("state", {}).values():
+            param_state.setdefault("step", torch.tensor(float(max(steps))))
+    for group, runtime in zip(loaded["param_groups"], optimizer.param_groups):
+        for key, value in runtime.items():
+            if key != "params":
+                group.setdefault(key, value)

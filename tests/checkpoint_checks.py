@@ -1,0 +1,64 @@
+"""Dist checkpoint resharding: save at one layout, resume at another, compare the next step.
+
+    torchrun --nproc-per-node 2 tests/checkpoint_checks.py save tp2 MODEL_DIR WORK
+    python tests/checkpoint_checks.py load single MODEL_DIR WORK
+
+``save`` takes one PPO step, saves model + optimizer to WORK/ckpt, takes a second step and
+writes the full weights after it to WORK/expected.pt. ``load`` builds the trainer fresh from
+the HF weights, loads WORK/ckpt, takes the same second step and writes WORK/got.pt. Equal
+weights after the second step need the Adam moments to have survived the reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main(action: str, layout: str, model_dir: str, work: str) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parallel_checks import LAYOUTS, fixed_batch
+
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megarl.config.schema import OptimConfig
+    from megarl.trainer import cpu_adapter
+    from megarl.trainer.model import num_experts, read_hf_config
+    from megarl.trainer.parallel import build_parallel_state
+    from megarl.trainer.policy import PolicyTrainer
+    from megarl.weight_sync.export import gather_full_megatron
+
+    spec = dict(LAYOUTS[layout])
+    dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    ps = build_parallel_state(**spec)
+    cpu_adapter.activate()
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = read_hf_config(model_dir)
+    trainer = PolicyTrainer(cfg, model_dir, ps, OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0),
+                            moe_dispatcher=dispatcher)
+    batch = fixed_batch(cfg["vocab_size"])
+
+    def loss(lp, mb):
+        return ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28)
+
+    ckpt = os.path.join(work, "ckpt")
+    if action == "save":
+        trainer.train_step(batch, loss)
+        save_checkpoint(trainer, ckpt)
+    else:
+        load_checkpoint(trainer, ckpt)
+    trainer.train_step(batch, loss)
+    full = gather_full_megatron(trainer.module, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    if ps.rank == 0:
+        torch.save(full, os.path.join(work, "expected.pt" if action == "save" else "got.pt"))
+        print(json.dumps({"ok": True, "action": action, "layout": layout}), flush=True)
+
+
+if __name__ == "__main__":  # the dist-checkpoint writer re-imports this script: keep the guard
+    main(*sys.argv[1:])
