@@ -20,6 +20,7 @@ import torch
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import greedy_pass_at_1
 from megarl.runtime import Session, build_session
+from megarl.trainer.lr_schedule import lr_at
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
 
@@ -65,7 +66,6 @@ def run(cfg: RunConfig) -> dict:
     if cfg.warmup.steps:
         supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
         s.engine.update_weights(s.trainer.hf_weights())
-    s.trainer.set_lr(cfg.optim.lr)
     before = evaluate(s)
     s.logger.scalars(0, {"eval/pass_at_1": before})
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")
@@ -75,7 +75,10 @@ def run(cfg: RunConfig) -> dict:
         if cfg.train.time_limit_s and time.time() - start > cfg.train.time_limit_s:
             say(f"time limit {cfg.train.time_limit_s:.0f}s reached after {steps} steps")
             break
+        o = cfg.optim
+        s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
         metrics = rl_step(s, step)
+        metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
         if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
             metrics["eval/pass_at_1"] = evaluate(s)

@@ -205,3 +205,12 @@ def test_build_batch_aligns_labels_logprobs_and_advantages():
     assert b.loss_mask.tolist() == [[0, 0, 1, 1]]
     assert b.old_logprobs.tolist()[0][2:] == pytest.approx([-0.1, -0.2])
     assert b.advantages.tolist() == [[0, 0, 1.5, 1.5]]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from megarl.trainer.lr_schedule import lr_at
+
+    assert [lr_at(i, 1.0, 4, "constant", 10) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_at(4, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(1.0)
+    assert lr_at(9, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(0.55)
+    assert lr_at(14, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(0.1)

@@ -108,3 +108,14 @@ def test_moe_tensor_parallel_needs_sequence_parallel_and_matching_etp():
     with pytest.raises(ConfigError, match="use etp = tp"):
         validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]), 2, MOE)
     validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"]), 2, MOE)
+
+
+def test_fp8_without_transformer_engine_is_a_config_error():
+    from megarl.config.loader import transformer_engine_error
+
+    with pytest.raises(ConfigError, match="model.fp8 must be"):
+        validate(load_config(None, ["model.fp8=e5m2"]), 1, MOE)
+    if transformer_engine_error() is None:
+        pytest.skip("gpu: Transformer Engine is importable here; the FP8 path is tested in test_fp8_gpu.py")
+    with pytest.raises(ConfigError, match="needs Transformer Engine"):
+        validate(load_config(None, ["model.fp8=delayed"]), 1, MOE)

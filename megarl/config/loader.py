@@ -158,11 +158,14 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.dispatch must be 'pull' or 'lpt', got {r.dispatch!r}")
     if r.staleness_limit < 0 or r.max_discards < 1:
         raise ConfigError("rollout.staleness_limit must be >= 0 and rollout.max_discards >= 1")
+    if cfg.optim.lr_decay not in ("constant", "cosine"):
+        raise ConfigError(f"optim.lr_decay must be 'constant' or 'cosine', got {cfg.optim.lr_decay!r}")
     if cfg.engine.slots < 1:
         raise ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     _validate_algo(cfg)
+    _validate_fp8(cfg.model.fp8)
     if cfg.model.make_tiny not in ("", "qwen3_moe", "qwen2"):
         raise ConfigError(f"model.make_tiny must be '', 'qwen3_moe' or 'qwen2', got {cfg.model.make_tiny!r}")
     if cfg.data.task != "addition":
@@ -230,3 +233,26 @@ def _validate_algo(cfg: RunConfig) -> None:
         raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens")
     if a.tis_cap <= 0:
         raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")
+
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine cannot be used here, or None when it can."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _validate_fp8(fp8: str) -> None:
+    if not fp8:
+        return
+    if fp8 not in FP8_RECIPES:
+        raise ConfigError(f"model.fp8 must be '' or one of {', '.join(FP8_RECIPES)}; got {fp8!r}")
+    why = transformer_engine_error()
+    if why is not None:
+        raise ConfigError(f"model.fp8={fp8!r} needs Transformer Engine on a GPU, which is not importable here "
+                          f"({why}); install megarl[gpu] on a CUDA machine or set model.fp8=''")

@@ -17,6 +17,8 @@ class ModelConfig:
     """If set ('qwen3_moe' or 'qwen2') and ``path`` holds no checkpoint, create a tiny one there."""
     seed: int = 0
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
+    fp8: str = ""
+    """FP8 training through Transformer Engine: '' (off), 'delayed', 'tensorwise', 'blockwise', 'mxfp8'."""
 
 
 @dataclass
@@ -171,6 +173,12 @@ class OptimConfig:
     """Adam β2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many RL steps."""
+    lr_decay: str = "constant"
+    """After warm-up: 'constant' or 'cosine' (down to min_lr at train.steps)."""
+    min_lr: float = 0.0
+    """Floor of the cosine decay."""
     micro_batch_size: int = 64
     """Sequences per forward/backward microbatch."""
     moe_aux_loss_coeff: float = 0.0

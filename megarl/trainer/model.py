@@ -37,7 +37,7 @@ def rope_theta(cfg: dict) -> float:
 
 
 def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float = 0.0,
-                       moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32):
+                       moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32, fp8: str = ""):
     """megatron-core TransformerConfig for an HF config and a parallel layout."""
     from megatron.core.transformer import TransformerConfig
 
@@ -87,6 +87,9 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         sequence_parallel=ps.sequence_parallel,
         use_cpu_initialization=True,
         perform_initialization=False,
+        # FP8 through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients) with the named recipe.
+        fp8="hybrid" if fp8 else None,
+        fp8_recipe=fp8 or "delayed",
         **moe,
     )
 
@@ -135,12 +138,21 @@ def layer_spec(tcfg, ps: ParallelState):
     return TransformerBlockSubmodules(layer_specs=[spec] * (tcfg.num_layers // ps.pp), layer_norm=TorchNorm)
 
 
+def te_layer_spec(tcfg):
+    """Transformer Engine's layer spec (fused norm+linear, FP8-capable GEMMs, grouped expert GEMMs)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=tcfg.num_moe_experts, moe_grouped_gemm=bool(tcfg.num_moe_experts),
+        qk_layernorm=tcfg.qk_layernorm)
+
+
 def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
-    """A GPTModel for this rank's pipeline stage (local spec; TE spec is chosen by the FP8 path)."""
+    """A GPTModel for this rank's pipeline stage: the local spec, or Transformer Engine's under FP8."""
     from megatron.core.models.gpt import GPTModel
 
     tcfg = transformer_config(cfg, ps, **kwargs)
-    spec = layer_spec(tcfg, ps)
+    spec = te_layer_spec(tcfg) if tcfg.fp8 else layer_spec(tcfg, ps)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
@@ -179,6 +191,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps
     full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
     mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords)
     params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
+    mine = {te_name(n, params): t for n, t in mine.items()}
     missing = sorted(set(params) - set(mine))
     if missing:
         raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")
@@ -188,3 +201,20 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps
             if src.shape != p.shape:
                 raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
             p.copy_(src.to(p.dtype))
+
+
+# Transformer Engine fuses the pre-attention (and, dense, the pre-MLP) norm into the next linear.
+_TE_FUSED = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def te_name(name: str, params: dict) -> str:
+    """The local-spec name → the TE-spec name when the model has that instead."""
+    for local, fused in _TE_FUSED.items():
+        if name.endswith(local):
+            candidate = name[: -len(local)] + fused
+            if candidate in params and name not in params:
+                return candidate
+    return name

@@ -48,7 +48,7 @@ class PolicyTrainer:
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
-                 trainable: bool = True, entropy: bool = False) -> None:
+                 trainable: bool = True, entropy: bool = False, fp8: str = "") -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -60,7 +60,8 @@ class PolicyTrainer:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
-        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff, moe_dispatcher=moe_dispatcher)
+        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff, moe_dispatcher=moe_dispatcher,
+                                 fp8=fp8)
         if head == "value" and ps.is_last_stage:
             module.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
         load_hf_weights(module, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())

@@ -49,6 +49,9 @@ _SIMPLE = {
     "mlp.router.weight": "mlp.gate.weight",
 }
 _SIMPLE_BACK = {v: k for k, v in _SIMPLE.items()}
+# Transformer Engine's spec fuses these norms into the following linear (export direction only).
+_SIMPLE["self_attention.linear_qkv.layer_norm_weight"] = "input_layernorm.weight"
+_SIMPLE["mlp.linear_fc1.layer_norm_weight"] = "post_attention_layernorm.weight"
 _GLOBAL = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",

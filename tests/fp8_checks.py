@@ -1,0 +1,49 @@
+"""FP8 check on a GPU: the same tiny dense model in full precision (local spec) and in FP8 (TE spec).
+
+Usage: python tests/fp8_checks.py RECIPE WORKDIR   (prints one JSON line)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+
+
+def main(recipe: str, work: str) -> None:
+    from megarl.algo.losses import nll_loss
+    from megarl.config.schema import OptimConfig
+    from megarl.models.tiny import TinyShape, make_tiny_model
+    from megarl.trainer.model import read_hf_config
+    from megarl.trainer.parallel import build_parallel_state
+    from megarl.trainer.policy import PolicyTrainer
+
+    sys.path.insert(0, "tests")
+    from parallel_checks import fixed_batch
+
+    # FP8 GEMMs need dimensions that are multiples of 16.
+    model = make_tiny_model(f"{work}/model", TinyShape(family="qwen2", vocab_size=64, hidden_size=128,
+                                                       intermediate_size=256))
+    ps = build_parallel_state()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = read_hf_config(model)
+    batch = fixed_batch(cfg["vocab_size"], n=16, seq=32)
+    batch = type(batch)(**{k: v.cuda() for k, v in batch.as_dict().items()})
+    ref = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), trainable=False)
+    fp8 = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), fp8=recipe)
+    gap = ((ref.logprobs(batch) - fp8.logprobs(batch)).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
+    before = {n: p.detach().clone() for n, p in fp8.module.named_parameters()}
+    metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in fp8.module.named_parameters())
+    te = any("layer_norm_weight" in n for n in before)
+    print(json.dumps({"te_spec": te, "fp8_loss_finite": math.isfinite(metrics["loss"]),
+                      "mean_abs_logprob_gap": float(gap), "weights_moved": moved}))
+
+
+if __name__ == "__main__":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    main(sys.argv[1], sys.argv[2])
