@@ -183,6 +183,8 @@ class OptimConfig:
     """Sequences per forward/backward microbatch."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss coefficient for MoE routers (0: off)."""
+    logprob_chunk: int = 1024
+    """Compute logprobs from hidden states this many positions at a time (0: from full logits)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer) when DP > 1."""
 

@@ -38,3 +38,53 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         denom = reduce_from_tensor_model_parallel_region(denom)
         weighted = reduce_from_tensor_model_parallel_region(weighted)
     return torch.log(denom) - weighted / denom
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """Per-token logprobs from final hidden states without materialising [tokens × vocab] logits.
+
+    ``hidden`` [b, s, h] (already replicated across TP), ``weight`` this rank's vocabulary shard
+    [V/tp, h], ``labels`` [b, s]. The sequence is processed ``chunk`` positions at a time, each
+    chunk under activation checkpointing: its logits exist only while that chunk's logprobs are
+    computed, in the forward and again in the backward. Peak extra memory is
+    O(b·chunk·V/tp) instead of O(b·s·V/tp).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h, y):
+        return token_logprobs(torch.matmul(h, weight.t()), y, temperature)
+
+    outs = []
+    for start in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, start:start + chunk], labels[:, start:start + chunk]
+        outs.append(checkpoint(piece, h, y, use_reentrant=False) if torch.is_grad_enabled() else piece(h, y))
+    return torch.cat(outs, dim=1)
+
+
+class HiddenOutput(torch.nn.Module):
+    """Stands in for GPTModel's output layer: hands back the final hidden states (prepared for the
+    vocab-parallel product as the real layer would) and keeps the real layer's weight for
+    ``chunked_token_logprobs``."""
+
+    def __init__(self, output_layer: torch.nn.Module, sequence_parallel: bool) -> None:
+        super().__init__()
+        self._inner = (output_layer,)  # not a submodule: parameter names stay 'output_layer.weight'
+        self.weight = output_layer.weight
+        self.sequence_parallel = sequence_parallel
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Checkpoints shard the weight by vocabulary, exactly as the real output layer does."""
+        return self._inner[0].sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden)
+        return hidden, None
