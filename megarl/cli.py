@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides, e.g. optim.lr=3e-5")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.command == "demo" and not args.config:
         args.config = str(DEMO_CONFIG)
     world = int(os.environ.get("WORLD_SIZE", args.nproc)) if args.worker else args.nproc

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from megarl.config import ConfigError, RunConfig, load_config, parse_override, validate
 from megarl.models.tiny import TinyShape, hf_config
 
@@ -119,3 +120,11 @@ def test_fp8_without_transformer_engine_is_a_config_error():
         pytest.skip("gpu: Transformer Engine is importable here; the FP8 path is tested in test_fp8_gpu.py")
     with pytest.raises(ConfigError, match="needs Transformer Engine"):
         validate(load_config(None, ["model.fp8=delayed"]), 1, MOE)
+
+
+def test_cli_accepts_overrides_after_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
+                           "parallel.tp=3"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "parallel.tp × parallel.pp = 3×1 must divide the world size 2" in proc.stderr
