@@ -20,28 +20,15 @@ import torch
 
 def main(action: str, layout: str, model_dir: str, work: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
-    from parallel_checks import LAYOUTS, fixed_batch
+    from parallel_checks import build_trainer, fixed_batch
 
     from megarl.algo.losses import ppo_clip_loss
     from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
     from megarl.config.schema import OptimConfig
-    from megarl.trainer import cpu_adapter
-    from megarl.trainer.model import num_experts, read_hf_config
-    from megarl.trainer.parallel import build_parallel_state
-    from megarl.trainer.policy import PolicyTrainer
+    from megarl.trainer.model import num_experts
     from megarl.weight_sync.export import gather_full_megatron
 
-    spec = dict(LAYOUTS[layout])
-    dispatcher = spec.pop("moe_dispatcher", "alltoall")
-    ps = build_parallel_state(**spec)
-    cpu_adapter.activate()
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = read_hf_config(model_dir)
-    trainer = PolicyTrainer(cfg, model_dir, ps, OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0),
-                            moe_dispatcher=dispatcher)
+    ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0))
     batch = fixed_batch(cfg["vocab_size"])
 
     def loss(lp, mb):

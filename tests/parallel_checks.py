@@ -43,14 +43,12 @@ def fixed_batch(vocab: int, n: int = 8, prompt: int = 5, seq: int = 20):
     return build_batch(prompts, responses, logps, adv, loss_agg="token_mean", seq_len=seq)
 
 
-def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
-    from megarl.algo.losses import ppo_clip_loss, value_loss
-    from megarl.config.schema import OptimConfig
+def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
+    """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights."""
     from megarl.trainer import cpu_adapter
-    from megarl.trainer.model import num_experts, read_hf_config
+    from megarl.trainer.model import read_hf_config
     from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
-    from megarl.weight_sync.export import gather_full_megatron
 
     spec = dict(LAYOUTS[layout])
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
@@ -61,8 +59,17 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = read_hf_config(model_dir)
-    trainer = PolicyTrainer(cfg, model_dir, ps, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
-                            moe_dispatcher=dispatcher, head=head)
+    return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head)
+
+
+def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
+    from megarl.algo.losses import ppo_clip_loss, value_loss
+    from megarl.config.schema import OptimConfig
+    from megarl.trainer.model import num_experts
+    from megarl.weight_sync.export import gather_full_megatron
+
+    ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
+                                     head)
     batch = fixed_batch(cfg["vocab_size"])
     if head == "value":  # the critic regresses onto fixed targets
         batch.old_values = torch.zeros_like(batch.loss_mask)
