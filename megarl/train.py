@@ -44,6 +44,7 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
     t2 = time.time()
     s.engine.update_weights(s.trainer.hf_weights())  # sync
     t3 = time.time()
+    s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
     return {

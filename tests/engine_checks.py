@@ -116,6 +116,7 @@ def main(family: str, workdir: str) -> None:
     acc = EventAccumulator(str(Path(cfg.train.run_dir) / "tb"))
     acc.Reload()
     out["tb_scalars"] = sorted(acc.Tags()["scalars"])
+    out["tb_histograms"] = sorted(acc.Tags()["histograms"])
     out["expected_scalars"] = list(STEP_SCALARS)
     print(json.dumps(out))
 

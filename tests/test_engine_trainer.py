@@ -59,6 +59,8 @@ def test_one_full_rl_step_and_its_scalars(checks):
     assert math.isfinite(m["loss/policy"]) and m["loss/grad_norm"] >= 0.0
     assert m["timing/gen_s"] > 0 and m["timing/train_s"] > 0 and m["timing/sync_s"] > 0
     assert set(checks["expected_scalars"]) <= set(checks["tb_scalars"])
+    assert "rollout/bubble_ratio" in checks["tb_scalars"]
+    assert "rollout/staleness" in checks["tb_histograms"]
 
 
 def test_resumed_greedy_generation_equals_uninterrupted(dense_checks):

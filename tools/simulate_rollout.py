@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     s = SimSettings()
     if args.workload == "sortedrl-paper":
-        s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=16)
+        s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=16,
+                        staleness_limit=4)
         lengths = paper_workload(args.seed, 512, s.group_size, s.max_tokens)
     else:
         lengths = read_lengths(args.lengths)

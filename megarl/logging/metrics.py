@@ -43,6 +43,15 @@ class MetricsLogger:
             self.writer.add_scalar(name, float(value), step)
         self.writer.flush()
 
+    def histogram(self, step: int, name: str, counts: dict[int, int]) -> None:
+        """A TensorBoard histogram from value → count (e.g. staleness in versions → tokens)."""
+        if self.writer is None or not counts:
+            return
+        import numpy as np
+
+        values = np.repeat(np.array(list(counts.keys()), dtype=np.float64), list(counts.values()))
+        self.writer.add_histogram(name, values, step, bins="auto")
+
     def progress(self, step: int, values: dict[str, float], keys: tuple[str, ...]) -> None:
         """``step 3/20 | reward/mean 0.41 | ... | eta 1m12s`` (steps are 1-based here)."""
         if not self.enabled:

@@ -12,7 +12,9 @@ from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.weight_sync.sharding import shard_for_rank, tp_split_dim
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral")
+# Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py). Mixtral
+# (block_sparse_moe.*) and shared experts (Qwen2-MoE) are not mapped yet.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
