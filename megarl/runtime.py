@@ -27,7 +27,7 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.addition import exact_answer
 from megarl.rewards.base import RewardRunner
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source
+from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source, tracking_scorer
 from megarl.trainer import cpu_adapter
 from megarl.trainer.model import read_hf_config
 from megarl.trainer.parallel import ParallelState, build_parallel_state
@@ -106,11 +106,7 @@ def build_session(cfg: RunConfig) -> Session:
         draw = (CurriculumSource(pool, lambda p: p.prompt, tracker, cfg.algo.curriculum_eps, seed=d.seed)
                 if cfg.algo.curriculum else None)
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
-        base_score = score
-
-        def score(group):  # noqa: F811  (the scorer also feeds the pass-rate tracker)
-            base_score(group)
-            tracker.update(group.prompt_text, [s.reward for s in group.samples])
+        score = tracking_scorer(score, tracker)
     else:
         source = task_prompt_source(task, tokenizer)
     controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), source, score)

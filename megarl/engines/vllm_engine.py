@@ -90,9 +90,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
+def _sampled_logprobs(c) -> list[float]:
+    """The logprob of each sampled token (vLLM returns, per position, a dict that includes it)."""
+    return [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
+
+
 def _completion(c) -> Completion:
-    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
-    return Completion(token_ids=list(c.token_ids), logprobs=logprobs, finish_reason=c.finish_reason or "abort")
+    return Completion(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
 
 
 def _repack_moe(model: torch.nn.Module) -> None:
@@ -154,8 +158,7 @@ class VLLMSlotEngine:
             if out.request_id not in self._active:
                 continue
             c = out.outputs[0]
-            logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
-            ev = TokenEvent(out.request_id, list(c.token_ids), logprobs)
+            ev = TokenEvent(out.request_id, list(c.token_ids), _sampled_logprobs(c))
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)

@@ -47,3 +47,13 @@ def group_scorer(tokenizer, rewards: RewardRunner) -> Callable[[Group], None]:
             s.reward = r
 
     return score
+
+
+def tracking_scorer(score: Callable[[Group], None], tracker) -> Callable[[Group], None]:
+    """``score`` that also feeds each released group's rewards to a pass-rate tracker."""
+
+    def scored_and_tracked(group: Group) -> None:
+        score(group)
+        tracker.update(group.prompt_text, [s.reward for s in group.samples])
+
+    return scored_and_tracked
