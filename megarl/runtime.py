@@ -8,7 +8,6 @@ vLLM engine (it patches torch.cuda on CPU) → the CPU adapter for megatron-core
 from __future__ import annotations
 
 import json
-import os
 import random
 import warnings
 from dataclasses import dataclass, replace
@@ -138,9 +137,3 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
     keep = is_informative if cfg.algo.dynamic_sampling else None
     return RolloutController(ccfg, [engine], next_prompt, score=score, keep_group=keep)
 
-
-def configure_threads() -> None:
-    """One BLAS/OpenMP thread per process when several share the machine (faster on 2 cores)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")

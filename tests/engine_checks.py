@@ -21,6 +21,7 @@ import torch
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
 from megarl.config import load_config
+from megarl.data import encode
 from megarl.engines.base import GenerationRequest
 from megarl.engines.vllm_engine import _repack_moe
 from megarl.logging.metrics import STEP_SCALARS
@@ -31,7 +32,7 @@ from megarl.train import rl_step
 
 def sample_batch(s, seed):
     problems = s.task.next_problems(4)
-    prompts = [s.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    prompts = [encode(s.tokenizer, p.prompt) for p in problems]
     reqs = [GenerationRequest(p, n=4, max_tokens=24, temperature=s.cfg.rollout.temperature) for p in prompts]
     outs = s.engine.generate(reqs, seed=seed)
     P = [r.prompt_ids for r, cs in zip(reqs, outs) for _ in cs]
@@ -50,7 +51,7 @@ def partial_greedy_resume(s) -> dict:
     """Greedy samples generated under the controller in partial mode with tiny phases (so they are
     interrupted and resumed) versus the same prompts generated in one go."""
     problems = s.task.next_problems(6)
-    items = [PromptItem(i, s.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for i, p in enumerate(problems)]
+    items = [PromptItem(i, encode(s.tokenizer, p.prompt)) for i, p in enumerate(problems)]
     source = iter(items)
     cfg = ControllerConfig(mode="partial", group_size=2, update_groups=1, rollout_groups=3, max_tokens=20,
                            temperature=0.0, staleness_limit=100, token_budget=8)

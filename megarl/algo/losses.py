@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is 1 (0 when the mask is empty)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -35,10 +36,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     if is_weight is not None:
         objective = objective * is_weight.detach()
     metrics = {
-        "clip_frac": _masked_mean((clipped < unclipped).float(), mask),
-        "dual_clip_frac": _masked_mean(dual, mask),
-        "ratio_mean": _masked_mean(ratio, mask),
-        "approx_kl": _masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+        "clip_frac": masked_mean((clipped < unclipped).float(), mask),
+        "dual_clip_frac": masked_mean(dual, mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
     }
     return -objective * mask, metrics
 
@@ -90,13 +91,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     if clip > 0:
         clipped = old_values + torch.clamp(values - old_values, -clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    return 0.5 * err * mask, {"value_mse": _masked_mean((values - returns) ** 2, mask)}
+    return 0.5 * err * mask, {"value_mse": masked_mean((values - returns) ** 2, mask)}
 
 
 def nll_loss(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Supervised next-token loss ℓ_t = −log p(y_t) (warm-up; VAPO's positive-example LM term)."""
     loss = -logp * mask
-    return loss, {"nll": loss.sum() / mask.sum().clamp(min=1)}
+    return loss, {"nll": masked_mean(-logp, mask)}
 
 
 def truncated_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 
 from megarl.algo.advantage import grpo_advantages, rloo_advantages
 from megarl.algo.filters import soft_overlong_penalty
-from megarl.algo.losses import gspo_loss, kl_penalty, ppo_clip_loss, value_loss
+from megarl.algo.losses import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from megarl.config.schema import AlgoConfig
 from megarl.types import Group
 
@@ -61,11 +61,11 @@ def policy_loss_fn(a: AlgoConfig):
         if a.kl_coef:
             kl = kl_penalty(logp, mb["ref_logprobs"], a.kl_estimator) * mask
             per_token = per_token + a.kl_coef * kl
-            metrics["kl_ref"] = kl.sum() / mask.sum().clamp(min=1)
+            metrics["kl_ref"] = masked_mean(kl, mask)
         if a.entropy_coef:
             per_token = per_token - a.entropy_coef * mb["entropy"] * mask
         if "entropy" in mb:
-            metrics["entropy"] = (mb["entropy"] * mask).sum() / mask.sum().clamp(min=1)
+            metrics["entropy"] = masked_mean(mb["entropy"], mask)
         if a.positive_nll_coef:
             per_token = per_token - a.positive_nll_coef * logp * mb["positive"]
         return per_token, metrics

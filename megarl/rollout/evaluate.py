@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megarl.data import encode
 from megarl.data.addition import Problem
 from megarl.engines.base import Engine, GenerationRequest
 from megarl.rewards.base import RewardRunner
@@ -11,7 +12,7 @@ def greedy_pass_at_1(engine: Engine, tokenizer, problems: list[Problem], max_tok
     """Fraction of problems whose greedy response earns reward 1."""
     if not problems:
         return 0.0
-    requests = [GenerationRequest(tokenizer(p.prompt, add_special_tokens=False)["input_ids"], n=1,
+    requests = [GenerationRequest(encode(tokenizer, p.prompt), n=1,
                                   max_tokens=max_tokens, greedy=True) for p in problems]
     outs = engine.generate(requests, seed=0)
     texts = [tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]

@@ -6,6 +6,7 @@ import itertools
 import random
 from collections.abc import Callable
 
+from megarl.data import encode
 from megarl.rewards.base import RewardRunner
 from megarl.rollout.controller import PromptItem
 from megarl.types import Group
@@ -17,7 +18,7 @@ def task_prompt_source(task, tokenizer) -> Callable[[], PromptItem]:
 
     def next_prompt() -> PromptItem:
         problem = task.next_problem()
-        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        ids = encode(tokenizer, problem.prompt)
         return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
 
     return next_prompt
@@ -30,7 +31,7 @@ def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], obje
 
     def next_prompt() -> PromptItem:
         problem = draw() if draw is not None else rng.choice(pool)
-        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        ids = encode(tokenizer, problem.prompt)
         return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
 
     return next_prompt

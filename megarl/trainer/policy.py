@@ -73,9 +73,10 @@ class PolicyTrainer:
         if self.chunk and ps.is_last_stage:
             module.output_layer = HiddenOutput(module.output_layer, ps.sequence_parallel)
         self.tcfg = module.config
+        distributed = optim.distributed_optimizer and ps.dp > 1
         self.model = DistributedDataParallel(
             config=self.tcfg,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer and ps.dp > 1),
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
             module=module,
         )
         self.tcfg.no_sync_func = self.model.no_sync
@@ -93,7 +94,7 @@ class PolicyTrainer:
                 adam_beta1=optim.adam_beta1,
                 adam_beta2=optim.adam_beta2,
                 clip_grad=optim.grad_clip,
-                use_distributed_optimizer=optim.distributed_optimizer and ps.dp > 1,
+                use_distributed_optimizer=distributed,
                 params_dtype=torch.float32,
             ),
             [self.model],

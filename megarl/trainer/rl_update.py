@@ -29,13 +29,18 @@ class Learners:
     reference: PolicyTrainer | None = None
 
 
+def norm_tokens(cfg: RunConfig) -> int:
+    """Dr. GRPO's constant normaliser: ``algo.loss_norm_tokens``, by default the length cap."""
+    return cfg.algo.loss_norm_tokens or cfg.rollout.max_new_tokens
+
+
 def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[TrainBatch, torch.Tensor]:
     """All samples of the groups as one batch (behaviour logprobs as ``old_logprobs``), and [groups, G] rewards."""
     a = cfg.algo
     samples = [s for g in groups for s in g.samples]
     batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
-                        norm_tokens=a.loss_norm_tokens or cfg.rollout.max_new_tokens)
+                        norm_tokens=norm_tokens(cfg))
     if a.overlong_filter:
         batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)
     rewards = shaped_rewards(groups, a, cfg.rollout.max_new_tokens)
@@ -52,7 +57,7 @@ def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, s
     steps = minibatch_rows(priority, a.minibatches, a.ppo_epochs, a.prioritized_replay, gen)
     for rows in steps:
         mb = batch.select(rows) if len(steps) > 1 else batch
-        mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, a.loss_norm_tokens or cfg.rollout.max_new_tokens)
+        mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, norm_tokens(cfg))
         for k, v in learner.train_step(mb, loss_fn).items():
             metrics[k] = metrics.get(k, 0.0) + v / len(steps)
     return metrics

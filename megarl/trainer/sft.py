@@ -6,6 +6,7 @@ import time
 
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
+from megarl.data import encode
 from megarl.trainer.policy import PolicyTrainer
 
 
@@ -17,8 +18,8 @@ def supervised_warmup(trainer: PolicyTrainer, tokenizer, task, steps: int, batch
     history, start = [], time.time()
     for step in range(1, steps + 1):
         problems = task.next_problems(batch_size)
-        prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
-        responses = [tokenizer(p.response, add_special_tokens=False)["input_ids"] + [eos] for p in problems]
+        prompts = [encode(tokenizer, p.prompt) for p in problems]
+        responses = [encode(tokenizer, p.response) + [eos] for p in problems]
         batch = build_batch(prompts, responses, loss_agg="token_mean", pad_id=tokenizer.pad_token_id)
         metrics = trainer.train_step(batch, lambda logp, mb: nll_loss(logp, mb["loss_mask"]))
         history.append(metrics.get("nll", float("nan")))

@@ -33,7 +33,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+from megarl.weight_sync.sharding import LAYER_NAME
+
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -91,7 +92,7 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iter
         if name in _GLOBAL:
             yield _GLOBAL[name], t
             continue
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m is None:
             raise KeyError(f"no HF name for Megatron parameter {name!r}")
         layer, rest = m.groups()

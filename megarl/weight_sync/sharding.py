@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")  # Megatron: layer index, rest
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
@@ -81,7 +81,7 @@ def shard_for_rank(full: dict[str, torch.Tensor], num_layers: int, num_experts: 
     per_ep = num_experts // c.ep_size if num_experts else 0
     out = {}
     for name, t in full.items():
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m is None:
             is_first, is_last = c.pp_rank == 0, c.pp_rank == c.pp_size - 1
             if name.startswith("embedding.") and not is_first:
@@ -108,7 +108,7 @@ def shard_for_rank(full: dict[str, torch.Tensor], num_layers: int, num_experts: 
 
 def global_name(local: str, num_layers: int, num_experts: int, c: RankCoords) -> str:
     """A rank's local parameter name → the global one (layer and expert indices)."""
-    m = _LAYER.match(local)
+    m = LAYER_NAME.match(local)
     if m is None:
         return local
     layer = int(m.group(1)) + c.pp_rank * layers_per_stage(num_layers, c.pp_size)
