@@ -17,7 +17,7 @@ def family_checks(family: str, tmp_path_factory) -> dict:
     return _RESULTS[family]
 
 
-@pytest.fixture(params=["qwen3_moe", "qwen2"])
+@pytest.fixture(params=["qwen3_moe", "qwen2", "mixtral", "qwen2_moe"])
 def checks(request, tmp_path_factory):
     return family_checks(request.param, tmp_path_factory)
 

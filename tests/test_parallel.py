@@ -16,6 +16,7 @@ LAYOUTS = [
     ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "dp2"),
     ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
     ("qwen3_moe", "ep2_alltoall"), ("qwen3_moe", "ep2_allgather"),
+    ("mixtral", "ep2_alltoall"), ("qwen2_moe", "tp2_sp"), ("qwen2_moe", "ep2_allgather"), ("qwen2_moe", "pp2"),
 ]
 _RUNS: dict = {}
 
@@ -23,7 +24,7 @@ _RUNS: dict = {}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
-    return {f: make_tiny_model(root / f, TinyShape(family=f), seed=3) for f in ("qwen2", "qwen3_moe")}, root
+    return {f: make_tiny_model(root / f, TinyShape(family=f), seed=3) for f in ("qwen2", "qwen3_moe", "mixtral", "qwen2_moe")}, root
 
 
 def run(models, family, layout, head="lm"):

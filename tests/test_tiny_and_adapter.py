@@ -3,6 +3,8 @@ import hashlib
 import pytest
 import torch
 
+from conftest import run_script
+from megarl.config.schema import TINY_FAMILIES
 from megarl.models.tiny import TinyShape, build_tokenizer, hf_config, make_tiny_model, random_weights
 from megarl.weight_sync.hf_adapter import (
     hf_to_megatron,
@@ -13,7 +15,7 @@ from megarl.weight_sync.hf_adapter import (
 )
 from megarl.weight_sync.sharding import RankCoords, global_name, join_tp_shards, shard_for_rank
 
-FAMILIES = ["qwen3_moe", "qwen2"]
+FAMILIES = list(TINY_FAMILIES)
 
 
 def digest(path):
@@ -96,3 +98,30 @@ def test_shards_reassemble_to_the_full_model(tp, pp, ep):
 def test_load_hf_state_dict_errors_name_the_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_hf_state_dict(str(tmp_path))
+
+
+def test_megatron_logprobs_equal_transformers_for_every_family(tmp_path):
+    """Routing (renormalised or not), Mixtral's names, Qwen2-MoE's gated shared expert and its
+    dense ``mlp_only_layers`` layer all mean what transformers means by them."""
+    gaps = run_script(["tests/hf_parity_checks.py", str(tmp_path), *FAMILIES])
+    assert gaps.keys() == set(FAMILIES)
+    for family, g in gaps.items():
+        assert g["scale"] > 1.0, family  # large random weights: a wrong path would show
+        assert g["gap"] <= 1e-5 * g["scale"], (family, g)
+
+
+def test_mixtral_and_shared_expert_names():
+    mixtral = hf_config(TinyShape(family="mixtral"), eos_id=1, pad_id=0)
+    names = set(random_weights(mixtral, 0, 0.02))
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+    assert not any(".mlp." in n for n in names)
+    meg = hf_to_megatron(random_weights(mixtral, 0, 0.02), mixtral)
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in meg
+    assert "decoder.layers.0.mlp.router.weight" in meg
+    qmoe = hf_config(TinyShape(family="qwen2_moe"), eos_id=1, pad_id=0)
+    meg = hf_to_megatron(random_weights(qmoe, 0, 0.02), qmoe)
+    last = qmoe["num_hidden_layers"] - 1
+    assert meg["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (2 * 192, 128)
+    assert meg["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, 128)
+    assert f"decoder.layers.{last}.mlp.linear_fc1.weight" in meg  # mlp_only_layers: dense
+    assert not any(k.startswith(f"decoder.layers.{last}.mlp.router") for k in meg)

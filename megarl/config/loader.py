@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from megarl.config.presets import PRESETS
-from megarl.config.schema import RunConfig
+from megarl.config.schema import TINY_FAMILIES, RunConfig
 
 
 class _Loader(yaml.SafeLoader):
@@ -166,8 +166,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     _validate_algo(cfg)
     _validate_fp8(cfg.model.fp8)
-    if cfg.model.make_tiny not in ("", "qwen3_moe", "qwen2"):
-        raise ConfigError(f"model.make_tiny must be '', 'qwen3_moe' or 'qwen2', got {cfg.model.make_tiny!r}")
+    if cfg.model.make_tiny not in ("", *TINY_FAMILIES):
+        raise ConfigError(f"model.make_tiny must be '' or one of {', '.join(TINY_FAMILIES)}, got {cfg.model.make_tiny!r}")
     if cfg.data.task != "addition":
         raise ConfigError(f"data.task {cfg.data.task!r} is not known; valid: 'addition'")
     if hf_config is not None:

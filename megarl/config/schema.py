@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TINY_FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen2_moe")
+"""Families ``megarl.models.tiny`` can build (``model.make_tiny``)."""
+
 
 @dataclass
 class ModelConfig:
     path: str = "runs/tiny_moe/model"
     """HF checkpoint directory (config.json, *.safetensors, tokenizer) of the policy."""
     make_tiny: str = ""
-    """If set ('qwen3_moe' or 'qwen2') and ``path`` holds no checkpoint, create a tiny one there."""
+    """If set ('qwen3_moe', 'qwen2', 'mixtral', 'qwen2_moe') and ``path`` holds no checkpoint, create a tiny one there."""
     seed: int = 0
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
     fp8: str = ""
@@ -183,6 +186,8 @@ class OptimConfig:
     """Sequences per forward/backward microbatch."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss coefficient for MoE routers (0: off)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (ST-MoE: penalises large router logits; 0: off)."""
     logprob_chunk: int = 1024
     """Compute logprobs from hidden states this many positions at a time (0: from full logits)."""
     distributed_optimizer: bool = True

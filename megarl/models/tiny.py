@@ -1,9 +1,12 @@
 """Tiny, real HF checkpoints built locally: config.json, safetensors weights, a tokenizer.
 
-Two families, both deterministic by seed and never downloaded:
+Four families, each deterministic by seed and never downloaded:
 
 - ``qwen3_moe``: Qwen3-MoE style (q/k RMSNorm, routed experts, no biases);
-- ``qwen2``: Qwen2 style dense (bias on q/k/v only).
+- ``qwen2``: Qwen2 style dense (bias on q/k/v only);
+- ``mixtral``: Mixtral style MoE (``block_sparse_moe.*`` names, experts ``w1``/``w3``/``w2``);
+- ``qwen2_moe``: Qwen2-MoE style (a sigmoid-gated shared expert beside the routed ones,
+  un-renormalised top-k, and the last layer dense through ``mlp_only_layers``).
 
 The tokenizer is a character vocabulary (the task's alphabet plus ``<pad>`` and
 ``<|endoftext|>``) wrapped as a ``PreTrainedTokenizerFast``. Weights are drawn
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from megarl.config.schema import TINY_FAMILIES as FAMILIES
 from megarl.data.addition import ALPHABET
 
 PAD, EOS = "<pad>", "<|endoftext|>"
@@ -41,6 +45,7 @@ class TinyShape:
     num_experts: int = 4
     experts_per_token: int = 2
     moe_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 192
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -84,21 +89,46 @@ def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    moe = {
+        "num_experts_per_tok": shape.experts_per_token,
+        "router_aux_loss_coef": 0.001,
+    }
     if shape.family == "qwen3_moe":
         return {
-            **common,
+            **common, **moe,
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
             "head_dim": shape.head_dim,
             "intermediate_size": shape.intermediate_size,
             "moe_intermediate_size": shape.moe_intermediate_size,
             "num_experts": shape.num_experts,
-            "num_experts_per_tok": shape.experts_per_token,
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "attention_bias": False,
-            "router_aux_loss_coef": 0.001,
+        }
+    if shape.family == "qwen2_moe":
+        return {
+            **common, **moe,
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "model_type": "qwen2_moe",
+            "intermediate_size": shape.intermediate_size,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            "shared_expert_intermediate_size": shape.shared_expert_intermediate_size,
+            "num_experts": shape.num_experts,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [shape.num_layers - 1],
+        }
+    if shape.family == "mixtral":
+        return {
+            **common, **moe,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "head_dim": shape.head_dim,
+            "intermediate_size": shape.moe_intermediate_size,
+            "num_local_experts": shape.num_experts,
+            "sliding_window": None,
         }
     if shape.family == "qwen2":
         return {
@@ -107,18 +137,28 @@ def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
             "model_type": "qwen2",
             "intermediate_size": shape.intermediate_size,
         }
-    raise ValueError(f"unknown tiny model family {shape.family!r}; valid: 'qwen3_moe', 'qwen2'")
+    raise ValueError(f"unknown tiny model family {shape.family!r}; valid: {', '.join(FAMILIES)}")
 
 
 def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of an HF checkpoint of this config (qwen2 / qwen3_moe)."""
+    """Every tensor name and shape of an HF checkpoint of this config (the families above)."""
+    from megarl.trainer.model import is_moe_layer, num_experts
+
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim", h // heads)
+    d = cfg.get("head_dim") or h // heads
+    kind = cfg["model_type"]
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (cfg["vocab_size"], h),
         "model.norm.weight": (h,),
         "lm_head.weight": (cfg["vocab_size"], h),
     }
+
+    def mlp(prefix: str, ffn: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+        gate, up, down = names
+        shapes[f"{prefix}{gate}.weight"] = (ffn, h)
+        shapes[f"{prefix}{up}.weight"] = (ffn, h)
+        shapes[f"{prefix}{down}.weight"] = (h, ffn)
+
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
@@ -127,25 +167,26 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv * d, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, heads * d)
-        if cfg["model_type"] == "qwen2":
+        if kind in ("qwen2", "qwen2_moe"):
             shapes[p + "self_attn.q_proj.bias"] = (heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (kv * d,)
             shapes[p + "self_attn.v_proj.bias"] = (kv * d,)
-        if cfg["model_type"] == "qwen3_moe":
+        if kind == "qwen3_moe":
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
-            ffn = cfg["moe_intermediate_size"]
-            for e in range(cfg["num_experts"]):
-                q = f"{p}mlp.experts.{e}."
-                shapes[q + "gate_proj.weight"] = (ffn, h)
-                shapes[q + "up_proj.weight"] = (ffn, h)
-                shapes[q + "down_proj.weight"] = (h, ffn)
+        if not is_moe_layer(cfg, i):
+            mlp(p + "mlp.", cfg["intermediate_size"])
+        elif kind == "mixtral":
+            shapes[p + "block_sparse_moe.gate.weight"] = (num_experts(cfg), h)
+            for e in range(num_experts(cfg)):
+                mlp(f"{p}block_sparse_moe.experts.{e}.", cfg["intermediate_size"], ("w1", "w3", "w2"))
         else:
-            ffn = cfg["intermediate_size"]
-            shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
-            shapes[p + "mlp.up_proj.weight"] = (ffn, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, ffn)
+            shapes[p + "mlp.gate.weight"] = (num_experts(cfg), h)
+            for e in range(num_experts(cfg)):
+                mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+            if cfg.get("shared_expert_intermediate_size"):
+                mlp(p + "mlp.shared_expert.", cfg["shared_expert_intermediate_size"])
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -12,9 +12,8 @@ from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.weight_sync.sharding import shard_for_rank, tp_split_dim
 
-# Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py). Mixtral
-# (block_sparse_moe.*) and shared experts (Qwen2-MoE) are not mapped yet.
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")
+# Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py).
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "mixtral")
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -34,11 +33,18 @@ def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def is_moe_layer(cfg: dict, layer: int) -> bool:
+    """Whether global layer ``layer`` has routed experts (Qwen-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step`` make some layers dense; Mixtral's are all sparse)."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return num_experts(cfg) > 0 and layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
 def rope_theta(cfg: dict) -> float:
     return float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
 
 
-def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float = 0.0,
+def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                        moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32, fp8: str = ""):
     """megatron-core TransformerConfig for an HF config and a parallel layout."""
     from megatron.core.transformer import TransformerConfig
@@ -56,7 +62,11 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
             moe_token_dispatcher_type=moe_dispatcher,
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_z_loss_coeff=moe_z_loss_coeff or None,
             moe_grouped_gemm=False,
+            # Qwen2-MoE: one shared expert beside the routed ones, scaled by sigmoid(w·h).
+            moe_shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or None,
+            moe_shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")),
         )
     return TransformerConfig(
         num_layers=cfg["num_hidden_layers"],
@@ -70,7 +80,7 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=cfg["model_type"] == "qwen2",
+        add_qkv_bias=cfg["model_type"] in ("qwen2", "qwen2_moe"),
         qk_layernorm=cfg["model_type"] in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -122,13 +132,18 @@ class QKTorchNorm(TorchNorm):
         return module
 
 
-def layer_spec(tcfg, ps: ParallelState):
-    """The block spec of this pipeline stage: megatron's local layer spec with ``TorchNorm`` norms."""
+def stage_layers(cfg: dict, ps: ParallelState) -> list[int]:
+    """Global indices of the layers this pipeline stage holds."""
+    per_stage = cfg["num_hidden_layers"] // ps.pp
+    return list(range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage))
+
+
+def _local_spec(tcfg, moe: bool):
+    """megatron's local layer spec (dense or MoE) with ``TorchNorm`` norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = get_gpt_layer_local_spec(
-        num_experts=tcfg.num_moe_experts,
+        num_experts=tcfg.num_moe_experts if moe else None,
         moe_grouped_gemm=False,
         qk_layernorm=tcfg.qk_layernorm,
         normalization="RMSNorm",
@@ -137,16 +152,26 @@ def layer_spec(tcfg, ps: ParallelState):
     sub.input_layernorm = sub.pre_mlp_layernorm = TorchNorm
     if tcfg.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = QKTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * (tcfg.num_layers // ps.pp), layer_norm=TorchNorm)
+    return spec
 
 
-def te_layer_spec(tcfg):
+def layer_spec(tcfg, cfg: dict, layers: list[int], te: bool = False):
+    """The block spec of ``layers`` (global indices): each layer dense or MoE as the HF config says;
+    megatron's local spec with ``TorchNorm`` norms, or Transformer Engine's under FP8."""
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    make = te_layer_spec if te else _local_spec
+    specs = {moe: make(tcfg, moe) for moe in (False, True)}
+    return TransformerBlockSubmodules(layer_specs=[specs[is_moe_layer(cfg, i)] for i in layers],
+                                      layer_norm=LayerNormImpl if te else TorchNorm)
+
+
+def te_layer_spec(tcfg, moe: bool):
     """Transformer Engine's layer spec (fused norm+linear, FP8-capable GEMMs, grouped expert GEMMs)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(
-        num_experts=tcfg.num_moe_experts, moe_grouped_gemm=bool(tcfg.num_moe_experts),
-        qk_layernorm=tcfg.qk_layernorm)
+        num_experts=tcfg.num_moe_experts if moe else None, moe_grouped_gemm=moe, qk_layernorm=tcfg.qk_layernorm)
 
 
 def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
@@ -154,7 +179,7 @@ def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
     from megatron.core.models.gpt import GPTModel
 
     tcfg = transformer_config(cfg, ps, **kwargs)
-    spec = te_layer_spec(tcfg) if tcfg.fp8 else layer_spec(tcfg, ps)
+    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps), te=bool(tcfg.fp8))
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,

@@ -60,8 +60,8 @@ class PolicyTrainer:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
-        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff, moe_dispatcher=moe_dispatcher,
-                                 fp8=fp8)
+        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
+                                 moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8)
         if head == "value" and ps.is_last_stage:
             module.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
         load_hf_weights(module, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())

@@ -1,4 +1,4 @@
-"""The HF adapter of the Qwen/Llama families: Megatron-core names and layouts ⇄ HF names.
+"""The HF adapter of the Qwen/Llama/Mistral families: Megatron-core names and layouts ⇄ HF names.
 
 One map, shared by the offline conversion tools and the online weight sync. It
 works on *full* (unsharded) tensors with *global* layer and expert indices;
@@ -21,9 +21,15 @@ decoder.layers.L.mlp.linear_fc1.weight            cat(mlp.gate_proj, mlp.up_proj
 decoder.layers.L.mlp.linear_fc2.weight            mlp.down_proj
 decoder.layers.L.mlp.router.weight                mlp.gate.weight (MoE)
 ...mlp.experts.local_experts.E.linear_fc1/fc2     mlp.experts.E.{gate_proj,up_proj}/down_proj
+decoder.layers.L.mlp.shared_experts.linear_fc1/2  mlp.shared_expert.{gate_proj,up_proj}/down_proj
+decoder.layers.L.mlp.shared_experts.gate_weight   mlp.shared_expert_gate.weight (Qwen2-MoE)
 decoder.final_layernorm.weight                    model.norm.weight
 output_layer.weight                               lm_head.weight
 ===============================================  =================================================
+
+Mixtral names its MoE block ``block_sparse_moe`` and its experts' projections ``w1`` (gate),
+``w3`` (up), ``w2`` (down); those names are renamed to the Qwen-MoE ones on the way in and
+back on the way out, so the table above serves both.
 """
 
 from __future__ import annotations
@@ -48,7 +54,12 @@ _SIMPLE = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+# Gated MLPs: Megatron's fused linear_fc1 = cat(gate_proj, up_proj) under this HF prefix.
+_FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
+_FC1_BACK = {f"{hf}{proj}.weight": fc1 for fc1, hf in _FC1.items() for proj in ("gate_proj", "up_proj")}
 _SIMPLE_BACK = {v: k for k, v in _SIMPLE.items()}
 # Transformer Engine's spec fuses these norms into the following linear (export direction only).
 _SIMPLE["self_attention.linear_qkv.layer_norm_weight"] = "input_layernorm.weight"
@@ -59,6 +70,30 @@ _GLOBAL = {
     "output_layer.weight": "lm_head.weight",
 }
 _GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
+
+
+# Mixtral's MoE block: block_sparse_moe.{gate, experts.E.w1|w3|w2} ⇄ mlp.{gate, experts.E.*_proj}.
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_IN = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w1|w3|w2))\.weight$")
+_MIXTRAL_OUT = re.compile(r"\.mlp\.(gate|experts\.\d+\.(gate_proj|up_proj|down_proj))\.weight$")
+
+
+def _from_mixtral(name: str) -> str:
+    def sub(m):
+        body = m.group(1) if m.group(2) is None else m.group(1)[: -len(m.group(2))] + _MIXTRAL_PROJ[m.group(2)]
+        return f".mlp.{body}.weight"
+
+    return _MIXTRAL_IN.sub(sub, name)
+
+
+def _to_mixtral(name: str) -> str:
+    back = {v: k for k, v in _MIXTRAL_PROJ.items()}
+
+    def sub(m):
+        body = m.group(1) if m.group(2) is None else m.group(1)[: -len(m.group(2))] + back[m.group(2)]
+        return f".block_sparse_moe.{body}.weight"
+
+    return _MIXTRAL_OUT.sub(sub, name)
 
 
 def head_layout(cfg: dict) -> tuple[int, int, int]:
@@ -88,6 +123,13 @@ def qkv_from_megatron(qkv: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch
 
 def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Full Megatron tensors (global layer / expert indices) → HF (name, tensor) pairs."""
+    pairs = _megatron_to_qwen_names(named, cfg)
+    if cfg.get("model_type") == "mixtral":
+        return ((_to_mixtral(name), t) for name, t in pairs)
+    return pairs
+
+
+def _megatron_to_qwen_names(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in named:
         if name in _GLOBAL:
             yield _GLOBAL[name], t
@@ -104,10 +146,10 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iter
             kind = rest.rsplit(".", 1)[1]  # weight | bias
             q, k, v = qkv_from_megatron(t, cfg)
             yield from ((f"{p}self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v)))
-        elif rest == "mlp.linear_fc1.weight":
+        elif rest in _FC1:
             gate, up = torch.chunk(t, 2, dim=0)
-            yield p + "mlp.gate_proj.weight", gate
-            yield p + "mlp.up_proj.weight", up
+            yield p + _FC1[rest] + "gate_proj.weight", gate
+            yield p + _FC1[rest] + "up_proj.weight", up
         elif e is not None:
             expert, fc = e.groups()
             q = f"{p}mlp.experts.{expert}."
@@ -123,6 +165,8 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iter
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
     """An HF state dict → full Megatron tensors with global layer / expert indices."""
+    if cfg.get("model_type") == "mixtral":
+        hf = {_from_mixtral(name): t for name, t in hf.items()}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
@@ -147,9 +191,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Te
             kind = rest.rsplit(".", 1)[1]
             q, k, v = (pending.pop(f"{p}self_attn.{n}_proj.{kind}") for n in "qkv")
             out[f"{mp}self_attention.linear_qkv.{kind}"] = qkv_to_megatron(q, k, v, cfg)
-        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            gate, up = pending.pop(p + "mlp.gate_proj.weight"), pending.pop(p + "mlp.up_proj.weight")
-            out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        elif rest in _FC1_BACK:
+            hp = p + _FC1[_FC1_BACK[rest]]
+            gate, up = pending.pop(hp + "gate_proj.weight"), pending.pop(hp + "up_proj.weight")
+            out[mp + _FC1_BACK[rest]] = torch.cat([gate, up], dim=0)
         elif e is not None:
             expert, proj = e.groups()
             q, mq = f"{p}mlp.experts.{expert}.", f"{mp}mlp.experts.local_experts.{expert}."
