@@ -72,7 +72,7 @@ def build_session(cfg: RunConfig) -> Session:
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     p = cfg.parallel
-    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel)
+    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel, p.vpp)
     if ps.rank == 0:
         ensure_model(cfg)
     dist.barrier()

@@ -22,7 +22,7 @@ from megarl.weight_sync.hf_adapter import save_hf_checkpoint
 
 
 def snapshot(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.modules[0].named_parameters()}
 
 
 def main(workdir: str) -> None:

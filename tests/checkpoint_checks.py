@@ -41,7 +41,7 @@ def main(action: str, layout: str, model_dir: str, work: str) -> None:
     else:
         load_checkpoint(trainer, ckpt)
     trainer.train_step(batch, loss)
-    full = gather_full_megatron(trainer.module, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    full = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], num_experts(cfg))
     if ps.rank == 0:
         torch.save(full, os.path.join(work, "expected.pt" if action == "save" else "got.pt"))
         print(json.dumps({"ok": True, "action": action, "layout": layout}), flush=True)

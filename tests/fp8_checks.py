@@ -36,9 +36,9 @@ def main(recipe: str, work: str) -> None:
     ref = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), trainable=False)
     fp8 = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), fp8=recipe)
     gap = ((ref.logprobs(batch) - fp8.logprobs(batch)).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
-    before = {n: p.detach().clone() for n, p in fp8.module.named_parameters()}
+    before = {n: p.detach().clone() for n, p in fp8.modules[0].named_parameters()}
     metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
-    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in fp8.module.named_parameters())
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in fp8.modules[0].named_parameters())
     te = any("layer_norm_weight" in n for n in before)
     print(json.dumps({"te_spec": te, "fp8_loss_finite": math.isfinite(metrics["loss"]),
                       "mean_abs_logprob_gap": float(gap), "weights_moved": moved}))

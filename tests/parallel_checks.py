@@ -24,6 +24,7 @@ LAYOUTS = {
     "tp2_sp": dict(tp=2, sequence_parallel=True),
     "tp2_full_logits": dict(tp=2, logprob_chunk=0),
     "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
     "dp2": dict(),
     "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
     "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
@@ -90,7 +91,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
         return ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28)
 
     metrics = trainer.train_step(batch, loss)
-    full = gather_full_megatron(trainer.module, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    full = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], num_experts(cfg))
     os.makedirs(out_dir, exist_ok=True)
     if ps.rank == 0:
         torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))

@@ -13,6 +13,8 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 CASES = [
     ("qwen2", "tp2", "single"),
     ("qwen2", "pp2", "single"),
+    ("qwen3_moe", "pp2_vpp2", "single"),  # interleaved chunks ('model0', 'model1') into one model
+    ("qwen2", "single", "pp2_vpp2"),
     ("qwen2", "dp2", "single"),
     ("qwen3_moe", "ep2_alltoall", "single"),  # the MoE chained-optimizer case (chained_0. prefixes)
     ("qwen3_moe", "single", "tp2_sp"),

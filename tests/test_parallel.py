@@ -13,7 +13,8 @@ from conftest import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
 LAYOUTS = [
-    ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "dp2"),
+    ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "pp2_vpp2"),
+    ("qwen2", "dp2"), ("qwen3_moe", "pp2_vpp2"),
     ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
     ("qwen3_moe", "ep2_alltoall"), ("qwen3_moe", "ep2_allgather"),
     ("mixtral", "ep2_alltoall"), ("qwen2_moe", "tp2_sp"), ("qwen2_moe", "ep2_allgather"), ("qwen2_moe", "pp2"),
@@ -72,7 +73,7 @@ def test_one_step_moves_the_weights(models):
     assert 5e-6 < moved < 1e-4  # one Adam step of lr 1e-5: the match above is not vacuous
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "pp2_vpp2"])
 def test_critic_forward_backward_matches_single_process(models, layout):
     ref = run(models, "qwen2", "single", head="value")
     got = run(models, "qwen2", layout, head="value")

@@ -23,9 +23,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def _model_keys(trainer) -> list[str]:
+    """megatron's names for the model chunks in a checkpoint: 'model', or 'model0', 'model1', ...
+    under virtual pipeline stages (tensors are matched by their global keys, not by these)."""
+    return ["model"] if len(trainer.modules) == 1 else [f"model{i}" for i in range(len(trainer.modules))]
+
+
 def _sharded(trainer, is_loading: bool) -> dict:
-    model_sd = trainer.module.sharded_state_dict()
-    state = {"model": model_sd}
+    state = {key: m.sharded_state_dict() for key, m in zip(_model_keys(trainer), trainer.modules)}
+    model_sd = dict(state)
     if trainer.optimizer is None:
         return state
     fresh = []
@@ -85,7 +91,8 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
             _align_chain(state["optimizer"], trainer.optimizer)
         else:
             _fill_param_groups(state["optimizer"], trainer.optimizer)
-    trainer.module.load_state_dict(state["model"])
+    for key, m in zip(_model_keys(trainer), trainer.modules):
+        m.load_state_dict(state[key])
     if "optimizer" in state:
         trainer.optimizer.load_state_dict(state["optimizer"])
 

@@ -121,7 +121,7 @@ def _divisors(n: int) -> list[int]:
 def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
     """Cross-field checks; raises ConfigError naming the key and suggesting valid values."""
     p = cfg.parallel
-    for key in ("tp", "pp", "ep"):
+    for key in ("tp", "pp", "vpp", "ep"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.etp < 0:
@@ -185,6 +185,11 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
         )
     if layers % p.pp:
         raise ConfigError(f"parallel.pp={p.pp} must divide the number of layers ({layers}); valid: {_divisors(layers)}")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline ranks)")
+    if layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallel.vpp={p.vpp}: pp × vpp = {p.pp * p.vpp} must divide the number of layers "
+                          f"({layers}); valid vpp: {_divisors(layers // p.pp)}")
     if p.ep > 1 and not experts:
         raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; {cfg.model.path} is dense")
     if experts and p.tp > 1 and not p.sequence_parallel:

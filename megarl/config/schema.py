@@ -30,6 +30,8 @@ class ParallelConfig:
     """Tensor-parallel size of the trainer (must divide attention heads and KV heads)."""
     pp: int = 1
     """Pipeline-parallel size (must divide the number of layers)."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B; needs pp > 1; pp × vpp must divide the layers)."""
     ep: int = 1
     """Expert-parallel size (must divide the number of experts; MoE only)."""
     etp: int = 0

@@ -94,6 +94,12 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         pipeline_dtype=dtype,
         tensor_model_parallel_size=ps.tp,
         pipeline_model_parallel_size=ps.pp,
+        virtual_pipeline_model_parallel_size=ps.vpp if ps.vpp > 1 else None,
+        # Interleaving sends activations and gradients both ways at once; batched p2p pairs them by
+        # posting order, which at PP=2 (next = previous rank) swaps them (measured: grad norm 35
+        # instead of 1.0). megatron's own interleaved default: overlapped, unbatched, even/odd ordered.
+        overlap_p2p_comm=ps.vpp > 1,
+        batch_p2p_comm=ps.vpp == 1,
         expert_model_parallel_size=ps.ep,
         expert_tensor_parallel_size=ps.etp,
         sequence_parallel=ps.sequence_parallel,
@@ -132,10 +138,11 @@ class QKTorchNorm(TorchNorm):
         return module
 
 
-def stage_layers(cfg: dict, ps: ParallelState) -> list[int]:
-    """Global indices of the layers this pipeline stage holds."""
-    per_stage = cfg["num_hidden_layers"] // ps.pp
-    return list(range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage))
+def stage_layers(cfg: dict, ps: ParallelState, vp_stage: int = 0) -> list[int]:
+    """Global indices of the layers this rank's model chunk ``vp_stage`` holds."""
+    layers = cfg["num_hidden_layers"]
+    first = ps.coords(vp_stage).first_layer(layers)
+    return list(range(first, first + layers // (ps.pp * ps.vpp)))
 
 
 def _local_spec(tcfg, moe: bool):
@@ -174,19 +181,22 @@ def te_layer_spec(tcfg, moe: bool):
         num_experts=tcfg.num_moe_experts if moe else None, moe_grouped_gemm=moe, qk_layernorm=tcfg.qk_layernorm)
 
 
-def build_gpt_model(cfg: dict, ps: ParallelState, **kwargs):
-    """A GPTModel for this rank's pipeline stage: the local spec, or Transformer Engine's under FP8."""
+def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, **kwargs):
+    """A GPTModel for this rank's pipeline stage (its chunk ``vp_stage`` under virtual stages):
+    the local spec, or Transformer Engine's under FP8."""
     from megatron.core.models.gpt import GPTModel
 
     tcfg = transformer_config(cfg, ps, **kwargs)
-    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps), te=bool(tcfg.fp8))
+    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=bool(tcfg.fp8))
+    coords = ps.coords(vp_stage)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
         vocab_size=cfg["vocab_size"],
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
-        pre_process=ps.pp_rank == 0,
-        post_process=ps.is_last_stage,
+        pre_process=coords.is_first_stage,
+        post_process=coords.is_last_stage,
+        vp_stage=vp_stage if ps.vpp > 1 else None,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=int(rope_theta(cfg)),
@@ -212,22 +222,24 @@ def mark_tensor_parallel_params(model: torch.nn.Module, ps: ParallelState) -> No
             set_tensor_model_parallel_attributes(p, True, dim, 1)
 
 
-def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, cfg: dict, ps: ParallelState,
+def load_hf_weights(modules: list[torch.nn.Module], model_dir: str | Path, cfg: dict, ps: ParallelState,
                     skip: tuple[str, ...] = ()) -> None:
-    """Copy an HF checkpoint into this rank's shards of ``model``; every parameter (but ``skip``) must be covered."""
+    """Copy an HF checkpoint into this rank's shards of its model chunks (one per virtual stage);
+    every parameter (but ``skip``) must be covered."""
     full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
-    mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords)
-    params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
-    mine = {te_name(n, params): t for n, t in mine.items()}
-    missing = sorted(set(params) - set(mine))
-    if missing:
-        raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")
-    with torch.no_grad():
-        for name, p in params.items():
-            src = mine[name]
-            if src.shape != p.shape:
-                raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
-            p.copy_(src.to(p.dtype))
+    for vp_stage, model in enumerate(modules):
+        mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords(vp_stage))
+        params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
+        mine = {te_name(n, params): t for n, t in mine.items()}
+        missing = sorted(set(params) - set(mine))
+        if missing:
+            raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                src = mine[name]
+                if src.shape != p.shape:
+                    raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
+                p.copy_(src.to(p.dtype))
 
 
 # Transformer Engine fuses the pre-attention (and, dense, the pre-MLP) norm into the next linear.

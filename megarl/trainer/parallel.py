@@ -27,6 +27,7 @@ class ParallelState:
     ep: int
     etp: int
     dp: int
+    vpp: int
     sequence_parallel: bool
     tp_rank: int
     pp_rank: int
@@ -34,12 +35,14 @@ class ParallelState:
     etp_rank: int
     dp_rank: int
 
-    @property
-    def coords(self) -> RankCoords:
-        return RankCoords(self.tp_rank, self.tp, self.pp_rank, self.pp, self.ep_rank, self.ep, self.etp_rank, self.etp)
+    def coords(self, vp_stage: int = 0) -> RankCoords:
+        """Where this rank's model chunk ``vp_stage`` (0 without virtual stages) sits."""
+        return RankCoords(self.tp_rank, self.tp, self.pp_rank, self.pp, self.ep_rank, self.ep, self.etp_rank, self.etp,
+                          vp_stage, self.vpp)
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank computes the loss (holds the model's last layers, in its last chunk)."""
         return self.pp_rank == self.pp - 1
 
 
@@ -65,18 +68,22 @@ def _free_port() -> int:
 
 
 def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
-                         sequence_parallel: bool = False) -> ParallelState:
-    """Initialise Megatron's model-parallel groups on the default group and describe them (etp 0: = tp)."""
+                         sequence_parallel: bool = False, vpp: int = 1) -> ParallelState:
+    """Initialise Megatron's model-parallel groups on the default group and describe them (etp 0: = tp;
+    ``vpp`` > 1: that many virtual stages per pipeline rank, the interleaved schedule)."""
     from megatron.core import parallel_state as mpu
 
     etp = etp or tp
     rank, world = init_process_group()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp×pp = {tp}×{pp}")
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline stages ({vpp}) need pipeline parallelism (pp > 1)")
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             create_gloo_process_groups=True,
@@ -89,6 +96,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
         ep=ep,
         etp=etp,
         dp=world // (tp * pp),
+        vpp=vpp,
         sequence_parallel=sequence_parallel and tp > 1,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),

@@ -60,29 +60,39 @@ class PolicyTrainer:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
-        module = build_gpt_model(hf_cfg, ps, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
-                                 moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8)
+        # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
+        self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
+                                        moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8)
+                        for vp in range(ps.vpp)]
+        last = self.modules[-1]  # the loss is computed after this chunk (on the last pipeline stage)
         if head == "value" and ps.is_last_stage:
-            module.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
-        load_hf_weights(module, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
+            last.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
+        load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
         # Logprobs straight from hidden states in sequence chunks (no [tokens × vocab] logits) when
         # entropy (which needs full logits) is not asked for; vocab-parallel under TP either way.
         self.chunk = optim.logprob_chunk if head == "lm" and not entropy else 0
         if self.chunk and ps.is_last_stage:
-            module.output_layer = HiddenOutput(module.output_layer, ps.sequence_parallel)
-        self.tcfg = module.config
+            last.output_layer = HiddenOutput(last.output_layer, ps.sequence_parallel)
+        self.tcfg = last.config
         distributed = optim.distributed_optimizer and ps.dp > 1
-        self.model = DistributedDataParallel(
-            config=self.tcfg,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
-            module=module,
-        )
-        self.tcfg.no_sync_func = self.model.no_sync
-        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.chunks = [
+            DistributedDataParallel(
+                config=m.config,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                         use_distributed_optimizer=distributed),
+                module=m,
+                disable_bucketing=vp > 0,  # megatron's choice for the interleaved schedule's later chunks
+            )
+            for vp, m in enumerate(self.modules)
+        ]
+        for m in self.modules:
+            m.config.no_sync_func = [c.no_sync for c in self.chunks] if ps.vpp > 1 else self.chunks[0].no_sync
+            m.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = None
         if not trainable:
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            for c in self.chunks:
+                for p in c.parameters():
+                    p.requires_grad_(False)
             return
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -95,12 +105,8 @@ class PolicyTrainer:
                 use_distributed_optimizer=distributed,
                 params_dtype=torch.float32,
             ),
-            [self.model],
+            self.chunks,
         )
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.model.module
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -112,14 +118,15 @@ class PolicyTrainer:
         Rows are split in contiguous chunks over DP ranks; the loss weights stay those of
         the whole batch, so the DP-averaged gradient equals the single-process one. Under
         pipeline parallelism every microbatch must have the same shape: rows are padded
-        to a multiple of the microbatch size (zero weight, zero mask). Under sequence
-        parallelism the sequence is padded to a multiple of TP.
+        to a multiple of the microbatch size (zero weight, zero mask); the interleaved schedule
+        also needs a multiple of PP microbatches. Under sequence parallelism the sequence is
+        padded to a multiple of TP.
         """
         if self.ps.dp > 1:
             batch = batch.select(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])
-        mbs = self.optim_cfg.micro_batch_size
-        if self.ps.pp > 1 and batch.size % mbs:
-            batch = batch.pad_rows(mbs - batch.size % mbs)
+        rows = self.optim_cfg.micro_batch_size * (self.ps.pp if self.ps.vpp > 1 else 1)
+        if self.ps.pp > 1 and batch.size % rows:
+            batch = batch.pad_rows(rows - batch.size % rows)
         if self.ps.sequence_parallel and batch.seq_len % self.ps.tp:
             batch = batch.pad_columns(self.ps.tp - batch.seq_len % self.ps.tp)
         return batch
@@ -136,7 +143,7 @@ class PolicyTrainer:
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
         chunk = self.chunk
-        output_weight = self.module.output_layer.weight if chunk and self.ps.is_last_stage else None
+        output_weight = self.modules[-1].output_layer.weight if chunk and self.ps.is_last_stage else None
 
         def forward_step(data_iter, model):
             mb = dict(next(data_iter))
@@ -163,8 +170,9 @@ class PolicyTrainer:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[self.model],
+            # The interleaved schedule reads one iterator per chunk, each over every microbatch.
+            data_iterator=[iter(mbs) for _ in self.chunks] if self.ps.vpp > 1 else iter(mbs),
+            model=self.chunks,
             num_microbatches=len(mbs),
             seq_length=batch.seq_len,
             micro_batch_size=min(self.optim_cfg.micro_batch_size, batch.size),
@@ -174,9 +182,11 @@ class PolicyTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — (last stage; None elsewhere)."""
-        self.model.eval()
+        for c in self.chunks:
+            c.eval()
         out = self._run(batch, None, forward_only=True)
-        self.model.train()
+        for c in self.chunks:
+            c.train()
         if not self.ps.is_last_stage:
             return None
         local = torch.cat([o["logprobs"] for o in out], dim=0)
@@ -192,7 +202,8 @@ class PolicyTrainer:
         """One optimizer step on ``batch``; returns the loss and mean metrics (last stage)."""
         if self.optimizer is None:
             raise RuntimeError("this model was built frozen (trainable=False)")
-        self.model.zero_grad_buffer()
+        for c in self.chunks:
+            c.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(batch, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
@@ -214,4 +225,4 @@ class PolicyTrainer:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model under HF names (gathered across TP/PP/EP), for the engines."""
-        return gather_hf_weights(self.module, self.hf_cfg, self.ps, num_experts(self.hf_cfg))
+        return gather_hf_weights(self.modules, self.hf_cfg, self.ps, num_experts(self.hf_cfg))

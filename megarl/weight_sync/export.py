@@ -25,12 +25,14 @@ def _merge_over(group, local: dict[str, torch.Tensor], size: int) -> dict[str, t
 
 
 @torch.no_grad()
-def gather_full_megatron(module: torch.nn.Module, ps: ParallelState, num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
-    """Full tensors under global Megatron names, identical on every rank."""
+def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_layers: int,
+                         num_experts: int) -> dict[str, torch.Tensor]:
+    """Full tensors under global Megatron names, identical on every rank (``modules``: the model chunks)."""
     from megatron.core import parallel_state as mpu
 
     full: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
+    named = ((ps.coords(vp), name, p) for vp, module in enumerate(modules) for name, p in module.named_parameters())
+    for coords, name, p in named:
         t = p.detach()
         is_expert = ".experts." in name
         size = ps.etp if is_expert else ps.tp
@@ -39,7 +41,7 @@ def gather_full_megatron(module: torch.nn.Module, ps: ParallelState, num_layers:
             shards = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = join_tp_shards(name, shards)
-        full[global_name(name, num_layers, num_experts, ps.coords)] = t.clone()
+        full[global_name(name, num_layers, num_experts, coords)] = t.clone()
     if ps.ep > 1:
         experts = {k: v for k, v in full.items() if ".experts." in k}
         full.update(_merge_over(mpu.get_expert_model_parallel_group(), experts, ps.ep))
@@ -48,6 +50,7 @@ def gather_full_megatron(module: torch.nn.Module, ps: ParallelState, num_layers:
     return full
 
 
-def gather_hf_weights(module: torch.nn.Module, hf_cfg: dict, ps: ParallelState, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
-    full = gather_full_megatron(module, ps, hf_cfg["num_hidden_layers"], num_experts)
+def gather_hf_weights(modules: list[torch.nn.Module], hf_cfg: dict, ps: ParallelState,
+                      num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    full = gather_full_megatron(modules, ps, hf_cfg["num_hidden_layers"], num_experts)
     return megatron_to_hf(sorted(full.items()), hf_cfg)

@@ -8,7 +8,9 @@ Rules (Megatron-core local spec):
   cat(gate shard, up shard)), ``linear_proj`` / ``linear_fc2`` by columns; norms
   and the router are replicated. Expert weights split the same way over the
   expert-tensor-parallel size.
-- PP renumbers layers: stage ``s`` holds layers ``[s·n, (s+1)·n)`` as local ``0..n-1``.
+- PP renumbers layers: stage ``s`` holds layers ``[s·n, (s+1)·n)`` as local ``0..n-1``. With
+  ``v`` virtual stages (interleaved schedule) the model is cut in ``pp·v`` pieces of ``n``
+  layers and chunk ``c`` of stage ``s`` holds piece ``c·pp + s``.
 - EP renumbers experts: rank ``r`` holds experts ``[r·m, (r+1)·m)`` as local ``0..m-1``.
 """
 
@@ -35,6 +37,20 @@ class RankCoords:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+    vp_rank: int = 0
+    vp_size: int = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0 and self.vp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1 and self.vp_rank == self.vp_size - 1
+
+    def first_layer(self, num_layers: int) -> int:
+        """Global index of this (virtual) stage's first layer."""
+        return (self.vp_rank * self.pp_size + self.pp_rank) * layers_per_stage(num_layers, self.pp_size, self.vp_size)
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -68,25 +84,24 @@ def _join(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def layers_per_stage(num_layers: int, pp_size: int) -> int:
-    if num_layers % pp_size:
-        raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size}")
-    return num_layers // pp_size
+def layers_per_stage(num_layers: int, pp_size: int, vp_size: int = 1) -> int:
+    if num_layers % (pp_size * vp_size):
+        raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size} × virtual stages {vp_size}")
+    return num_layers // (pp_size * vp_size)
 
 
 def shard_for_rank(full: dict[str, torch.Tensor], num_layers: int, num_experts: int, c: RankCoords) -> dict[str, torch.Tensor]:
     """The tensors rank ``c`` holds, under the local names its GPTModel uses."""
-    per_stage = layers_per_stage(num_layers, c.pp_size)
-    first_layer = c.pp_rank * per_stage
+    per_stage = layers_per_stage(num_layers, c.pp_size, c.vp_size)
+    first_layer = c.first_layer(num_layers)
     per_ep = num_experts // c.ep_size if num_experts else 0
     out = {}
     for name, t in full.items():
         m = LAYER_NAME.match(name)
         if m is None:
-            is_first, is_last = c.pp_rank == 0, c.pp_rank == c.pp_size - 1
-            if name.startswith("embedding.") and not is_first:
+            if name.startswith("embedding.") and not c.is_first_stage:
                 continue
-            if name.startswith(("output_layer.", "decoder.final_layernorm.")) and not is_last:
+            if name.startswith(("output_layer.", "decoder.final_layernorm.")) and not c.is_last_stage:
                 continue
             out[name] = _split(name, t, c.tp_rank, c.tp_size)
             continue
@@ -111,7 +126,7 @@ def global_name(local: str, num_layers: int, num_experts: int, c: RankCoords) ->
     m = LAYER_NAME.match(local)
     if m is None:
         return local
-    layer = int(m.group(1)) + c.pp_rank * layers_per_stage(num_layers, c.pp_size)
+    layer = int(m.group(1)) + c.first_layer(num_layers)
     rest = m.group(2)
     e = _EXPERT.match(rest)
     if e is not None:
