@@ -18,6 +18,11 @@ CASES = [
     ("qwen2", "dp2", "single"),
     ("qwen3_moe", "ep2_alltoall", "single"),  # the MoE chained-optimizer case (chained_0. prefixes)
     ("qwen3_moe", "single", "tp2_sp"),
+    # into the distributed optimizer (DP > 1): Adam's step per parameter, main params from a plain one
+    ("qwen2", "dp2", "dp2"),
+    ("qwen2", "single", "dp2"),
+    ("qwen3_moe", "ep2_alltoall", "ep2_alltoall"),
+    ("qwen3_moe", "single", "ep2_alltoall"),  # expert groups unflagged at EP=1
 ]
 
 

@@ -10,7 +10,10 @@ there is one optimizer and no prefix, so a stock EP2→EP1 load fails with
 ``KeyError: ...chained_0.optimizer.state...``. ``load_checkpoint`` matches each requested
 optimizer key to the saved one that differs only by that prefix (``_match_chain_prefixes``).
 The distributed optimizer is saved ``fully_reshardable`` (per parameter, canonical layout),
-so its state reshards over TP/PP/EP/DP rather than over DP only.
+so its state reshards over TP/PP/EP/DP rather than over DP only. Loading *into* it needs three
+more repairs, each below: Adam's ``step`` tensor shared by every parameter (``_untie_steps``),
+main params a plain optimizer never saved (``_drop_unsaved_main_params``), and param groups of a
+plain optimizer or of EP = 1 put in the distributed, chained form (``_align_chain``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -80,10 +84,13 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     _patch_step_copy()
     sharded = _sharded(trainer, is_loading=True)
+    main_params_saved = True
     if not load_optimizer:
         sharded.pop("optimizer", None)
-    else:
-        _match_chain_prefixes(sharded["optimizer"], set(dist_checkpointing.load_tensors_metadata(str(path))))
+    elif "optimizer" in sharded:
+        saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path)))
+        _match_chain_prefixes(sharded["optimizer"], saved_keys)
+        main_params_saved = not _drop_unsaved_main_params(sharded["optimizer"], saved_keys)
     state = dist_checkpointing.load(sharded, str(path))
     if "optimizer" in state:
         chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
@@ -95,7 +102,38 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         m.load_state_dict(state[key])
     if "optimizer" in state:
         trainer.optimizer.load_state_dict(state["optimizer"])
+        _untie_steps(trainer.optimizer)
+        if not main_params_saved:  # main params from the model weights just loaded
+            for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+                opt.reload_model_params()
 
+
+def _untie_steps(optimizer) -> None:
+    """megatron-core 0.16.1, distributed optimizer without Apex/TE: ``load_state_dict`` gives every
+    parameter's Adam state *one shared* ``step`` tensor, which torch's Adam then increments once per
+    parameter in the next step, skewing the bias correction (measured: 3.5e-4 weight error after
+    one step at lr 1e-3). Give each parameter its own."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(opt, "optimizer", opt).state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _drop_unsaved_main_params(optimizer_sd: dict, saved_keys: set[str]) -> bool:
+    """A distributed optimizer asks for its fp32 main params (``optimizer.state.param.*``); a plain
+    optimizer's checkpoint has none (its main params are the model's). Drop those requests — the
+    main params are then reloaded from the model weights — and say whether any were dropped."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    dropped = False
+    for key, value in list(optimizer_sd.items()):
+        if isinstance(value, dict):
+            dropped |= _drop_unsaved_main_params(value, saved_keys)
+        elif (isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.key not in saved_keys
+              and ".state.param." in value.key):
+            del optimizer_sd[key]
+            dropped = True
+    return dropped
 
 _CHAIN = re.compile(r"^chained_\d+\.")
 
@@ -123,7 +161,9 @@ def _align_chain(loaded: dict, optimizer) -> None:
     state dict) when expert and dense parameters have different data-parallel groups (EP > 1),
     and a single optimizer otherwise. The sharded tensors were already matched by key
     (``_match_chain_prefixes``); the common state (param groups with Adam's step) is regrouped
-    here: merged into one optimizer, or split over the chain by each group's identity.
+    here: merged into one optimizer, or split over the chain by each group's identity. A plain
+    optimizer's checkpoint (DP = 1) keeps its groups at the top and Adam's step as ``common_step``:
+    it is first put in the distributed optimizer's form.
     """
     from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
 
@@ -131,6 +171,11 @@ def _align_chain(loaded: dict, optimizer) -> None:
         return tuple(group.get(k, group.get(f"pre_{k}")) for k in ident_keys)
 
     chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if "optimizer" not in loaded and "param_groups" in loaded:  # saved by a plain (torch) optimizer
+        step = loaded.pop("state", {}).get("common_step")
+        groups = loaded.pop("param_groups")
+        loaded["optimizer"] = {"param_groups": [g if step is None else {**g, "step": float(step)} for g in groups]}
+        loaded.setdefault("param_state_sharding_type", "fully_reshardable")
     parts = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
     if len(chain) == 1 and parts:  # saved chained, loading into one optimizer: merge
         saved_groups = [g for part in parts for g in part["optimizer"]["param_groups"]]
@@ -142,17 +187,32 @@ def _align_chain(loaded: dict, optimizer) -> None:
         saved_groups = loaded.pop("optimizer")["param_groups"]
         sharding = loaded.pop("param_state_sharding_type")
         for i, opt in enumerate(chain):
-            mine = {ident(g) for g in opt.param_groups}
             part = loaded.setdefault(i, {})
-            part["optimizer"] = {"param_groups": [g for g in saved_groups if ident(g) in mine]}
+            part["optimizer"] = {"param_groups": [_saved_group_for(g, saved_groups, ident) for g in opt.param_groups]}
             part["param_state_sharding_type"] = sharding
+
+
+def _saved_group_for(group: dict, saved_groups: list[dict], ident) -> dict:
+    """The saved param group for this running one: the same identity (wd/lr multipliers, expert flag,
+    decoupled lr), or — saved where experts were not parallel (EP = 1), so not flagged — the same
+    identity but the expert flag; carried over under the running group's identity."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
+
+    want = ident(group)
+    loose = [i for i, k in enumerate(ident_keys) if k != "is_expert_parallel"]
+    for exact in (True, False):
+        for saved in saved_groups:
+            have = ident(saved)
+            if have == want or (not exact and all(have[i] == want[i] for i in loose)):
+                return {**saved, **{k: v for k, v in zip(ident_keys, want)}}
+    raise KeyError(f"checkpoint has no optimizer param group like {dict(zip(ident_keys, want))}")
 
 
 def _patch_step_copy() -> None:
     """megatron-core 0.16.1, torch Adam (no Apex/TE): a 'fully_reshardable' load restores Adam's
     ``step`` from the param groups into each parameter's state, then copies the loaded tensors into
     *every* state entry, 'step' included, which the loaded tensors lack (KeyError: 'step'). Keep the
-    restored step for that copy."""
+    restored step for that copy, and the current main param where none was saved."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -160,12 +220,14 @@ def _patch_step_copy() -> None:
         return
 
     def set_states(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
             step = self.optimizer.state.get(main_param, {}).get("step")
-            if step is not None:
+            if "step" not in tensors and step is not None:
                 tensors = {**tensors, "step": step}
+            if "param" not in tensors:  # not saved (see _drop_unsaved_main_params): keep, reload later
+                tensors = {**tensors, "param": main_param}
         return original(self, model_param, tensors)
 
     set_states._megarl_keeps_step = True
