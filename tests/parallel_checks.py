@@ -22,6 +22,7 @@ LAYOUTS = {
     "single": dict(),
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_sp_etp1": dict(tp=2, etp=1, sequence_parallel=True),
     "tp2_full_logits": dict(tp=2, logprob_chunk=0),
     "pp2": dict(pp=2),
     "pp2_vpp2": dict(pp=2, vpp=2),

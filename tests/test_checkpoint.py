@@ -18,6 +18,8 @@ CASES = [
     ("qwen2", "dp2", "single"),
     ("qwen3_moe", "ep2_alltoall", "single"),  # the MoE chained-optimizer case (chained_0. prefixes)
     ("qwen3_moe", "single", "tp2_sp"),
+    ("qwen3_moe", "tp2_sp_etp1", "single"),  # experts reduced apart: a chain of plain optimizers
+    ("qwen3_moe", "single", "tp2_sp_etp1"),
     # into the distributed optimizer (DP > 1): Adam's step per parameter, main params from a plain one
     ("qwen2", "dp2", "dp2"),
     ("qwen2", "single", "dp2"),

@@ -106,12 +106,14 @@ def test_override_value_is_parsed_as_yaml():
     assert parse_override("a=text") == {"a": "text"}
 
 
-def test_moe_tensor_parallel_needs_sequence_parallel_and_matching_etp():
+def test_moe_tensor_parallel_needs_sequence_parallel_and_a_fitting_etp():
     with pytest.raises(ConfigError, match="needs parallel.sequence_parallel=true"):
         validate(load_config(None, ["parallel.tp=2"]), 2, MOE)
-    with pytest.raises(ConfigError, match="use etp = tp"):
-        validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]), 2, MOE)
+    with pytest.raises(ConfigError, match=r"parallel.ep × parallel.etp = 4 must divide tp×dp = 2"):
+        validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2",
+                                    "parallel.ep=2"]), 2, MOE)
     validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"]), 2, MOE)
+    validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]), 2, MOE)
 
 
 def test_fp8_without_transformer_engine_is_a_config_error():

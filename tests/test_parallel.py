@@ -15,7 +15,7 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 LAYOUTS = [
     ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "pp2_vpp2"),
     ("qwen2", "dp2"), ("qwen3_moe", "pp2_vpp2"),
-    ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
+    ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "tp2_sp_etp1"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
     ("qwen3_moe", "ep2_alltoall"), ("qwen3_moe", "ep2_allgather"),
     ("mixtral", "ep2_alltoall"), ("qwen2_moe", "tp2_sp"), ("qwen2_moe", "ep2_allgather"), ("qwen2_moe", "pp2"),
 ]

@@ -235,24 +235,36 @@ def _patch_step_copy() -> None:
 
 
 def _fill_param_groups(loaded: dict, optimizer) -> None:
-    """Loading a distributed (or chained) optimizer's checkpoint into a plain one merges in the saver's
-    common state (``optimizer`` / integer keys of the chain) next to what was asked for, and the param
-    groups carry only their ``params``. Keep the state tensors, take Adam's ``step`` from the saved
-    groups (the distributed optimizer keeps it per group, torch's Adam per parameter) and the group
-    hyper-parameters (lr/wd multipliers, expert flags) from the running optimizer."""
-    if "param_groups" not in loaded:
+    """Loading into plain optimizer(s) (DP = 1; a chain of them when experts reduce apart) merges in
+    the saver's common state — ``optimizer`` / ``common_step`` / integer keys of a chain — next to
+    what was asked for, and the param groups carry only their ``params``. Keep what was asked for,
+    give each parameter Adam's ``step`` as saved (the distributed optimizer keeps it per group, the
+    plain one as ``common_step``, torch's Adam per parameter) and take the group hyper-parameters
+    (lr/wd multipliers, expert flags) from the running optimizer."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if "param_groups" not in loaded and len(chain) == 1:
         return
-    saved = [loaded[k] for k in loaded if isinstance(k, int)] + [loaded]
-    steps = [int(g["step"]) for part in saved for g in part.get("optimizer", {}).get("param_groups", [])
-             if isinstance(g, dict) and "step" in g]
-    for key in [k for k in loaded if isinstance(k, int) or k in ("optimizer", "param_state_sharding_type")]:
+    step = _saved_step(loaded)
+    ours = set(range(len(chain))) if len(chain) > 1 else {"state", "param_groups"}
+    for key in [k for k in loaded if k not in ours]:
         del loaded[key]
-    if steps:
-        import torch
+    parts = [loaded[i] for i in range(len(chain))] if len(chain) > 1 else [loaded]
+    for part, opt in zip(parts, chain):
+        states = part.setdefault("state", {})
+        states.pop("common_step", None)
+        if step is not None:
+            for param_state in states.values():
+                param_state.setdefault("step", torch.tensor(step))
+        for group, runtime in zip(part["param_groups"], opt.param_groups):
+            for key, value in runtime.items():
+                if key != "params":
+                    group.setdefault(key, value)
 
-        for param_state in loaded.get("state", {}).values():
-            param_state.setdefault("step", torch.tensor(float(max(steps))))
-    for group, runtime in zip(loaded["param_groups"], optimizer.param_groups):
-        for key, value in runtime.items():
-            if key != "params":
-                group.setdefault(key, value)
+
+def _saved_step(loaded: dict) -> float | None:
+    """Adam's step as the saver kept it, wherever its layout put it."""
+    parts = [loaded] + [v for k, v in loaded.items() if isinstance(k, int)]
+    steps = [float(p["state"]["common_step"]) for p in parts if "common_step" in p.get("state", {})]
+    steps += [float(g["step"]) for p in parts for g in p.get("optimizer", {}).get("param_groups", [])
+              if isinstance(g, dict) and "step" in g]
+    return max(steps) if steps else None

@@ -195,10 +195,6 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
     if experts and p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
                           "(megatron-core refuses MoE + TP without it)")
-    if experts and p.tp > 1 and (p.etp or p.tp) != p.tp:
-        raise ConfigError(f"parallel.etp={p.etp} with parallel.tp={p.tp}: expert gradients differed from the "
-                          "single-process run in this layout (measured on megatron-core 0.16.1); use etp = tp "
-                          "(or 0)")
     if experts and experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the number of experts ({experts}); valid: {_divisors(experts)}")
     if hf["vocab_size"] % p.tp:

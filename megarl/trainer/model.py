@@ -212,14 +212,23 @@ def mark_tensor_parallel_params(model: torch.nn.Module, ps: ParallelState) -> No
     its init functions, which ``perform_initialization=False`` (we load HF weights) skips.
     Untagged shards count as TP duplicates: the grad norm then sees one rank's half of each
     sharded matrix (measured: 0.718 instead of 1.024 at TP=2) and clipping goes wrong.
+
+    Routed-expert weights are also marked for the expert data-parallel reduction when the expert
+    TP size differs from TP: megatron's local experts ask for it only under EP > 1, yet with
+    etp < tp the TP ranks hold the same expert and feed it different tokens (their sequence
+    shards), so the partial gradients must be summed over the expert data-parallel group, which
+    spans those ranks (measured without it: expert weights off by 2·lr after one step at etp=1, tp=2).
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, p in model.named_parameters():
-        size = ps.etp if ".experts." in name else ps.tp
+        is_expert = ".experts." in name
+        size = ps.etp if is_expert else ps.tp
         dim = tp_split_dim(name)
         if size > 1 and dim is not None and not getattr(p, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(p, True, dim, 1)
+        if is_expert and ps.etp != ps.tp:
+            p.allreduce = False
 
 
 def load_hf_weights(modules: list[torch.nn.Module], model_dir: str | Path, cfg: dict, ps: ParallelState,
