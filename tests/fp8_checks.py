@@ -1,6 +1,7 @@
-"""FP8 check on a GPU: the same tiny dense model in full precision (local spec) and in FP8 (TE spec).
+"""FP8 check on a GPU: the same tiny model in full precision (local spec) and in FP8 (TE spec);
+dense, or MoE (TE's grouped-GEMM experts, loaded and exported under the local names).
 
-Usage: python tests/fp8_checks.py RECIPE WORKDIR   (prints one JSON line)
+Usage: python tests/fp8_checks.py RECIPE WORKDIR [FAMILY]   (prints one JSON line)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import torch
 
 
-def main(recipe: str, work: str) -> None:
+def main(recipe: str, work: str, family: str = "qwen2") -> None:
     from megarl.algo.losses import nll_loss
     from megarl.config.schema import OptimConfig
     from megarl.models.tiny import TinyShape, make_tiny_model
@@ -24,8 +25,8 @@ def main(recipe: str, work: str) -> None:
     from parallel_checks import fixed_batch
 
     # FP8 GEMMs need dimensions that are multiples of 16.
-    model = make_tiny_model(f"{work}/model", TinyShape(family="qwen2", vocab_size=64, hidden_size=128,
-                                                       intermediate_size=256))
+    model = make_tiny_model(f"{work}/model", TinyShape(family=family, vocab_size=64, hidden_size=128,
+                                                       intermediate_size=256, moe_intermediate_size=128))
     ps = build_parallel_state()
     from megatron.core import tensor_parallel
 
@@ -40,10 +41,14 @@ def main(recipe: str, work: str) -> None:
     metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in fp8.modules[0].named_parameters())
     te = any("layer_norm_weight" in n for n in before)
+    exported = dict(fp8.hf_weights())  # TE names back to HF names, every tensor accounted for
+    from megarl.models.tiny import hf_weight_shapes
+
+    shapes_match = {k: tuple(v.shape) for k, v in exported.items()} == hf_weight_shapes(cfg)
     print(json.dumps({"te_spec": te, "fp8_loss_finite": math.isfinite(metrics["loss"]),
-                      "mean_abs_logprob_gap": float(gap), "weights_moved": moved}))
+                      "mean_abs_logprob_gap": float(gap), "weights_moved": moved, "export_matches": shapes_match}))
 
 
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -13,7 +13,14 @@ from megarl.weight_sync.hf_adapter import (
     qkv_from_megatron,
     qkv_to_megatron,
 )
-from megarl.weight_sync.sharding import RankCoords, global_name, join_tp_shards, shard_for_rank
+from megarl.weight_sync.sharding import (
+    RankCoords,
+    global_name,
+    grouped_expert_name,
+    join_tp_shards,
+    local_expert_name,
+    shard_for_rank,
+)
 
 FAMILIES = list(TINY_FAMILIES)
 
@@ -125,3 +132,17 @@ def test_mixtral_and_shared_expert_names():
     assert meg["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, 128)
     assert f"decoder.layers.{last}.mlp.linear_fc1.weight" in meg  # mlp_only_layers: dense
     assert not any(k.startswith(f"decoder.layers.{last}.mlp.router") for k in meg)
+
+
+def test_transformer_engine_names_map_to_the_local_spec():
+    from megarl.trainer.model import te_name
+
+    grouped = "decoder.layers.1.mlp.experts.linear_fc2.weight3"
+    local = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert local_expert_name(grouped) == local and grouped_expert_name(local) == grouped
+    assert local_expert_name("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.1.mlp.linear_fc1.weight"
+    te_params = {grouped: None, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": None}
+    assert te_name(local, te_params) == grouped
+    assert te_name("decoder.layers.0.input_layernorm.weight", te_params) == (
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
+    assert te_name(local, {local: None}) == local

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
-from megarl.weight_sync.sharding import shard_for_rank, tp_split_dim
+from megarl.weight_sync.sharding import grouped_expert_name, local_expert_name, shard_for_rank, tp_split_dim
 
 # Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "mixtral")
@@ -224,7 +224,7 @@ def mark_tensor_parallel_params(model: torch.nn.Module, ps: ParallelState) -> No
     for name, p in model.named_parameters():
         is_expert = ".experts." in name
         size = ps.etp if is_expert else ps.tp
-        dim = tp_split_dim(name)
+        dim = tp_split_dim(local_expert_name(name))
         if size > 1 and dim is not None and not getattr(p, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(p, True, dim, 1)
         if is_expert and ps.etp != ps.tp:
@@ -259,10 +259,9 @@ _TE_FUSED = {
 
 
 def te_name(name: str, params: dict) -> str:
-    """The local-spec name → the TE-spec name when the model has that instead."""
-    for local, fused in _TE_FUSED.items():
-        if name.endswith(local):
-            candidate = name[: -len(local)] + fused
-            if candidate in params and name not in params:
-                return candidate
-    return name
+    """The local-spec name → the TE-spec name (fused norm, grouped-GEMM expert) when the model has that instead."""
+    if name in params:
+        return name
+    candidates = [name[: -len(local)] + fused for local, fused in _TE_FUSED.items() if name.endswith(local)]
+    candidates.append(grouped_expert_name(name))
+    return next((c for c in candidates if c in params), name)

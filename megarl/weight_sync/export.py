@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import megatron_to_hf
-from megarl.weight_sync.sharding import global_name, join_tp_shards, tp_split_dim
+from megarl.weight_sync.sharding import global_name, join_tp_shards, local_expert_name, tp_split_dim
 
 
 def _merge_over(group, local: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
@@ -31,7 +31,8 @@ def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_
     from megatron.core import parallel_state as mpu
 
     full: dict[str, torch.Tensor] = {}
-    named = ((ps.coords(vp), name, p) for vp, module in enumerate(modules) for name, p in module.named_parameters())
+    named = ((ps.coords(vp), local_expert_name(name), p)
+             for vp, module in enumerate(modules) for name, p in module.named_parameters())
     for coords, name, p in named:
         t = p.detach()
         is_expert = ".experts." in name

@@ -53,6 +53,21 @@ class RankCoords:
         return (self.vp_rank * self.pp_size + self.pp_rank) * layers_per_stage(num_layers, self.pp_size, self.vp_size)
 
 
+# Transformer Engine's grouped-GEMM experts: one module per layer, one weight per local expert.
+_TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def local_expert_name(name: str) -> str:
+    """``...mlp.experts.linear_fc1.weight3`` (TE grouped GEMM) → ``...mlp.experts.local_experts.3.linear_fc1.weight``."""
+    return _TE_GROUPED.sub(r"\1.local_experts.\3.\2.weight", name)
+
+
+def grouped_expert_name(name: str) -> str:
+    """Inverse of ``local_expert_name``."""
+    return _LOCAL_EXPERT.sub(r"\1.\3.weight\2", name)
+
+
 def tp_split_dim(name: str) -> int | None:
     """The dimension a tensor is split along under TP, or None when it is replicated."""
     if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")):
