@@ -199,7 +199,7 @@ class PolicyTrainer:
         return local[: batch.size, : batch.seq_len]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns the loss and mean metrics (last stage)."""
+        """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
         if self.optimizer is None:
             raise RuntimeError("this model was built frozen (trainable=False)")
         for c in self.chunks:
@@ -221,6 +221,13 @@ class PolicyTrainer:
                 torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
                 for k, v in zip(keys, values.tolist()):
                     metrics[k] = v if k == "loss" else v / self.ps.dp
+        if self.ps.pp > 1:  # the loss lives on the last stage; every stage reports it (rank 0 logs)
+            from megatron.core import parallel_state as mpu
+
+            box = [metrics]
+            torch.distributed.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                                    group=mpu.get_pipeline_model_parallel_group())
+            metrics = box[0]
         return metrics
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
