@@ -24,6 +24,8 @@ LAYOUTS = {
     "tp2_sp": dict(tp=2, sequence_parallel=True),
     "tp2_sp_etp1": dict(tp=2, etp=1, sequence_parallel=True),
     "tp2_full_logits": dict(tp=2, logprob_chunk=0),
+    "single_aux_loss": dict(moe_aux_loss_coeff=0.1),
+    "single_z_loss": dict(moe_z_loss_coeff=0.1),
     "pp2": dict(pp=2),
     "pp2_vpp2": dict(pp=2, vpp=2),
     "dp2": dict(),
@@ -50,7 +52,8 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
 
     Logprobs come from hidden states in chunks of 8 positions (several chunks per sequence),
-    or from full vocab-parallel logits where the layout says ``logprob_chunk=0``.
+    or from full vocab-parallel logits where the layout says ``logprob_chunk=0``. A layout's
+    OptimConfig keys (router losses, chunking) go to the optimizer config.
     """
     import dataclasses
 
@@ -61,7 +64,8 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 
     spec = dict(LAYOUTS[layout])
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
-    optim = dataclasses.replace(optim, logprob_chunk=spec.pop("logprob_chunk", 8))
+    optim_keys = {f.name for f in dataclasses.fields(optim)}
+    optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
     ps = build_parallel_state(**spec)
     cpu_adapter.activate()
     from megatron.core import tensor_parallel

@@ -33,7 +33,7 @@ def run(models, family, layout, head="lm"):
     if key not in _RUNS:
         paths, root = models
         out = root / f"{family}-{layout}-{head}"
-        launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone",
+        launcher = [] if layout.startswith("single") else ["-m", "torch.distributed.run", "--standalone",
                                                   "--nproc-per-node=2"]
         run_script([*launcher, "tests/parallel_checks.py", layout, str(paths[family]), str(out), head],
                    env={"OMP_NUM_THREADS": "1"})
@@ -81,3 +81,11 @@ def test_critic_forward_backward_matches_single_process(models, layout):
     assert_same(ref, got)
 
 
+
+
+@pytest.mark.parametrize("layout", ["single_aux_loss", "single_z_loss"])
+def test_router_losses_train_the_router_without_changing_the_logprobs(models, layout):
+    (plain, plain_w), (routed, routed_w) = run(models, "qwen3_moe", "single"), run(models, "qwen3_moe", layout)
+    assert routed["logprobs"] == plain["logprobs"]  # aux and z losses add gradients, not outputs
+    router = [k for k in plain_w if k.endswith("mlp.router.weight")]
+    assert router and max(float((routed_w[k] - plain_w[k]).abs().max()) for k in router) > 1e-6
