@@ -115,7 +115,8 @@ def build_session(cfg: RunConfig) -> Session:
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
     a = cfg.algo
-    common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8)
+    common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
+                  transformer_engine=cfg.model.transformer_engine)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
     critic = reference = None
     if a.advantage == "gae":

@@ -1,7 +1,7 @@
 """FP8 check on a GPU: the same tiny model in full precision (local spec) and in FP8 (TE spec);
 dense, or MoE (TE's grouped-GEMM experts, loaded and exported under the local names).
 
-Usage: python tests/fp8_checks.py RECIPE WORKDIR [FAMILY]   (prints one JSON line)
+Usage: python tests/fp8_checks.py RECIPE|none WORKDIR [FAMILY]   (prints one JSON line)
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     batch = fixed_batch(cfg["vocab_size"], n=16, seq=32)
     batch = type(batch)(**{k: v.cuda() for k, v in batch.as_dict().items()})
     ref = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), trainable=False)
-    fp8 = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), fp8=recipe)
+    # recipe 'none': Transformer Engine's spec (grouped expert GEMMs) in full precision, no FP8.
+    fp8 = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16),
+                        fp8="" if recipe == "none" else recipe, transformer_engine=True)
     gap = ((ref.logprobs(batch) - fp8.logprobs(batch)).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
     before = {n: p.detach().clone() for n, p in fp8.modules[0].named_parameters()}
     metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))

@@ -125,6 +125,8 @@ def test_fp8_without_transformer_engine_is_a_config_error():
         pytest.skip("gpu: Transformer Engine is importable here; the FP8 path is tested in test_fp8_gpu.py")
     with pytest.raises(ConfigError, match="needs Transformer Engine"):
         validate(load_config(None, ["model.fp8=delayed"]), 1, MOE)
+    with pytest.raises(ConfigError, match="model.transformer_engine=true needs Transformer Engine"):
+        validate(load_config(None, ["model.transformer_engine=true"]), 1, MOE)
 
 
 def test_cli_accepts_overrides_after_options(tmp_path):

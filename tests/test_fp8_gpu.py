@@ -12,9 +12,11 @@ from conftest import run_script
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("recipe,family", [("delayed", "qwen2"), ("tensorwise", "qwen2"), ("delayed", "qwen3_moe")])
+@pytest.mark.parametrize("recipe,family", [("delayed", "qwen2"), ("tensorwise", "qwen2"), ("delayed", "qwen3_moe"),
+                                           ("none", "qwen3_moe")])
 def test_fp8_trains_and_stays_close_to_full_precision(tmp_path, recipe, family):
     out = run_script(["tests/fp8_checks.py", recipe, str(tmp_path), family])
     assert out["te_spec"] and out["fp8_loss_finite"] and out["export_matches"]
-    assert out["mean_abs_logprob_gap"] < 0.1
+    # FP8 GEMMs cost accuracy; TE's spec in full precision (grouped expert GEMMs) must not.
+    assert out["mean_abs_logprob_gap"] < (1e-3 if recipe == "none" else 0.1)
     assert out["weights_moved"] > 0

@@ -166,6 +166,9 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     _validate_algo(cfg)
     _validate_fp8(cfg.model.fp8)
+    if cfg.model.transformer_engine and (why := transformer_engine_error()) is not None:
+        raise ConfigError(f"model.transformer_engine=true needs Transformer Engine on a GPU, which is not "
+                          f"importable here ({why}); set model.transformer_engine=false")
     if cfg.model.make_tiny not in ("", *TINY_FAMILIES):
         raise ConfigError(f"model.make_tiny must be '' or one of {', '.join(TINY_FAMILIES)}, got {cfg.model.make_tiny!r}")
     if cfg.data.task != "addition":

@@ -22,6 +22,9 @@ class ModelConfig:
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
     fp8: str = ""
     """FP8 training through Transformer Engine: '' (off), 'delayed', 'tensorwise', 'blockwise', 'mxfp8'."""
+    transformer_engine: bool = False
+    """Build layers from Transformer Engine's spec (fused norm+linear, grouped expert GEMMs) without
+    FP8 too; needs TE on a GPU (FP8 always uses it)."""
 
 
 @dataclass

@@ -181,13 +181,13 @@ def te_layer_spec(tcfg, moe: bool):
         num_experts=tcfg.num_moe_experts if moe else None, moe_grouped_gemm=moe, qk_layernorm=tcfg.qk_layernorm)
 
 
-def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, **kwargs):
+def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, transformer_engine: bool = False, **kwargs):
     """A GPTModel for this rank's pipeline stage (its chunk ``vp_stage`` under virtual stages):
-    the local spec, or Transformer Engine's under FP8."""
+    the local spec, or Transformer Engine's when asked for and always under FP8."""
     from megatron.core.models.gpt import GPTModel
 
     tcfg = transformer_config(cfg, ps, **kwargs)
-    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=bool(tcfg.fp8))
+    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=transformer_engine or bool(tcfg.fp8))
     coords = ps.coords(vp_stage)
     model = GPTModel(
         config=tcfg,

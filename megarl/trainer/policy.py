@@ -48,7 +48,8 @@ class PolicyTrainer:
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
-                 trainable: bool = True, entropy: bool = False, fp8: str = "") -> None:
+                 trainable: bool = True, entropy: bool = False, fp8: str = "",
+                 transformer_engine: bool = False) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -62,7 +63,8 @@ class PolicyTrainer:
         self.head, self.entropy = head, entropy
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
-                                        moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8)
+                                        moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
+                                        transformer_engine=transformer_engine)
                         for vp in range(ps.vpp)]
         last = self.modules[-1]  # the loss is computed after this chunk (on the last pipeline stage)
         if head == "value" and ps.is_last_stage:
