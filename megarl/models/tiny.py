@@ -93,31 +93,30 @@ def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
         "num_experts_per_tok": shape.experts_per_token,
         "router_aux_loss_coef": 0.001,
     }
+    qwen_moe = {
+        **common, **moe,
+        "intermediate_size": shape.intermediate_size,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "num_experts": shape.num_experts,
+        "decoder_sparse_step": 1,
+    }
     if shape.family == "qwen3_moe":
         return {
-            **common, **moe,
+            **qwen_moe,
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
             "head_dim": shape.head_dim,
-            "intermediate_size": shape.intermediate_size,
-            "moe_intermediate_size": shape.moe_intermediate_size,
-            "num_experts": shape.num_experts,
             "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "attention_bias": False,
         }
     if shape.family == "qwen2_moe":
         return {
-            **common, **moe,
+            **qwen_moe,
             "architectures": ["Qwen2MoeForCausalLM"],
             "model_type": "qwen2_moe",
-            "intermediate_size": shape.intermediate_size,
-            "moe_intermediate_size": shape.moe_intermediate_size,
             "shared_expert_intermediate_size": shape.shared_expert_intermediate_size,
-            "num_experts": shape.num_experts,
             "norm_topk_prob": False,
-            "decoder_sparse_step": 1,
             "mlp_only_layers": [shape.num_layers - 1],
         }
     if shape.family == "mixtral":
