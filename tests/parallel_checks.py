@@ -28,6 +28,9 @@ LAYOUTS = {
     "single_z_loss": dict(moe_z_loss_coeff=0.1),
     "pp2": dict(pp=2),
     "pp2_vpp2": dict(pp=2, vpp=2),
+    # one microbatch of 8 rows; interleaving pads a second, all-padding one (PP=2 microbatches)
+    "single_mbs8": dict(micro_batch_size=8),
+    "pp2_vpp2_mbs8": dict(pp=2, vpp=2, micro_batch_size=8),
     "dp2": dict(),
     "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
     "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
@@ -102,7 +105,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
         torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))
     if ps.is_last_stage and ps.dp_rank == 0 and ps.tp_rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"],
+            json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"], "metrics": metrics,
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep}, f)
     dist.barrier()

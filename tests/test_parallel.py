@@ -83,6 +83,13 @@ def test_critic_forward_backward_matches_single_process(models, layout):
 
 
 
+def test_padding_microbatches_do_not_dilute_the_metrics(models):
+    ref, got = run(models, "qwen2", "single_mbs8"), run(models, "qwen2", "pp2_vpp2_mbs8")
+    assert_same(ref, got)
+    for key in ("clip_frac", "ratio_mean", "approx_kl"):
+        assert got[0]["metrics"][key] == pytest.approx(ref[0]["metrics"][key], rel=1e-5), key
+
+
 @pytest.mark.parametrize("layout", ["single_aux_loss", "single_z_loss"])
 def test_router_losses_train_the_router_without_changing_the_logprobs(models, layout):
     (plain, plain_w), (routed, routed_w) = run(models, "qwen3_moe", "single"), run(models, "qwen3_moe", layout)

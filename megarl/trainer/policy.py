@@ -166,6 +166,7 @@ class PolicyTrainer:
                 loss = (per_token * mb["weights"]).sum() * scale
                 report = {k: v.detach().float() for k, v in metrics.items()}
                 report["loss_sum"] = loss.detach() / scale
+                report["has_tokens"] = (mb["weights"] != 0).any()  # padding microbatches report nothing
                 return loss, report
 
             return output, loss_func
@@ -212,9 +213,10 @@ class PolicyTrainer:
         metrics: dict[str, float] = {"grad_norm": float(grad_norm or 0.0), "skipped": float(not ok)}
         if out:
             metrics["loss"] = float(sum(o["loss_sum"] for o in out))
+            real = [o for o in out if o["has_tokens"]] or out
             for key in out[0]:
-                if key != "loss_sum":
-                    metrics[key] = float(sum(o[key] for o in out) / len(out))
+                if key not in ("loss_sum", "has_tokens"):
+                    metrics[key] = float(sum(o[key] for o in real) / len(real))
             if self.ps.dp > 1:  # the loss is a sum over the DP ranks' rows; the other metrics are means
                 from megatron.core import parallel_state as mpu
 
