@@ -27,6 +27,11 @@ import torch
 import torch.distributed as dist
 
 
+def _chain(optimizer) -> list:
+    """The optimizers of a megatron ``ChainedOptimizer`` (dense and expert parts), or just this one."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
 def _model_keys(trainer) -> list[str]:
     """megatron's names for the model chunks in a checkpoint: 'model', or 'model0', 'model1', ...
     under virtual pipeline stages (tensors are matched by their global keys, not by these)."""
@@ -40,7 +45,7 @@ def _sharded(trainer, is_loading: bool) -> dict:
         return state
     fresh = []
     if is_loading:
-        for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for opt in _chain(trainer.optimizer):
             # A distributed optimizer that never stepped has no 'step' to describe its state: give it
             # dummy state for the description, then drop it again so that loading allocates its own.
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
@@ -93,7 +98,7 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         main_params_saved = not _drop_unsaved_main_params(sharded["optimizer"], saved_keys)
     state = dist_checkpointing.load(sharded, str(path))
     if "optimizer" in state:
-        chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+        chain = _chain(trainer.optimizer)
         if hasattr(chain[0], "gbuf_ranges"):  # distributed optimizer(s) here
             _align_chain(state["optimizer"], trainer.optimizer)
         else:
@@ -104,7 +109,7 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         trainer.optimizer.load_state_dict(state["optimizer"])
         _untie_steps(trainer.optimizer)
         if not main_params_saved:  # main params from the model weights just loaded
-            for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+            for opt in _chain(trainer.optimizer):
                 opt.reload_model_params()
 
 
@@ -113,7 +118,7 @@ def _untie_steps(optimizer) -> None:
     parameter's Adam state *one shared* ``step`` tensor, which torch's Adam then increments once per
     parameter in the next step, skewing the bias correction (measured: 3.5e-4 weight error after
     one step at lr 1e-3). Give each parameter its own."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _chain(optimizer):
         for state in getattr(opt, "optimizer", opt).state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -134,6 +139,7 @@ def _drop_unsaved_main_params(optimizer_sd: dict, saved_keys: set[str]) -> bool:
             del optimizer_sd[key]
             dropped = True
     return dropped
+
 
 _CHAIN = re.compile(r"^chained_\d+\.")
 
@@ -170,7 +176,7 @@ def _align_chain(loaded: dict, optimizer) -> None:
     def ident(group: dict) -> tuple:
         return tuple(group.get(k, group.get(f"pre_{k}")) for k in ident_keys)
 
-    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    chain = _chain(optimizer)
     if "optimizer" not in loaded and "param_groups" in loaded:  # saved by a plain (torch) optimizer
         step = loaded.pop("state", {}).get("common_step")
         groups = loaded.pop("param_groups")
@@ -241,7 +247,7 @@ def _fill_param_groups(loaded: dict, optimizer) -> None:
     give each parameter Adam's ``step`` as saved (the distributed optimizer keeps it per group, the
     plain one as ``common_step``, torch's Adam per parameter) and take the group hyper-parameters
     (lr/wd multipliers, expert flags) from the running optimizer."""
-    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    chain = _chain(optimizer)
     if "param_groups" not in loaded and len(chain) == 1:
         return
     step = _saved_step(loaded)
