@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
-from megarl.weight_sync.sharding import grouped_expert_name, local_expert_name, shard_for_rank, tp_split_dim
+from megarl.weight_sync.sharding import (
+    grouped_expert_name,
+    layers_per_stage,
+    local_expert_name,
+    shard_for_rank,
+    tp_split_dim,
+)
 
 # Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "mixtral")
@@ -142,7 +148,7 @@ def stage_layers(cfg: dict, ps: ParallelState, vp_stage: int = 0) -> list[int]:
     """Global indices of the layers this rank's model chunk ``vp_stage`` holds."""
     layers = cfg["num_hidden_layers"]
     first = ps.coords(vp_stage).first_layer(layers)
-    return list(range(first, first + layers // (ps.pp * ps.vpp)))
+    return list(range(first, first + layers_per_stage(layers, ps.pp, ps.vpp)))
 
 
 def _local_spec(tcfg, moe: bool):
@@ -164,7 +170,7 @@ def _local_spec(tcfg, moe: bool):
 
 def layer_spec(tcfg, cfg: dict, layers: list[int], te: bool = False):
     """The block spec of ``layers`` (global indices): each layer dense or MoE as the HF config says;
-    megatron's local spec with ``TorchNorm`` norms, or Transformer Engine's under FP8."""
+    megatron's local spec with ``TorchNorm`` norms, or Transformer Engine's (``te``)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     make = te_layer_spec if te else _local_spec
