@@ -54,9 +54,9 @@ def trainer_throughput(steps: int, batch: int, seq: int) -> dict:
     from megarl.algo.batch import build_batch
     from megarl.algo.losses import nll_loss
     from megarl.config.schema import OptimConfig
+    from megarl.models.hf_config import read_hf_config
     from megarl.models.tiny import make_tiny_model
     from megarl.trainer import cpu_adapter
-    from megarl.trainer.model import read_hf_config
     from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 

@@ -24,7 +24,7 @@ def _model_config_for_validation(cfg) -> dict | None:
     """The HF config the run will use: the checkpoint's, or the tiny model's it will create."""
     path = Path(cfg.model.path) / "config.json"
     if path.is_file():
-        from megarl.trainer.model import read_hf_config
+        from megarl.models.hf_config import read_hf_config
 
         return read_hf_config(cfg.model.path)
     if cfg.model.make_tiny:

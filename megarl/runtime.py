@@ -22,13 +22,13 @@ from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
+from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.addition import exact_answer
 from megarl.rewards.base import RewardRunner
 from megarl.rollout.controller import ControllerConfig, RolloutController
 from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source, tracking_scorer
 from megarl.trainer import cpu_adapter
-from megarl.trainer.model import read_hf_config
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners

@@ -60,8 +60,8 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """
     import dataclasses
 
+    from megarl.models.hf_config import read_hf_config
     from megarl.trainer import cpu_adapter
-    from megarl.trainer.model import read_hf_config
     from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
@@ -82,7 +82,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     from megarl.algo.losses import ppo_clip_loss, value_loss
     from megarl.config.schema import OptimConfig
-    from megarl.trainer.model import num_experts
+    from megarl.models.hf_config import num_experts
     from megarl.weight_sync.export import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),

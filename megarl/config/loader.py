@@ -17,6 +17,7 @@ import yaml
 
 from megarl.config.presets import PRESETS
 from megarl.config.schema import TINY_FAMILIES, RunConfig
+from megarl.models.hf_config import num_experts
 
 
 class _Loader(yaml.SafeLoader):
@@ -180,7 +181,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
 def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
     p = cfg.parallel
     heads, kv, layers = hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"]
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    experts = num_experts(hf)
     if heads % p.tp or kv % p.tp:
         valid = [d for d in _divisors(kv) if heads % d == 0]
         raise ConfigError(

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from megarl.config.schema import TINY_FAMILIES as FAMILIES
 from megarl.data.addition import ALPHABET
+from megarl.models.hf_config import is_moe_layer, num_experts
 
 PAD, EOS = "<pad>", "<|endoftext|>"
 
@@ -141,8 +142,6 @@ def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
 
 def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of an HF checkpoint of this config (the families above)."""
-    from megarl.trainer.model import is_moe_layer, num_experts
-
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
     kind = cfg["model_type"]

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megarl.config.schema import OptimConfig
+from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
-from megarl.trainer.model import build_gpt_model, load_hf_weights, num_experts
+from megarl.trainer.model import build_gpt_model, load_hf_weights
 from megarl.trainer.parallel import ParallelState
 from megarl.types import TrainBatch
 from megarl.weight_sync.export import gather_hf_weights
