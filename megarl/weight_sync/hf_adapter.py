@@ -73,27 +73,20 @@ _GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
 
 
 # Mixtral's MoE block: block_sparse_moe.{gate, experts.E.w1|w3|w2} ⇄ mlp.{gate, experts.E.*_proj}.
+def _moe_block_renamer(src: str, dst: str, projs: dict[str, str]):
+    """``.src.gate.weight`` / ``.src.experts.E.<p>.weight`` → the same under ``dst`` with ``projs[p]``."""
+    pattern = re.compile(rf"\.{src}\.(gate|experts\.\d+\.({'|'.join(projs)}))\.weight$")
+
+    def sub(m: re.Match) -> str:
+        body, proj = m.groups()
+        return f".{dst}.{body if proj is None else body[: -len(proj)] + projs[proj]}.weight"
+
+    return lambda name: pattern.sub(sub, name)
+
+
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_IN = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w1|w3|w2))\.weight$")
-_MIXTRAL_OUT = re.compile(r"\.mlp\.(gate|experts\.\d+\.(gate_proj|up_proj|down_proj))\.weight$")
-
-
-def _from_mixtral(name: str) -> str:
-    def sub(m):
-        body = m.group(1) if m.group(2) is None else m.group(1)[: -len(m.group(2))] + _MIXTRAL_PROJ[m.group(2)]
-        return f".mlp.{body}.weight"
-
-    return _MIXTRAL_IN.sub(sub, name)
-
-
-def _to_mixtral(name: str) -> str:
-    back = {v: k for k, v in _MIXTRAL_PROJ.items()}
-
-    def sub(m):
-        body = m.group(1) if m.group(2) is None else m.group(1)[: -len(m.group(2))] + back[m.group(2)]
-        return f".block_sparse_moe.{body}.weight"
-
-    return _MIXTRAL_OUT.sub(sub, name)
+_from_mixtral = _moe_block_renamer("block_sparse_moe", "mlp", _MIXTRAL_PROJ)
+_to_mixtral = _moe_block_renamer("mlp", "block_sparse_moe", {v: k for k, v in _MIXTRAL_PROJ.items()})
 
 
 def head_layout(cfg: dict) -> tuple[int, int, int]:
