@@ -171,14 +171,10 @@ def _align_chain(loaded: dict, optimizer) -> None:
     optimizer's checkpoint (DP = 1) keeps its groups at the top and Adam's step as ``common_step``:
     it is first put in the distributed optimizer's form.
     """
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
-
-    def ident(group: dict) -> tuple:
-        return tuple(group.get(k, group.get(f"pre_{k}")) for k in ident_keys)
-
     chain = _chain(optimizer)
     if "optimizer" not in loaded and "param_groups" in loaded:  # saved by a plain (torch) optimizer
-        step = loaded.pop("state", {}).get("common_step")
+        step = _saved_step(loaded)
+        loaded.pop("state", None)
         groups = loaded.pop("param_groups")
         loaded["optimizer"] = {"param_groups": [g if step is None else {**g, "step": float(step)} for g in groups]}
         loaded.setdefault("param_state_sharding_type", "fully_reshardable")
@@ -194,23 +190,30 @@ def _align_chain(loaded: dict, optimizer) -> None:
         sharding = loaded.pop("param_state_sharding_type")
         for i, opt in enumerate(chain):
             part = loaded.setdefault(i, {})
-            part["optimizer"] = {"param_groups": [_saved_group_for(g, saved_groups, ident) for g in opt.param_groups]}
+            part["optimizer"] = {"param_groups": [_saved_group_for(g, saved_groups) for g in opt.param_groups]}
             part["param_state_sharding_type"] = sharding
 
 
-def _saved_group_for(group: dict, saved_groups: list[dict], ident) -> dict:
-    """The saved param group for this running one: the same identity (wd/lr multipliers, expert flag,
-    decoupled lr), or — saved where experts were not parallel (EP = 1), so not flagged — the same
-    identity but the expert flag; carried over under the running group's identity."""
+def _group_identity(group: dict) -> tuple:
+    """What tells megatron's param groups apart (wd/lr multipliers, expert flag, decoupled lr)."""
     from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
 
-    want = ident(group)
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in ident_keys)
+
+
+def _saved_group_for(group: dict, saved_groups: list[dict]) -> dict:
+    """The saved param group for this running one: the same identity, or — saved where experts
+    were not parallel (EP = 1), so not flagged — the same identity but the expert flag; carried
+    over under the running group's identity."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys as ident_keys
+
+    want = _group_identity(group)
     loose = [i for i, k in enumerate(ident_keys) if k != "is_expert_parallel"]
     for exact in (True, False):
         for saved in saved_groups:
-            have = ident(saved)
+            have = _group_identity(saved)
             if have == want or (not exact and all(have[i] == want[i] for i in loose)):
-                return {**saved, **{k: v for k, v in zip(ident_keys, want)}}
+                return {**saved, **dict(zip(ident_keys, want))}
     raise KeyError(f"checkpoint has no optimizer param group like {dict(zip(ident_keys, want))}")
 
 
