@@ -9,8 +9,10 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.vpp=2", "optim.micro_batch_size=16"]],
-                         ids=["dp2", "pp2_vpp2"])
+# The PP case runs PPO with TIS: critic values, reference and proximal logprobs are needed on every stage.
+@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.vpp=2", "optim.micro_batch_size=16",
+                                         "algo.preset=ppo", "algo.tis=token"]],
+                         ids=["dp2", "pp2_vpp2_ppo"])
 def test_train_with_two_processes(tmp_path, layout):
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
            "engine.tensor_parallel_size=2", "warmup.steps=3", "train.steps=2", "train.time_limit_s=0",

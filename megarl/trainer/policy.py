@@ -184,23 +184,34 @@ class PolicyTrainer:
         )
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — (last stage; None elsewhere)."""
+    def _from_last_stage(self, value):
+        """``value`` as the last pipeline stage has it, on every stage (the loss and logprobs live there)."""
+        if self.ps.pp == 1:
+            return value
+        from megatron.core import parallel_state as mpu
+
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                                group=mpu.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank."""
         for c in self.chunks:
             c.eval()
         out = self._run(batch, None, forward_only=True)
         for c in self.chunks:
             c.train()
-        if not self.ps.is_last_stage:
-            return None
-        local = torch.cat([o["logprobs"] for o in out], dim=0)
-        if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
-            from megatron.core import parallel_state as mpu
+        local = None
+        if self.ps.is_last_stage:
+            local = torch.cat([o["logprobs"] for o in out], dim=0)
+            if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
+                from megatron.core import parallel_state as mpu
 
-            parts: list = [None] * self.ps.dp
-            torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
-            local = torch.cat(parts, dim=0)
-        return local[: batch.size, : batch.seq_len]
+                parts: list = [None] * self.ps.dp
+                torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
+                local = torch.cat(parts, dim=0)
+        return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
@@ -226,14 +237,7 @@ class PolicyTrainer:
                 torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
                 for k, v in zip(keys, values.tolist()):
                     metrics[k] = v if k == "loss" else v / self.ps.dp
-        if self.ps.pp > 1:  # the loss lives on the last stage; every stage reports it (rank 0 logs)
-            from megatron.core import parallel_state as mpu
-
-            box = [metrics]
-            torch.distributed.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
-                                                    group=mpu.get_pipeline_model_parallel_group())
-            metrics = box[0]
-        return metrics
+        return self._from_last_stage(metrics)  # every stage reports the loss (rank 0 logs)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model under HF names (gathered across TP/PP/EP), for the engines."""
