@@ -7,7 +7,8 @@ torchrun). Every step calls into a room and nothing else:
   scores each group as it is released (``megarl/rollout``);
 - advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
-- sync: the trainer's weights go into the engine in memory (``megarl/weight_sync``).
+- sync: the trainer's weights stream into the engine in memory, bucket by bucket
+  (``megarl/weight_sync/streaming.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
+from megarl.weight_sync.streaming import sync_engine
 
 CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubble_ratio", "timing/gen_s",
                 "timing/train_s", "eval/pass_at_1")
@@ -42,8 +44,7 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
         return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
-    s.engine.update_weights(s.trainer.hf_weights())  # sync
-    t3 = time.time()
+    sync = sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, bucket by bucket
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
@@ -55,7 +56,7 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
         "response/len_max": max(lengths),
         "timing/gen_s": t1 - t0,
         "timing/train_s": t2 - t1,
-        "timing/sync_s": t3 - t2,
+        **sync,
         **metrics,
         **phase.summary(),
     }
@@ -66,7 +67,7 @@ def run(cfg: RunConfig) -> dict:
     say = print if s.is_main else (lambda *a, **k: None)
     if cfg.warmup.steps:
         supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
-        s.engine.update_weights(s.trainer.hf_weights())
+        sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)
     before = evaluate(s)
     s.logger.scalars(0, {"eval/pass_at_1": before})
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")

@@ -9,7 +9,10 @@ HF tensors equal ``gather_hf_weights`` exactly, the engine-vs-trainer logprob ga
 (stale weights) and after it, and the sync's stats. Rank 0 prints one JSON line.
 
 ``memory`` (one process, no engine): the peak RSS added by a streamed sync whose tensors are
-consumed and dropped, next to the same for ``gather_hf_weights`` and the model's size.
+consumed and dropped, next to the same for ``gather_hf_weights`` and the model's size. Run it
+with ``MALLOC_MMAP_THRESHOLD_=65536``: every large buffer is then its own mapping, so RSS rises
+when it is touched and falls when it is freed (glibc's default keeps freed memory in the heap,
+which hides new allocations from the peak).
 """
 
 from __future__ import annotations
@@ -132,7 +135,6 @@ def memory_checks(model_dir: str, bucket_mib: str) -> None:
         return n
 
     streamed = peak_rss_added(lambda: drain(sync.weights()))
-    streamed = min(streamed, peak_rss_added(lambda: drain(sync.weights())))  # second run: allocator warmed
     gathered = peak_rss_added(lambda: drain(gather_hf_weights(modules, cfg, ps, num_experts(cfg))))
     print(json.dumps({"model_bytes": model_bytes, "largest_tensor": largest, "layers": cfg["num_hidden_layers"],
                       "stream_peak": streamed, "gather_peak": gathered, "tracked_peak": sync.stats.peak_extra_bytes,

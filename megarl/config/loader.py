@@ -165,6 +165,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if cfg.sync.bucket_mib <= 0:
+        raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {cfg.sync.bucket_mib}")
     _validate_algo(cfg)
     _validate_fp8(cfg.model.fp8)
     if cfg.model.transformer_engine and (why := transformer_engine_error()) is not None:

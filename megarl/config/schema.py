@@ -224,6 +224,12 @@ class TrainConfig:
 
 
 @dataclass
+class SyncConfig:
+    bucket_mib: float = 64.0
+    """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -234,3 +240,4 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)

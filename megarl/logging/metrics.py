@@ -16,6 +16,9 @@ STEP_SCALARS = (
     "timing/gen_s",
     "timing/train_s",
     "timing/sync_s",
+    "sync/bytes",
+    "sync/buckets",
+    "sync/peak_extra_mib",
 )
 
 
