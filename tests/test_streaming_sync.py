@@ -12,15 +12,20 @@ import pytest
 from conftest import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
-LAYOUTS = "tp2_sp,pp2,ep2_alltoall"
+LAYOUTS = "tp2_sp,pp2,pp2_vpp2,ep2_alltoall"
+DENSE_LAYOUTS = "tp2,pp2_vpp2,dp2"
+
+
+def run_engine_checks(tmp_path_factory, family: str, layouts: str) -> dict:
+    model = make_tiny_model(tmp_path_factory.mktemp("stream") / family, TinyShape(family=family), seed=3)
+    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      "tests/streaming_checks.py", "engine", str(model), layouts], env={"OMP_NUM_THREADS": "1"})
+    return out["layouts"]
 
 
 @pytest.fixture(scope="module")
 def engine_results(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("stream") / "moe", TinyShape(family="qwen3_moe"), seed=3)
-    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                      "tests/streaming_checks.py", "engine", str(model), LAYOUTS], env={"OMP_NUM_THREADS": "1"})
-    return out["layouts"]
+    return run_engine_checks(tmp_path_factory, "qwen3_moe", LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.split(","))
@@ -55,3 +60,11 @@ def test_peak_extra_memory_of_a_sync_does_not_grow_with_layers(tmp_path_factory)
         assert m["stream_peak"] < bound, m
         assert m["tracked_peak"] <= m["bucket_bytes"] + m["largest_tensor"], m
     assert deep["gather_peak"] > 0.5 * deep["model_bytes"]  # the old path holds the whole model: RSS sees it
+
+
+@pytest.mark.slow
+def test_dense_model_streams_under_tp_vpp_and_dp(tmp_path_factory):
+    for layout, ranks in run_engine_checks(tmp_path_factory, "qwen2", DENSE_LAYOUTS).items():
+        for r in ranks:
+            assert r["same_names"] and r["max_diff"] == 0.0, layout
+            assert r["gap_stale"] > 1e-3 and r["gap_after"] <= 1e-4, layout
