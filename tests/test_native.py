@@ -136,6 +136,18 @@ def test_public_ops_fall_back_to_the_reference_when_off(monkeypatch):
         native.mode()
 
 
+def test_auto_mode_uses_a_prebuilt_library_and_never_compiles(ops, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGARL_NATIVE", "auto")
+    native.cpu_ops.cache_clear()
+    try:
+        assert native.backend("cpu") == "native"  # the fixture's build, found where `make kernels` puts it
+        native.cpu_ops.cache_clear()
+        monkeypatch.setenv("MEGARL_NATIVE_DIR", str(tmp_path / "empty"))
+        assert native.backend("cpu") == "reference" and not (tmp_path / "empty").exists()  # nothing built
+    finally:
+        native.cpu_ops.cache_clear()
+
+
 needs_nvcc = pytest.mark.skipif(native.nvcc() is None, reason="no nvcc on this machine (CUDA toolkit absent)")
 
 

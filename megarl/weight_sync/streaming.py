@@ -100,6 +100,7 @@ class StreamingSync:
     _plan: list[Entry] | None = None
     _local: dict[str, _Local] = field(default_factory=dict)
     _leader: dict[str, int] = field(default_factory=dict)
+    _device: torch.device = torch.device("cpu")  # where the trainer's weights (and so the buckets) live
 
     def plan(self) -> list[Entry]:
         if self._plan is None:
@@ -127,6 +128,7 @@ class StreamingSync:
                 if dim is not None:
                     shape[dim] *= tp
                 name = global_name(local, layers, self.num_experts, coords)
+                self._device = p.device
                 self._local[name] = _Local(p, group, tp, dim)
                 self._leader[name] = leader
                 mine.append((name, leader, tuple(shape)))
@@ -168,7 +170,7 @@ class StreamingSync:
         start, self.stats = time.perf_counter(), SyncStats()
         for bucket_entries in self.buckets():
             total = sum(e.numel for e in bucket_entries)
-            bucket = torch.empty(total, dtype=self.dtype)
+            bucket = torch.empty(total, dtype=self.dtype, device=self._device)
             source = bucket_entries[0].source
             offset = 0
             for e in bucket_entries:
@@ -198,7 +200,7 @@ class StreamingSync:
         t = loc.param.detach()
         extra = 0
         if loc.dim is not None:
-            gathered = torch.empty((loc.tp * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+            gathered = torch.empty((loc.tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
             dist.all_gather(list(gathered.chunk(loc.tp, dim=0)), t.contiguous(), group=loc.group)
             extra = gathered.nbytes
             if dist.get_rank() != e.source:
