@@ -133,13 +133,20 @@ def main() -> None:
     print(f"move   the same weights without the engine's load: streamed buckets {drain_s:.3f} s vs safetensors "
           f"save + load {files_s:.3f} s = {files_s / drain_s:.1f}x faster", flush=True)
 
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _rss("VmRSS")
-    drain()
-    peak = _rss("VmHWM") - before
+    def peak_added(fn) -> int:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
+        before = _rss("VmRSS")
+        fn()
+        return _rss("VmHWM") - before
+
+    peak = peak_added(drain)
     print(f"memory peak extra RSS of a streamed sync: {peak / 2**20:.1f} MiB = {peak / model_bytes:.3f} of the "
           f"{model_bytes / 2**20:.0f} MiB model (tracked buffers {sync.stats.peak_extra_bytes / 2**20:.1f} MiB; "
           f"bucket {args.bucket_mib:g} MiB)", flush=True)
+    into_engine = peak_added(lambda: engine.update_weights(sync.weights()))
+    gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(modules, cfg, ps, num_experts(cfg))))
+    print(f"memory with the engine loading: streamed {into_engine / 2**20:.1f} MiB = {into_engine / model_bytes:.3f} "
+          f"of the model vs full gather {gathered / 2**20:.1f} MiB = {gathered / model_bytes:.3f}", flush=True)
 
 
 if __name__ == "__main__":
