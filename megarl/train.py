@@ -7,8 +7,8 @@ torchrun). Every step calls into a room and nothing else:
   scores each group as it is released (``megarl/rollout``);
 - advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
-- sync: the trainer's weights stream into the engine in memory, bucket by bucket
-  (``megarl/weight_sync/streaming.py``).
+- sync: the trainer's weights stream into the engine in memory, bucket by bucket, under one
+  all-or-nothing protocol (``megarl/weight_sync/protocol.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
-from megarl.weight_sync.streaming import sync_engine
+from megarl.weight_sync.protocol import sync_weights
 
 CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubble_ratio", "timing/gen_s",
                 "timing/train_s", "eval/pass_at_1")
@@ -44,7 +44,7 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
         return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
-    sync = sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, bucket by bucket
+    sync = sync_weights(s.engine, s.trainer, cfg.sync, version=step + 1)  # the named protocol, all or nothing
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
@@ -67,7 +67,7 @@ def run(cfg: RunConfig) -> dict:
     say = print if s.is_main else (lambda *a, **k: None)
     if cfg.warmup.steps:
         supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
-        sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)
+        sync_weights(s.engine, s.trainer, cfg.sync, version=0)
     before = evaluate(s)
     s.logger.scalars(0, {"eval/pass_at_1": before})
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")

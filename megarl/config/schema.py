@@ -227,6 +227,8 @@ class TrainConfig:
 class SyncConfig:
     bucket_mib: float = 64.0
     """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
+    check_every: int = 0
+    """Every N syncs, compare engine and trainer logprobs on a probe batch → sync/logprob_gap (0: never)."""
 
 
 @dataclass

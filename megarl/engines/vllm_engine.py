@@ -159,6 +159,7 @@ class VLLMSlotEngine:
                 continue
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), _sampled_logprobs(c))
+            ev.version = getattr(self.engine, "weight_version", 0)  # set by the sync protocol
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)

@@ -33,6 +33,7 @@ class TokenEvent:
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""  # 'stop' | 'length' when finished
+    version: int | None = None  # the weight version of the engine that sampled these tokens (None: not known)
 
 
 @dataclass

