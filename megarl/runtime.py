@@ -20,6 +20,7 @@ from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
+from megarl.engines.memory import sleep_supported
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.hf_config import read_hf_config
@@ -83,7 +84,8 @@ def build_session(cfg: RunConfig) -> Session:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
-                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots)
+                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
+                        enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported())
     cpu_adapter.activate()
     from megatron.core import tensor_parallel
 

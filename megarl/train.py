@@ -19,6 +19,7 @@ import time
 import torch
 
 from megarl.config import RunConfig
+from megarl.engines.memory import handover
 from megarl.rollout.evaluate import greedy_pass_at_1
 from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
@@ -42,8 +43,10 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
         return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
+    handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
+    handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
     sync = sync_weights(s.engine, s.trainer, cfg.sync, version=step + 1)  # the named protocol, all or nothing
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]

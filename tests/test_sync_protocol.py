@@ -38,3 +38,33 @@ def test_interrupted_sync_leaves_old_weights_moe(tmp_path):
 @pytest.mark.slow
 def test_interrupted_sync_leaves_old_weights_dense(tmp_path):
     check(run_protocol(tmp_path, "qwen2"))
+
+
+def test_loop_syncs_by_protocol_with_audit_and_cpu_sleep_skipped(tmp_path):
+    """`megarl train` in partial mode: each step's sync bumps engine/version, the audit finds engine ≈ trainer."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=2",
+           "train.steps=2", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", "data.eval_size=8", "rollout.prompts_per_step=4",
+           "rollout.samples_per_prompt=4", "engine.slots=32", "engine.kv_cache_gib=0.25", "rollout.mode=partial",
+           "sync.check_every=1", "engine.sleep_level=1", "trainer.offload_during_rollout=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("engine.sleep_level=1: vLLM has no sleep mode") == 1
+    assert proc.stdout.count("trainer.offload_during_rollout: the trainer's state is already in host memory") == 1
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+
+    def values(tag):
+        return [e.value for e in acc.Scalars(tag)]
+
+    assert values("engine/version") == [1.0, 2.0]
+    assert len(values("sync/logprob_gap")) == 2 and max(values("sync/logprob_gap")) <= 1e-4
+    assert values("sync/failures") == [0.0, 0.0]

@@ -167,6 +167,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     if cfg.sync.bucket_mib <= 0:
         raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {cfg.sync.bucket_mib}")
+    if cfg.engine.sleep_level not in (0, 1, 2):
+        raise ConfigError(f"engine.sleep_level must be 0, 1 or 2, got {cfg.engine.sleep_level}")
     if cfg.sync.check_every < 0:
         raise ConfigError(f"sync.check_every must be >= 0 (0: never; N: audit every N syncs), got {cfg.sync.check_every}")
     _validate_algo(cfg)

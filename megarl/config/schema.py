@@ -99,6 +99,8 @@ class EngineConfig:
     """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
+    sleep_level: int = 0
+    """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
 
 
 @dataclass
@@ -232,6 +234,12 @@ class SyncConfig:
 
 
 @dataclass
+class TrainerConfig:
+    offload_during_rollout: bool = False
+    """Move the optimizer state and gradient buffers to host memory while the engines generate (GPU)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -243,3 +251,4 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

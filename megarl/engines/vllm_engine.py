@@ -42,7 +42,8 @@ class VLLMEngine:
     """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
-                 tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256) -> None:
+                 tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
+                 enable_sleep_mode: bool = False) -> None:
         set_cpu_engine_env(kv_cache_gib)
         from vllm import LLM
 
@@ -57,6 +58,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             max_num_seqs=max_num_seqs,
+            enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
         )
 
     @property

@@ -1,0 +1,116 @@
+"""Colocated memory hand-over: engines sleep while the trainer trains; the trainer offloads while engines generate.
+
+On GPUs a 32B trainer and its colocated engines cannot both hold their memory. Around each
+phase of the loop::
+
+    generate   engine awake           trainer: optimizer state + grads on host (offload_during_rollout)
+    ─ end of phase ─ engine.sleep(level) ─ trainer: state back on device ─
+    train      engine asleep (level 1: weights on host, KV cache dropped; level 2: both dropped)
+    ─ engine.wake_up() ─ sync (a level-2 engine gets all its weights from the sync) ─
+    generate …
+
+vLLM refuses sleep mode on its CPU platform, and a CPU trainer's state already lives in host
+memory: there each call is skipped, said once in the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
+
+
+def sleep_supported() -> bool:
+    """vLLM offers sleep mode on this platform (not on CPU)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(getattr(current_platform, "is_sleep_mode_available", lambda: False)())
+
+
+class EngineSleep:
+    """``engine.sleep_level`` 0 (never), 1 or 2 around training; skipped with one log line where unsupported."""
+
+    def __init__(self, engine, level: int, log: Callable[[str], None] = print) -> None:
+        self.engine, self.level, self.log = engine, level, log
+        self.supported = level > 0 and sleep_supported()
+        self.asleep = False
+        if level > 0 and not self.supported:
+            log(f"engine.sleep_level={level}: vLLM has no sleep mode on this platform (CPU); "
+                "the engine stays awake and sleep/wake calls are skipped")
+
+    def sleep(self) -> None:
+        if self.supported and not self.asleep:
+            self.engine.llm.sleep(level=self.level)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.engine.llm.wake_up()
+            self.asleep = False
+
+
+class TrainerOffload:
+    """``trainer.offload_during_rollout``: optimizer state and gradient buffers to host while engines generate.
+
+    Uses megatron-core's own ``optimizer.offload_to_cpu`` / ``restore_from_cpu`` and the DDP
+    wrappers' ``offload_grad_buffers`` / ``restore_grad_buffers`` (the buffers' storage is
+    freed and reallocated, views stay valid, grads are zeroed — they are zeroed before every
+    step anyway). With the trainer on CPU there is nothing to move: skipped, said once.
+    """
+
+    def __init__(self, trainer, enabled: bool, log: Callable[[str], None] = print) -> None:
+        self.trainer, self.log = trainer, log
+        self.active = enabled and on_gpu()
+        self.offloaded = False
+        if enabled and not self.active:
+            log("trainer.offload_during_rollout: the trainer's state is already in host memory (CPU); skipped")
+
+    def offload(self) -> None:
+        if not self.active or self.offloaded or self.trainer.optimizer is None:
+            return
+        self.trainer.optimizer.offload_to_cpu()
+        for chunk in self.trainer.chunks:
+            chunk.offload_grad_buffers()
+        self.offloaded = True
+
+    def restore(self) -> None:
+        if not self.offloaded:
+            return
+        self.trainer.optimizer.restore_from_cpu()
+        for chunk in self.trainer.chunks:
+            chunk.restore_grad_buffers()
+        self.offloaded = False
+
+
+class Handover:
+    """The loop's two calls: ``to_train`` after generation, ``to_generate`` before the sync."""
+
+    def __init__(self, engine, trainer, sleep_level: int, offload: bool, log: Callable[[str], None] = print) -> None:
+        self.sleep, self.offload = EngineSleep(engine, sleep_level, log), TrainerOffload(trainer, offload, log)
+
+    def to_train(self) -> None:
+        self.sleep.sleep()
+        self.offload.restore()
+
+    def to_generate(self) -> None:
+        self.offload.offload()
+        self.sleep.wake()
+
+
+_HANDOVERS: dict[int, Handover] = {}
+
+
+def handover(session) -> Handover:
+    """The (cached) hand-over of a run's engine and trainer, as its config asks."""
+    h = _HANDOVERS.get(id(session))
+    if h is None:
+        say = print if session.is_main else (lambda *a, **k: None)
+        h = _HANDOVERS[id(session)] = Handover(session.engine, session.trainer, session.cfg.engine.sleep_level,
+                                               session.cfg.trainer.offload_during_rollout, say)
+    return h
