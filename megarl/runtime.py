@@ -83,9 +83,13 @@ def build_session(cfg: RunConfig) -> Session:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
-                        cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
-                        enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported())
+    if cfg.engine.placement == "disaggregated":
+        engine, slot_engines = build_engines(cfg)
+    else:
+        engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
+                            cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
+                            enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported())
+        slot_engines = [VLLMSlotEngine(engine, cfg.engine.slots)]
     cpu_adapter.activate()
     from megatron.core import tensor_parallel
 
@@ -110,7 +114,7 @@ def build_session(cfg: RunConfig) -> Session:
         score = tracking_scorer(score, tracker)
     else:
         source = task_prompt_source(task, tokenizer)
-    controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), source, score)
+    controller = build_controller(cfg, slot_engines, source, score)
     return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir)
 
 
@@ -128,6 +132,16 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     return Learners(policy, critic, reference)
 
 
+def build_engines(cfg: RunConfig):
+    """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
+    from megarl.engines.replicas import EngineReplicas
+
+    e = cfg.engine
+    replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
+                              e.slots, seed=cfg.train.seed)
+    return replicas, replicas.clients
+
+
 def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutController:
     r = cfg.rollout
     ccfg = ControllerConfig(
@@ -138,5 +152,6 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         release_cap=round(cfg.algo.oversample_cap * r.prompts_per_step) if cfg.algo.dynamic_sampling else 0,
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
-    return RolloutController(ccfg, [engine], next_prompt, score=score, keep_group=keep)
+    return RolloutController(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score,
+                             keep_group=keep)
 

@@ -167,6 +167,16 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     if cfg.sync.bucket_mib <= 0:
         raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {cfg.sync.bucket_mib}")
+    e = cfg.engine
+    if e.placement not in ("colocated", "disaggregated"):
+        raise ConfigError(f"engine.placement must be 'colocated' or 'disaggregated', got {e.placement!r}")
+    if e.replicas < 1 or (e.replicas > 1 and e.placement != "disaggregated"):
+        raise ConfigError(f"engine.replicas={e.replicas}: must be >= 1, and > 1 only with engine.placement=disaggregated")
+    if e.placement == "disaggregated" and world_size > 1:
+        raise ConfigError(f"engine.placement=disaggregated runs with one trainer process for now (world size "
+                          f"{world_size}); use --nproc 1 or engine.placement=colocated")
+    if e.placement == "disaggregated" and e.sleep_level:
+        raise ConfigError("engine.sleep_level applies to colocated engines; set it to 0 with disaggregated placement")
     if cfg.engine.sleep_level not in (0, 1, 2):
         raise ConfigError(f"engine.sleep_level must be 0, 1 or 2, got {cfg.engine.sleep_level}")
     if cfg.sync.check_every < 0:

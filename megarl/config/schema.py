@@ -99,6 +99,10 @@ class EngineConfig:
     """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
+    placement: str = "colocated"
+    """'colocated' (engines inside the trainer's processes) or 'disaggregated' (replicas in processes of their own)."""
+    replicas: int = 1
+    """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
 

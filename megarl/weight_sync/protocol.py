@@ -102,20 +102,28 @@ class WeightSyncProtocol:
     def run(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
         """Sync the trainer's weights (or ``weights``, e.g. a test's) as ``version``; returns the metrics."""
         engine, start = self.engine, time.perf_counter()
+        remote = hasattr(engine, "clients")  # disaggregated replicas (``engines.replicas``)
         self.stages = [Stage.PAUSE]
-        pause(engine)
+        engine.pause() if remote else pause(engine)
         metrics: dict[str, float] = {}
         try:
             self.stages.append(Stage.STREAM_LOAD)
             stream = streaming_sync(self.trainer, engine, self.bucket_mib)
-            backup = load(engine, stream.weights() if weights is None else weights)
-            self.stages.append(Stage.RESET_CACHE)
-            engine.llm.reset_prefix_cache()
-            self.stages.append(Stage.BUMP)
-            engine.weight_version = version
+            if remote:  # each replica loads, resets its prefix cache and bumps its version, or restores
+                from megarl.engines.replicas import flat_buckets, plan_buckets
+
+                plan = plan_buckets(stream)
+                metrics.update(engine.load(plan, flat_buckets(stream, plan, weights), version, stream.dtype))
+                self.stages += [Stage.RESET_CACHE, Stage.BUMP]
+            else:
+                backup = load(engine, stream.weights() if weights is None else weights)
+                self.stages.append(Stage.RESET_CACHE)
+                engine.llm.reset_prefix_cache()
+                self.stages.append(Stage.BUMP)
+                engine.weight_version = version
+                metrics["sync/backup_mib"] = backup / 2**20
             self.syncs += 1
             metrics.update(stream.stats.metrics())
-            metrics["sync/backup_mib"] = backup / 2**20
         except WeightLoadError as exc:
             self.failures += 1
             self.log(f"weight sync to version {version} failed; engine still serves version "

@@ -1,0 +1,168 @@
+"""Our weight-transfer backend for vLLM's RL API, on gloo: trainer → every engine worker, one broadcast per bucket.
+
+vLLM 0.32's ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` drive a worker-side ``WeightTransferEngine`` chosen by
+``weight_transfer_config={"backend": ...}``; its built-in backends are GPU-only. Importing this
+module (vLLM imports it as the ``worker_extension_cls`` module, in every worker) registers
+``megarl_gloo``:
+
+- ``init_transfer_engine``: join a bare gloo group (``stateless_init_torch_distributed_process_group``)
+  of the trainer's sending rank (rank 0) and every worker of every replica (ranks 1..).
+- ``start_weight_update``: back up the model (``weight_update.snapshot``), begin vLLM's layerwise reload.
+- ``receive_weights``: per bucket of the plan (names + shapes, sent once in ``update_info``), a
+  one-element flag broadcast (1: a bucket follows; 0: the trainer aborted) then the bucket
+  itself, whose HF views go to ``model.load_weights``. Any failure — the trainer's abort, a
+  dead link, a bad tensor — finishes vLLM's layerwise state and restores the backup, so the
+  replica keeps serving the old weights; the error is re-raised to the caller.
+- ``finish_weight_update``: finalize the reload, repack fused-MoE layers, drop the backup.
+
+The same wire format is spoken by ``GlooSender`` on the trainer side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.engines.weight_update import repack_moe, restore, snapshot
+
+BACKEND = "megarl_gloo"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def join_group(host: str, port: int, rank: int, world_size: int):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend="gloo")
+
+
+def _broadcast(tensor: torch.Tensor, group) -> None:
+    """From rank 0 of a bare (stateless) group: such a group is unknown to ``torch.distributed``'s helpers."""
+    group.broadcast(tensor, 0).wait()
+
+
+class TransferAborted(RuntimeError):
+    """The trainer aborted the update mid-way."""
+
+
+def _register() -> None:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        host: str = "127.0.0.1"
+        port: int = 0
+        world_size: int = 2
+        rank_offset: int = 1  # this replica's first rank in the group (its worker of TP rank r is offset + r)
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        buckets: list = field(default_factory=list)  # [[(hf name, shape), …], …] in send order
+        dtype: str = "float32"
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        supports_draft_weight_update = False
+
+        group = None
+        backup = None
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            rank = init_info.rank_offset + self.parallel_config.rank
+            self.group = join_group(init_info.host, init_info.port, rank, init_info.world_size)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.backup = snapshot(self.model)
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            dtype = _DTYPES[update_info.dtype]
+            flag = torch.zeros(1, dtype=torch.int64)
+            try:
+                for pieces in update_info.buckets:
+                    _broadcast(flag, self.group)
+                    if int(flag) != 1:
+                        raise TransferAborted("the trainer aborted the weight update")
+                    bucket = torch.empty(sum(_numel(s) for _, s in pieces), dtype=dtype)
+                    _broadcast(bucket, self.group)
+                    views, offset = [], 0
+                    for name, shape in pieces:
+                        n = _numel(shape)
+                        views.append((name, bucket[offset:offset + n].view(tuple(shape))))
+                        offset += n
+                    with torch.no_grad():
+                        self.model.load_weights(iter(views))
+            except BaseException:
+                try:
+                    finalize_layerwise_reload(self.model, self.model_config)
+                except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
+                    pass
+                restore(self.backup)
+                self.backup = None
+                raise
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            repack_moe(self.model)
+            self.backup = None
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+
+
+class GlooWorkerExtension:
+    """The ``worker_extension_cls`` of our engine replicas: importing its module registers the backend."""
+
+    def megarl_backup_mib(self) -> float:
+        engine = getattr(self, "weight_transfer_engine", None)
+        backup = getattr(engine, "backup", None)
+        return backup.nbytes / 2**20 if backup is not None else 0.0
+
+
+try:
+    _register()
+except ImportError:  # vLLM absent: the trainer-side sender below still imports
+    pass
+except ValueError:  # already registered (module imported twice)
+    pass
+
+
+class GlooSender:
+    """The trainer's side: broadcast each bucket once to every replica's workers (rank 0 of the group)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def send(self, buckets, abort: bool = False) -> int:
+        """``buckets``: an iterator of flat tensors in plan order; returns the bytes sent."""
+        sent, flag = 0, torch.ones(1, dtype=torch.int64)
+        for bucket in buckets:
+            _broadcast(flag, self.group)
+            _broadcast(bucket, self.group)
+            sent += bucket.nbytes
+        return sent
+
+    def abort(self) -> None:
+        _broadcast(torch.zeros(1, dtype=torch.int64), self.group)
