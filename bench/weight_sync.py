@@ -10,6 +10,11 @@
 3. move: the same two paths without the engine's own load (vLLM's reload dominates the sync);
 4. memory: the peak extra memory of a streamed sync (RSS, with every large buffer its own
    mapping) as a fraction of the model's size.
+5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
+   API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
+   plain gloo broadcast of the same buckets to the same processes, received and dropped.
+
+``--only disagg`` runs the last line alone.
 
 The model is a tiny Qwen2 of the given depth and width made here (no download); figures are
 medians of ``--repeats`` runs after one warm-up.
@@ -68,6 +73,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--bucket-mib", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--only", choices=["all", "disagg"], default="all")
     args = ap.parse_args()
 
     from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
@@ -87,6 +94,10 @@ def main() -> None:
     from megarl.trainer.parallel import build_parallel_state
 
     ps = build_parallel_state()
+    if args.only == "disagg":
+        cpu_adapter.activate()
+        bench_disaggregated(model_dir, ps, args)
+        return
     engine = VLLMEngine(str(model_dir), max_model_len=64, seed=0, max_num_seqs=4)
     cpu_adapter.activate()
     from safetensors.torch import load_file
@@ -147,6 +158,33 @@ def main() -> None:
     gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(modules, cfg, ps, num_experts(cfg))))
     print(f"memory with the engine loading: streamed {into_engine / 2**20:.1f} MiB = {into_engine / model_bytes:.3f} "
           f"of the model vs full gather {gathered / 2**20:.1f} MiB = {gathered / model_bytes:.3f}", flush=True)
+    bench_disaggregated(model_dir, ps, args)
+
+
+def bench_disaggregated(model_dir, ps, args) -> None:
+    from megarl.engines.replicas import EngineReplicas, flat_buckets, plan_buckets
+    from megarl.models.hf_config import num_experts, read_hf_config
+    from megarl.trainer.model import build_gpt_model, load_hf_weights
+    from megarl.weight_sync.streaming import StreamingSync
+
+    cfg = read_hf_config(model_dir)
+    modules = [build_gpt_model(cfg, ps, 0)]
+    load_hf_weights(modules, str(model_dir), cfg, ps)
+    sync = StreamingSync(modules, cfg, ps, num_experts(cfg), int(args.bucket_mib * 2**20), torch.float32)
+    plan = plan_buckets(sync)
+    replicas = EngineReplicas(str(model_dir), args.replicas, 1, 64, 0.0625, 4)
+    try:
+        version = iter(range(1, 1000))
+        synced = median_time(lambda: replicas.load(plan, flat_buckets(sync, plan), next(version)), args.repeats)
+        buckets = [b.clone() for b in flat_buckets(sync, plan)]
+        plain = median_time(lambda: replicas.broadcast_raw(buckets), args.repeats)
+    finally:
+        replicas.close()
+    nbytes = sum(b.nbytes for b in buckets)
+    print(f"disagg {nbytes / 1e6:.0f} MB to {args.replicas} engine processes ({len(buckets)} buckets of "
+          f"{args.bucket_mib:g} MiB): bucketed sync through vLLM's weight-transfer API (gloo, incl. the replicas' "
+          f"load) {synced:.3f} s vs plain gloo broadcast of the same bytes {plain:.3f} s = {plain / synced:.2f} "
+          f"of the plain broadcast's speed", flush=True)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,16 @@ def _register() -> None:
 class GlooWorkerExtension:
     """The ``worker_extension_cls`` of our engine replicas: importing its module registers the backend."""
 
+    def megarl_recv_raw(self, sizes: list[int], dtype: str = "float32") -> int:
+        """Receive buckets of ``sizes`` elements in our wire format and drop them (the bench's transport baseline)."""
+        group, flag, got = self.weight_transfer_engine.group, torch.zeros(1, dtype=torch.int64), 0
+        for n in sizes:
+            _broadcast(flag, group)
+            bucket = torch.empty(n, dtype=_DTYPES[dtype])
+            _broadcast(bucket, group)
+            got += bucket.nbytes
+        return got
+
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)
         backup = getattr(engine, "backup", None)

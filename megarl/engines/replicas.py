@@ -114,6 +114,8 @@ def serve(conn, spec: dict) -> None:
                 conn.send(("ok", backup, version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
                 conn.send(("failed", f"{type(exc).__name__}: {exc}", version))
+        elif cmd == "recv_raw":
+            conn.send(llm.collective_rpc("megarl_recv_raw", args=tuple(arg))[0])
         elif cmd == "close":
             conn.send("closed")
             return
@@ -233,6 +235,16 @@ class EngineReplicas:
                                   f"{[c.weight_version for c in self.clients]}")
         backup = max(float(detail) for _, detail, _ in replies)
         return {"sync/backup_mib": backup, "sync/transfer_s": seconds, "sync/sent_bytes": float(sent)}
+
+    def broadcast_raw(self, buckets: list[torch.Tensor]) -> float:
+        """The transport alone: the same buckets broadcast to every replica, received and dropped; seconds."""
+        for c in self.clients:
+            c.conn.send(("recv_raw", ([b.numel() for b in buckets], str(buckets[0].dtype).removeprefix("torch."))))
+        start = time.perf_counter()
+        self.sender.send(buckets)
+        for c in self.clients:
+            c.conn.recv()
+        return time.perf_counter() - start
 
     def close(self) -> None:
         for c in self.clients:
