@@ -98,12 +98,37 @@ def main(run_dir: str, *overrides: str) -> None:
         after = outputs()
         ok = proto.run(version_before + 1)
         gap_each = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(len(s.engine.clients))]
+        versions_after_ok = [c.weight_version for c in s.engine.clients]
+        # a failure inside the replicas (a tensor of the wrong shape half-way): they keep receiving so the
+        # group stays in step, restore their weights, and the next sync works
+        from megarl.engines.replicas import flat_buckets, plan_buckets
+        from megarl.engines.weight_update import WeightLoadError
+
+        s.trainer.train_step(fixed_batch(vocab), lambda lp, mb: ppo_clip_loss(
+            lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
+        before_local = outputs()
+        plan = plan_buckets(stream)
+        bad = [list(pieces) for pieces in plan]
+        half, j = next((b, j) for b in range(len(bad) // 2, len(bad)) for j, (_, shape) in enumerate(bad[b])
+                       if len(shape) == 2 and shape[0] != shape[1])
+        name, shape = bad[half][j]
+        bad[half][j] = (name, (shape[1], shape[0]))
+        try:
+            s.engine.load(bad, flat_buckets(stream, plan), s.engine.weight_version + 1)
+            local_error = ""
+        except WeightLoadError as exc:
+            local_error = str(exc)
+        unchanged_local = before_local == outputs()
+        after_local = proto.run(s.engine.weight_version + 1)
+        gap_after_local = logprob_gap(s.engine, s.trainer, seed=11)
         print(json.dumps({
             "steps": cfg.train.steps, "versions": versions, "gaps": gaps, "events": seen,
             "drawn": sorted(drawn), "released": sorted(released), "live": sorted(live), "requeued": sorted(requeued),
             "buckets": total, "failed": failed, "log": lines, "unchanged_after_failure": before == after, "gap_stale": gap_stale,
             "version_before": version_before, "ok": ok, "gap_each_replica": gap_each,
-            "replica_versions": [c.weight_version for c in s.engine.clients],
+            "replica_versions": versions_after_ok, "local_error": local_error,
+            "unchanged_after_local_failure": unchanged_local, "after_local": after_local,
+            "gap_after_local": gap_after_local,
         }), flush=True)
     finally:
         s.engine.close()

@@ -42,6 +42,7 @@ def test_replicas_match_the_trainer_after_each_sync(result):
     assert all(g <= 1e-4 for g in result["gaps"])  # the audit, on every step
     assert result["gap_stale"] > 1e-2  # before the last sync the trainer had moved on
     assert max(result["gap_each_replica"]) <= 1e-4 and result["replica_versions"] == [4, 4]
+    assert result["after_local"]["engine/version"] == 5.0 and result["gap_after_local"] <= 1e-4
     assert result["ok"]["sync/sent_bytes"] == result["ok"]["sync/bytes"]  # each bucket sent once, for both
 
 
@@ -49,6 +50,12 @@ def test_interrupted_transfer_leaves_every_replica_on_its_old_weights(result):
     assert result["unchanged_after_failure"]  # same greedy tokens, logprobs equal exactly, on both replicas
     assert result["failed"]["engine/version"] == result["version_before"] == 3
     assert "replicas serve versions [3, 3]" in result["log"][0]
+
+
+def test_a_failure_inside_the_replicas_restores_them_and_keeps_the_group_in_step(result):
+    assert "replica 0:" in result["local_error"] and "replica 1:" in result["local_error"]
+    assert "replicas serve versions [4, 4]" in result["local_error"]
+    assert result["unchanged_after_local_failure"]
 
 
 @pytest.mark.slow

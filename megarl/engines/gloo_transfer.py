@@ -49,6 +49,12 @@ def _broadcast(tensor: torch.Tensor, group) -> None:
     group.broadcast(tensor, 0).wait()
 
 
+def _post(group, numel: int, dtype: torch.dtype):
+    """Start receiving the next (flag, bucket) pair; returns them with their pending works."""
+    flag, bucket = torch.zeros(1, dtype=torch.int64), torch.empty(numel, dtype=dtype)
+    return flag, bucket, (group.broadcast(flag, 0), group.broadcast(bucket, 0))
+
+
 class TransferAborted(RuntimeError):
     """The trainer aborted the update mid-way."""
 
@@ -94,15 +100,22 @@ def _register() -> None:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            dtype = _DTYPES[update_info.dtype]
-            flag = torch.zeros(1, dtype=torch.int64)
-            try:
-                for pieces in update_info.buckets:
-                    _broadcast(flag, self.group)
-                    if int(flag) != 1:
-                        raise TransferAborted("the trainer aborted the weight update")
-                    bucket = torch.empty(sum(_numel(s) for _, s in pieces), dtype=dtype)
-                    _broadcast(bucket, self.group)
+            dtype, plan = _DTYPES[update_info.dtype], update_info.buckets
+            sizes = [sum(_numel(s) for _, s in pieces) for pieces in plan]
+            incoming = _post(self.group, sizes[0], dtype) if sizes else None
+            failure = None
+            for i, pieces in enumerate(plan):
+                flag, bucket, works = incoming
+                for w in works:
+                    w.wait()
+                if int(flag) != 1:
+                    failure = failure or TransferAborted("the trainer aborted the weight update")
+                    break
+                # the next bucket arrives while this one loads (gloo runs its transfers on its own threads)
+                incoming = _post(self.group, sizes[i + 1], dtype) if i + 1 < len(sizes) else None
+                if failure is not None:
+                    continue  # a local failure: keep receiving so the trainer and the other replicas go on
+                try:
                     views, offset = [], 0
                     for name, shape in pieces:
                         n = _numel(shape)
@@ -110,14 +123,16 @@ def _register() -> None:
                         offset += n
                     with torch.no_grad():
                         self.model.load_weights(iter(views))
-            except BaseException:
+                except Exception as exc:  # noqa: BLE001  (restored below, re-raised to the caller)
+                    failure = exc
+            if failure is not None:
                 try:
                     finalize_layerwise_reload(self.model, self.model_config)
                 except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
                     pass
                 restore(self.backup)
                 self.backup = None
-                raise
+                raise failure
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -160,19 +175,34 @@ except ValueError:  # already registered (module imported twice)
 
 
 class GlooSender:
-    """The trainer's side: broadcast each bucket once to every replica's workers (rank 0 of the group)."""
+    """The trainer's side: broadcast each bucket once to every replica's workers (rank 0 of the group).
+
+    One bucket is on the wire while the next is filled; an abort sends the flag 0 with a bucket
+    of the size the receivers expect next, so every posted receive completes."""
 
     def __init__(self, group) -> None:
         self.group = group
 
-    def send(self, buckets, abort: bool = False) -> int:
-        """``buckets``: an iterator of flat tensors in plan order; returns the bytes sent."""
-        sent, flag = 0, torch.ones(1, dtype=torch.int64)
-        for bucket in buckets:
-            _broadcast(flag, self.group)
-            _broadcast(bucket, self.group)
-            sent += bucket.nbytes
-        return sent
+    def send(self, buckets, sizes: list[int], dtype: torch.dtype = torch.float32) -> int:
+        """``buckets``: an iterator of flat tensors of ``sizes`` elements, in plan order; returns the bytes sent.
 
-    def abort(self) -> None:
-        _broadcast(torch.zeros(1, dtype=torch.int64), self.group)
+        If the iterator raises, the receivers are told to abort and the error is re-raised."""
+        sent, posted, pending = 0, 0, ()
+        one = torch.ones(1, dtype=torch.int64)
+        try:
+            for bucket in buckets:
+                works = (self.group.broadcast(one, 0), self.group.broadcast(bucket, 0))
+                for w in pending:
+                    w.wait()
+                pending, _held = works, bucket  # keep the bucket alive until it is on the wire
+                posted, sent = posted + 1, sent + bucket.nbytes
+        except BaseException:
+            for w in pending:
+                w.wait()
+            if posted < len(sizes):
+                _broadcast(torch.zeros(1, dtype=torch.int64), self.group)
+                _broadcast(torch.zeros(sizes[posted], dtype=dtype), self.group)
+            raise
+        for w in pending:
+            w.wait()
+        return sent

@@ -156,6 +156,13 @@ class ReplicaClient:
         return StepReport(report, elapsed, active)
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,11 +224,11 @@ class EngineReplicas:
         for c in self.clients:
             c.conn.send(("update", (plan, name, version)))
         start, error = time.perf_counter(), None
+        sizes = [sum(_numel(shape) for _, shape in pieces) for pieces in plan]
         try:
-            sent = self.sender.send(buckets)
-        except Exception as exc:  # noqa: BLE001  (tell the replicas to restore, then report)
+            sent = self.sender.send(buckets, sizes, dtype)
+        except Exception as exc:  # noqa: BLE001  (the sender told the replicas to restore; report below)
             error, sent = exc, 0
-            self.sender.abort()
         seconds = time.perf_counter() - start
         replies = [c.conn.recv() for c in self.clients]
         failed = []
@@ -241,7 +248,7 @@ class EngineReplicas:
         for c in self.clients:
             c.conn.send(("recv_raw", ([b.numel() for b in buckets], str(buckets[0].dtype).removeprefix("torch."))))
         start = time.perf_counter()
-        self.sender.send(buckets)
+        self.sender.send(buckets, [b.numel() for b in buckets], buckets[0].dtype)
         for c in self.clients:
             c.conn.recv()
         return time.perf_counter() - start
