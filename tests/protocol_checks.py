@@ -1,6 +1,7 @@
 """The named sync protocol on real parts: a megatron-core trainer (gloo, 1 process) → a colocated vLLM engine.
 
     python tests/protocol_checks.py MODEL_DIR
+    torchrun --nproc-per-node 2 tests/protocol_checks.py ranks MODEL_DIR   (see ``ranks``)
 
 1. The trainer takes a step; a sync whose stream raises after half of its buckets fails:
    the engine's greedy tokens and logprobs on a fixed probe equal those before, exactly, and
@@ -88,5 +89,54 @@ def main(model_dir: str) -> None:
     }), flush=True)
 
 
+def ranks(model_dir: str) -> None:
+    """torchrun, 2 processes, engine TP=2: rank 1's load fails at the very end, rank 0's succeeds → both restore."""
+    from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+
+    set_cpu_engine_env(0.25)
+    import torch.distributed as dist
+    import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
+
+    from megarl.trainer.parallel import init_process_group
+
+    rank, world = init_process_group()
+    engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, tensor_parallel_size=world, seed=0,
+                        max_num_seqs=8)
+
+    from parallel_checks import build_trainer, fixed_batch
+
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.config.schema import OptimConfig
+    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
+    from megarl.weight_sync.streaming import streaming_sync
+
+    ps, cfg, trainer = build_trainer("tp2_sp", model_dir, OptimConfig(lr=3e-3, micro_batch_size=4, grad_clip=1.0))
+    trainer.train_step(fixed_batch(cfg["vocab_size"]), lambda lp, mb: ppo_clip_loss(
+        lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
+    lines: list[str] = []
+    proto = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16, log=lines.append)
+    before = probe(engine, cfg["vocab_size"])
+    stream = streaming_sync(trainer, engine, 1 / 16)
+
+    def fails_at_the_end_on_rank_1():
+        yield from stream.weights()
+        if rank == 1:
+            raise ValueError("injected: rank 1's last tensor is bad")
+
+    failed = proto.run(1, weights=fails_at_the_end_on_rank_1())
+    after = probe(engine, cfg["vocab_size"])
+    ok = proto.run(1)
+    gap = logprob_gap(engine, trainer, seed=3)
+    r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap}
+    every = [None] * world
+    dist.all_gather_object(every, r)
+    if rank == 0:
+        print(json.dumps({"ranks": every}), flush=True)
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "ranks":
+        ranks(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

@@ -68,3 +68,17 @@ def test_loop_syncs_by_protocol_with_audit_and_cpu_sleep_skipped(tmp_path):
     assert values("engine/version") == [1.0, 2.0]
     assert len(values("sync/logprob_gap")) == 2 and max(values("sync/logprob_gap")) <= 1e-4
     assert values("sync/failures") == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_a_load_failing_on_one_engine_rank_restores_every_rank(tmp_path):
+    """Engine TP=2 across two trainer processes: rank 1's load fails, rank 0's succeeds → both keep the old weights."""
+    model = make_tiny_model(tmp_path / "moe", TinyShape(family="qwen3_moe"), seed=3)
+    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/protocol_checks.py",
+                      "ranks", str(model)], env={"OMP_NUM_THREADS": "1"})
+    for rank, r in enumerate(out["ranks"]):
+        assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 0.0, rank
+        assert r["unchanged"], rank  # the old weights on both ranks, exactly: never a mix across ranks
+        assert r["ok"]["engine/version"] == 1.0 and r["gap"] <= 1e-4, rank
+    assert "another engine rank failed" in out["ranks"][0]["log"][0]
+    assert "injected: rank 1" in out["ranks"][1]["log"][0]

@@ -17,7 +17,7 @@ device-to-host copy of the weights per sync (a memcpy: ~0.05 s for the 193 MB ti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -92,26 +92,35 @@ def repack_moe(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
-def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Load ``weights`` into ``model`` completely, or leave it exactly as it was; returns the backup's bytes."""
+def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]],
+                    agree: Callable[[bool], bool] | None = None) -> int:
+    """Load ``weights`` into ``model`` completely, or leave it exactly as it was; returns the backup's bytes.
+
+    ``agree(ok)`` (engine ranks of one model): True only if every rank loaded; a rank that
+    loaded while another failed restores too, so no rank serves a version the others do not."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     saved = snapshot(model)
+    error: BaseException | None = None
     try:
         with torch.no_grad():
             initialize_layerwise_reload(model)
             model.load_weights(iter(weights))
             finalize_layerwise_reload(model, model_config)
             repack_moe(model)
-    except BaseException as exc:
+    except Exception as exc:  # noqa: BLE001  (restored below and re-raised as WeightLoadError)
+        error = exc
         try:
             finalize_layerwise_reload(model, model_config)  # put every layer back on real storage
         except Exception:  # noqa: BLE001  (already failing: the restore below is what matters)
             pass
-        restore(saved)
-        raise WeightLoadError(f"weight load failed mid-way ({type(exc).__name__}: {exc}); "
-                              "the engine was restored to its previous weights") from exc
-    return saved.nbytes
+    everyone = agree(error is None) if agree is not None else error is None
+    if error is None and everyone:
+        return saved.nbytes
+    restore(saved)
+    why = f"{type(error).__name__}: {error}" if error is not None else "another engine rank failed to load"
+    raise WeightLoadError(f"weight load failed mid-way ({why}); the engine was restored to its previous weights") \
+        from error

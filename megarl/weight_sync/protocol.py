@@ -71,7 +71,18 @@ def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
 
     worker = engine.worker
     with set_current_vllm_config(worker.vllm_config):
-        return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights)
+        return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, _agree)
+
+
+def _agree(ok: bool) -> bool:
+    """Every trainer rank (each holds an engine, or a TP shard of one) loaded: all or none keep the new weights."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    failed = torch.tensor([0 if ok else 1])
+    dist.all_reduce(failed)
+    return int(failed) == 0
 
 
 def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> float:
