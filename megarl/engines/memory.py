@@ -103,14 +103,12 @@ class Handover:
         self.sleep.wake()
 
 
-_HANDOVERS: dict[int, Handover] = {}
-
-
 def handover(session) -> Handover:
-    """The (cached) hand-over of a run's engine and trainer, as its config asks."""
-    h = _HANDOVERS.get(id(session))
+    """The run's hand-over (kept on the session), as its config asks."""
+    h = getattr(session, "handover", None)
     if h is None:
         say = print if session.is_main else (lambda *a, **k: None)
-        h = _HANDOVERS[id(session)] = Handover(session.engine, session.trainer, session.cfg.engine.sleep_level,
-                                               session.cfg.trainer.offload_during_rollout, say)
+        h = Handover(session.engine, session.trainer, session.cfg.engine.sleep_level,
+                     session.cfg.trainer.offload_during_rollout, say)
+        session.handover = h
     return h

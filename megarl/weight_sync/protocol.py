@@ -151,13 +151,10 @@ class WeightSyncProtocol:
         return metrics
 
 
-_PROTOCOLS: dict[int, WeightSyncProtocol] = {}
-
-
 def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
-    """The loop's entry point: the (cached) protocol of this engine and trainer, run as ``version``."""
-    key = id(engine)
-    proto = _PROTOCOLS.get(key)
+    """The loop's entry point: this engine's protocol (kept on the engine), run as ``version``."""
+    proto = getattr(engine, "sync_protocol", None)
     if proto is None or proto.trainer is not trainer:
-        proto = _PROTOCOLS[key] = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every)
+        proto = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every)
+        engine.sync_protocol = proto
     return proto.run(version)
