@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc > 1 and not args.worker:
         return _launch_torchrun(args)
     if args.worker:
-        init_distributed(launch)
+        launch = init_distributed(launch)
+        if launch.rank == 0:
+            print(f"megarl: {launch.world_size} processes started by {launch.source}, rendezvous "
+                  f"{launch.master_addr or os.environ.get('MASTER_ADDR', '')}:"
+                  f"{launch.master_port or os.environ.get('MASTER_PORT', '')}", flush=True)
 
     from megarl.train import run
 

@@ -119,8 +119,8 @@ def _init_mpi(launch: Launch, backend: str) -> Launch:
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"
-    from mpi4py import MPI
     import torch.distributed as dist
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()

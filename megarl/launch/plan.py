@@ -46,7 +46,9 @@ OVERHEAD_GIB = 2.0
 """CUDA context, NCCL buffers and allocator slack per GPU."""
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
-PARALLEL_KEYS = ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")
+LAYOUT_KEYS = {*(f"parallel.{k}" for k in ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")),
+               "engine.tensor_parallel_size"}
+"""Setting any of these (file or command line) means: check this layout; none: propose one."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(hf: dict, nodes: int, gpus_per_node: int, fixed: dict) -> list[Layout]:
+def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
     """Layouts in order of preference: smallest TP·PP, then fewer stages, more experts split, smaller engine TP."""
     world, experts = nodes * gpus_per_node, num_experts(hf)
     out = []
@@ -225,26 +227,22 @@ def candidates(hf: dict, nodes: int, gpus_per_node: int, fixed: dict) -> list[La
             continue
         if etp_one and (tp == 1 or not experts):
             continue
-        lay = Layout(nodes, gpus_per_node, tp, pp, fixed.get("vpp", 1), ep, 1 if etp_one else tp,
-                     fixed.get("sequence_parallel", tp > 1), engine_tp)
-        want = {**fixed, "etp": fixed["etp"] or tp} if fixed.get("etp") == 0 else fixed
-        if all(getattr(lay, k) == v for k, v in want.items()):
-            out.append(lay)
+        out.append(Layout(nodes, gpus_per_node, tp, pp, 1, ep, 1 if etp_one else tp, tp > 1, engine_tp))
     out.sort(key=lambda x: (x.tp * x.pp, x.pp, -x.ep, x.etp, x.engine_tp))
     return out
 
 
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
-         fixed: dict | None = None, precision: str = "fp32") -> dict:
-    """Counts, layout and memory. ``fixed=None``: take the config's layout as given (ConfigError if
-    impossible); else propose the first fitting layout that keeps the ``fixed`` keys."""
+         propose: bool = False, precision: str = "fp32") -> dict:
+    """Counts, layout and memory: of the config's layout (ConfigError if impossible), or with
+    ``propose`` of the first valid layout that fits (else the one closest to fitting)."""
     counts = count_params(hf)
-    if fixed is None:
+    if not propose:
         lay = layout_of(cfg, nodes, gpus_per_node)
         check_layout(cfg, hf, nodes, gpus_per_node)
     else:
         lay, best = None, None  # the first that fits; else the one closest to fitting
-        for cand in candidates(hf, nodes, gpus_per_node, fixed):
+        for cand in candidates(hf, nodes, gpus_per_node):
             try:
                 check_layout(apply_layout(cfg, cand), hf, nodes, gpus_per_node)
             except ConfigError:
@@ -256,7 +254,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
             best = min(best or (total, cand), (total, cand), key=lambda x: x[0])
         if lay is None and best is None:
             check_layout(cfg, hf, nodes, gpus_per_node)  # nothing is valid: the configured layout's error
-            raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs keeping {fixed}")
+            raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         lay = lay or best[1]
     mem = memory_gib(counts, hf, cfg, lay, precision)
     info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
@@ -267,13 +265,13 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                    "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
                    "engine_replicas": lay.world // lay.engine_tp},
         "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gib": gpu_mem_gib, "precision": precision,
-        "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": fixed is not None,
+        "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
         "overrides": lay.overrides(),
     }
 
 
-def _explicit(config: str | None, overrides: list[str]) -> dict:
-    """Layout keys the user set (in the file or on the command line): a proposal keeps them."""
+def _explicit(config: str | None, overrides: list[str]) -> set[str]:
+    """Layout keys the user set, in the file or on the command line."""
     import yaml
 
     data = (yaml.safe_load(Path(config).read_text()) or {}) if config and Path(config).is_file() else {}
@@ -281,8 +279,7 @@ def _explicit(config: str | None, overrides: list[str]) -> dict:
     if "tensor_parallel_size" in (data.get("engine") or {}):
         keys.add("engine.tensor_parallel_size")
     keys |= {o.split("=", 1)[0] for o in overrides}
-    return {k.split(".", 1)[1]: None for k in keys if k.split(".", 1)[1] in PARALLEL_KEYS and k.startswith("parallel.")
-            } | ({"engine_tp": None} if "engine.tensor_parallel_size" in keys else {})
+    return {k for k in keys if k in LAYOUT_KEYS}
 
 
 def read_model(path: str) -> dict:
@@ -350,12 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             from megarl.cli import _model_config_for_validation
 
             hf = _model_config_for_validation(cfg)
-        explicit = _explicit(args.config, args.overrides)
-        fixed = None
-        if len(explicit) < len(PARALLEL_KEYS) + 1:  # something left to choose
-            lay = layout_of(cfg, args.nodes, args.gpus_per_node)
-            fixed = {k: (cfg.parallel.etp if k == "etp" else getattr(lay, k)) for k in explicit}
-        res = plan(hf, cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gib, fixed, args.precision)
+        # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
+        propose = not _explicit(args.config, args.overrides)
+        res = plan(hf, cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 2
