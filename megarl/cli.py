@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             print(f"demo: pass@1 before={result['pass_at_1_before']:.3f} "
                   f"after={result['pass_at_1_after']:.3f} steps={result['steps']}", flush=True)
-    return 0
+    if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1)
+        print(f"megarl: stopped at step {result['steps']}: {result['stopped']}", file=sys.stderr, flush=True)
+    return 1 if result.get("error") else 0
 
 
 if __name__ == "__main__":
