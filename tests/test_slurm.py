@@ -90,7 +90,8 @@ def test_two_node_job_of_the_tiny_config_completes_and_writes_metrics(slurm, tmp
 
 def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    job = submit_tiny(slurm, run_dir, "train.steps=8", "train.save_every=100")
+    steps = 40  # ~0.3 s each: the signal lands mid-run
+    job = submit_tiny(slurm, run_dir, f"train.steps={steps}", "train.save_every=100")
     # Once a step or two is logged, send what Slurm sends before a time limit (--signal=B:USR1@120).
     wait_for(slurm, job, 600, until=lambda: len(steps_logged(run_dir)) >= 3)
     assert job_field(slurm, job, "JobState") == "RUNNING", "the job ended before it could be signalled"
@@ -101,8 +102,9 @@ def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm
     first, second = "".join(logs(run_dir, job, 0)), "".join(logs(run_dir, job, 1))
     assert state == "COMPLETED", batch + second[-4000:]
     assert "SIGUSR1" in batch and f"requeueing job {job}" in batch and "restart 1" in batch
-    assert "checkpoint saved, stopping" in first and "step 8/8 |" not in first
+    assert "checkpoint saved, stopping" in first and f"step {steps}/{steps} |" not in first
     stopped_at = int(first.split("checkpoint saved, stopping")[0].rsplit("step ", 1)[1].split(":")[0])
     assert f"at step {stopped_at}" in second and "resumed from" in second  # the requeued job resumed
-    assert "step 8/8 |" in second and f"step {stopped_at}/8 |" not in second  # and continued the count
-    assert steps_logged(run_dir) == list(range(0, 9))  # one line per step, as if never stopped
+    assert f"step {steps}/{steps} |" in second and f"step {stopped_at}/{steps} |" not in second  # continued
+    assert f"step {stopped_at + 1}/{steps} |" in second
+    assert steps_logged(run_dir) == list(range(0, steps + 1))  # one line per step, as if never stopped
