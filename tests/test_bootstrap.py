@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 from conftest import ROOT
-
 from megarl.launch.bootstrap import detect, tasks_per_node
 
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
+from conftest import ROOT
 from megarl.config import ConfigError, load_config
 from megarl.launch.plan import GIB, check_layout, count_params, main, plan
 

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from conftest import ROOT
 
 SKIP = {".venv", ".git", "runs", "node_modules"}
