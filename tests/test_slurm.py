@@ -109,3 +109,20 @@ def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm
     assert f"step {steps}/{steps} |" in second and f"step {stopped_at}/{steps} |" not in second  # continued
     assert f"step {stopped_at + 1}/{steps} |" in second
     assert steps_logged(run_dir) == list(range(0, steps + 1))  # one line per step, as if never stopped
+
+
+@pytest.mark.slow
+def test_mpi_sbatch_runs_ranks_started_by_srun_pmix(slurm, tmp_path):
+    """slurm/mpi.sbatch: `srun --mpi=pmix` starts two ranks that meet through mpi4py. One node: the two
+    slurmd of this machine would share PMIx's /tmp/spmix_appdir_* directory."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "-n", "2", "--overcommit", "-o",
+                          str(run_dir / "batch.log"), "slurm/mpi.sbatch", "--config", "configs/tiny_cpu.yaml",
+                          "train.steps=2", f"train.run_dir={run_dir}", f"model.path={tmp_path / 'model'}"],
+                         capture_output=True, text=True, cwd=ROOT, env=slurm, check=True).stdout.strip()
+    state = wait_for(slurm, job, 600)
+    rank0 = (run_dir / "logs" / f"{job}.0.rank0.log").read_text()
+    assert state == "COMPLETED", (run_dir / "batch.log").read_text() + rank0[-3000:]
+    assert "megarl: 2 processes started by mpi" in rank0 and "step 2/2 |" in rank0
+    assert (run_dir / "logs" / f"{job}.0.rank1.log").is_file()
