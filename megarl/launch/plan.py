@@ -311,7 +311,7 @@ def format_table(res: dict) -> str:
         f"precision {res['precision']}",
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · EP {lay['ep']} · ETP {lay['etp']} · "
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
-        f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replicas"
+        f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
         f"{'   [proposed]' if res['proposed'] else ''}",
         "memory per GPU (GiB)",
     ]
