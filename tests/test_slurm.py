@@ -126,3 +126,19 @@ def test_mpi_sbatch_runs_ranks_started_by_srun_pmix(slurm, tmp_path):
     assert state == "COMPLETED", (run_dir / "batch.log").read_text() + rank0[-3000:]
     assert "megarl: 2 processes started by mpi" in rank0 and "step 2/2 |" in rank0
     assert (run_dir / "logs" / f"{job}.0.rank1.log").is_file()
+
+
+@pytest.mark.slow
+def test_srun_direct_ranks_find_each_other_through_slurm(slurm, tmp_path):
+    """No torchrun: `srun` starts one `megarl train` per task; rank, world and the first node's address
+    come from Slurm (megarl/launch/bootstrap.py)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    wrap = (f"srun --kill-on-bad-exit=1 {sys.executable} -m megarl.cli train --config configs/tiny_cpu.yaml "
+            f"train.steps=2 train.run_dir={run_dir} model.path={tmp_path / 'model'}")
+    job = subprocess.run(["sbatch", "--parsable", "-N", "2", "-o", str(run_dir / "job.log"), "--wrap", wrap],
+                         capture_output=True, text=True, cwd=ROOT, env=slurm, check=True).stdout.strip()
+    state = wait_for(slurm, job, 600)
+    out = (run_dir / "job.log").read_text()
+    assert state == "COMPLETED", out[-4000:]
+    assert "megarl: 2 processes started by slurm, rendezvous 127.0.0.1:" in out and "step 2/2 |" in out

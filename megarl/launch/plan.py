@@ -17,7 +17,8 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP.
 - activations (no recompute; megarl's trainer does not recompute): per layer and token,
   w·(2h + 2·q + 2·kv) for attention, w·(h + 3f) for a dense MLP and
-  w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (sequence parallel), times
+  w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
+  norms' 3h stay whole), times
   micro_batch_size · max_model_len tokens, times all layers (1F1B keeps PP microbatches of
   L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
@@ -183,9 +184,11 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
             per_token += h + topk * (h + 3 * f_e) + (h + 3 * f_s if f_s else 0)
         else:
             per_token += h + 3 * hf["intermediate_size"]
+    # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
+    replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
     tokens = cfg.optim.micro_batch_size * cfg.engine.max_model_len
     inflight = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
-    act = per_token * tokens * w / lay.tp * inflight
+    act = ((per_token - replicated) / lay.tp + replicated) * tokens * w * inflight
     act_recompute = layers * h * tokens * w / lay.tp * inflight
     chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
     logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
