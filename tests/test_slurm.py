@@ -85,6 +85,7 @@ def test_two_node_job_of_the_tiny_config_completes_and_writes_metrics(slurm, tmp
     assert "2 processes started by torchrun" in both  # one rank 0, rendezvous across the two nodes
     assert "step 4/4 |" in both and "eval after RL: pass@1" in both
     assert "[default0]:" in node0 and "[default0]:" in node1  # every node's rank wrote its own log
+    assert len(list((run_dir / "logs" / f"{job}.0").rglob("stdout.log"))) == 2  # and torchrun's per-rank files
     assert steps_logged(run_dir) == [0, 1, 2, 3, 4]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
 
