@@ -6,7 +6,8 @@
 #
 # Everything runs as ordinary processes (no systemd); ports are picked free; munge gets its own
 # key and socket, so nothing outside DIR (and one /tmp directory for munge) is touched.
-# Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2, 1 CPU each, so `sbatch -N 2` spans both.
+# Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2, 1 CPU each (SLURM_TEST_CPUS=N for more), so `sbatch -N 2`
+# spans both.
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
