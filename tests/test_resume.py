@@ -218,3 +218,38 @@ def test_nan_gradient_skips_the_step_and_engine_fault_is_requeued(baseline, tmp_
     assert all(w2[k].equal(w4[k]) for k in w2 if hasattr(w2[k], "equal")), "a skipped step changed the weights"
     assert not all(w1[k].equal(w2[k]) for k in w1 if hasattr(w1[k], "equal")), "step 2 trained normally"
     no_prompt_lost_or_twice(final_state(run))
+
+
+@pytest.mark.slow
+def test_resume_at_another_layout(baseline, tmp_path):
+    """Saved by 2 processes (trainer DP=2 with the distributed optimizer, one engine with TP=2 across them),
+    resumed by 1: the dist checkpoint reshards, the controller state is layout-free."""
+    model = baseline[0]
+    run = tmp_path / "run"
+    train(model, run, "--nproc", "2", "engine.tensor_parallel_size=2", "train.steps=2")
+    saved = final_state(run)
+    assert saved["step"] == 2 and len(list((run / "checkpoints" / "step_000002" / "rng").iterdir())) == 2
+    out = train(model, run, "train.steps=4")
+    assert _resumed_from(out) == (2, buffer_digest(saved["controller"]))
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4, 4]
+    no_prompt_lost_or_twice(final_state(run))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1"),
+    ("train.resume=/no/such/checkpoint", "train.resume='/no/such/checkpoint': expected 'auto', 'never' or an existing"),
+    ("engine.max_restarts=-1", "engine.max_restarts must be >= 0"),
+])
+def test_bad_checkpoint_settings_are_config_errors(override, message):
+    from megarl.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config("configs/demo.yaml", [override]), 1)
+
+
+def test_deterministic_refuses_a_wall_clock_limit():
+    from megarl.config import ConfigError, load_config, validate
+
+    cfg = load_config("configs/demo.yaml", ["train.deterministic=true"])  # the demo has time_limit_s: 420
+    with pytest.raises(ConfigError, match="train.deterministic=true needs train.time_limit_s=0"):
+        validate(cfg, 1)
