@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megarl.checkpoint.keeper import RunKeeper, StopRun
+from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import greedy_pass_at_1
 from megarl.runtime import Session, build_session
@@ -65,6 +65,8 @@ def rl_step(s: Session, step: int, keeper: RunKeeper) -> dict[str, float]:
 
 
 def run(cfg: RunConfig) -> dict:
+    if cfg.train.deterministic:
+        make_deterministic()
     s = build_session(cfg)
     say = print if s.is_main else (lambda *a, **k: None)
     keeper = RunKeeper(s)

@@ -28,7 +28,18 @@ import torch.distributed as dist
 from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
-from megarl.checkpoint.session_state import IndexedSource, apply, capture, read_state, write_state
+from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+
+
+def make_deterministic() -> None:
+    """``train.deterministic``: deterministic torch kernels (cuBLAS workspace, no atomics-based
+    reductions) on GPU; call before anything runs a kernel. On CPU the run is already repeatable."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class StopRun(Exception):
@@ -74,7 +85,9 @@ class RunKeeper:
         step = state["step"]
         self.s.logger.resume_at(step)
         self.saved_at = step
-        self.say(f"resumed from {path} at step {step} ({len(self.s.controller.live)} groups in the rollout buffer)")
+        live = self.s.controller.state_dict()
+        self.say(f"resumed from {path} at step {step}: {len(live['live'])} groups in the rollout buffer "
+                 f"(digest {buffer_digest(live)}), {len(live['requeued'])} re-queued")
         return step
 
     def save(self, step: int) -> None:

@@ -124,6 +124,16 @@ def apply(s, state: dict) -> None:
             restore(objs[name], value)
 
 
+def buffer_digest(controller_state: dict) -> str:
+    """A short hash of the partial buffer (live groups: indices, tokens, behaviour logprobs, versions,
+    statuses), independent of dict order; a resumed run prints it so tests can compare it to the saved one."""
+    import hashlib
+
+    rows = sorted((i, j, tuple(x.response_ids), tuple(x.logprobs), tuple(x.versions), x.status.value)
+                  for i, (_, samples, *_rest) in controller_state["live"].items() for j, x in enumerate(samples))
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
 def rng_state() -> dict:
     from megatron.core import tensor_parallel
 
