@@ -71,6 +71,10 @@ class Preemption:
 
     def __init__(self) -> None:
         self.received: str = ""
+        self.install()
+
+    def install(self) -> None:
+        """(Re)install the handlers (after anything that may have set its own, e.g. an engine restart)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 

@@ -160,6 +160,7 @@ class RunKeeper:
                     raise StopRun(f"engine failed {self.restarts} times (engine.max_restarts="
                                   f"{self.cfg.engine.max_restarts}); last: {where}") from exc
                 self.s.engine.restart()
+                self.preemption.install()
                 for engine in c.engines:
                     engine.reset()
                 self.s.engine.update_weights(self.s.trainer.hf_weights())
