@@ -294,3 +294,17 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
         want = [(x.index, x.prompt_text) for x in (a.controller.next_prompt() for _ in range(6))]
         got = [(x.index, x.prompt_text) for x in (b.controller.next_prompt() for _ in range(6))]
         assert got == want and want[0][0] == 7
+
+
+@pytest.mark.slow
+def test_engine_failing_past_max_restarts_stops_with_a_checkpoint(baseline, tmp_path):
+    model = baseline[0]
+    run = tmp_path / "run"
+    out = train(model, run, "engine.max_restarts=0", env={"MEGARL_TEST_FAULT": "engine_error@2"}, rc=1)
+    assert "step 1: engine failed 1 times in a row (engine.max_restarts=0); last: RuntimeError: engine fault injected" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    state = final_state(run)
+    assert state["step"] == 1 and state["controller"]["live"]  # the buffer as it was before the failed phase
+    no_prompt_lost_or_twice(state)
+    out = train(model, run)  # the same command resumes and finishes
+    assert _resumed_from(out)[0] == 1 and f"step {STEPS}/{STEPS} |" in out

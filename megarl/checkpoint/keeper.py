@@ -13,8 +13,8 @@
 Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
 mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
 the prompts drawn during the failed phase are re-queued, the engine is restarted and given the
-trainer's current weights, and the phase runs again. After ``engine.max_restarts`` restarts the
-run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
+trainer's current weights, and the phase runs again. When the phase fails again after
+``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
 step (milliseconds for the tiny runs; it grows with the partial buffer).
 """
 
@@ -56,7 +56,8 @@ class RunKeeper:
         self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
         self.preemption = Preemption()
         self.bad = BadSteps(t.max_bad_steps)
-        self.restarts = 0
+        self.restarts = 0  # engine restarts over the run (faults/engine_restarts)
+        self.failing = 0  # engine failures since the last phase that completed
         self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, ...
         self.stopped = ""  # why the run stopped early ('' while it goes on)
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
@@ -146,18 +147,21 @@ class RunKeeper:
             snapshot = pickle.dumps(c.state_dict())
             c.next_prompt.mark()
             try:
-                return c.run_phase(version=version)
+                result = c.run_phase(version=version)
+                self.failing = 0
+                return result
             except Exception as exc:  # the engine failed mid-phase
                 drawn = list(c.next_prompt.recent)
                 c.load_state_dict(pickle.loads(snapshot))
                 c.requeued.extend((item, 0) for item in drawn)
                 self.restarts += 1
+                self.failing += 1
                 where = traceback.format_exception_only(exc)[-1].strip()
                 print(f"rank {dist.get_rank()} step {version + 1}: engine error mid-phase ({where}); "
                       f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued; "
-                      f"restart {self.restarts}/{self.cfg.engine.max_restarts}", flush=True)
-                if self.restarts > self.cfg.engine.max_restarts:
-                    raise StopRun(f"engine failed {self.restarts} times (engine.max_restarts="
+                      f"restart {self.failing}/{self.cfg.engine.max_restarts}", flush=True)
+                if self.failing > self.cfg.engine.max_restarts:
+                    raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
                                   f"{self.cfg.engine.max_restarts}); last: {where}") from exc
                 self.s.engine.restart()
                 self.preemption.install()
