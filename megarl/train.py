@@ -89,7 +89,6 @@ def run(cfg: RunConfig) -> dict:
             break
         o = cfg.optim
         s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
-        keeper.begin_step(step)
         try:
             metrics = rl_step(s, step, keeper)
         except StopRun as stop:

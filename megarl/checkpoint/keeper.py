@@ -105,9 +105,6 @@ class RunKeeper:
         self.say(f"checkpoint {path}")
 
     # ---- the loop's calls -------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        set_step(step + 1)
-
     def fault_metrics(self, step: int) -> dict[str, float]:
         """After RL step ``step`` (1-based): count a non-finite step (and decide to stop), ``faults/*``."""
         reason = self.bad.update(step, self.learners())
@@ -143,6 +140,7 @@ class RunKeeper:
     def run_phase(self, version: int):
         """``controller.run_phase``, surviving engine errors (see the module docstring)."""
         c = self.s.controller
+        set_step(version + 1)  # the test hooks' step (1-based)
         while True:
             snapshot = pickle.dumps(c.state_dict())
             c.next_prompt.mark()
