@@ -308,3 +308,23 @@ def test_engine_failing_past_max_restarts_stops_with_a_checkpoint(baseline, tmp_
     no_prompt_lost_or_twice(state)
     out = train(model, run)  # the same command resumes and finishes
     assert _resumed_from(out)[0] == 1 and f"step {STEPS}/{STEPS} |" in out
+
+
+def test_metrics_jsonl_drops_lines_past_the_checkpoint(tmp_path):
+    from megarl.logging.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, total_steps=5)
+    for step in range(6):
+        log.scalars(step, {"loss/policy": step / 10, "timing/gen_s": 1.0})
+    log.scalars(5, {"eval/pass_at_1": 0.5}, final=True)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss/po')  # a line cut short by a kill
+    log.resume_at(3)
+    log.scalars(4, {"loss/policy": 0.7})
+    assert [(r["step"], r.get("loss/policy")) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.7)]
+    assert deterministic_view({"step": 1, "timing/gen_s": 2.0, "rollout/bubble_ratio": 0.1, "loss/policy": 1.0}) == {
+        "step": 1, "loss/policy": 1.0}
+    log.start_fresh()  # train.resume=never in a used run_dir
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    log.close()

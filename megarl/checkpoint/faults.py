@@ -117,8 +117,9 @@ class BadSteps:
             return ""
         self.in_a_row += 1
         self.total += 1
-        print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
-              f"({self.in_a_row} in a row)", flush=True)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
+                  f"({self.in_a_row} in a row)", flush=True)
         if self.limit and self.in_a_row >= self.limit:
             return (f"step {step}: {self.in_a_row} steps in a row with a non-finite {', '.join(what)} "
                     f"(train.max_bad_steps={self.limit}); stopping")

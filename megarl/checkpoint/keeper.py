@@ -74,6 +74,7 @@ class RunKeeper:
         t = self.cfg.train
         path = resolve_resume(t.resume, t.run_dir, t.keep_checkpoints)
         if path is None:
+            self.s.logger.start_fresh()
             return 0
         for name, learner in self.learners():
             load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
