@@ -37,10 +37,11 @@ def evaluate(s: Session) -> float:
     return greedy_pass_at_1(s.engine, s.tokenizer, s.task.eval_problems, s.cfg.rollout.max_new_tokens, s.rewards)
 
 
-def rl_step(s: Session, step: int, keeper: RunKeeper) -> dict[str, float]:
+def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
-    groups, phase = keeper.run_phase(version=step)  # generate, reward (at release)
+    run_phase = keeper.run_phase if keeper else s.controller.run_phase  # the keeper survives engine errors
+    groups, phase = run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
@@ -89,7 +90,6 @@ def run(cfg: RunConfig) -> dict:
             break
         o = cfg.optim
         s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
-        keeper.begin_step(step)
         try:
             metrics = rl_step(s, step, keeper)
         except StopRun as stop:

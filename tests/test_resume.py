@@ -244,12 +244,87 @@ def test_bad_checkpoint_settings_are_config_errors(override, message):
     from megarl.config import ConfigError, load_config, validate
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(load_config("configs/demo.yaml", [override]), 1)
+        validate(load_config(ROOT / "configs" / "demo.yaml", [override]), 1)
 
 
 def test_deterministic_refuses_a_wall_clock_limit():
     from megarl.config import ConfigError, load_config, validate
 
-    cfg = load_config("configs/demo.yaml", ["train.deterministic=true"])  # the demo has time_limit_s: 420
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.deterministic=true"])  # the demo has time_limit_s: 420
     with pytest.raises(ConfigError, match="train.deterministic=true needs train.time_limit_s=0"):
         validate(cfg, 1)
+
+
+@pytest.mark.parametrize("curriculum", [False, True], ids=["pool", "curriculum"])
+def test_prompt_stream_continues_exactly_after_restore(curriculum):
+    """The data state of a checkpoint (prompts drawn, task cursor, pass-rate tracker, curriculum RNG):
+    a fresh source restored from it draws what the original draws next."""
+    from types import SimpleNamespace
+
+    from megarl.algo.curriculum import CurriculumSource, PassRateTracker
+    from megarl.checkpoint.session_state import IndexedSource, apply, capture
+    from megarl.data.addition import AdditionTask
+    from megarl.models.tiny import build_tokenizer
+    from megarl.rollout.scoring import pool_prompt_source, task_prompt_source
+
+    tokenizer = build_tokenizer(32)
+
+    def session(pool_size):
+        task = AdditionTask(4, 1.0, seed=1, eval_size=5)
+        stateful, source = {}, task_prompt_source(task, tokenizer)
+        if pool_size:
+            pool, tracker = task.next_problems(pool_size), PassRateTracker()
+            draw = CurriculumSource(pool, lambda p: p.prompt, tracker, seed=1) if curriculum else None
+            source = pool_prompt_source(pool, tokenizer, 1, draw)
+            stateful = {"tracker": tracker, **({"curriculum": draw} if draw else {})}
+        controller = SimpleNamespace(next_prompt=IndexedSource(source), state_dict=dict, load_state_dict=lambda _: None)
+        optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
+        return SimpleNamespace(task=task, rewards=None, controller=controller, stateful=stateful,
+                               trainer=SimpleNamespace(optimizer=optimizer))
+
+    for pool_size in (0, 12):
+        a = session(pool_size)
+        for i in range(7):
+            item = a.controller.next_prompt()
+            if pool_size:
+                a.stateful["tracker"].update(item.prompt_text, [float(i % 2)] * 4)
+        state = pickle.loads(pickle.dumps(capture(a, 3, {})))
+        b = session(pool_size)
+        apply(b, state)
+        want = [(x.index, x.prompt_text) for x in (a.controller.next_prompt() for _ in range(6))]
+        got = [(x.index, x.prompt_text) for x in (b.controller.next_prompt() for _ in range(6))]
+        assert got == want and want[0][0] == 7
+
+
+@pytest.mark.slow
+def test_engine_failing_past_max_restarts_stops_with_a_checkpoint(baseline, tmp_path):
+    model = baseline[0]
+    run = tmp_path / "run"
+    out = train(model, run, "engine.max_restarts=0", env={"MEGARL_TEST_FAULT": "engine_error@2"}, rc=1)
+    assert "step 1: engine failed 1 times in a row (engine.max_restarts=0); last: RuntimeError: engine fault injected" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    state = final_state(run)
+    assert state["step"] == 1 and state["controller"]["live"]  # the buffer as it was before the failed phase
+    no_prompt_lost_or_twice(state)
+    out = train(model, run)  # the same command resumes and finishes
+    assert _resumed_from(out)[0] == 1 and f"step {STEPS}/{STEPS} |" in out
+
+
+def test_metrics_jsonl_drops_lines_past_the_checkpoint(tmp_path):
+    from megarl.logging.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, total_steps=5)
+    for step in range(6):
+        log.scalars(step, {"loss/policy": step / 10, "timing/gen_s": 1.0})
+    log.scalars(5, {"eval/pass_at_1": 0.5}, final=True)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss/po')  # a line cut short by a kill
+    log.resume_at(3)
+    log.scalars(4, {"loss/policy": 0.7})
+    assert [(r["step"], r.get("loss/policy")) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.7)]
+    assert deterministic_view({"step": 1, "timing/gen_s": 2.0, "rollout/bubble_ratio": 0.1, "loss/policy": 1.0}) == {
+        "step": 1, "loss/policy": 1.0}
+    log.start_fresh()  # train.resume=never in a used run_dir
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    log.close()

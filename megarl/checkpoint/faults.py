@@ -71,6 +71,10 @@ class Preemption:
 
     def __init__(self) -> None:
         self.received: str = ""
+        self.install()
+
+    def install(self) -> None:
+        """(Re)install the handlers (after anything that may have set its own, e.g. an engine restart)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -113,8 +117,9 @@ class BadSteps:
             return ""
         self.in_a_row += 1
         self.total += 1
-        print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
-              f"({self.in_a_row} in a row)", flush=True)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
+                  f"({self.in_a_row} in a row)", flush=True)
         if self.limit and self.in_a_row >= self.limit:
             return (f"step {step}: {self.in_a_row} steps in a row with a non-finite {', '.join(what)} "
                     f"(train.max_bad_steps={self.limit}); stopping")

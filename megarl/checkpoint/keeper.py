@@ -13,8 +13,8 @@
 Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
 mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
 the prompts drawn during the failed phase are re-queued, the engine is restarted and given the
-trainer's current weights, and the phase runs again. After ``engine.max_restarts`` restarts the
-run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
+trainer's current weights, and the phase runs again. When the phase fails again after
+``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
 step (milliseconds for the tiny runs; it grows with the partial buffer).
 """
 
@@ -29,6 +29,7 @@ from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+from megarl.weight_sync.streaming import sync_engine
 
 
 def make_deterministic() -> None:
@@ -56,7 +57,8 @@ class RunKeeper:
         self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
         self.preemption = Preemption()
         self.bad = BadSteps(t.max_bad_steps)
-        self.restarts = 0
+        self.restarts = 0  # engine restarts over the run (faults/engine_restarts)
+        self.failing = 0  # engine failures since the last phase that completed
         self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, ...
         self.stopped = ""  # why the run stopped early ('' while it goes on)
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
@@ -73,6 +75,7 @@ class RunKeeper:
         t = self.cfg.train
         path = resolve_resume(t.resume, t.run_dir, t.keep_checkpoints)
         if path is None:
+            self.s.logger.start_fresh()
             return 0
         for name, learner in self.learners():
             load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
@@ -81,7 +84,7 @@ class RunKeeper:
         self.run = state["run"]
         self.bad.load_state_dict(self.run.get("bad_steps", {"in_a_row": 0, "total": 0}))
         self.restarts = self.run.get("engine_restarts", 0)
-        self.s.engine.update_weights(self.s.trainer.hf_weights())
+        sync_engine(self.s.engine, self.s.trainer, self.s.cfg.sync.bucket_mib)
         step = state["step"]
         self.s.logger.resume_at(step)
         self.saved_at = step
@@ -104,9 +107,6 @@ class RunKeeper:
         self.say(f"checkpoint {path}")
 
     # ---- the loop's calls -------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        set_step(step + 1)
-
     def fault_metrics(self, step: int) -> dict[str, float]:
         """After RL step ``step`` (1-based): count a non-finite step (and decide to stop), ``faults/*``."""
         reason = self.bad.update(step, self.learners())
@@ -142,24 +142,29 @@ class RunKeeper:
     def run_phase(self, version: int):
         """``controller.run_phase``, surviving engine errors (see the module docstring)."""
         c = self.s.controller
+        set_step(version + 1)  # the test hooks' step (1-based)
         while True:
             snapshot = pickle.dumps(c.state_dict())
             c.next_prompt.mark()
             try:
-                return c.run_phase(version=version)
+                result = c.run_phase(version=version)
+                self.failing = 0
+                return result
             except Exception as exc:  # the engine failed mid-phase
                 drawn = list(c.next_prompt.recent)
                 c.load_state_dict(pickle.loads(snapshot))
                 c.requeued.extend((item, 0) for item in drawn)
                 self.restarts += 1
+                self.failing += 1
                 where = traceback.format_exception_only(exc)[-1].strip()
                 print(f"rank {dist.get_rank()} step {version + 1}: engine error mid-phase ({where}); "
                       f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued; "
-                      f"restart {self.restarts}/{self.cfg.engine.max_restarts}", flush=True)
-                if self.restarts > self.cfg.engine.max_restarts:
-                    raise StopRun(f"engine failed {self.restarts} times (engine.max_restarts="
+                      f"restart {self.failing}/{self.cfg.engine.max_restarts}", flush=True)
+                if self.failing > self.cfg.engine.max_restarts:
+                    raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
                                   f"{self.cfg.engine.max_restarts}); last: {where}") from exc
                 self.s.engine.restart()
+                self.preemption.install()
                 for engine in c.engines:
                     engine.reset()
-                self.s.engine.update_weights(self.s.trainer.hf_weights())
+                sync_engine(self.s.engine, self.s.trainer, self.s.cfg.sync.bucket_mib)

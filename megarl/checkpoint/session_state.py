@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ _FIELDS = {
 
 
 def state_of(obj) -> object:
+    """``obj.state_dict()``, or the state of today's classes without one; None (with a warning) otherwise."""
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     name = type(obj).__name__
@@ -42,11 +44,14 @@ def state_of(obj) -> object:
     if name == "CurriculumSource":
         return {"rng": obj.rng.getstate()}
     if name in _FIELDS:
-        return {k: getattr(obj, k) for k in _FIELDS[name]}
-    raise TypeError(f"cannot checkpoint a {name}: give it state_dict()/load_state_dict()")
+        return {k: getattr(obj, k) for k in _FIELDS[name] if hasattr(obj, k)}
+    warnings.warn(f"run checkpoint: a {name} has no state_dict(); a resumed run starts it afresh", stacklevel=2)
+    return None
 
 
 def restore(obj, state) -> None:
+    if state is None:
+        return
     if hasattr(obj, "load_state_dict"):
         obj.load_state_dict(state)
     elif type(obj).__name__ == "AdditionTask":
@@ -109,7 +114,7 @@ def capture(s, step: int, run: dict) -> dict:
 
 def stateful(s) -> dict:
     """The session's objects whose state a checkpoint keeps, besides controller and source."""
-    out = {"task": s.task, "rewards": s.rewards}
+    out = {name: getattr(s, name) for name in ("task", "rewards") if getattr(s, name, None) is not None}
     out.update(getattr(s, "stateful", {}) or {})
     return out
 

@@ -100,7 +100,7 @@ class EngineConfig:
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
     max_restarts: int = 3
-    """Engine errors mid-phase survived by re-queueing the phase and rebuilding the engine; one more stops the run with a checkpoint."""
+    """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
 
 
 @dataclass

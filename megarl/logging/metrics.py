@@ -66,6 +66,11 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
             self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
 
+    def start_fresh(self) -> None:
+        """A run that starts from step 0 in a directory an earlier run used: its metrics are dropped."""
+        if self.jsonl is not None and (self.run_dir / "metrics.jsonl").stat().st_size:
+            self.resume_at(-1)
+
     def resume_at(self, step: int) -> None:
         """Continue a run from its checkpoint at ``step``: drop later metrics.jsonl lines and TB events."""
         if self.writer is None:
