@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ class Session:
     controller: RolloutController
     logger: MetricsLogger
     run_dir: Path
+    stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
 
     @property
     def is_main(self) -> bool:
@@ -105,6 +106,7 @@ def build_session(cfg: RunConfig) -> Session:
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     rewards = RewardRunner(exact_answer)
     score = group_scorer(tokenizer, rewards)
+    stateful = {}
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
         tracker = PassRateTracker()
@@ -112,10 +114,12 @@ def build_session(cfg: RunConfig) -> Session:
                 if cfg.algo.curriculum else None)
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
         score = tracking_scorer(score, tracker)
+        stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
     else:
         source = task_prompt_source(task, tokenizer)
     controller = build_controller(cfg, slot_engines, source, score)
-    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir)
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
+                   stateful)
 
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:

@@ -8,7 +8,9 @@ torchrun). Every step calls into a room and nothing else:
 - advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
 - sync: the trainer's weights stream into the engine in memory, bucket by bucket, under one
-  all-or-nothing protocol (``megarl/weight_sync/protocol.py``).
+  all-or-nothing protocol (``megarl/weight_sync/protocol.py``);
+- checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults
+  (``megarl/checkpoint/keeper.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.engines.memory import handover
 from megarl.rollout.evaluate import greedy_pass_at_1
@@ -35,10 +38,11 @@ def evaluate(s: Session) -> float:
     return greedy_pass_at_1(s.engine, s.tokenizer, s.task.eval_problems, s.cfg.rollout.max_new_tokens, s.rewards)
 
 
-def rl_step(s: Session, step: int) -> dict[str, float]:
+def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
-    groups, phase = s.controller.run_phase(version=step)  # generate, reward (at release)
+    run_phase = keeper.run_phase if keeper else s.controller.run_phase  # the keeper survives engine errors
+    groups, phase = run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
@@ -66,34 +70,54 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
 
 
 def run(cfg: RunConfig) -> dict:
+    if cfg.train.deterministic:
+        make_deterministic()
     s = build_session(cfg)
     say = print if s.is_main else (lambda *a, **k: None)
-    if cfg.warmup.steps:
-        supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
-        sync_weights(s.engine, s.trainer, cfg.sync, version=0)
-    before = evaluate(s)
-    s.logger.scalars(0, {"eval/pass_at_1": before})
+    keeper = RunKeeper(s)
+    steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
+    if not steps:
+        if cfg.warmup.steps:
+            supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
+                              cfg.warmup.lr, log=say)
+            sync_weights(s.engine, s.trainer, cfg.sync, version=0)
+        keeper.run["pass_at_1_before"] = evaluate(s)
+        s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
+    before = keeper.run["pass_at_1_before"]
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")
-    start, steps = time.time(), 0
+    start = time.time()
     s.logger.reset_clock()
-    for step in range(cfg.train.steps):
+    for step in range(steps, cfg.train.steps):
         if cfg.train.time_limit_s and time.time() - start > cfg.train.time_limit_s:
             say(f"time limit {cfg.train.time_limit_s:.0f}s reached after {steps} steps")
             break
         o = cfg.optim
         s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
-        metrics = rl_step(s, step)
+        try:
+            metrics = rl_step(s, step, keeper)
+        except StopRun as stop:
+            keeper.stop(steps, str(stop))
+            break
         metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
         if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
             metrics["eval/pass_at_1"] = evaluate(s)
+        metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
+        if keeper.end_of_step(steps):  # checkpoint every train.save_every steps; preemption, faults
+            break
+    result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
+              "error": keeper.error}
+    if keeper.stopped:  # preempted or a fault: the checkpoint is saved, leave at once
+        s.logger.close()
+        return {**result, "pass_at_1_after": float("nan")}
+    keeper.finish(steps)
     after = evaluate(s)
-    s.logger.scalars(steps, {"eval/pass_at_1": after})
+    s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
     s.logger.close()
     say(f"eval after RL: pass@1 {after:.3f}")
-    return {"pass_at_1_before": before, "pass_at_1_after": after, "steps": steps, "run_dir": str(s.run_dir)}
+    return {**result, "pass_at_1_after": after}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,8 @@ class EngineConfig:
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
+    max_restarts: int = 3
+    """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
 
 
 @dataclass
@@ -227,6 +229,16 @@ class TrainConfig:
     """Where TensorBoard events, the resolved config and results go."""
     eval_every: int = 0
     """Greedy pass@1 on the held-out set every N steps (0: only at start and end)."""
+    save_every: int = 50
+    """Save a run checkpoint (run_dir/checkpoints/step_N) every N steps, and always at the end (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many run checkpoints; older ones are deleted after a save."""
+    resume: str = "auto"
+    """'auto': continue from run_dir/checkpoints/latest if there is one; 'never': start fresh; or a step_N directory."""
+    deterministic: bool = False
+    """Exact resume: a killed and resumed run logs the same metrics as one never stopped (forbids time_limit_s)."""
+    max_bad_steps: int = 3
+    """Steps in a row with a non-finite loss or gradient (each skipped, weights untouched) that stop the run."""
 
 
 @dataclass

@@ -142,6 +142,10 @@ class ReplicaClient:
     def num_active(self) -> int:
         return len(self._active)
 
+    def reset(self) -> None:
+        """Forget every request (the replica was restarted)."""
+        self._active.clear()
+
     def step(self) -> StepReport:
         active = len(self._active)
         self.conn.send(("step", None))
@@ -174,19 +178,39 @@ class EngineReplicas:
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0) -> None:
+        self.clients: list[ReplicaClient] = []
+        self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
+                          max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
+                          start_timeout_s=start_timeout_s)
+        atexit.register(self.close)
+        self._start()
+
+    def restart(self) -> None:
+        """End every replica and start them again (after an engine error); the caller then syncs the weights."""
+        self.close()
+        self._start()
+
+    def _start(self) -> None:
         from megarl.engines.gloo_transfer import GlooSender, join_group
 
+        a = self._args
+        replicas, tensor_parallel_size, slots, start_timeout_s = a["replicas"], a["tp"], a["slots"], a["start_timeout_s"]
         ctx = mp.get_context("spawn")
-        self.clients: list[ReplicaClient] = []
-        self.tp = tensor_parallel_size
-        atexit.register(self.close)
+        old = self.clients  # on a restart the controller keeps its handles: they get the new processes
+        self.clients = []
         for k in range(replicas):
             parent, child = ctx.Pipe()
-            spec = dict(model=str(model_dir), tp=tensor_parallel_size, max_model_len=max_model_len,
-                        kv_cache_gib=kv_cache_gib, slots=slots, seed=seed + k)
+            spec = dict(model=a["model"], tp=tensor_parallel_size, max_model_len=a["max_model_len"],
+                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k)
             proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
             proc.start()
-            self.clients.append(ReplicaClient(k, parent, proc, slots))
+            if k < len(old):
+                c = old[k]
+                c.conn, c.proc, c.weight_version = parent, proc, 0
+                c.reset()
+            else:
+                c = ReplicaClient(k, parent, proc, slots)
+            self.clients.append(c)
         for c in self.clients:
             if not c.conn.poll(start_timeout_s):
                 raise RuntimeError(f"engine replica {c.index} did not start within {start_timeout_s:.0f}s")
@@ -266,7 +290,6 @@ class EngineReplicas:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join(5)
-        self.clients = [c for c in self.clients if c.proc.is_alive()]
 
 
 def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:
