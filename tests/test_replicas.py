@@ -69,3 +69,37 @@ def test_megarl_train_disaggregated_two_replicas_end_to_end(tmp_path):
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
+
+
+@pytest.mark.slow
+def test_restart_gives_the_controller_handles_new_processes(tmp_path):
+    """After an engine error the keeper restarts the engines: same handles, fresh processes, same outputs."""
+    from megarl.engines.base import GenerationRequest
+    from megarl.engines.replicas import EngineReplicas
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=0)
+    replicas = EngineReplicas(str(model), 2, 1, 64, 0.0625, 4)
+    try:
+        handles = list(replicas.clients)
+        pids = [c.proc.pid for c in handles]
+        probe = [GenerationRequest([3, 5, 7, 11], n=1, max_tokens=6, greedy=True)]
+        before = [replicas.generate(probe, seed=0, replica=k)[0][0].token_ids for k in range(2)]
+        replicas.restart()
+        assert replicas.clients == handles and all(c.proc.pid not in pids for c in handles)
+        assert not any(pid_alive(p) for p in pids)
+        after = [replicas.generate(probe, seed=0, replica=k)[0][0].token_ids for k in range(2)]
+        assert before == after
+    finally:
+        replicas.close()
+    assert not any(c.proc.is_alive() for c in handles)
+
+
+def pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
