@@ -29,7 +29,7 @@ from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
-from megarl.weight_sync.streaming import sync_engine
+from megarl.weight_sync.protocol import sync_weights
 
 
 def make_deterministic() -> None:
@@ -84,8 +84,8 @@ class RunKeeper:
         self.run = state["run"]
         self.bad.load_state_dict(self.run.get("bad_steps", {"in_a_row": 0, "total": 0}))
         self.restarts = self.run.get("engine_restarts", 0)
-        sync_engine(self.s.engine, self.s.trainer, self.s.cfg.sync.bucket_mib)
         step = state["step"]
+        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=step)  # the engine serves step's policy
         self.s.logger.resume_at(step)
         self.saved_at = step
         live = self.s.controller.state_dict()
@@ -167,4 +167,4 @@ class RunKeeper:
                 self.preemption.install()
                 for engine in c.engines:
                     engine.reset()
-                sync_engine(self.s.engine, self.s.trainer, self.s.cfg.sync.bucket_mib)
+                sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
