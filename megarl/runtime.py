@@ -20,14 +20,14 @@ from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
+from megarl.data.source import Prompt, build_prompts
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
-from megarl.rewards.addition import exact_answer
-from megarl.rewards.base import RewardRunner
+from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source, tracking_scorer
+from megarl.rollout.scoring import group_scorer, pool_prompt_source, prompt_source, tracking_scorer
 from megarl.trainer import cpu_adapter
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
@@ -43,11 +43,13 @@ class Session:
     engine: VLLMEngine
     trainer: PolicyTrainer
     learners: Learners
-    task: AdditionTask
-    rewards: RewardRunner
+    task: AdditionTask | None  # the built-in task (None when data.path names a dataset)
+    rewards: RewardPool
     controller: RolloutController
     logger: MetricsLogger
     run_dir: Path
+    prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
+    eval_prompts: list[Prompt] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -82,6 +84,10 @@ def build_session(cfg: RunConfig) -> Session:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    d = cfg.data
+    task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
+    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    rewards = build_rewards(cfg.reward, d)
     engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
                         cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots)
     cpu_adapter.activate()
@@ -90,15 +96,13 @@ def build_session(cfg: RunConfig) -> Session:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     learners = build_learners(cfg, hf_cfg, ps)
     trainer = learners.policy
-    d = cfg.data
-    task = AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     run_dir = Path(cfg.train.run_dir)
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
-    rewards = RewardRunner(exact_answer)
-    score = group_scorer(tokenizer, rewards)
+    extras: dict = {}
+    score = group_scorer(tokenizer, rewards, extras)
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
         tracker = PassRateTracker()
@@ -107,9 +111,10 @@ def build_session(cfg: RunConfig) -> Session:
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
         score = tracking_scorer(score, tracker)
     else:
-        source = task_prompt_source(task, tokenizer)
+        source = prompt_source(prompts, extras)
     controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), source, score)
-    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir)
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
+                   prompts, prompts.eval_prompts())
 
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:

@@ -7,19 +7,20 @@ import random
 from collections.abc import Callable
 
 from megarl.data import encode
-from megarl.rewards.base import RewardRunner
+from megarl.rewards.pool import RewardPool
 from megarl.rollout.controller import PromptItem
 from megarl.types import Group
 
 
-def task_prompt_source(task, tokenizer) -> Callable[[], PromptItem]:
-    """Endless prompts from ``task``, tokenised; the prompt text is the length-cache key."""
-    counter = itertools.count()
+def prompt_source(prompts, extras: dict) -> Callable[[], PromptItem]:
+    """Controller prompts from a data source (``megarl.data.source``); each row's extra columns are kept in
+    ``extras`` under the prompt's index until its group is scored."""
 
     def next_prompt() -> PromptItem:
-        problem = task.next_problem()
-        ids = encode(tokenizer, problem.prompt)
-        return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
+        p = prompts.next()
+        if p.extras:
+            extras[p.index] = p.extras
+        return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key)
 
     return next_prompt
 
@@ -37,13 +38,14 @@ def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], obje
     return next_prompt
 
 
-def group_scorer(tokenizer, rewards: RewardRunner) -> Callable[[Group], None]:
-    """Decode each sample of a released group and fill in its reward."""
+def group_scorer(tokenizer, rewards: RewardPool, extras: dict | None = None) -> Callable[[Group], None]:
+    """Decode each sample of a released group and fill in its reward (the row's extras as keyword args)."""
 
     def score(group: Group) -> None:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        scores = rewards.score([(s.text, group.answer) for s in group.samples])
+        row = extras.pop(group.prompt_index, {}) if extras is not None else {}
+        scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r
 
