@@ -67,8 +67,8 @@ def _corpus() -> list[str]:
 
     words = ("the answer is what compute simplify find value of sum product put final in and a to "
              "you are helpful assistant user system please step by think reason so therefore").split()
-    latex = [r"\boxed{\frac{%d}{%d}}" % (a, b) for a in range(1, 6) for b in range(2, 8)]
-    latex += [r"\sqrt{%d}" % n for n in range(2, 9)] + [r"\left(%d, %d\right]" % (n, n + 3) for n in range(5)]
+    latex = [rf"\boxed{{\frac{{{a}}}{{{b}}}}}" for a in range(1, 6) for b in range(2, 8)]
+    latex += [rf"\sqrt{{{n}}}" for n in range(2, 9)] + [rf"\left({n}, {n + 3}\right]" for n in range(5)]
     latex += [r"\{1, 2\}", r"x^{2} + y^{2}", r"\pi", r"\cdot", r"\infty", "0.5", "-3"]
     turns = []
     for i, expr in enumerate(latex):
