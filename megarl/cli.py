@@ -1,8 +1,9 @@
-"""``megarl`` command line: ``train`` (any config) and ``demo`` (the tiny CPU default).
+"""``megarl`` command line: ``train`` (any config), ``demo`` (the tiny CPU default) and ``eval``.
 
     megarl train --config configs/demo.yaml train.steps=5 optim.lr=3e-5
     megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2
     megarl demo
+    megarl eval --config examples/math/config.yaml --checkpoint runs/math   # or model.path=DIR
 
 The configuration is loaded and validated before any process is launched; a bad
 key, type or layout exits with status 2 and a message that names it.
@@ -37,6 +38,9 @@ def _model_config_for_validation(cfg) -> dict | None:
 def _load_checked(config: str | None, overrides: list[str], nproc: int):
     cfg = load_config(config, overrides)
     validate(cfg, nproc, _model_config_for_validation(cfg))
+    from megarl.data.source import check_data
+
+    check_data(cfg.data)  # files, keys, empty datasets, bad rows under on_bad_row=error
     return cfg
 
 
@@ -45,6 +49,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
            "-m", "megarl.cli", args.command, "--worker"]
     if args.config:
         cmd += ["--config", args.config]
+    if args.checkpoint:
+        cmd += ["--checkpoint", args.checkpoint]
     cmd += args.overrides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)
@@ -53,9 +59,11 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "demo"], help="train: run a config; demo: the tiny CPU demo")
+    parser.add_argument("command", choices=["train", "demo", "eval"],
+                        help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint")
     parser.add_argument("--config", help="YAML config file (demo: configs/demo.yaml by default)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (default 1)")
+    parser.add_argument("--checkpoint", help="eval: an HF model dir, a dist checkpoint, a run's step dir or a run dir")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides, e.g. optim.lr=3e-5")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -64,12 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", args.nproc)) if args.worker else args.nproc
     try:
         cfg = _load_checked(args.config, args.overrides, world)
+        if args.command == "eval" and args.checkpoint:
+            from megarl.evaluation import resolve_checkpoint
+
+            resolve_checkpoint(args.checkpoint)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
     if args.nproc > 1 and not args.worker:
         return _launch_torchrun(args)
 
+    if args.command == "eval":
+        from megarl.evaluation import run_eval
+
+        run_eval(cfg, args.checkpoint)
+        return 0
     from megarl.train import run
 
     result = run(cfg)
