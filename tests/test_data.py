@@ -154,3 +154,18 @@ def test_long_prompts_dropped_and_counted_and_eval_rows(tmp_path, tok):
     assert [src.next().answer for _ in range(3)] == ["0", "2", "4"]
     assert src.metrics()["data/prompts_too_long"] == 2
     assert [p.answer for p in src.eval_prompts()] == ["0", "2"]
+
+
+def test_addition_task_is_a_source_with_the_same_interface(tok):
+    from megarl.data.addition import AdditionTask
+    from megarl.data.source import AdditionSource
+
+    a = build_prompts(DataConfig(), tok, AdditionTask(4, 1.0, seed=2, eval_size=5))
+    assert isinstance(a, AdditionSource) and len(a.eval_prompts()) == 5
+    drain(a, 7)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = AdditionSource(AdditionTask(4, 1.0, seed=2, eval_size=5), tok)
+    b.load_state_dict(state)
+    nxt = drain(a, 5)
+    assert drain(b, 5) == nxt
+    assert nxt[0][1] == tok(nxt[0][0], add_special_tokens=False)["input_ids"]  # raw completions, not chat-wrapped

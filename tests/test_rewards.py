@@ -98,7 +98,7 @@ def test_hangs_and_errors_are_contained_counted_and_do_not_slow_later_scoring():
         after = time.time() - t2
         assert after < 3 * before + 0.5, (before, after)
         assert (pool.errors, pool.timeouts, pool.calls) == (2, 21, 105)
-        assert len([w for w in pool._workers if w.proc.is_alive()]) == 2
+        assert len([w for w in pool._workers if w.alive()]) == 2
     finally:
         pool.close()
 
@@ -117,3 +117,30 @@ def test_not_a_number_scores_on_error_and_counter_state_round_trips():
         assert other.step_metrics()["reward/errors"] == 1.0 and other.state_dict() == state
     finally:
         other.close()
+
+
+def test_workers_exit_when_the_run_is_killed_mid_call(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text("import sys\nfrom megarl.rewards.pool import RewardPool\n"
+                      "p = RewardPool('reward_fns:hang_or_raise', workers=1, timeout_s=600)\n"
+                      "print(p._workers[0].proc.pid, flush=True)\np.score([('hang', 'x')])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(__import__("pathlib").Path(__file__).parent), *sys.path])}
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    worker = int(run.stdout.readline())
+    time.sleep(1)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    for _ in range(50):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError("the hung reward worker outlived its killed parent")

@@ -8,7 +8,8 @@
                        │     past timeout_s: kill the worker, score ``on_error``,
                        └──── start a replacement (it joins once it reports ready)
 
-Each worker is a spawned process that resolves ``reward.fn`` itself (a built-in name
+Each worker is a fresh interpreter (``python -m megarl.rewards.pool``, so the caller's main
+module is never re-imported, unlike multiprocessing's spawn) that resolves ``reward.fn`` itself (a built-in name
 or ``package.module:function``), says ready, then serves one call at a time. A call
 that raises, returns something that is not a number (or a dict with a numeric
 ``score``), or kills its worker scores ``on_error`` and counts as an error; one that
@@ -21,19 +22,32 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections import deque
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger(__name__)
 RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step"}
 
 
-def _serve(conn, spec: str, format_coef: float) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose parent died (killed mid-run) exits too, even while a reward call hangs."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
     """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
     from megarl.rewards.base import resolve_reward
 
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
         fn = resolve_reward(spec, format_coef)
     except Exception as exc:  # reported to the parent, which raises it at construction
@@ -64,17 +78,29 @@ def _serve(conn, spec: str, format_coef: float) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, spec: str, format_coef: float) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec, format_coef), daemon=True, name="megarl-reward")
-        self.proc.start()
-        child.close()
+    """One worker process and its end of a socket pair (a ``multiprocessing`` Connection)."""
+
+    def __init__(self, spec: str, format_coef: float) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # user modules resolve alike
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef), str(os.getpid())],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
         self.ready = False
         self.task: tuple[int, float] | None = None  # (item index, deadline)
 
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.join(timeout=5)
+        self.proc.wait(timeout=10)
         self.conn.close()
 
 
@@ -84,7 +110,6 @@ class RewardPool:
     def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, on_error: float = 0.0,
                  format_coef: float = 0.0, start_timeout_s: float = 120.0) -> None:
         self.spec, self.format_coef, self.timeout_s, self.on_error = spec, format_coef, timeout_s, on_error
-        self._ctx = mp.get_context("spawn")
         self._workers = [self._start() for _ in range(max(1, workers))]
         self.errors = self.timeouts = self.calls = 0
         self._step = {"errors": 0, "timeouts": 0}
@@ -92,7 +117,7 @@ class RewardPool:
         self._wait_ready(start_timeout_s)
 
     def _start(self) -> _Worker:
-        return _Worker(self._ctx, self.spec, self.format_coef)
+        return _Worker(self.spec, self.format_coef)
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the function; a bad ``reward.fn`` raises here, before training."""
@@ -106,7 +131,7 @@ class RewardPool:
                 try:
                     kind, detail = conn.recv()
                 except EOFError:
-                    kind, detail = "failed", f"worker exited with code {w.proc.exitcode}"
+                    kind, detail = "failed", f"worker exited with code {w.exitcode}"
                 if kind != "ready":
                     self.close()
                     raise ValueError(f"reward.fn={self.spec!r}: {detail}")
@@ -140,7 +165,7 @@ class RewardPool:
                 except (EOFError, OSError):  # the worker died (os._exit, a crash in C code, OOM)
                     if w.task:
                         scores[w.task[0]], errors = self.on_error, errors + 1
-                        last_error = f"worker died (exit code {w.proc.exitcode})"
+                        last_error = f"worker died (exit code {w.exitcode})"
                     self._replace(i)
                     continue
                 if msg[0] in ("ready", "failed"):
@@ -206,10 +231,10 @@ class RewardPool:
             except (OSError, BrokenPipeError):
                 pass
         for w in self._workers:
-            w.proc.join(timeout=2)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(timeout=5)
+            try:
+                w.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                w.kill()
         self._workers = []
 
     def __del__(self) -> None:
@@ -235,3 +260,7 @@ def build_rewards(r, d) -> RewardPool:
     if r.workers < 1 or r.timeout_s <= 0:
         raise ValueError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers}, {r.timeout_s}")
     return RewardPool(reward_spec(r, d), r.workers, r.timeout_s, r.on_error, r.format_coef)
+
+
+if __name__ == "__main__":  # a worker: python -m megarl.rewards.pool FD SPEC FORMAT_COEF PARENT_PID
+    _serve(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
