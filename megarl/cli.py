@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", args.nproc)) if args.worker else args.nproc
     try:
         cfg = _load_checked(args.config, args.overrides, world)
+        if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
+            raise ConfigError("megarl eval needs data.eval_path (the held-out prompts) when data.path is set")
         if args.command == "eval" and args.checkpoint:
             from megarl.evaluation import resolve_checkpoint
 

@@ -79,10 +79,14 @@ def test_megarl_eval_on_an_hf_dir_with_pass_at_k(trained):
     assert result["pass_at_4"] >= result["pass_at_2"] >= result["pass_at_1_sampled"] - 1e-9
 
 
-def test_bad_config_of_the_example_stops_before_any_process(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "--config", str(CONFIG),
-                           f"data.path={tmp_path}/missing.jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "no such file" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", "--config", str(CONFIG),
-                           "--checkpoint", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and ("not an HF model dir" in proc.stderr or "data.path" in proc.stderr)
+def test_bad_config_of_the_example_stops_before_any_process(trained, tmp_path):
+    def fails(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        return proc.stderr
+
+    base = ["--config", str(CONFIG), *tiny(trained)]
+    assert "missing.jsonl': no such file" in fails("train", *base, f"data.path={tmp_path}/missing.jsonl")
+    assert "not an HF model dir" in fails("eval", *base, "--checkpoint", str(tmp_path))
+    assert "needs data.eval_path" in fails("eval", *base, "data.eval_path=")
