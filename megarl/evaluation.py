@@ -24,7 +24,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
     latest = p / "checkpoints" / "latest"
     if latest.is_file():
         name = latest.read_text().strip()
-        p = Path(name) if Path(name).is_absolute() else p / "checkpoints" / name
+        # the step dir by name (step_N), relative to the run dir, or absolute
+        p = next((c for c in (p / "checkpoints" / name, p / name, Path(name)) if c.is_dir()), p / "checkpoints" / name)
         if not p.is_dir():
             raise FileNotFoundError(f"--checkpoint {path}: checkpoints/latest names {name!r}, which does not exist")
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):

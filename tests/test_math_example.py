@@ -90,3 +90,24 @@ def test_bad_config_of_the_example_stops_before_any_process(trained, tmp_path):
     assert "missing.jsonl': no such file" in fails("train", *base, f"data.path={tmp_path}/missing.jsonl")
     assert "not an HF model dir" in fails("eval", *base, "--checkpoint", str(tmp_path))
     assert "needs data.eval_path" in fails("eval", *base, "data.eval_path=")
+
+
+def test_checkpoint_paths_resolve_like_the_run_layout(tmp_path):
+    from megarl.evaluation import resolve_checkpoint
+
+    step = tmp_path / "run" / "checkpoints" / "step_7"
+    (step / "policy").mkdir(parents=True)
+    (step / "policy" / "metadata.json").write_text("{}")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    for latest in ("step_7", "checkpoints/step_7", str(step)):
+        (tmp_path / "run" / "checkpoints" / "latest").write_text(latest + "\n")
+        assert resolve_checkpoint(tmp_path / "run") == ("dist", step / "policy")
+    assert resolve_checkpoint(step) == ("dist", step / "policy")
+    assert resolve_checkpoint(step / "policy") == ("dist", step / "policy")
+    assert resolve_checkpoint(hf) == ("hf", hf)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_9\n")
+    with pytest.raises(FileNotFoundError, match="names 'step_9'"):
+        resolve_checkpoint(tmp_path / "run")
