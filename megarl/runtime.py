@@ -27,7 +27,7 @@ from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import group_scorer, pool_prompt_source, prompt_source, tracking_scorer
+from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, tracking_scorer
 from megarl.trainer import cpu_adapter
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
@@ -101,8 +101,8 @@ def build_session(cfg: RunConfig) -> Session:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
-    extras: dict = {}
-    score = group_scorer(tokenizer, rewards, extras)
+    feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
+    score = group_scorer(tokenizer, rewards, feed.take_extras)
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
         tracker = PassRateTracker()
@@ -111,7 +111,7 @@ def build_session(cfg: RunConfig) -> Session:
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
         score = tracking_scorer(score, tracker)
     else:
-        source = prompt_source(prompts, extras)
+        source = feed
     controller = build_controller(cfg, VLLMSlotEngine(engine, cfg.engine.slots), source, score)
     return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
                    prompts, prompts.eval_prompts())

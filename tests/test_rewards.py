@@ -147,34 +147,35 @@ def test_workers_exit_when_the_run_is_killed_mid_call(tmp_path):
 
 
 def test_row_extras_travel_from_the_dataset_to_the_reward_of_a_released_group(tmp_path):
-    """data source → controller PromptItem → released Group → group_scorer → user reward with the row's columns."""
+    """data source → controller PromptItem → (checkpoint, resume) → released Group → user reward with the row's columns."""
     import json
 
     from megarl.data.chat import PromptRenderer
     from megarl.data.readers import RowStore
     from megarl.data.source import DatasetSource
     from megarl.models.tiny import build_tokenizer
-    from megarl.rollout.scoring import group_scorer, prompt_source
+    from megarl.rollout.scoring import PromptFeed, group_scorer
     from megarl.types import Group, Sample
 
     tok = build_tokenizer()
     rows = [{"prompt": "q1", "answer": "42", "difficulty": 3, "source": "olympiad"},
             {"prompt": "q2", "answer": "7", "difficulty": 1}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extras: dict = {}
-    next_prompt = prompt_source(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False),
-                                extras)
-    items = [next_prompt(), next_prompt()]
+    feed = PromptFeed(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False))
+    items = [feed(), feed()]
+    state = json.loads(json.dumps(feed.state_dict()))  # a checkpoint taken with both groups in flight
+    resumed = PromptFeed(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False))
+    resumed.load_state_dict(state)
     pool = RewardPool("reward_fns:with_extras", workers=1, timeout_s=20)
     try:
-        score = group_scorer(tok, pool, extras)
+        score = group_scorer(tok, pool, resumed.take_extras)
         groups = [Group(it.index, it.prompt_text, it.answer,
                         [Sample(it.prompt_ids, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                          for text in (it.answer, "wrong")]) for it in items]
         for g in groups:
             score(g)
         assert [[s.reward for s in g.samples] for g in groups] == [[2.0, 0.0], [1.0, 0.0]]  # olympiad doubles
-        assert groups[0].samples[0].text == "42" and extras == {}  # decoded without EOS; extras handed over once
+        assert groups[0].samples[0].text == "42" and resumed.pending == {}  # decoded without EOS; extras used once
         assert pool.step_metrics()["reward/difficulty"] == 2.0
     finally:
         pool.close()
