@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # This machine's pip config lists local indexes that pip warns about for every package.
 QUIET := grep -v "^WARNING: Location" || true
 
-.PHONY: install demo test test-all lint clean
+.PHONY: install demo test test-all lint clean kernels
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q tests
+
+# Build the csrc/ kernels ahead of time (CPU ops always, CUDA where nvcc exists); megarl.native then
+# uses them. Without this the torch references run (or set MEGARL_NATIVE=jit to build on first use).
+kernels: install
+	$(PY) -m megarl.native
 
 lint: install
 	$(VENV)/bin/ruff check megarl tests tools bench

@@ -24,6 +24,8 @@ CORE = [
     "transformers>=5.16.1,<5.20",
     "tokenizers",
     "numpy",
+    # MPI bootstrap (megarl/launch/bootstrap.py, imported only under mpirun / srun --mpi=pmix).
+    "mpi4py",
 ]
 
 setup(

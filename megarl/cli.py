@@ -1,9 +1,13 @@
-"""``megarl`` command line: ``train`` (any config), ``demo`` (the tiny CPU default) and ``eval``.
+"""``megarl`` command line: ``train`` (any config), ``demo`` (the tiny CPU default), ``eval`` and ``plan``.
 
     megarl train --config configs/demo.yaml train.steps=5 optim.lr=3e-5
     megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2
     megarl demo
     megarl eval --config examples/math/config.yaml --checkpoint runs/math   # or model.path=DIR
+    megarl plan --model DIR_OR_CONFIG_JSON --nodes 4 --gpus-per-node 8 [--json]   (see megarl/launch/plan.py)
+
+``train`` started by torchrun, ``srun`` (one task per GPU) or ``mpirun`` finds its rank and
+rendezvous itself (``megarl/launch/bootstrap.py``).
 
 The configuration is loaded and validated before any process is launched; a bad
 key, type or layout exits with status 2 and a message that names it.
@@ -35,9 +39,14 @@ def _model_config_for_validation(cfg) -> dict | None:
     raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
 
 
-def _load_checked(config: str | None, overrides: list[str], nproc: int):
+def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0):
     cfg = load_config(config, overrides)
-    validate(cfg, nproc, _model_config_for_validation(cfg))
+    hf = _model_config_for_validation(cfg)
+    validate(cfg, nproc, hf)
+    if per_node and nproc % per_node == 0:  # the job's shape is known: the plan's layout checks too
+        from megarl.launch.plan import check_layout
+
+        check_layout(cfg, hf, nproc // per_node, per_node)
     from megarl.data.source import check_data
 
     check_data(cfg.data)  # files, keys, empty datasets, bad rows under on_bad_row=error
@@ -58,9 +67,15 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from megarl.launch.plan import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "demo", "eval"],
-                        help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint")
+    parser.add_argument("command", choices=["train", "demo", "eval", "plan"],
+                        help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint; "
+                             "plan: layout and memory (plan --help)")
     parser.add_argument("--config", help="YAML config file (demo: configs/demo.yaml by default)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (default 1)")
     parser.add_argument("--checkpoint", help="eval: an HF model dir, a dist checkpoint, a run's step dir or a run dir")
@@ -69,9 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.command == "demo" and not args.config:
         args.config = str(DEMO_CONFIG)
-    world = int(os.environ.get("WORLD_SIZE", args.nproc)) if args.worker else args.nproc
+    from megarl.launch.bootstrap import detect, init_distributed
+
+    launch = detect()  # torchrun, srun or mpirun started this process (or nobody did)
+    args.worker = args.worker or launch.world_size > 1
+    world = launch.world_size if args.worker else args.nproc
+    per_node = launch.local_world_size if args.worker else args.nproc
     try:
-        cfg = _load_checked(args.config, args.overrides, world)
+        cfg = _load_checked(args.config, args.overrides, world, per_node)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             raise ConfigError("megarl eval needs data.eval_path (the held-out prompts) when data.path is set")
         if args.command == "eval" and args.checkpoint:
@@ -83,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.nproc > 1 and not args.worker:
         return _launch_torchrun(args)
+    if args.worker:
+        launch = init_distributed(launch)
+        if launch.rank == 0:
+            print(f"megarl: {launch.world_size} processes started by {launch.source}, rendezvous "
+                  f"{launch.master_addr or os.environ.get('MASTER_ADDR', '')}:"
+                  f"{launch.master_port or os.environ.get('MASTER_PORT', '')}", flush=True)
 
     if args.command == "eval":
         from megarl.evaluation import run_eval
@@ -97,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             print(f"demo: pass@1 before={result['pass_at_1_before']:.3f} "
                   f"after={result['pass_at_1_after']:.3f} steps={result['steps']}", flush=True)
-    return 0
+    if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1)
+        print(f"megarl: stopped at step {result['steps']}: {result['stopped']}", file=sys.stderr, flush=True)
+    return 1 if result.get("error") else 0
 
 
 if __name__ == "__main__":

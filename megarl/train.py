@@ -7,7 +7,10 @@ torchrun). Every step calls into a room and nothing else:
   scores each group as it is released (``megarl/rollout``);
 - advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
-- sync: the trainer's weights go into the engine in memory (``megarl/weight_sync``).
+- sync: the trainer's weights stream into the engine in memory, bucket by bucket
+  (``megarl/weight_sync/streaming.py``);
+- checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults
+  (``megarl/checkpoint/keeper.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import time
 
 import torch
 
+from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
 from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
+from megarl.weight_sync.streaming import sync_engine
 
 CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubble_ratio", "timing/gen_s",
                 "timing/train_s", "eval/pass_at_1")
@@ -32,18 +37,17 @@ def evaluate(s: Session) -> float:
     return evaluate_prompts(s.engine, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens)["pass_at_1"]
 
 
-def rl_step(s: Session, step: int) -> dict[str, float]:
+def rl_step(s: Session, step: int, keeper: RunKeeper) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
-    groups, phase = s.controller.run_phase(version=step)  # generate, reward (at release)
+    groups, phase = keeper.run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
         return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
-    s.engine.update_weights(s.trainer.hf_weights())  # sync
-    t3 = time.time()
+    sync = sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, bucket by bucket
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
@@ -56,41 +60,62 @@ def rl_step(s: Session, step: int) -> dict[str, float]:
         "response/len_max": max(lengths),
         "timing/gen_s": t1 - t0,
         "timing/train_s": t2 - t1,
-        "timing/sync_s": t3 - t2,
+        **sync,
         **metrics,
         **phase.summary(),
     }
 
 
 def run(cfg: RunConfig) -> dict:
+    if cfg.train.deterministic:
+        make_deterministic()
     s = build_session(cfg)
     say = print if s.is_main else (lambda *a, **k: None)
-    if cfg.warmup.steps:
-        supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
-        s.engine.update_weights(s.trainer.hf_weights())
-    before = evaluate(s)
-    s.logger.scalars(0, {"eval/pass_at_1": before})
+    keeper = RunKeeper(s)
+    steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
+    if not steps:
+        if cfg.warmup.steps:
+            supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
+                              cfg.warmup.lr, log=say)
+            sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)
+        keeper.run["pass_at_1_before"] = evaluate(s)
+        s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
+    before = keeper.run["pass_at_1_before"]
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts")
-    start, steps = time.time(), 0
+    start = time.time()
     s.logger.reset_clock()
-    for step in range(cfg.train.steps):
+    for step in range(steps, cfg.train.steps):
         if cfg.train.time_limit_s and time.time() - start > cfg.train.time_limit_s:
             say(f"time limit {cfg.train.time_limit_s:.0f}s reached after {steps} steps")
             break
         o = cfg.optim
         s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
-        metrics = rl_step(s, step)
+        keeper.begin_step(step)
+        try:
+            metrics = rl_step(s, step, keeper)
+        except StopRun as stop:
+            keeper.stop(steps, str(stop))
+            break
         metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
         if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
             metrics["eval/pass_at_1"] = evaluate(s)
+        metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
+        if keeper.end_of_step(steps):  # checkpoint every train.save_every steps; preemption, faults
+            break
+    result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
+              "error": keeper.error}
+    if keeper.stopped:  # preempted or a fault: the checkpoint is saved, leave at once
+        s.logger.close()
+        return {**result, "pass_at_1_after": float("nan")}
+    keeper.finish(steps)
     after = evaluate(s)
-    s.logger.scalars(steps, {"eval/pass_at_1": after})
+    s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
     s.logger.close()
     say(f"eval after RL: pass@1 {after:.3f}")
-    return {"pass_at_1_before": before, "pass_at_1_after": after, "steps": steps, "run_dir": str(s.run_dir)}
+    return {**result, "pass_at_1_after": after}
 
 
 def main(argv: list[str] | None = None) -> int:

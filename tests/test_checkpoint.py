@@ -51,3 +51,15 @@ def test_loading_a_missing_checkpoint_names_the_path(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_checkpoint(None, tmp_path)
+
+
+def test_a_save_that_died_between_its_renames_leaves_a_readable_checkpoint(tmp_path):
+    from megarl.checkpoint.dist import readable_path
+
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "metadata.json").write_text("{}")
+    assert readable_path(ckpt) == tmp_path / "ckpt.old"  # the old one moved aside, the new one not yet in place
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text("{}")
+    assert readable_path(ckpt) == ckpt

@@ -2,7 +2,9 @@
 
 A checkpoint saved at TP=2 / PP=2 / EP=2 (any DP, distributed optimizer or not) loads at
 TP=1 / PP=1 / EP=1 and back: megatron-core stores each tensor by its global shape and
-offsets. Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed.
+offsets. Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed; an old checkpoint
+at ``path`` is first renamed to ``<path>.old`` and removed only after the new one is in place (a crash
+between the renames leaves ``<path>.old``, which ``load_checkpoint`` then reads).
 
 Known on megatron-core 0.16.1: with MoE and DP > 1 the optimizer is a ``ChainedOptimizer``
 (dense and expert parts) whose sharded keys carry a ``chained_<i>.`` prefix; at EP=1/DP=1
@@ -73,18 +75,27 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     dist_checkpointing.save(_sharded(trainer, is_loading=False), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        if path.exists():
-            shutil.rmtree(path)
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # never a moment without a complete checkpoint on disk
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
         os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
+
+
+def readable_path(path: str | Path) -> Path:
+    """``path``, or ``<path>.old`` when a save died between its two renames (``path`` missing)."""
+    path, old = Path(path), Path(path).with_name(Path(path).name + ".old")
+    return old if not path.exists() and (old / "metadata.json").is_file() else path
 
 
 def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> None:
     """Load ``path`` into this trainer, whatever layout saved it."""
     from megatron.core import dist_checkpointing
 
-    path = Path(path)
+    path = readable_path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     _patch_step_copy()

@@ -165,7 +165,10 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if cfg.sync.bucket_mib <= 0:
+        raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {cfg.sync.bucket_mib}")
     _validate_algo(cfg)
+    _validate_train(cfg)
     _validate_fp8(cfg.model.fp8)
     if cfg.model.transformer_engine and (why := transformer_engine_error()) is not None:
         raise ConfigError(f"model.transformer_engine=true needs Transformer Engine on a GPU, which is not "
@@ -262,6 +265,24 @@ def _validate_algo(cfg: RunConfig) -> None:
         raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens")
     if a.tis_cap <= 0:
         raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")
+
+
+def _validate_train(cfg: RunConfig) -> None:
+    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``)."""
+    t = cfg.train
+    for key in ("save_every", "max_bad_steps"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    if cfg.engine.max_restarts < 0:
+        raise ConfigError(f"engine.max_restarts must be >= 0, got {cfg.engine.max_restarts}")
+    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+        raise ConfigError(f"train.resume={t.resume!r}: expected 'auto', 'never' or an existing checkpoint directory "
+                          "(run_dir/checkpoints/step_N)")
+    if t.deterministic and t.time_limit_s:
+        raise ConfigError(f"train.deterministic=true needs train.time_limit_s=0 (got {t.time_limit_s}): a wall-clock "
+                          "limit stops runs at different steps")
 
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")

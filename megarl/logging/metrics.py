@@ -1,7 +1,14 @@
-"""TensorBoard scalars under stable names, and one console line per step with an ETA."""
+"""TensorBoard scalars under stable names, ``run_dir/metrics.jsonl``, and one console line per step with an ETA.
+
+``metrics.jsonl`` holds one JSON object per ``scalars`` call (``{"step": N, ...}``; the final
+evaluation's line also has ``"final": true``). A resumed run first drops the lines past its
+checkpoint's step (``resume_at``), so the file reads as one uninterrupted run.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +23,31 @@ STEP_SCALARS = (
     "timing/gen_s",
     "timing/train_s",
     "timing/sync_s",
+    "sync/bytes",
+    "sync/buckets",
+    "sync/peak_extra_mib",
 )
+
+# Scalars measured with the wall clock: they differ between two runs of the same config, so an exact
+# (deterministic) resume is compared without them (``deterministic_view``).
+WALL_CLOCK = ("timing/", "rollout/bubble_ratio", "rollout/eta_gen", "rollout/tokens_per_s",
+              "rollout/useful_tokens_per_s")
+
+
+def deterministic_view(record: dict) -> dict:
+    """``record`` without its wall-clock scalars (``WALL_CLOCK``)."""
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK)}
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl (a line cut short by a kill is skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 class MetricsLogger:
@@ -27,21 +58,44 @@ class MetricsLogger:
         self.enabled, self.total, self.stream, self.time_limit_s = enabled, total_steps, stream, time_limit_s
         self.start = time.time()
         self.writer = None
+        self.run_dir = Path(run_dir)
+        self.jsonl = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run from its checkpoint at ``step``: drop later metrics.jsonl lines and TB events."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        from megarl.checkpoint.run import write_atomic
+
+        self.jsonl.close()
+        path = self.run_dir / "metrics.jsonl"
+        kept = [r for r in read_metrics(path) if r["step"] <= step and not r.get("final")]
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        self.jsonl = open(path, "a")
+        self.writer.close()  # TensorBoard hides the dropped steps' events on purge_step
+        self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=step + 1)
 
     def reset_clock(self) -> None:
         """Start the ETA clock now (call when the stepped phase begins)."""
         self.start = time.time()
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
+    def scalars(self, step: int, values: dict[str, float], final: bool = False) -> None:
         if self.writer is None:
             return
         for name, value in values.items():
             self.writer.add_scalar(name, float(value), step)
         self.writer.flush()
+        record = {"step": step, **{k: float(v) for k, v in values.items()}, **({"final": True} if final else {})}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        os.fsync(self.jsonl.fileno())
 
     def histogram(self, step: int, name: str, counts: dict[int, int]) -> None:
         """A TensorBoard histogram from value → count (e.g. staleness in versions → tokens)."""
@@ -67,6 +121,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.jsonl.close()
 
 
 def _fmt(seconds: float) -> str:

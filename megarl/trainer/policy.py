@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megarl.checkpoint.faults import injected, kill_point, nonfinite
 from megarl.config.schema import OptimConfig
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
@@ -92,6 +93,7 @@ class PolicyTrainer:
             m.config.no_sync_func = [c.no_sync for c in self.chunks] if ps.vpp > 1 else self.chunks[0].no_sync
             m.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = None
+        self.last_nonfinite = ""  # what was non-finite in a skipped step ('loss', 'gradient'); cleared by the loop
         if not trainable:
             for c in self.chunks:
                 for p in c.parameters():
@@ -221,7 +223,15 @@ class PolicyTrainer:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(batch, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        kill_point("optimizer_step")
+        grads = [b.grad_data for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
+        if injected("nan_grad") and grads:
+            grads[0][0] = float("nan")
+        bad = nonfinite([o["loss_sum"] for o in out], grads)
+        if bad:  # skip the step: weights and optimizer state stay as they are
+            self.last_nonfinite, ok, grad_norm = bad, False, float("nan")
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         metrics: dict[str, float] = {"grad_norm": float(grad_norm or 0.0), "skipped": float(not ok)}
         if out:
             metrics["loss"] = float(sum(o["loss_sum"] for o in out))

@@ -1,0 +1,34 @@
+# shellcheck shell=bash
+# Sourced by the example launch scripts: check the layout with `megarl plan`, then submit
+# slurm/train.sbatch with the same arguments. The caller sets NODES, GPUS_PER_NODE,
+# GPU_MEM_GIB, RUN_DIR, PLAN_MODEL (array), SBATCH_ARGS (array) and ARGS (array: the flags).
+#   PLAN_ONLY=1   print the plan and stop (nothing is submitted)
+#   PYTHON        the interpreter with megarl installed (default: python3)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+export PYTHON GPUS_PER_NODE
+
+submit() {
+    local status=0
+    "$PYTHON" -m megarl.cli plan --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" --gpu-mem-gib "$GPU_MEM_GIB" \
+        "${PLAN_MODEL[@]}" "${ARGS[@]}" || status=$?
+    if ((status != 0)); then
+        echo "megarl plan refused this layout (exit $status): nothing submitted" >&2
+        exit "$status"
+    fi
+    if [[ ${PLAN_ONLY:-0} == 1 ]]; then
+        return 0
+    fi
+    mkdir -p "$RUN_DIR/logs"
+    sbatch --parsable --nodes "$NODES" --output "$RUN_DIR/logs/%j.batch.log" "${SBATCH_ARGS[@]}" \
+        "$ROOT/slurm/train.sbatch" "${ARGS[@]}"
+}
+
+# The model's shape for the plan: the checkpoint's config.json if it is there, else the shape file.
+plan_model() {
+    if [[ -f $1/config.json ]]; then
+        PLAN_MODEL=(--model "$1")
+    else
+        PLAN_MODEL=(--model "$2")
+    fi
+}

@@ -1,0 +1,127 @@
+"""Faults a run survives: preemption signals, non-finite steps, engine errors; and the test hooks that cause them.
+
+- **Preemption**: SIGTERM and SIGUSR1 (what Slurm sends before it kills or requeues a job) set a
+  flag; the loop checks it at the next safe point (between steps, every rank agreeing through one
+  all-reduce), saves a run checkpoint and exits 0.
+- **Non-finite steps**: ``PolicyTrainer.train_step`` skips the optimizer step when the loss or a
+  gradient is not finite (weights and Adam state untouched); ``BadSteps`` counts them and stops the
+  run after ``train.max_bad_steps`` in a row, naming the step and what was non-finite.
+- **Engine errors**: see ``megarl/checkpoint/recovery.py``.
+
+Test hooks (environment variables, read once per process; nothing happens when they are unset):
+
+- ``MEGARL_TEST_KILL=POINT@STEP[:N]`` — SIGKILL this process at the N-th (default 1st) time the
+  named point is reached during RL step STEP (1-based). Points: ``engine_step`` (generation),
+  ``optimizer_step`` (inside ``train_step``, before the optimizer), ``checkpoint_write`` (after the
+  model files of a run checkpoint, before its manifest).
+- ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
+  gradient) or ``engine_error`` (the engine raises on its 3rd step) during RL step STEP.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+_step = 0  # the RL step being run (1-based), for the test hooks
+_seen: collections.Counter = collections.Counter()
+
+
+def set_step(step: int) -> None:
+    """Tell the hooks which RL step (1-based) is running."""
+    global _step
+    _step = step
+
+
+def _parse(var: str) -> list[tuple[str, int, int]]:
+    out = []
+    for part in filter(None, os.environ.get(var, "").split(",")):
+        point, _, rest = part.partition("@")
+        step, _, nth = rest.partition(":")
+        out.append((point, int(step), int(nth or 1)))
+    return out
+
+
+def kill_point(point: str) -> None:
+    """SIGKILL this process here when ``MEGARL_TEST_KILL`` names this point and step (a test hook)."""
+    for name, step, nth in _parse("MEGARL_TEST_KILL"):
+        if name == point and step == _step:
+            _seen[(point, step)] += 1
+            if _seen[(point, step)] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def injected(kind: str, nth: int = 1) -> bool:
+    """True (once) when ``MEGARL_TEST_FAULT`` asks for this fault in this step (a test hook)."""
+    for name, step, _ in _parse("MEGARL_TEST_FAULT"):
+        if name == kind and step == _step:
+            _seen[(kind, step)] += 1
+            return _seen[(kind, step)] == nth
+    return False
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 → ``requested``; ``due()`` is the same answer on every rank."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: str = ""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def due(self) -> bool:
+        """Whether any rank got a signal (an all-reduce: call it on every rank at the same point)."""
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:
+    """'' when the loss and every gradient are finite on every rank, else 'loss', 'gradient' or both.
+
+    Each rank holds a part of the model (TP/PP/EP) and the loss lives on the last stage: the
+    verdict is all-reduced so that every rank skips the same step.
+    """
+    loss_bad = any(not torch.isfinite(torch.as_tensor(x)).all() for x in loss_sums)
+    grad_bad = any(not torch.isfinite(g).all() for g in grad_buffers)
+    flags = torch.tensor([float(loss_bad), float(grad_bad)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
+
+
+class BadSteps:
+    """Counts RL steps whose optimizer step was skipped for a non-finite loss or gradient."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row, self.total = limit, 0, 0
+
+    def update(self, step: int, learners) -> str:
+        """After RL step ``step``: the reason to stop the run ('' to go on)."""
+        what = [f"{name} {t.last_nonfinite}" for name, t in learners if t is not None and t.last_nonfinite]
+        if not what:
+            self.in_a_row = 0
+            return ""
+        self.in_a_row += 1
+        self.total += 1
+        print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
+              f"({self.in_a_row} in a row)", flush=True)
+        if self.limit and self.in_a_row >= self.limit:
+            return (f"step {step}: {self.in_a_row} steps in a row with a non-finite {', '.join(what)} "
+                    f"(train.max_bad_steps={self.limit}); stopping")
+        return ""
+
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row, self.total = state["in_a_row"], state["total"]

@@ -1,0 +1,165 @@
+"""What the loop calls to survive: resume, save, preemption, non-finite steps, engine errors.
+
+    keeper = RunKeeper(session)
+    start = keeper.resume()            # steps already done (0: a fresh run)
+    for step in range(start, steps):
+        metrics = rl_step(s, step, keeper)  # generation goes through keeper.run_phase
+        metrics.update(keeper.fault_metrics(step + 1))
+        log(metrics)
+        if keeper.end_of_step(step + 1):    # saves every train.save_every steps, or when stopping
+            break
+    keeper.finish(steps)               # the final checkpoint
+
+Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
+mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
+the prompts drawn during the failed phase are re-queued, the engine is restarted and given the
+trainer's current weights, and the phase runs again. After ``engine.max_restarts`` restarts the
+run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
+step (milliseconds for the tiny runs; it grows with the partial buffer).
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import torch.distributed as dist
+
+from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
+from megarl.checkpoint.faults import BadSteps, Preemption, set_step
+from megarl.checkpoint.run import RunCheckpoints, resolve_resume
+from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+
+
+def make_deterministic() -> None:
+    """``train.deterministic``: deterministic torch kernels (cuBLAS workspace, no atomics-based
+    reductions) on GPU; call before anything runs a kernel. On CPU the run is already repeatable."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class StopRun(Exception):
+    """The run cannot go on (too many engine restarts); the loop saves a checkpoint and stops."""
+
+
+class RunKeeper:
+    def __init__(self, s) -> None:
+        self.s, self.cfg = s, s.cfg
+        t = s.cfg.train
+        self.say = print if s.is_main else (lambda *a, **k: None)
+        if not isinstance(s.controller.next_prompt, IndexedSource):
+            s.controller.next_prompt = IndexedSource(s.controller.next_prompt)
+        self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
+        self.preemption = Preemption()
+        self.bad = BadSteps(t.max_bad_steps)
+        self.restarts = 0
+        self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, ...
+        self.stopped = ""  # why the run stopped early ('' while it goes on)
+        self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
+        self.saved_at = -1
+
+    def learners(self) -> list[tuple[str, object]]:
+        lr = self.s.learners
+        return [(n, t) for n, t in (("policy", lr.policy), ("critic", lr.critic), ("reference", lr.reference))
+                if t is not None]
+
+    # ---- resume / save ----------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the checkpoint ``train.resume`` names (see ``resolve_resume``); the steps it had done."""
+        t = self.cfg.train
+        path = resolve_resume(t.resume, t.run_dir, t.keep_checkpoints)
+        if path is None:
+            return 0
+        for name, learner in self.learners():
+            load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
+        state = read_state(path)
+        apply(self.s, state)
+        self.run = state["run"]
+        self.bad.load_state_dict(self.run.get("bad_steps", {"in_a_row": 0, "total": 0}))
+        self.restarts = self.run.get("engine_restarts", 0)
+        self.s.engine.update_weights(self.s.trainer.hf_weights())
+        step = state["step"]
+        self.s.logger.resume_at(step)
+        self.saved_at = step
+        live = self.s.controller.state_dict()
+        self.say(f"resumed from {path} at step {step}: {len(live['live'])} groups in the rollout buffer "
+                 f"(digest {buffer_digest(live)}), {len(live['requeued'])} re-queued")
+        return step
+
+    def save(self, step: int) -> None:
+        """A run checkpoint of ``step`` done steps (every rank calls it)."""
+        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts)
+
+        def write(tmp):
+            for name, learner in self.learners():
+                save_checkpoint(learner, tmp / name)
+            write_state(tmp, capture(self.s, step, self.run) if dist.get_rank() == 0 else None)
+
+        path = self.ckpts.save(step, write)
+        self.saved_at = step
+        self.say(f"checkpoint {path}")
+
+    # ---- the loop's calls -------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        set_step(step + 1)
+
+    def fault_metrics(self, step: int) -> dict[str, float]:
+        """After RL step ``step`` (1-based): count a non-finite step (and decide to stop), ``faults/*``."""
+        reason = self.bad.update(step, self.learners())
+        for _, learner in self.learners():
+            learner.last_nonfinite = ""
+        if reason:
+            self.stopped, self.error = reason, True
+        return {"faults/nonfinite_steps": float(self.bad.total), "faults/engine_restarts": float(self.restarts)}
+
+    def end_of_step(self, step: int) -> bool:
+        """Save when due, preempted or stopping; True when the loop must stop."""
+        every = self.cfg.train.save_every
+        if self.preemption.due() and not self.stopped:
+            self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
+        if self.stopped or (every and step % every == 0):
+            self.save(step)
+        if self.stopped:
+            self.say(f"step {step}: {self.stopped}; checkpoint saved, stopping")
+        return bool(self.stopped)
+
+    def stop(self, step: int, reason: str) -> None:
+        """Stop now (``StopRun``): save the state of ``step`` done steps."""
+        self.stopped, self.error = reason, True
+        self.save(step)
+        self.say(f"step {step}: {reason}; checkpoint saved, stopping")
+
+    def finish(self, step: int) -> None:
+        """The checkpoint at the end of the run (unless this step was just saved)."""
+        if self.saved_at != step:
+            self.save(step)
+
+    # ---- engine errors ----------------------------------------------------------------------
+    def run_phase(self, version: int):
+        """``controller.run_phase``, surviving engine errors (see the module docstring)."""
+        c = self.s.controller
+        while True:
+            snapshot = pickle.dumps(c.state_dict())
+            c.next_prompt.mark()
+            try:
+                return c.run_phase(version=version)
+            except Exception as exc:  # the engine failed mid-phase
+                drawn = list(c.next_prompt.recent)
+                c.load_state_dict(pickle.loads(snapshot))
+                c.requeued.extend((item, 0) for item in drawn)
+                self.restarts += 1
+                where = traceback.format_exception_only(exc)[-1].strip()
+                print(f"rank {dist.get_rank()} step {version + 1}: engine error mid-phase ({where}); "
+                      f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued; "
+                      f"restart {self.restarts}/{self.cfg.engine.max_restarts}", flush=True)
+                if self.restarts > self.cfg.engine.max_restarts:
+                    raise StopRun(f"engine failed {self.restarts} times (engine.max_restarts="
+                                  f"{self.cfg.engine.max_restarts}); last: {where}") from exc
+                self.s.engine.restart()
+                for engine in c.engines:
+                    engine.reset()
+                self.s.engine.update_weights(self.s.trainer.hf_weights())

@@ -1,0 +1,189 @@
+"""Run checkpoints on disk: atomic, versioned, verified, pruned.
+
+Layout (``megarl eval --checkpoint`` reads ``latest`` → ``step_N/policy/``)::
+
+    run_dir/checkpoints/
+        latest                    'step_000120' — written last (temporary name, fsync, rename)
+        step_000120/
+            policy/  critic/  reference/   megatron dist checkpoints (model + optimizer, dist.py)
+            state.pkl             the run's state (rank 0): step, controller with its partial buffer,
+                                  data cursor, rewards, trackers, fault counters (see session_state.py)
+            rng/rank_00000.pt     each rank's RNG states (python, torch, megatron's tracker)
+            manifest.json         size of every file above, sha256 of those ≤ 64 MiB — written last
+
+A step directory is written as ``step_000120.tmp``, every file fsynced, the manifest written, then
+renamed; only then does ``latest`` move. A crash at any point leaves the previous checkpoint and
+``latest`` intact (a stale ``*.tmp`` is removed by the next save). On resume the newest checkpoint
+is verified against its manifest; a missing manifest or a file of the wrong size or hash makes it
+unusable, and the previous one is used with a warning that names the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megarl.checkpoint.faults import kill_point
+
+HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weights of big models) checked by size
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or its old content, never a part: temporary name, fsync, rename, fsync dir."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json")
+
+
+def write_manifest(root: Path) -> None:
+    """fsync every file under ``root``, then record sizes (and small files' hashes) in manifest.json."""
+    entries = {}
+    for p in _files(root):
+        _fsync(p)
+        size = p.stat().st_size
+        entries[str(p.relative_to(root))] = {"size": size, **({"sha256": _sha256(p)} if size <= HASH_LIMIT else {})}
+    for d in sorted({p.parent for p in _files(root)} | {root}):
+        _fsync(d)
+    write_atomic(root / "manifest.json", json.dumps({"files": entries}, indent=1).encode())
+
+
+def verify(root: Path) -> str:
+    """'' when ``root`` matches its manifest, else what is wrong with it."""
+    manifest = root / "manifest.json"
+    if not manifest.is_file():
+        return f"{manifest} is missing (the save did not finish)"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"{manifest} is unreadable ({exc})"
+    for rel, want in entries.items():
+        p = root / rel
+        if not p.is_file():
+            return f"{p} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return f"{p} has {size} bytes, the manifest says {want['size']} (truncated?)"
+        if "sha256" in want and _sha256(p) != want["sha256"]:
+            return f"{p} does not match its sha256 in the manifest (corrupted)"
+    return ""
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory: save (all ranks), find the one to resume, prune."""
+
+    def __init__(self, run_dir: str | Path, keep: int = 2) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        """Steps of the complete-looking (renamed) checkpoints, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = (_STEP.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+    def save(self, step: int, write) -> Path:
+        """Write checkpoint ``step``: ``write(tmp_dir)`` fills it on every rank; rank 0 seals and publishes it."""
+        rank = dist.get_rank()
+        final = self.root / step_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("*.tmp"):  # a save that died half-way
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            tmp.mkdir()
+        dist.barrier()
+        write(tmp)
+        dist.barrier()
+        kill_point("checkpoint_write")
+        if rank == 0:
+            write_manifest(tmp)
+            if final.exists():  # the same step saved again (a resumed run that ends where it resumed)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync(self.root)
+            write_atomic(self.root / "latest", (final.name + "\n").encode())
+            self._prune(step)
+        dist.barrier()
+        return final
+
+    def _prune(self, newest: int) -> None:
+        for old in self.steps()[self.keep:]:
+            if old != newest:
+                shutil.rmtree(self.root / step_name(old), ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that verifies (rank 0 only), warning about each newer one that does not."""
+        named = []
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            m = _STEP.match(pointer.read_text().strip())
+            if m:
+                named = [int(m.group(1))]
+        for step in named + [s for s in self.steps() if s not in named]:
+            path = self.root / step_name(step)
+            problem = verify(path) if path.is_dir() else f"{path} does not exist ('latest' names it)"
+            if not problem:
+                return path
+            warnings.warn(f"checkpoint {path} is unusable: {problem}; trying the previous one", stacklevel=2)
+            print(f"warning: checkpoint {path} is unusable: {problem}; trying the previous one", flush=True)
+        return None
+
+
+def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:
+    """The checkpoint this run continues from (every rank gets rank 0's answer), or None to start fresh.
+
+    ``resume``: 'never' → None; 'auto' → the newest good one in ``run_dir`` (None when there is none);
+    a path → that checkpoint, which must verify.
+    """
+    answer: list = [None, ""]  # (path, error): rank 0 decides, every rank raises the same error
+    if dist.get_rank() == 0:
+        if resume == "auto":
+            ckpts = RunCheckpoints(run_dir, keep)
+            answer[0] = ckpts.latest()
+            if answer[0] is None and ckpts.steps():
+                answer[1] = (f"train.resume=auto: no checkpoint in {ckpts.root} verifies (see the warnings); "
+                             "remove them or set train.resume=never to start fresh")
+        elif resume != "never":
+            problem = verify(Path(resume))
+            answer = [None, f"train.resume={resume}: {problem}"] if problem else [Path(resume), ""]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise RuntimeError(answer[1])
+    return None if answer[0] is None else Path(answer[0])

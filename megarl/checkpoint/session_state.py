@@ -1,0 +1,167 @@
+"""Everything besides weights that a run needs to continue as if never stopped, and where it comes from.
+
+``state.pkl`` (rank 0; the controller and the data are the same on every rank):
+
+- ``step``: RL steps done (also the TensorBoard / metrics.jsonl step); the LR schedule is a
+  function of it (``lr_at``), the LR is kept for reference;
+- ``controller``: the SortedRL controller's ``state_dict`` — live groups with their samples
+  (tokens, per-token behaviour logprobs and policy versions, statuses), re-queued prompts, the
+  per-prompt length cache, released prompt indices;
+- ``source``: prompts drawn so far (``IndexedSource``) and the source's own ``state_dict`` when
+  it has one; ``stateful``: the data cursor of the task stream, the curriculum's pass-rate
+  tracker and RNG, the reward runner's counters — each through its ``state_dict`` or, for
+  today's classes without one, the fields listed in ``_FIELDS``;
+- ``run``: the pass@1 before RL, fault counters.
+
+``rng/rank_NNNNN.pt`` (every rank): python's, torch's and megatron's tracker RNG states. A run
+resumed at another world size takes rank ``r``'s file, or rank ``r mod saved`` when it has none.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Objects of today's classes without a state_dict: the attributes that are their state.
+_FIELDS = {
+    "PassRateTracker": ("passed", "seen"),
+    "RewardRunner": ("errors", "timeouts"),
+}
+
+
+def state_of(obj) -> object:
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    name = type(obj).__name__
+    if name == "AdditionTask":
+        return {"cursor": obj.cursor}
+    if name == "CurriculumSource":
+        return {"rng": obj.rng.getstate()}
+    if name in _FIELDS:
+        return {k: getattr(obj, k) for k in _FIELDS[name]}
+    raise TypeError(f"cannot checkpoint a {name}: give it state_dict()/load_state_dict()")
+
+
+def restore(obj, state) -> None:
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif type(obj).__name__ == "AdditionTask":
+        obj.skip_to(state["cursor"])
+    elif type(obj).__name__ == "CurriculumSource":
+        obj.rng.setstate(state["rng"])
+    else:
+        for k, v in state.items():
+            setattr(obj, k, v)
+
+
+class IndexedSource:
+    """The controller's prompt source, numbered and counted here so a resumed run goes on where it was.
+
+    Prompt indices are the draw count (as today's sources number them); ``recent`` keeps the items
+    drawn since ``mark()`` (engine-fault recovery re-queues them). A source with ``state_dict`` is
+    restored through it; one without is replayed ``drawn`` times from its seed (the objects whose
+    state the draws depend on — task stream, curriculum — are restored after the replay).
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner, self.drawn, self.recent = inner, 0, []
+
+    def __call__(self):
+        item = self.inner()
+        if item is None:
+            return None
+        item.index = self.drawn
+        self.drawn += 1
+        self.recent.append(item)
+        return item
+
+    def mark(self) -> None:
+        self.recent = []
+
+    def state_dict(self) -> dict:
+        own = self.inner.state_dict() if hasattr(self.inner, "state_dict") else None
+        return {"drawn": self.drawn, "inner": own}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["inner"] is not None:
+            self.inner.load_state_dict(state["inner"])
+        else:
+            for _ in range(state["drawn"]):
+                self.inner()
+        self.drawn, self.recent = state["drawn"], []
+
+
+def capture(s, step: int, run: dict) -> dict:
+    """The run's state after ``step`` RL steps (rank 0 writes it)."""
+    return {
+        "step": step,
+        "lr": s.trainer.optimizer.param_groups[0]["lr"],
+        "controller": s.controller.state_dict(),
+        "source": s.controller.next_prompt.state_dict(),
+        "stateful": {name: state_of(obj) for name, obj in stateful(s).items()},
+        "run": dict(run),
+    }
+
+
+def stateful(s) -> dict:
+    """The session's objects whose state a checkpoint keeps, besides controller and source."""
+    out = {"task": s.task, "rewards": s.rewards}
+    out.update(getattr(s, "stateful", {}) or {})
+    return out
+
+
+def apply(s, state: dict) -> None:
+    """Put a captured state back into a freshly built session (source replay first, then the rest)."""
+    s.controller.next_prompt.load_state_dict(state["source"])
+    s.controller.load_state_dict(state["controller"])
+    objs = stateful(s)
+    for name, value in state["stateful"].items():
+        if name in objs:
+            restore(objs[name], value)
+
+
+def buffer_digest(controller_state: dict) -> str:
+    """A short hash of the partial buffer (live groups: indices, tokens, behaviour logprobs, versions,
+    statuses), independent of dict order; a resumed run prints it so tests can compare it to the saved one."""
+    import hashlib
+
+    rows = sorted((i, j, tuple(x.response_ids), tuple(x.logprobs), tuple(x.versions), x.status.value)
+                  for i, (_, samples, *_rest) in controller_state["live"].items() for j, x in enumerate(samples))
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def write_state(root: Path, state: dict | None) -> None:
+    """Every rank: its RNG file; rank 0 also ``state.pkl``."""
+    rank = dist.get_rank()
+    (root / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), root / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        (root / "state.pkl").write_bytes(pickle.dumps(state))
+
+
+def read_state(root: Path) -> dict:
+    """``state.pkl``, and this rank's RNG states put back."""
+    rank = dist.get_rank()
+    files = sorted((root / "rng").glob("rank_*.pt"))
+    mine = root / "rng" / f"rank_{rank:05d}.pt"
+    set_rng_state(torch.load(mine if mine.is_file() else files[rank % len(files)], weights_only=False))
+    return pickle.loads((root / "state.pkl").read_bytes())

@@ -1,0 +1,360 @@
+"""``megarl plan``: parameter counts from an HF config alone, memory per GPU of a layout, a proposal.
+
+    megarl plan --model Qwen/Qwen3-30B-A3B --nodes 2 --gpus-per-node 8 [--gpu-mem-gib 80]
+                [--config FILE] [key=value ...] [--json]
+
+Parameters (from ``config.json``; no weights): embedding (+ the output head unless tied),
+per layer attention (q, k, v, o with Qwen2's qkv biases, Qwen3's q/k norms) and two norms,
+and either a dense SwiGLU MLP (3·h·f) or an MoE block: router (h·E), E routed experts
+(3·h·f_e each, ``topk`` of them active), a shared expert and its gate (Qwen2-MoE).
+``mlp_only_layers`` / ``decoder_sparse_step`` make layers dense.
+
+Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engine:
+
+- weights P·w, gradients P·4 (fp32 main grads), optimizer state (fp32: Adam m, v = 8 B;
+  bf16: + fp32 main weights = 12 B), divided by DP under the distributed optimizer (expert
+  parameters by the expert data-parallel size). P = this rank's parameters:
+  (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP.
+- activations (no recompute; megarl's trainer does not recompute): per layer and token,
+  w·(2h + 2·q + 2·kv) for attention, w·(h + 3f) for a dense MLP and
+  w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
+  norms' 3h stay whole), times
+  micro_batch_size · max_model_len tokens, times all layers (1F1B keeps PP microbatches of
+  L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
+- logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
+- vLLM: all weights · w / engine TP; KV cache 2·L·kv_heads_per_rank·head_dim·w per token for
+  min(slots, rollout sequences) × max_model_len tokens. Plus 2 GiB runtime overhead.
+
+Precision ``fp32`` is what megarl's trainer and engine build today (w = 4); ``bf16`` models
+megatron's mixed precision (w = 2). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.schema import RunConfig
+from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, is_moe_layer, num_experts
+
+GIB = 1024**3
+OVERHEAD_GIB = 2.0
+"""CUDA context, NCCL buffers and allocator slack per GPU."""
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
+LAYOUT_KEYS = {*(f"parallel.{k}" for k in ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")),
+               "engine.tensor_parallel_size"}
+"""Setting any of these (file or command line) means: check this layout; none: propose one."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of a model by where they are sharded."""
+
+    embedding: int
+    head: int
+    attention: int
+    """All layers' attention blocks and layer norms (+ the final norm)."""
+    dense: int
+    """Dense MLPs, routers, shared experts and their gates (split by TP)."""
+    experts: int
+    """Routed experts of all layers (split by EP × ETP)."""
+    experts_active: int
+    """Routed experts a token passes through (topk per MoE layer)."""
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.head + self.attention + self.dense + self.experts
+
+    @property
+    def active(self) -> int:
+        return self.total - self.experts + self.experts_active
+
+
+def _head_dim(hf: dict) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def count_params(hf: dict) -> Counts:
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    q, kv = hf["num_attention_heads"] * _head_dim(hf), hf["num_key_value_heads"] * _head_dim(hf)
+    attn = 2 * h * q + 2 * h * kv + 2 * h  # q, o; k, v; two norms
+    if hf.get("model_type") == "qwen2" or hf.get("attention_bias"):
+        attn += q + 2 * kv
+    if hf.get("model_type") in ("qwen3", "qwen3_moe"):
+        attn += 2 * _head_dim(hf)  # q_norm, k_norm
+    experts, topk = num_experts(hf), int(hf.get("num_experts_per_tok") or 0)
+    f_expert = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    f_shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    dense = routed = active = 0
+    for layer in range(layers):
+        if is_moe_layer(hf, layer):
+            dense += h * experts + (3 * h * f_shared + h if f_shared else 0)
+            routed += experts * 3 * h * f_expert
+            active += topk * 3 * h * f_expert
+        else:
+            dense += 3 * h * hf["intermediate_size"]
+    embedding = hf["vocab_size"] * h
+    head = 0 if hf.get("tie_word_embeddings") else embedding
+    return Counts(embedding, head, attn * layers + h, dense, routed, active)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    engine_tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` settings that select this layout in ``megarl train``."""
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
+                f"parallel.ep={self.ep}", f"parallel.etp={self.etp}",
+                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+                f"engine.tensor_parallel_size={self.engine_tp}"]
+
+
+def layout_of(cfg: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
+    p = cfg.parallel
+    return Layout(nodes, gpus_per_node, p.tp, p.pp, p.vpp, p.ep, p.etp or p.tp, p.sequence_parallel,
+                  cfg.engine.tensor_parallel_size)
+
+
+def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
+    par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp,
+                  sequence_parallel=lay.sequence_parallel)
+    return replace(cfg, parallel=par, engine=replace(cfg.engine, tensor_parallel_size=lay.engine_tp))
+
+
+def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int) -> None:
+    """``validate`` on the job's world size plus what only the job's shape can tell; ConfigError names the key."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    validate(cfg, nodes * gpus_per_node, hf)
+    tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
+    if gpus_per_node % tp:
+        valid = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
+        raise ConfigError(f"parallel.tp={tp} must divide the GPUs per node ({gpus_per_node}) so that a TP group "
+                          f"stays inside a node; valid: {valid}")
+    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    if heads % etp or (kv % etp and etp % kv):
+        raise ConfigError(f"engine.tensor_parallel_size={etp} must divide the attention heads ({heads}) and "
+                          f"divide or be a multiple of the KV heads ({kv}) (vLLM's rule)")
+
+
+def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
+    """Memory per GPU in GiB, by part (see the module docstring for each formula)."""
+    w = WEIGHT_BYTES[precision]
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    emb = counts.embedding + counts.head if lay.pp == 1 else max(counts.embedding, counts.head)
+    shared = (counts.attention + counts.dense) / (lay.tp * lay.pp) + emb / lay.tp
+    expert = counts.experts / (lay.pp * lay.ep * lay.etp)
+    params = shared + expert
+    expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
+    opt_full = params * OPTIMIZER_BYTES[precision]
+    distributed = cfg.optim.distributed_optimizer and lay.dp > 1
+    opt = (shared / lay.dp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
+
+    q, kv = hf["num_attention_heads"] * _head_dim(hf), hf["num_key_value_heads"] * _head_dim(hf)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    f_e = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    f_s = int(hf.get("shared_expert_intermediate_size") or 0)
+    per_token = 0
+    for layer in range(layers):
+        per_token += 2 * h + 2 * q + 2 * kv
+        if is_moe_layer(hf, layer):
+            per_token += h + topk * (h + 3 * f_e) + (h + 3 * f_s if f_s else 0)
+        else:
+            per_token += h + 3 * hf["intermediate_size"]
+    # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
+    replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
+    tokens = cfg.optim.micro_batch_size * cfg.engine.max_model_len
+    inflight = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
+    act = ((per_token - replicated) / lay.tp + replicated) * tokens * w * inflight
+    act_recompute = layers * h * tokens * w / lay.tp * inflight
+    chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
+    logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
+
+    r = cfg.rollout
+    sequences = r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1)
+    concurrent = min(cfg.engine.slots, int(sequences))
+    kv_heads = -(-hf["num_key_value_heads"] // lay.engine_tp)
+    kv_cache = concurrent * cfg.engine.max_model_len * 2 * layers * kv_heads * _head_dim(hf) * w
+    parts = {
+        "weights": params * w / GIB,
+        "gradients": params * 4 / GIB,
+        "optimizer": opt / GIB,
+        "activations": act / GIB,
+        "logits": logits / GIB,
+        "engine_weights": counts.total * w / lay.engine_tp / GIB,
+        "kv_cache": kv_cache / GIB,
+        "overhead": OVERHEAD_GIB,
+    }
+    parts["total"] = sum(parts.values())
+    parts["optimizer_without_distributed"] = opt_full / GIB
+    parts["activations_full_recompute"] = act_recompute / GIB
+    parts["kv_cache_sequences"] = concurrent
+    return parts
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
+    """Layouts in order of preference: smallest TP·PP, then fewer stages, more experts split, smaller engine TP."""
+    world, experts = nodes * gpus_per_node, num_experts(hf)
+    out = []
+    for tp, pp, ep, etp_one, engine_tp in itertools.product(
+            _divisors(gpus_per_node), _divisors(hf["num_hidden_layers"]), _divisors(experts or 1),
+            (True, False), sorted({1, world})):
+        if world % (tp * pp):
+            continue
+        if etp_one and (tp == 1 or not experts):
+            continue
+        out.append(Layout(nodes, gpus_per_node, tp, pp, 1, ep, 1 if etp_one else tp, tp > 1, engine_tp))
+    out.sort(key=lambda x: (x.tp * x.pp, x.pp, -x.ep, x.etp, x.engine_tp))
+    return out
+
+
+def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+         propose: bool = False, precision: str = "fp32") -> dict:
+    """Counts, layout and memory: of the config's layout (ConfigError if impossible), or with
+    ``propose`` of the first valid layout that fits (else the one closest to fitting)."""
+    counts = count_params(hf)
+    if not propose:
+        lay = layout_of(cfg, nodes, gpus_per_node)
+        check_layout(cfg, hf, nodes, gpus_per_node)
+    else:
+        lay, best = None, None  # the first that fits; else the one closest to fitting
+        for cand in candidates(hf, nodes, gpus_per_node):
+            try:
+                check_layout(apply_layout(cfg, cand), hf, nodes, gpus_per_node)
+            except ConfigError:
+                continue
+            total = memory_gib(counts, hf, cfg, cand, precision)["total"]
+            if total <= gpu_mem_gib:
+                lay = cand
+                break
+            best = min(best or (total, cand), (total, cand), key=lambda x: x[0])
+        if lay is None and best is None:
+            check_layout(cfg, hf, nodes, gpus_per_node)  # nothing is valid: the configured layout's error
+            raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
+        lay = lay or best[1]
+    mem = memory_gib(counts, hf, cfg, lay, precision)
+    info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
+                                    "kv_cache_sequences")}
+    return {
+        "model_type": hf.get("model_type"), "params_total": counts.total, "params_active": counts.active,
+        "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
+                   "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
+                   "engine_replicas": lay.world // lay.engine_tp},
+        "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gib": gpu_mem_gib, "precision": precision,
+        "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
+        "overrides": lay.overrides(),
+    }
+
+
+def _explicit(config: str | None, overrides: list[str]) -> set[str]:
+    """Layout keys the user set, in the file or on the command line."""
+    import yaml
+
+    data = (yaml.safe_load(Path(config).read_text()) or {}) if config and Path(config).is_file() else {}
+    keys = {f"parallel.{k}" for k in (data.get("parallel") or {})}
+    if "tensor_parallel_size" in (data.get("engine") or {}):
+        keys.add("engine.tensor_parallel_size")
+    keys |= {o.split("=", 1)[0] for o in overrides}
+    return {k for k in keys if k in LAYOUT_KEYS}
+
+
+def read_model(path: str) -> dict:
+    """An HF config from a checkpoint directory or a ``config.json`` file."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--model {path}: no such config.json or checkpoint directory")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model {file}: not valid JSON ({exc})") from None
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"--model {file}: model_type {hf.get('model_type')!r} is not supported; "
+                          f"valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return hf
+
+
+ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
+        ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
+        ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
+
+
+def format_table(res: dict) -> str:
+    lay, mem = res["layout"], res["memory_gib_per_gpu"]
+    lines = [
+        f"model   {res['model_type']}: {res['params_total'] / 1e9:.2f} B parameters, "
+        f"{res['params_active'] / 1e9:.2f} B active per token",
+        f"job     {res['nodes']} nodes × {res['gpus_per_node']} GPUs of {res['gpu_mem_gib']:g} GiB, "
+        f"precision {res['precision']}",
+        f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · EP {lay['ep']} · ETP {lay['etp']} · "
+        f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
+        f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
+        f"{'   [proposed]' if res['proposed'] else ''}",
+        "memory per GPU (GiB)",
+    ]
+    notes = {"optimizer": f"without the distributed optimizer: {res['optimizer_without_distributed']:.2f}",
+             "activations": f"no recompute; full recompute: {res['activations_full_recompute']:.2f}",
+             "kv_cache": f"{res['kv_cache_sequences']} sequences at engine.max_model_len"}
+    for key, label in ROWS:
+        lines.append(f"  {label:<22}{mem[key]:>9.2f}   {notes.get(key, '')}".rstrip())
+    verdict = "fits" if res["fits"] else "DOES NOT FIT"
+    lines.append(f"  {'total':<22}{mem['total']:>9.2f}   of {res['gpu_mem_gib']:g} → {verdict}")
+    lines.append("settings  " + " ".join(res["overrides"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megarl plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF checkpoint directory or config.json (default: the config's model.path)")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    ap.add_argument("--precision", choices=sorted(WEIGHT_BYTES), default="fp32",
+                    help="fp32: what megarl builds today; bf16: megatron mixed precision")
+    ap.add_argument("--config", help="YAML config file")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides, as for megarl train")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.model:
+            hf = read_model(args.model)
+        else:
+            from megarl.cli import _model_config_for_validation
+
+            hf = _model_config_for_validation(cfg)
+        # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
+        propose = not _explicit(args.config, args.overrides)
+        res = plan(hf, cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megarl plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(res) if args.json else format_table(res))
+    return 0 if res["fits"] else 1

@@ -1,0 +1,261 @@
+"""Streaming, resharded weight sync: the trainer's Megatron shards → HF-named buckets → the engines.
+
+No rank ever holds the whole model. Each tensor is sent by one rank — the TP leader of the
+lowest group that holds it (pipeline stages and expert ranks own disjoint layers) — after an
+all-gather over its own TP group only; it is cast to the engine's dtype and re-laid out into
+HF tensors straight into a bucket (``megarl.native``: ``split_qkv`` / ``split_gate_up`` /
+``pack``), and the bucket is broadcast to every rank whose engine needs it (all of them, for
+colocated engines). Every rank yields the bucket's HF (name, view) pairs to its engine, bucket
+by bucket, layer by layer::
+
+    plan (once: names + shapes only, all_gather_object of metadata)
+      embedding │ layer 0 │ layer 1 │ … │ final norm, output layer     (sorted; a bucket never
+                                                                         spans two senders)
+    per bucket, on its sender                         on every rank
+      TP all-gather ─▶ split / cast into bucket ─▶ broadcast ─▶ (hf name, view) … ─▶ engine
+
+Peak extra memory on a rank: the bucket (``sync.bucket_mib``, or one tensor when larger) plus
+the largest gathered tensor — independent of the number of layers. The names and layouts come
+from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
+only move bytes, and the tests hold the result equal to ``export.gather_hf_weights``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarl import native
+from megarl.weight_sync.hf_adapter import head_layout, megatron_to_hf
+from megarl.weight_sync.sharding import LAYER_NAME, global_name, local_expert_name, tp_split_dim
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Megatron tensor of the plan: who sends it and which HF tensors it becomes."""
+
+    name: str  # global Megatron name
+    source: int  # global rank that sends it
+    shape: tuple[int, ...]  # full (TP-gathered) shape
+    hf: tuple[tuple[str, tuple[int, ...]], ...]  # HF (name, shape) pieces, in bucket order
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for _, s in self.hf)
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved; ``peak_extra_bytes`` tracks this module's own buffers (bucket + gather)."""
+
+    bytes: int = 0
+    buckets: int = 0
+    peak_extra_bytes: int = 0
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
+                "sync/peak_extra_mib": self.peak_extra_bytes / 2**20}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _order(entry_name: str, source: int) -> tuple:
+    """Embedding first, then layer by layer (one sender's tensors together), then the head."""
+    m = LAYER_NAME.match(entry_name)
+    if m is not None:
+        return (1, int(m.group(1)), source, entry_name)
+    return (0 if entry_name.startswith("embedding.") else 2, 0, source, entry_name)
+
+
+@dataclass
+class _Local:
+    param: torch.Tensor
+    group: object  # its TP (or expert-TP) group, None when unsplit
+    tp: int
+    dim: int | None
+
+
+@dataclass
+class StreamingSync:
+    """The plan of one trainer's weights and the iterator that streams them (``weights``)."""
+
+    modules: list[torch.nn.Module]
+    hf_cfg: dict
+    ps: object  # ParallelState
+    num_experts: int
+    bucket_bytes: int = 64 << 20
+    dtype: torch.dtype = torch.float32
+    stats: SyncStats = field(default_factory=SyncStats)
+    _plan: list[Entry] | None = None
+    _local: dict[str, _Local] = field(default_factory=dict)
+    _leader: dict[str, int] = field(default_factory=dict)
+    _device: torch.device = torch.device("cpu")  # where the trainer's weights (and so the buckets) live
+
+    def plan(self) -> list[Entry]:
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> list[Entry]:
+        from megatron.core import parallel_state as mpu
+
+        ps, layers = self.ps, self.hf_cfg["num_hidden_layers"]
+        mine = []
+        for vp, module in enumerate(self.modules):
+            coords = ps.coords(vp)
+            for local, p in module.named_parameters():
+                local = local_expert_name(local)
+                expert = ".experts." in local
+                tp = ps.etp if expert else ps.tp
+                dim = tp_split_dim(local) if tp > 1 else None
+                group = None
+                leader = ps.rank
+                if dim is not None:
+                    group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
+                    leader = dist.get_process_group_ranks(group)[0]
+                shape = list(p.shape)
+                if dim is not None:
+                    shape[dim] *= tp
+                name = global_name(local, layers, self.num_experts, coords)
+                self._device = p.device
+                self._local[name] = _Local(p, group, tp, dim)
+                self._leader[name] = leader
+                mine.append((name, leader, tuple(shape)))
+        every = [mine]
+        if ps.world_size > 1:
+            every = [None] * ps.world_size
+            dist.all_gather_object(every, mine)
+        best: dict[str, tuple[int, tuple]] = {}
+        for part in every:
+            for name, leader, shape in part:
+                if name not in best or leader < best[name][0]:
+                    best[name] = (leader, shape)
+        plan = []
+        for name, (source, shape) in best.items():
+            pieces = tuple((n, tuple(t.shape)) for n, t in megatron_to_hf([(name, torch.empty(shape, device="meta"))],
+                                                                            self.hf_cfg))
+            if pieces:  # e.g. a tied output layer has no HF tensor of its own
+                plan.append(Entry(name, source, shape, pieces))
+        plan.sort(key=lambda e: _order(e.name, e.source))
+        return plan
+
+    def buckets(self) -> list[list[Entry]]:
+        """Consecutive entries of one sender, up to ``bucket_bytes`` (a larger tensor alone)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        out: list[list[Entry]] = []
+        used = 0
+        for e in self.plan():
+            nbytes = e.numel * size
+            if not out or out[-1][0].source != e.source or used + nbytes > self.bucket_bytes:
+                out.append([])
+                used = 0
+            out[-1].append(e)
+            used += nbytes
+        return out
+
+    @torch.no_grad()
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF (name, tensor) pairs of the whole model, streamed bucket by bucket; fills ``stats``."""
+        start, self.stats = time.perf_counter(), SyncStats()
+        for bucket_entries in self.buckets():
+            total = sum(e.numel for e in bucket_entries)
+            bucket = torch.empty(total, dtype=self.dtype, device=self._device)
+            source = bucket_entries[0].source
+            offset = 0
+            for e in bucket_entries:
+                extra = self._fill(e, bucket[offset:offset + e.numel]) if e.name in self._local else 0
+                self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, bucket.nbytes + extra)
+                offset += e.numel
+            if self.ps.world_size > 1:
+                dist.broadcast(bucket, src=source)
+            self.stats.bytes += bucket.nbytes
+            self.stats.buckets += 1
+            offset = 0
+            for e in bucket_entries:
+                for name, shape in e.hf:
+                    n = _numel(shape)
+                    yield name, bucket[offset:offset + n].view(shape)
+                    offset += n
+            del bucket
+        self.stats.seconds = time.perf_counter() - start
+
+    def _fill(self, e: Entry, out: torch.Tensor) -> int:
+        """Write entry ``e``'s HF pieces into ``out`` (on its TP group; only the sender's copy is sent).
+
+        Returns the bytes of the temporary gather buffer."""
+        loc = self._local[e.name]
+        if self._leader[e.name] != e.source:
+            return 0  # another replica (data-parallel rank) sends it
+        t = loc.param.detach()
+        extra = 0
+        if loc.dim is not None:
+            gathered = torch.empty((loc.tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather(list(gathered.chunk(loc.tp, dim=0)), t.contiguous(), group=loc.group)
+            extra = gathered.nbytes
+            if dist.get_rank() != e.source:
+                return extra  # a TP peer of the sender: it only helped gather
+            if loc.dim == 1:  # shards side by side: [tp, rows, cols/tp] → [rows, tp, cols/tp]
+                rows = t.shape[0]
+                out.view(rows, loc.tp, -1).copy_(gathered.view(loc.tp, rows, -1).transpose(0, 1))
+                return extra
+            t = gathered
+        views = [out[o:o + _numel(s)].view(s) for o, s in zip(_offsets(e.hf), (s for _, s in e.hf))]
+        if e.name.endswith(("linear_qkv.weight", "linear_qkv.bias")) and len(views) == 3:
+            native.split_qkv(t, head_layout(self.hf_cfg)[1], *views)
+        elif e.name.endswith("linear_fc1.weight") and len(views) == 2:
+            native.split_gate_up(t, loc.tp if loc.dim is not None else 1, *views)
+        elif len(views) == 1:
+            native.pack([t], out)
+        else:  # a layout without a kernel: the adapter's own views, copied with a cast
+            for view, (_, piece) in zip(views, megatron_to_hf([(e.name, t)], self.hf_cfg)):
+                view.copy_(piece)
+        return extra
+
+
+def _offsets(pieces) -> list[int]:
+    out, o = [], 0
+    for _, shape in pieces:
+        out.append(o)
+        o += _numel(shape)
+    return out
+
+
+_SYNCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_dtype(engine) -> torch.dtype:
+    """The dtype the engine's weights are in (vLLM's model config), float32 when it does not say."""
+    llm = getattr(engine, "llm", None)
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def streaming_sync(trainer, engine, bucket_mib: float) -> StreamingSync:
+    """The (cached) streaming sync of ``trainer``'s weights for ``engine``."""
+    from megarl.models.hf_config import num_experts
+
+    sync = _SYNCS.get(trainer)
+    if sync is None:
+        sync = StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg),
+                             int(bucket_mib * 2**20), engine_dtype(engine))
+        _SYNCS[trainer] = sync
+    return sync
+
+
+def sync_engine(engine, trainer, bucket_mib: float) -> dict[str, float]:
+    """Stream the trainer's weights into the engine; returns the sync's metrics."""
+    sync = streaming_sync(trainer, engine, bucket_mib)
+    start = time.perf_counter()
+    engine.update_weights(sync.weights())
+    return {"timing/sync_s": time.perf_counter() - start, **sync.stats.metrics()}

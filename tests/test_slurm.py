@@ -1,0 +1,145 @@
+"""slurm/train.sbatch on a real two-node Slurm (tests/slurm_cluster.sh: Debian's slurm-wlm and munge as
+plain processes on this machine): the tiny config across 2 nodes × 1 task through examples/tiny_cpu.sh,
+and a job signalled mid-run that checkpoints, requeues itself and resumes where it stopped."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0,
+    reason="missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = tmp_path_factory.mktemp("slurm")
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    proc = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        yield {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    finally:
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+
+
+def job_field(env, job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env).stdout
+    for item in out.split():
+        if item.startswith(field + "="):
+            return item.split("=", 1)[1]
+    return ""
+
+
+def wait_for(env, job: str, timeout: float, until=None) -> str:
+    """Poll the job (squeue/scontrol; `sbatch --wait` polls coarsely) until it ends or ``until()`` holds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        state = job_field(env, job, "JobState")
+        if state in DONE or (until is not None and until()):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=env)
+    raise AssertionError(f"job {job} still {state} after {timeout} s")
+
+
+def submit_tiny(env, run_dir, *overrides) -> str:
+    proc = subprocess.run(["bash", "examples/tiny_cpu.sh", *overrides], capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "NODES": "2", "RUN_DIR": str(run_dir)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "→ fits" in proc.stdout  # the example ran `megarl plan` before submitting
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def logs(run_dir, job: str, restart: int) -> list[str]:
+    return [(run_dir / "logs" / f"{job}.{restart}.node{n}.log").read_text() for n in (0, 1)]
+
+
+def steps_logged(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if line.strip() and not json.loads(line).get("final")]
+
+
+def test_two_node_job_of_the_tiny_config_completes_and_writes_metrics(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit_tiny(slurm, run_dir)
+    state = wait_for(slurm, job, 600)
+    batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+    node0, node1 = logs(run_dir, job, 0)
+    assert state == "COMPLETED", batch + node0[-3000:] + node1[-3000:]
+    assert job_field(slurm, job, "NodeList") == "n[1-2]" and job_field(slurm, job, "ExitCode") == "0:0"
+    both = node0 + node1
+    assert "2 processes started by torchrun" in both  # one rank 0, rendezvous across the two nodes
+    assert "step 4/4 |" in both and "eval after RL: pass@1" in both
+    assert "[default0]:" in node0 and "[default0]:" in node1  # every node's rank wrote its own log
+    assert len(list((run_dir / "logs" / f"{job}.0").rglob("stdout.log"))) == 2  # and torchrun's per-rank files
+    assert steps_logged(run_dir) == [0, 1, 2, 3, 4]
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 40  # ~0.3 s each: the signal lands mid-run
+    job = submit_tiny(slurm, run_dir, f"train.steps={steps}", "train.save_every=100")
+    # Once a step or two is logged, send what Slurm sends before a time limit (--signal=B:USR1@120).
+    wait_for(slurm, job, 600, until=lambda: len(steps_logged(run_dir)) >= 3)
+    assert job_field(slurm, job, "JobState") == "RUNNING", "the job ended before it could be signalled"
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
+    wait_for(slurm, job, 120, until=lambda: job_field(slurm, job, "Restarts") == "1")
+    state = wait_for(slurm, job, 600)
+    batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+    first, second = "".join(logs(run_dir, job, 0)), "".join(logs(run_dir, job, 1))
+    assert state == "COMPLETED", batch + second[-4000:]
+    assert "SIGUSR1" in batch and f"requeueing job {job}" in batch and "restart 1" in batch
+    assert "checkpoint saved, stopping" in first and f"step {steps}/{steps} |" not in first
+    stopped_at = int(first.split("checkpoint saved, stopping")[0].rsplit("step ", 1)[1].split(":")[0])
+    assert f"at step {stopped_at}" in second and "resumed from" in second  # the requeued job resumed
+    assert f"step {steps}/{steps} |" in second and f"step {stopped_at}/{steps} |" not in second  # continued
+    assert f"step {stopped_at + 1}/{steps} |" in second
+    assert steps_logged(run_dir) == list(range(0, steps + 1))  # one line per step, as if never stopped
+
+
+@pytest.mark.slow
+def test_mpi_sbatch_runs_ranks_started_by_srun_pmix(slurm, tmp_path):
+    """slurm/mpi.sbatch: `srun --mpi=pmix` starts two ranks that meet through mpi4py. One node: the two
+    slurmd of this machine would share PMIx's /tmp/spmix_appdir_* directory."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "-n", "2", "--overcommit", "-o",
+                          str(run_dir / "batch.log"), "slurm/mpi.sbatch", "--config", "configs/tiny_cpu.yaml",
+                          "train.steps=2", f"train.run_dir={run_dir}", f"model.path={tmp_path / 'model'}"],
+                         capture_output=True, text=True, cwd=ROOT, env=slurm, check=True).stdout.strip()
+    state = wait_for(slurm, job, 600)
+    rank0 = (run_dir / "logs" / f"{job}.0.rank0.log").read_text()
+    assert state == "COMPLETED", (run_dir / "batch.log").read_text() + rank0[-3000:]
+    assert "megarl: 2 processes started by mpi" in rank0 and "step 2/2 |" in rank0
+    assert (run_dir / "logs" / f"{job}.0.rank1.log").is_file()
+
+
+@pytest.mark.slow
+def test_srun_direct_ranks_find_each_other_through_slurm(slurm, tmp_path):
+    """No torchrun: `srun` starts one `megarl train` per task; rank, world and the first node's address
+    come from Slurm (megarl/launch/bootstrap.py)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    wrap = (f"srun --kill-on-bad-exit=1 {sys.executable} -m megarl.cli train --config configs/tiny_cpu.yaml "
+            f"train.steps=2 train.run_dir={run_dir} model.path={tmp_path / 'model'}")
+    job = subprocess.run(["sbatch", "--parsable", "-N", "2", "-o", str(run_dir / "job.log"), "--wrap", wrap],
+                         capture_output=True, text=True, cwd=ROOT, env=slurm, check=True).stdout.strip()
+    state = wait_for(slurm, job, 600)
+    out = (run_dir / "job.log").read_text()
+    assert state == "COMPLETED", out[-4000:]
+    assert "megarl: 2 processes started by slurm, rendezvous 127.0.0.1:" in out and "step 2/2 |" in out
