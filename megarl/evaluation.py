@@ -63,7 +63,9 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     s = build_session(cfg)
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
-        s.engine.update_weights(s.trainer.hf_weights())
+        from megarl.weight_sync.streaming import sync_engine
+
+        sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, as the training loop does
     result = evaluate(s.engine, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
                       cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
     from megarl.engines.base import GenerationRequest
