@@ -18,6 +18,9 @@ CORE = [
     "pyyaml",
     "tensorboard",
     "math-verify",
+    # prompt datasets: parquet files and `datasets` save_to_disk directories (megarl/data/readers.py)
+    "pyarrow",
+    "datasets",
     "transformers>=5.16.1,<5.20",
     "tokenizers",
     "numpy",

@@ -1,8 +1,9 @@
-"""``megarl`` command line: ``train`` (any config), ``demo`` (the tiny CPU default) and ``plan``.
+"""``megarl`` command line: ``train`` (any config), ``demo`` (the tiny CPU default), ``eval`` and ``plan``.
 
     megarl train --config configs/demo.yaml train.steps=5 optim.lr=3e-5
     megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2
     megarl demo
+    megarl eval --config examples/math/config.yaml --checkpoint runs/math   # or model.path=DIR
     megarl plan --model DIR_OR_CONFIG_JSON --nodes 4 --gpus-per-node 8 [--json]   (see megarl/launch/plan.py)
 
 ``train`` started by torchrun, ``srun`` (one task per GPU) or ``mpirun`` finds its rank and
@@ -46,6 +47,9 @@ def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node
         from megarl.launch.plan import check_layout
 
         check_layout(cfg, hf, nproc // per_node, per_node)
+    from megarl.data.source import check_data
+
+    check_data(cfg.data)  # files, keys, empty datasets, bad rows under on_bad_row=error
     return cfg
 
 
@@ -54,6 +58,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
            "-m", "megarl.cli", args.command, "--worker"]
     if args.config:
         cmd += ["--config", args.config]
+    if args.checkpoint:
+        cmd += ["--checkpoint", args.checkpoint]
     cmd += args.overrides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)
@@ -67,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "demo", "plan"],
-                        help="train: run a config; demo: the tiny CPU demo; plan: layout and memory (plan --help)")
+    parser.add_argument("command", choices=["train", "demo", "eval", "plan"],
+                        help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint; "
+                             "plan: layout and memory (plan --help)")
     parser.add_argument("--config", help="YAML config file (demo: configs/demo.yaml by default)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (default 1)")
+    parser.add_argument("--checkpoint", help="eval: an HF model dir, a dist checkpoint, a run's step dir or a run dir")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides, e.g. optim.lr=3e-5")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -84,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     per_node = launch.local_world_size if args.worker else args.nproc
     try:
         cfg = _load_checked(args.config, args.overrides, world, per_node)
+        if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
+            raise ConfigError("megarl eval needs data.eval_path (the held-out prompts) when data.path is set")
+        if args.command == "eval" and args.checkpoint:
+            from megarl.evaluation import resolve_checkpoint
+
+            resolve_checkpoint(args.checkpoint)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{launch.master_addr or os.environ.get('MASTER_ADDR', '')}:"
                   f"{launch.master_port or os.environ.get('MASTER_PORT', '')}", flush=True)
 
+    if args.command == "eval":
+        from megarl.evaluation import run_eval
+
+        run_eval(cfg, args.checkpoint)
+        return 0
     from megarl.train import run
 
     result = run(cfg)

@@ -20,15 +20,15 @@ from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
+from megarl.data.source import Prompt, build_prompts
 from megarl.engines.memory import sleep_supported
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
-from megarl.rewards.addition import exact_answer
-from megarl.rewards.base import RewardRunner
+from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import group_scorer, pool_prompt_source, task_prompt_source, tracking_scorer
+from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, tracking_scorer
 from megarl.trainer import cpu_adapter
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
@@ -44,12 +44,14 @@ class Session:
     engine: VLLMEngine
     trainer: PolicyTrainer
     learners: Learners
-    task: AdditionTask
-    rewards: RewardRunner
+    task: AdditionTask | None  # the built-in task (None when data.path names a dataset)
+    rewards: RewardPool
     controller: RolloutController
     logger: MetricsLogger
     run_dir: Path
     stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
+    prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
+    eval_prompts: list[Prompt] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -84,6 +86,10 @@ def build_session(cfg: RunConfig) -> Session:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    d = cfg.data
+    task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
+    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    rewards = build_rewards(cfg.reward, d)
     if cfg.engine.placement == "disaggregated":
         engine, slot_engines = build_engines(cfg)
     else:
@@ -97,15 +103,13 @@ def build_session(cfg: RunConfig) -> Session:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     learners = build_learners(cfg, hf_cfg, ps)
     trainer = learners.policy
-    d = cfg.data
-    task = AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     run_dir = Path(cfg.train.run_dir)
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
-    rewards = RewardRunner(exact_answer)
-    score = group_scorer(tokenizer, rewards)
+    feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
+    score = group_scorer(tokenizer, rewards, feed.take_extras)
     stateful = {}
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
@@ -116,10 +120,10 @@ def build_session(cfg: RunConfig) -> Session:
         score = tracking_scorer(score, tracker)
         stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
     else:
-        source = task_prompt_source(task, tokenizer)
+        source = feed
     controller = build_controller(cfg, slot_engines, source, score)
     return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
-                   stateful)
+                   stateful, prompts, prompts.eval_prompts())
 
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:

@@ -23,7 +23,7 @@ import torch
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.engines.memory import handover
-from megarl.rollout.evaluate import greedy_pass_at_1
+from megarl.rollout.evaluate import evaluate as evaluate_prompts
 from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
 from megarl.trainer.rl_update import rl_update
@@ -35,7 +35,7 @@ CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubb
 
 
 def evaluate(s: Session) -> float:
-    return greedy_pass_at_1(s.engine, s.tokenizer, s.task.eval_problems, s.cfg.rollout.max_new_tokens, s.rewards)
+    return evaluate_prompts(s.engine, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens)["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
@@ -58,7 +58,8 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "reward/errors": float(s.rewards.errors + s.rewards.timeouts),
+        **s.rewards.step_metrics(),  # reward/errors, reward/timeouts (+ _step), reward/<name> of dict rewards
+        **s.prompts.metrics(),  # data/epoch, data/bad_rows, data/prompts_too_long
         "response/len_mean": sum(lengths) / len(lengths),
         "response/len_max": max(lengths),
         "timing/gen_s": t1 - t0,
@@ -84,7 +85,7 @@ def run(cfg: RunConfig) -> dict:
         keeper.run["pass_at_1_before"] = evaluate(s)
         s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
     before = keeper.run["pass_at_1_before"]
-    say(f"eval before RL: pass@1 {before:.3f} on {len(s.task.eval_problems)} held-out prompts")
+    say(f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts")
     start = time.time()
     s.logger.reset_clock()
     for step in range(steps, cfg.train.steps):

@@ -25,7 +25,7 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     from parallel_checks import fixed_batch
 
     # FP8 GEMMs need dimensions that are multiples of 16.
-    model = make_tiny_model(f"{work}/model", TinyShape(family=family, vocab_size=64, hidden_size=128,
+    model = make_tiny_model(f"{work}/model", TinyShape(family=family, hidden_size=128,
                                                        intermediate_size=256, moe_intermediate_size=128))
     ps = build_parallel_state()
     from megatron.core import tensor_parallel

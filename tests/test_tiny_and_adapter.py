@@ -47,16 +47,25 @@ def test_tiny_checkpoint_loads_in_transformers(tmp_path, family):
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok("12+34:", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "12+34:"
-    assert model(torch.tensor([ids])).logits.shape == (1, len(ids), 32)
+    assert model(torch.tensor([ids])).logits.shape == (1, len(ids), len(tok))
     assert model.config.model_type == family
 
 
-def test_tokenizer_is_character_level():
-    tok = build_tokenizer(32)
+def test_tokenizer_is_byte_level_bpe_with_single_digits_and_chatml():
+    tok = build_tokenizer(384)
+    assert len(tok) == 384 and build_tokenizer(384).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
     text = "4073+958:3+8+0=11,7+5+1=13>5031"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(text)
+    assert len(ids) == len(text)  # digits one by one; the scratchpad's punctuation sits between digits
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+    latex = r"The answer is \boxed{\frac{1}{2}} — ünïcode"
+    ids = tok(latex, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(latex.encode()) and tok.decode(ids) == latex  # merges learnt; every byte round-trips
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+1:"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\n1+1:<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    with pytest.raises(ValueError, match="byte-level"):
+        build_tokenizer(64)
 
 
 def test_qkv_interleave_round_trip_and_layout():

@@ -108,6 +108,8 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         _match_chain_prefixes(sharded["optimizer"], saved_keys)
         main_params_saved = not _drop_unsaved_main_params(sharded["optimizer"], saved_keys)
     state = dist_checkpointing.load(sharded, str(path))
+    if not load_optimizer:  # megatron returns the optimizer's common (non-tensor) part even when not asked
+        state.pop("optimizer", None)
     if "optimizer" in state:
         chain = _chain(trainer.optimizer)
         if hasattr(chain[0], "gbuf_ranges"):  # distributed optimizer(s) here

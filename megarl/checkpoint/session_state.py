@@ -30,7 +30,6 @@ import torch.distributed as dist
 # Objects of today's classes without a state_dict: the attributes that are their state.
 _FIELDS = {
     "PassRateTracker": ("passed", "seen"),
-    "RewardRunner": ("errors", "timeouts"),
 }
 
 
@@ -114,7 +113,7 @@ def capture(s, step: int, run: dict) -> dict:
 
 def stateful(s) -> dict:
     """The session's objects whose state a checkpoint keeps, besides controller and source."""
-    out = {name: getattr(s, name) for name in ("task", "rewards") if getattr(s, name, None) is not None}
+    out = {name: obj for name, obj in (("task", s.task), ("rewards", s.rewards)) if obj is not None}  # no task: a dataset
     out.update(getattr(s, "stateful", {}) or {})
     return out
 

@@ -189,8 +189,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
                           f"importable here ({why}); set model.transformer_engine=false")
     if cfg.model.make_tiny not in ("", *TINY_FAMILIES):
         raise ConfigError(f"model.make_tiny must be '' or one of {', '.join(TINY_FAMILIES)}, got {cfg.model.make_tiny!r}")
-    if cfg.data.task != "addition":
-        raise ConfigError(f"data.task {cfg.data.task!r} is not known; valid: 'addition'")
+    _validate_data_reward_eval(cfg)
     if hf_config is not None:
         _validate_against_model(cfg, hf_config)
 
@@ -225,6 +224,31 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
             f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
             f"max_position_embeddings ({hf['max_position_embeddings']})"
         )
+
+
+def _validate_data_reward_eval(cfg: RunConfig) -> None:
+    """data.*, reward.*, eval.* values (the dataset files themselves: ``megarl.data.source.check_data``)."""
+    d, r = cfg.data, cfg.reward
+    if d.task != "addition":
+        raise ConfigError(f"data.task {d.task!r} is not known; valid: 'addition' (or set data.path to a dataset)")
+    if d.on_bad_row not in ("skip", "error"):
+        raise ConfigError(f"data.on_bad_row must be 'skip' or 'error', got {d.on_bad_row!r}")
+    if d.max_prompt_tokens < 0 or d.eval_size < 0:
+        raise ConfigError("data.max_prompt_tokens and data.eval_size must be >= 0")
+    if d.path and (cfg.warmup.steps or d.pool_size):
+        raise ConfigError("warmup.steps and data.pool_size work with the built-in task only (they need its "
+                          f"reference responses / problem pool); set them to 0 with data.path={d.path!r}")
+    if d.path and not r.fn:
+        raise ConfigError("reward.fn must be set with data.path: 'math', 'exact', 'addition' or 'package.module:function'")
+    if r.fn and ":" not in r.fn and r.fn not in ("math", "exact", "addition"):
+        raise ConfigError(f"reward.fn {r.fn!r} is not known; valid: 'math', 'exact', 'addition' or 'package.module:function'")
+    if r.workers < 1 or r.timeout_s <= 0:
+        raise ConfigError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers} and {r.timeout_s}")
+    if r.format_coef and ":" in r.fn:
+        raise ConfigError("reward.format_coef applies to the built-in rewards; fold the format term into your function")
+    if cfg.eval.samples < 1 or cfg.eval.temperature <= 0:
+        raise ConfigError(f"eval.samples must be >= 1 and eval.temperature > 0, got {cfg.eval.samples}, "
+                          f"{cfg.eval.temperature}")
 
 
 _CHOICES = {

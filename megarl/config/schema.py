@@ -48,13 +48,31 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     task: str = "addition"
-    """Prompt source; 'addition' is the multi-digit addition task with a scratchpad."""
+    """Built-in prompt source used when ``path`` is empty: 'addition' (multi-digit addition with a scratchpad)."""
+    path: str = ""
+    """Prompt dataset: a .jsonl or .parquet file, a directory or glob of them, or a ``datasets`` save_to_disk dir."""
+    eval_path: str = ""
+    """Held-out dataset for pass@1 (same formats; '' with ``path`` set: no evaluation)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string or a list of chat messages ``[{role, content}]``."""
+    answer_key: str = "answer"
+    """Column holding the reference answer; every other column reaches the reward as a keyword argument."""
+    system_prompt: str = ""
+    """System message put first in every prompt that has none ('' : none)."""
+    chat_template: str = "auto"
+    """'auto' (the tokenizer's chat template, plain text if it has none), 'none' (plain text), or a Jinja file path."""
+    max_prompt_tokens: int = 0
+    """Drop prompts longer than this many tokens, counted as data/prompts_too_long (0: max_model_len − max_new_tokens)."""
+    shuffle: bool = True
+    """Shuffle the dataset each epoch (seeded by ``seed`` and the epoch)."""
+    on_bad_row: str = "skip"
+    """A row without a usable prompt or answer: 'skip' (counted as data/bad_rows) or 'error' (stop before training)."""
     max_digits: int = 6
     """Largest operand size in digits."""
     tail_alpha: float = 1.0
     """Power-law exponent of the operand size distribution (larger: more short problems)."""
     eval_size: int = 200
-    """Held-out prompts for greedy pass@1."""
+    """Held-out prompts for greedy pass@1 (with ``eval_path``: its first N usable rows; 0: all)."""
     pool_size: int = 0
     """Train on a finite pool of this many prompts (0: an endless stream); the curriculum needs one."""
     seed: int = 0
@@ -256,6 +274,30 @@ class TrainerConfig:
 
 
 @dataclass
+class RewardConfig:
+    fn: str = ""
+    """'math' (math-verify), 'exact', 'addition', or 'package.module:function' ('' : the built-in task's own)."""
+    format_coef: float = 0.0
+    """Built-in rewards: added when the response ends in a well-formed answer (math: \\boxed{}), subtracted otherwise."""
+    workers: int = 2
+    """Reward worker processes (a hung call is killed with its worker, which is replaced)."""
+    timeout_s: float = 10.0
+    """Seconds one reward call may take before its worker is killed and the call scores ``on_error``."""
+    on_error: float = 0.0
+    """Reward given to a call that raised, timed out or returned something that is not a number."""
+
+
+@dataclass
+class EvalConfig:
+    samples: int = 1
+    """Samples per prompt: 1 is greedy pass@1; k > 1 also reports the unbiased pass@k (sampled)."""
+    temperature: float = 1.0
+    """Sampling temperature when ``samples`` > 1."""
+    output: str = ""
+    """Where ``megarl eval`` writes its JSON ('' : <train.run_dir>/eval.json)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -268,3 +310,5 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -8,8 +8,11 @@ Four families, each deterministic by seed and never downloaded:
 - ``qwen2_moe``: Qwen2-MoE style (a sigmoid-gated shared expert beside the routed ones,
   un-renormalised top-k, and the last layer dense through ``mlp_only_layers``).
 
-The tokenizer is a character vocabulary (the task's alphabet plus ``<pad>`` and
-``<|endoftext|>``) wrapped as a ``PreTrainedTokenizerFast``. Weights are drawn
+The tokenizer is a byte-level BPE trained here with ``tokenizers`` on a small fixed
+corpus (chat turns, math in LaTeX, the addition scratchpad), with digits split one
+by one (as Qwen's and Llama-3's do), Qwen's special tokens and a ChatML chat
+template, wrapped as a ``PreTrainedTokenizerFast``: prompts take the same
+``apply_chat_template`` path a hub tokenizer takes. Weights are drawn
 from N(0, init_std) with a seeded generator and written under the exact tensor
 names the hub checkpoints of these families use, so vLLM, transformers and our
 Megatron adapter all read them as they would a real model.
@@ -25,10 +28,16 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.config.schema import TINY_FAMILIES as FAMILIES
-from megarl.data.addition import ALPHABET
 from megarl.models.hf_config import is_moe_layer, num_experts
 
-PAD, EOS = "<pad>", "<|endoftext|>"
+PAD, IM_START, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen's ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn, then the assistant header."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ class TinyShape:
     """The shape of a tiny model; defaults fit the 2-core CPU machine."""
 
     family: str = "qwen3_moe"
-    vocab_size: int = 32
+    vocab_size: int = 384
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -52,22 +61,54 @@ class TinyShape:
     init_std: float = 0.02
 
 
-def build_tokenizer(vocab_size: int):
-    """A character-level fast tokenizer over the task alphabet (no download)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def _corpus() -> list[str]:
+    """A fixed training corpus for the tiny BPE: chat turns (special tokens left out), LaTeX, scratchpads."""
+    from megarl.data.addition import scratchpad
+
+    words = ("the answer is what compute simplify find value of sum product put final in and a to "
+             "you are helpful assistant user system please step by think reason so therefore").split()
+    latex = [rf"\boxed{{\frac{{{a}}}{{{b}}}}}" for a in range(1, 6) for b in range(2, 8)]
+    latex += [rf"\sqrt{{{n}}}" for n in range(2, 9)] + [rf"\left({n}, {n + 3}\right]" for n in range(5)]
+    latex += [r"\{1, 2\}", r"x^{2} + y^{2}", r"\pi", r"\cdot", r"\infty", "0.5", "-3"]
+    turns = []
+    for i, expr in enumerate(latex):
+        q = " ".join(words[(i + k) % len(words)] for k in range(8))
+        turns.append(f"system\nYou are a helpful assistant.\nuser\n{q}? "
+                     f"Put the final answer in \\boxed{{}}.\nassistant\n{q} {expr}.\n")
+    turns += [f"{a}+{b}:{scratchpad(a, b)}" for a, b in ((4073, 958), (15, 7), (999, 1))]
+    return turns * 2
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE of exactly ``vocab_size`` tokens, trained locally (no download), with ChatML.
+
+    Ids 0-2 are ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (EOS); then the 256
+    byte symbols and the merges learnt from ``_corpus()``; any ids left are reserved special
+    tokens, so every id the model can sample decodes. Digits are pre-split one by one.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {PAD: 0, EOS: 1}
-    for ch in ALPHABET:
-        vocab[ch] = len(vocab)
-    if len(vocab) > vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} < the {len(vocab)} tokens the alphabet needs")
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, eos_token=EOS, model_max_length=4096
-    )
+    specials = [PAD, IM_START, EOS]
+    if vocab_size < 256 + len(specials):
+        raise ValueError(f"vocab_size {vocab_size} < {256 + len(specials)}: a byte-level BPE needs 256 byte "
+                         f"symbols plus {len(specials)} special tokens")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(_corpus(), trainer)
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - core.get_vocab_size())]
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, model_max_length=4096,
+                                  additional_special_tokens=[IM_START, *reserved])
+    tok.chat_template = CHATML_TEMPLATE
+    if len(tok) != vocab_size:
+        raise AssertionError(f"tiny tokenizer has {len(tok)} tokens, expected {vocab_size}")
+    return tok
 
 
 def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:

@@ -1,30 +1,30 @@
-"""The reward protocol and a runner that never lets a reward function crash the loop.
+"""The reward protocol and how a ``reward.fn`` name becomes a function.
 
-A reward function is ``fn(response: str, answer: str) -> float``. User functions
-are named by dotted path (``package.module:function``). The runner scores a batch
-in a thread pool with a per-call timeout; a function that raises or runs past it
-scores 0 and is counted (``errors`` / ``timeouts``) and logged once per step.
+A reward function is ``fn(response: str, answer: str, **row_extras) -> float | dict``:
+``row_extras`` are the dataset row's other columns; a dict result carries ``score``
+and any extra numbers, which are logged as ``reward/<name>`` means. ``reward.fn`` is
+a built-in name (``math``, ``exact``, ``addition``; see ``builtin.py``) or a dotted
+path ``package.module:function``. Functions run in the sandboxed pool (``pool.py``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import importlib
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
-log = logging.getLogger(__name__)
+from megarl.rewards.builtin import BUILTINS, FORMAT
 
 
 class RewardFn(Protocol):
-    def __call__(self, response: str, answer: str) -> float: ...
+    def __call__(self, response: str, answer: str, **row_extras) -> float | dict: ...
 
 
-def load_reward_fn(path: str) -> Callable[[str, str], float]:
+def load_reward_fn(path: str) -> Callable[..., float | dict]:
     """``'pkg.module:function'`` → the function; a clear error names what is missing."""
     if ":" not in path:
-        raise ValueError(f"reward function {path!r}: expected 'package.module:function'")
+        raise ValueError(f"reward function {path!r}: expected a built-in ({', '.join(BUILTINS)}) "
+                         "or 'package.module:function'")
     module_name, attr = path.split(":", 1)
     try:
         module = importlib.import_module(module_name)
@@ -36,32 +36,19 @@ def load_reward_fn(path: str) -> Callable[[str, str], float]:
     return fn
 
 
-class RewardRunner:
-    """Scores (response, answer) pairs with ``fn``; contains exceptions and timeouts."""
+def resolve_reward(spec: str, format_coef: float = 0.0) -> Callable[..., float | dict]:
+    """The function ``reward.fn`` names, with the built-in's format bonus/penalty folded in."""
+    if spec in BUILTINS:
+        fn, check = BUILTINS[spec], FORMAT[spec]
+        if not format_coef:
+            return fn
 
-    def __init__(self, fn: Callable[[str, str], float], timeout_s: float = 5.0, workers: int = 4) -> None:
-        self.fn, self.timeout_s = fn, timeout_s
-        self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
-        self.errors = 0
-        self.timeouts = 0
+        def with_format(response: str, answer: str, **extras) -> dict:
+            ok, correct = check(response), fn(response, answer, **extras)
+            return {"score": correct + (format_coef if ok else -format_coef), "format": float(ok), "correct": correct}
 
-    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
-        futures = [self.pool.submit(self.fn, r, a) for r, a in pairs]
-        scores, errors, timeouts = [], 0, 0
-        for fut in futures:
-            try:
-                scores.append(float(fut.result(timeout=self.timeout_s)))
-            except cf.TimeoutError:
-                timeouts += 1
-                scores.append(0.0)
-            except Exception as exc:  # a user reward must not crash the run
-                errors += 1
-                scores.append(0.0)
-                last = exc
-        if errors:
-            log.warning("reward: %d of %d calls raised (last: %r); scored 0", errors, len(pairs), last)
-        if timeouts:
-            log.warning("reward: %d of %d calls timed out after %.1fs; scored 0", timeouts, len(pairs), self.timeout_s)
-        self.errors += errors
-        self.timeouts += timeouts
-        return scores
+        return with_format
+    if format_coef:
+        raise ValueError(f"reward.format_coef applies to the built-in rewards ({', '.join(BUILTINS)}); "
+                         f"{spec!r} should fold its own format term into its score")
+    return load_reward_fn(spec)

@@ -1,20 +1,71 @@
-"""Greedy pass@1 on held-out prompts."""
+"""Pass@1 (greedy) and pass@k (sampled) of an engine on held-out prompts: the training loop's periodic
+eval and ``megarl eval`` run this same function.
+
+pass@k is the unbiased estimator of Chen et al. 2021 (Codex): with n samples of which c
+are correct, pass@k = 1 − C(n−c, k) / C(n, k), averaged over prompts. A sample is
+correct when its reward is ≥ 1 (a built-in reward with ``format_coef`` reports its
+correctness apart from the format term).
+"""
 
 from __future__ import annotations
 
-from megarl.data import encode
-from megarl.data.addition import Problem
+from math import comb
+
 from megarl.engines.base import Engine, GenerationRequest
-from megarl.rewards.base import RewardRunner
 
 
-def greedy_pass_at_1(engine: Engine, tokenizer, problems: list[Problem], max_tokens: int, rewards: RewardRunner) -> float:
-    """Fraction of problems whose greedy response earns reward 1."""
-    if not problems:
-        return 0.0
-    requests = [GenerationRequest(encode(tokenizer, p.prompt), n=1,
-                                  max_tokens=max_tokens, greedy=True) for p in problems]
-    outs = engine.generate(requests, seed=0)
-    texts = [tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
-    scores = rewards.score([(t, p.answer) for t, p in zip(texts, problems)])
-    return sum(1.0 for s in scores if s >= 1.0) / len(problems)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 − C(n−c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _correct(engine: Engine, tokenizer, prompts, requests, rewards, seed: int) -> list[list[bool]]:
+    outs = engine.generate(requests, seed=seed)
+    items = [(tokenizer.decode(o.token_ids, skip_special_tokens=True), p.answer, p.extras)
+             for p, out in zip(prompts, outs) for o in out]
+    scores, extras = rewards.score_detailed(items)
+    flat = [e.get("correct", s) >= 1.0 for s, e in zip(scores, extras)]
+    per = len(flat) // max(1, len(prompts))
+    return [flat[i * per:(i + 1) * per] for i in range(len(prompts))]
+
+
+def evaluate(engine: Engine, tokenizer, prompts: list, rewards, max_tokens: int, samples: int = 1,
+             temperature: float = 1.0, chunk: int = 64, progress: bool = False) -> dict[str, float]:
+    """``pass_at_1`` (greedy) on ``prompts`` (``megarl.data.source.Prompt``); with ``samples`` = k > 1 also
+    ``pass_at_1_sampled`` and ``pass_at_<j>`` for j = 2, 4, … ≤ k from k samples at ``temperature``."""
+    if not prompts:
+        return {"pass_at_1": float("nan"), "prompts": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="eval", unit="prompt")
+    greedy, sampled = [], []
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start:start + chunk]
+        reqs = [GenerationRequest(p.ids, n=1, max_tokens=max_tokens, greedy=True) for p in part]
+        greedy += [c[0] for c in _correct(engine, tokenizer, part, reqs, rewards, seed=0)]
+        if samples > 1:
+            reqs = [GenerationRequest(p.ids, n=samples, max_tokens=max_tokens, temperature=temperature) for p in part]
+            sampled += _correct(engine, tokenizer, part, reqs, rewards, seed=1)
+        if bar is not None:
+            bar.update(len(part))
+    if bar is not None:
+        bar.close()
+    out = {"pass_at_1": sum(greedy) / len(greedy), "prompts": len(prompts)}
+    if samples > 1:
+        out["pass_at_1_sampled"] = sum(sum(c) for c in sampled) / (samples * len(sampled))
+        k = 2
+        while k <= samples:
+            out[f"pass_at_{k}"] = sum(pass_at_k(samples, sum(c), k) for c in sampled) / len(sampled)
+            k *= 2
+        if samples not in (1, *(2**i for i in range(1, 20))):
+            out[f"pass_at_{samples}"] = sum(pass_at_k(samples, sum(c), samples) for c in sampled) / len(sampled)
+    return out
+
+
+def greedy_pass_at_1(engine: Engine, tokenizer, prompts: list, max_tokens: int, rewards) -> float:
+    """Fraction of prompts whose greedy response is correct."""
+    return evaluate(engine, tokenizer, prompts, rewards, max_tokens)["pass_at_1"]

@@ -7,21 +7,44 @@ import random
 from collections.abc import Callable
 
 from megarl.data import encode
-from megarl.rewards.base import RewardRunner
+from megarl.rewards.pool import RewardPool
 from megarl.rollout.controller import PromptItem
 from megarl.types import Group
 
 
-def task_prompt_source(task, tokenizer) -> Callable[[], PromptItem]:
-    """Endless prompts from ``task``, tokenised; the prompt text is the length-cache key."""
-    counter = itertools.count()
+class PromptFeed:
+    """Controller prompts from a data source (``megarl.data.source``), keeping each in-flight row's extra
+    columns until its group is scored (``take_extras``).
 
-    def next_prompt() -> PromptItem:
-        problem = task.next_problem()
-        ids = encode(tokenizer, problem.prompt)
-        return PromptItem(next(counter), ids, problem.prompt, problem.answer, key=problem.prompt)
+    Extras are keyed by the prompt's rendered text (first in, first out among equal texts), so a wrapper
+    that renumbers ``PromptItem.index`` cannot mismatch them; ``state_dict`` holds the source's cursor and
+    the extras of prompts drawn but not yet scored, so a resumed run scores its restored groups alike.
+    """
 
-    return next_prompt
+    def __init__(self, prompts) -> None:
+        self.prompts = prompts
+        self.pending: dict[str, list[dict]] = {}
+
+    def __call__(self) -> PromptItem:
+        p = self.prompts.next()
+        self.pending.setdefault(p.text, []).append(p.extras)
+        return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key)
+
+    def take_extras(self, group: Group) -> dict:
+        queue = self.pending.get(group.prompt_text)
+        if not queue:
+            return {}
+        extras = queue.pop(0)
+        if not queue:
+            del self.pending[group.prompt_text]
+        return extras
+
+    def state_dict(self) -> dict:
+        return {"source": self.prompts.state_dict(), "pending": {k: list(v) for k, v in self.pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["source"])
+        self.pending = {k: list(v) for k, v in state["pending"].items()}
 
 
 def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], object] | None = None
@@ -37,13 +60,15 @@ def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], obje
     return next_prompt
 
 
-def group_scorer(tokenizer, rewards: RewardRunner) -> Callable[[Group], None]:
-    """Decode each sample of a released group and fill in its reward."""
+def group_scorer(tokenizer, rewards: RewardPool, extras_of: Callable[[Group], dict] | None = None
+                 ) -> Callable[[Group], None]:
+    """Decode each sample of a released group and fill in its reward (the row's extras as keyword args)."""
 
     def score(group: Group) -> None:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        scores = rewards.score([(s.text, group.answer) for s in group.samples])
+        row = extras_of(group) if extras_of is not None else {}
+        scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r
 

@@ -1,0 +1,70 @@
+"""Prompt rendering: a dataset's prompt (a string or chat messages) → the token ids engine and trainer see.
+
+With a chat template (``data.chat_template: auto`` and the tokenizer has one, or a
+Jinja file) the messages go through the tokenizer's own
+``apply_chat_template(messages, add_generation_prompt=True)``, exactly as a Qwen or
+Llama tokenizer would render them; without one (``none``, or ``auto`` on a
+tokenizer without a template) the contents are joined as plain text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.data import encode
+
+
+class PromptError(ValueError):
+    """A prompt value that is neither a string nor a list of {role, content} messages."""
+
+
+def as_messages(prompt, system_prompt: str = "") -> list[dict]:
+    """A string → one user message; a message list is checked; ``system_prompt`` goes first if none is there."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PromptError("is an empty string")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        messages = []
+        for i, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise PromptError(f"message {i} is not a {{'role': str, 'content': str}} mapping: {m!r:.80}")
+            messages.append({"role": m["role"], "content": m["content"]})
+    else:
+        raise PromptError(f"must be a string or a non-empty list of chat messages, got {type(prompt).__name__} "
+                          f"{prompt!r:.60}")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def load_template(tokenizer, chat_template: str) -> str | None:
+    """The Jinja template to use for ``data.chat_template`` (None: plain text)."""
+    if chat_template == "none":
+        return None
+    if chat_template == "auto":
+        return getattr(tokenizer, "chat_template", None) or None
+    path = Path(chat_template)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.chat_template={chat_template!r}: not 'auto', 'none' or an existing Jinja file")
+    return path.read_text()
+
+
+class PromptRenderer:
+    """Renders prompts to ``(text, ids)``; ``ids`` are what the engine generates from and the trainer trains on."""
+
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "") -> None:
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.template = load_template(tokenizer, chat_template)
+
+    def __call__(self, prompt) -> tuple[str, list[int]]:
+        messages = as_messages(prompt, self.system_prompt)
+        if self.template is None:
+            text = "\n\n".join(m["content"] for m in messages)
+            return text, encode(self.tokenizer, text)
+        kwargs = dict(chat_template=self.template, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return text, list(ids)

@@ -1,0 +1,229 @@
+"""Prompt sources behind one interface: a user's dataset, or the built-in addition task.
+
+A source hands out ``Prompt``s (``next()``), the held-out ``eval_prompts()``, its
+metrics (``data/epoch``, ``data/bad_rows``, ``data/prompts_too_long``) and its
+position as a ``state_dict()`` that a run checkpoint saves.
+
+``DatasetSource`` walks its rows epoch by epoch; epoch ``e`` visits the rows in the
+order ``permutation(n)`` of a NumPy generator seeded with ``(seed, e)``, so the whole
+cursor is ``(epoch, position)``: resuming replays nothing and skips nothing. A row
+whose prompt or answer is unusable is a *bad row*: under ``on_bad_row: skip`` it is
+counted and the first few are logged with file and line/row; under ``error`` every
+row is checked when the source opens, and the first bad one stops the run with a
+message naming file, line/row and field. A prompt longer than ``max_prompt_tokens``
+after rendering is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megarl.data import encode
+from megarl.data.chat import PromptError
+from megarl.data.readers import BadRow, RowStore
+
+log = logging.getLogger(__name__)
+LOG_FIRST_BAD = 5
+
+
+@dataclass
+class Prompt:
+    """One prompt: stable index, rendered text and ids, reference answer, the row's other columns."""
+
+    index: int
+    ids: list[int]
+    text: str
+    answer: str
+    extras: dict = field(default_factory=dict)
+    key: object = None
+
+
+class DataError(ValueError):
+    """A dataset problem found before training; the message names file, line/row and field."""
+
+
+def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) -> tuple[object, str, dict]:
+    """``(prompt, answer, extras)`` of a row, or DataError naming where and which field is wrong."""
+    if isinstance(row, BadRow):
+        raise DataError(f"{where}: {row.why}")
+    if row.get(prompt_key) is None:
+        raise DataError(f"{where}: field {prompt_key!r} (data.prompt_key) is missing or null")
+    answer = row.get(answer_key)
+    if answer is None or isinstance(answer, (dict, list)):
+        raise DataError(f"{where}: field {answer_key!r} (data.answer_key) must be a string or number, got {answer!r:.60}")
+    extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    return row[prompt_key], str(answer), extras
+
+
+class DatasetSource:
+    """Prompts from a dataset (``RowStore``), rendered by ``render(prompt) -> (text, ids)``."""
+
+    def __init__(self, store: RowStore, render: Callable, prompt_key: str = "prompt", answer_key: str = "answer",
+                 max_prompt_tokens: int = 0, on_bad_row: str = "skip", seed: int = 0, shuffle: bool = True,
+                 eval_store: RowStore | None = None, eval_size: int = 0) -> None:
+        if on_bad_row not in ("skip", "error"):
+            raise ValueError(f"data.on_bad_row must be 'skip' or 'error', got {on_bad_row!r}")
+        self.store, self.render, self.prompt_key, self.answer_key = store, render, prompt_key, answer_key
+        self.max_prompt_tokens, self.on_bad_row, self.seed, self.shuffle = max_prompt_tokens, on_bad_row, seed, shuffle
+        self.eval_store, self.eval_size = eval_store, eval_size
+        for s, key in ((store, "data.path"), (eval_store, "data.eval_path")):
+            if s is not None:
+                check_keys(s, prompt_key, answer_key, key)
+                if on_bad_row == "error":
+                    check_rows(s, prompt_key, answer_key, render)
+        self.epoch, self.pos, self.served = 0, 0, 0
+        self.bad_rows, self.too_long = 0, 0
+        self._logged: set[str] = set()
+        self._order = self._order_of(0)
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        n = len(self.store)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def _prompt(self, store: RowStore, i: int, index: int) -> Prompt | None:
+        """Row ``i`` as a Prompt; None (counted) when it is bad or too long."""
+        where, row = store.row(i)
+        try:
+            prompt, answer, extras = parse_row(row, where, self.prompt_key, self.answer_key)
+            text, ids = self.render(prompt)
+        except (DataError, PromptError) as exc:
+            msg = str(exc) if isinstance(exc, DataError) else f"{where}: field {self.prompt_key!r} {exc}"
+            if self.on_bad_row == "error":
+                raise DataError(msg) from None
+            self.bad_rows += 1
+            if len(self._logged) < LOG_FIRST_BAD and where not in self._logged:
+                self._logged.add(where)
+                log.warning("data: skipping bad row %s (data.on_bad_row=skip)", msg)
+            return None
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            self.too_long += 1
+            return None
+        return Prompt(index, ids, text, answer, extras, key=text)
+
+    def next(self) -> Prompt:
+        """The next usable prompt of the epoch walk; an epoch with none is an error (nothing to train on)."""
+        for _ in range(len(self.store) + 1):
+            if self.pos >= len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._order_of(self.epoch)
+            i = int(self._order[self.pos])
+            self.pos += 1
+            item = self._prompt(self.store, i, self.served)
+            if item is not None:
+                self.served += 1
+                return item
+        raise DataError(f"data.path={self.store.spec!r}: no usable row in a whole epoch "
+                        f"({self.bad_rows} bad, {self.too_long} longer than {self.max_prompt_tokens} tokens)")
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The first ``eval_size`` usable rows of ``eval_path`` (all when 0), in file order."""
+        if self.eval_store is None:
+            return []
+        out: list[Prompt] = []
+        for i in range(len(self.eval_store)):
+            item = self._prompt(self.eval_store, i, len(out))
+            if item is not None:
+                out.append(item)
+                if self.eval_size and len(out) == self.eval_size:
+                    break
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {"data/epoch": self.epoch + self.pos / len(self._order), "data/bad_rows": float(self.bad_rows),
+                "data/prompts_too_long": float(self.too_long)}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "served": self.served, "seed": self.seed,
+                "bad_rows": self.bad_rows, "too_long": self.too_long, "rows": len(self.store)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rows"] != len(self.store) or state["seed"] != self.seed:
+            raise DataError(f"data cursor was saved for {state['rows']} rows and seed {state['seed']}; "
+                            f"{self.store.spec!r} has {len(self.store)} rows and data.seed is {self.seed}")
+        self.epoch, self.pos, self.served = state["epoch"], state["pos"], state["served"]
+        self.bad_rows, self.too_long = state["bad_rows"], state["too_long"]
+        self._order = self._order_of(self.epoch)
+
+
+def check_keys(store: RowStore, prompt_key: str, answer_key: str, key: str = "data.path") -> None:
+    for name, k in ((f"{key.split('.')[0]}.prompt_key", prompt_key), (f"{key.split('.')[0]}.answer_key", answer_key)):
+        if not store.has_key(k):
+            raise DataError(f"{key}={store.spec!r}: no row has the key {k!r} ({name}); set {name} to the column "
+                            "that holds it")
+
+
+def check_rows(store: RowStore, prompt_key: str, answer_key: str, render: Callable | None = None) -> None:
+    """Every row parses (and renders, given ``render``); the first that does not raises DataError."""
+    for i in range(len(store)):
+        where, row = store.row(i)
+        prompt, _, _ = parse_row(row, where, prompt_key, answer_key)
+        try:
+            render(prompt) if render is not None else None
+        except PromptError as exc:
+            raise DataError(f"{where}: field {prompt_key!r} {exc} (data.on_bad_row=error)") from None
+
+
+class AdditionSource:
+    """The built-in addition task behind the same interface; prompts are the task's raw completions."""
+
+    def __init__(self, task, tokenizer) -> None:
+        self.task, self.tokenizer, self.served = task, tokenizer, 0
+
+    def _prompt(self, problem, index: int) -> Prompt:
+        return Prompt(index, encode(self.tokenizer, problem.prompt), problem.prompt, problem.answer, key=problem.prompt)
+
+    def next(self) -> Prompt:
+        self.served += 1
+        return self._prompt(self.task.next_problem(), self.served - 1)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt(p, i) for i, p in enumerate(self.task.eval_problems)]
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.task.cursor, "served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.task.skip_to(state["cursor"])
+        self.served = state["served"]
+
+
+def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0):
+    """The prompt source ``data.*`` asks for: the dataset at ``data.path``, else the built-in ``task``."""
+    if not d.path:
+        return AdditionSource(task, tokenizer)
+    from megarl.data.chat import PromptRenderer
+
+    render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt)
+    eval_store = RowStore(d.eval_path, "data.eval_path") if d.eval_path else None
+    return DatasetSource(RowStore(d.path), render, d.prompt_key, d.answer_key,
+                         d.max_prompt_tokens or default_max_prompt_tokens, d.on_bad_row, d.seed, d.shuffle,
+                         eval_store, d.eval_size)
+
+
+def check_data(d) -> None:
+    """Before any process starts: files exist and are not empty, the keys exist, and (``on_bad_row: error``)
+    every row has a usable prompt and answer. Raises FileNotFoundError / DataError naming what is wrong."""
+    from megarl.data.chat import as_messages, load_template
+
+    if d.on_bad_row not in ("skip", "error"):
+        raise DataError(f"data.on_bad_row must be 'skip' or 'error', got {d.on_bad_row!r}")
+    if d.chat_template not in ("auto", "none"):
+        load_template(None, d.chat_template)
+    if not d.path:
+        if d.eval_path:
+            raise DataError("data.eval_path needs data.path (the built-in task has its own held-out set)")
+        return
+    for spec, key in ((d.path, "data.path"), (d.eval_path, "data.eval_path")):
+        if not spec:
+            continue
+        store = RowStore(spec, key)
+        check_keys(store, d.prompt_key, d.answer_key, key)
+        if d.on_bad_row == "error":
+            check_rows(store, d.prompt_key, d.answer_key, lambda p: as_messages(p, d.system_prompt))

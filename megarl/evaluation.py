@@ -1,0 +1,87 @@
+"""``megarl eval``: pass@1 (and pass@k) of a model or a run's checkpoint on the held-out prompts.
+
+``--checkpoint`` may name an HF model directory, a megatron dist checkpoint (as
+``megarl/checkpoint/dist.py`` writes it), a run checkpoint ``run_dir/checkpoints/step_N/``
+(whose ``policy/`` is that dist checkpoint) or a run directory (its
+``checkpoints/latest`` names the step directory). A dist checkpoint is loaded into the
+trainer built from ``model.path`` and synced into the engine in memory; then the same
+``rollout.evaluate`` the training loop uses runs, with a progress bar. The result is
+written as JSON (``eval.output``, default ``<run_dir>/eval.json``) and printed as a table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
+    """``('hf', dir)`` or ``('dist', dir)`` for what ``--checkpoint`` names; a clear error otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        # the step dir by name (step_N), relative to the run dir, or absolute
+        p = next((c for c in (p / "checkpoints" / name, p / name, Path(name)) if c.is_dir()), p / "checkpoints" / name)
+        if not p.is_dir():
+            raise FileNotFoundError(f"--checkpoint {path}: checkpoints/latest names {name!r}, which does not exist")
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf", p
+    for d in (p / "policy", p):
+        if (d / "metadata.json").is_file():
+            return "dist", d
+    raise FileNotFoundError(f"--checkpoint {path}: not an HF model dir (config.json + *.safetensors), a megatron "
+                            "dist checkpoint (metadata.json), a run checkpoint step dir (policy/) or a run dir "
+                            "(checkpoints/latest)")
+
+
+def format_table(result: dict) -> str:
+    keys = [k for k in result if isinstance(result[k], (int, float, str)) and k != "examples"]
+    width = max(len(k) for k in keys)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
+    for k in keys:
+        v = result[k]
+        lines.append(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    return "\n".join(lines)
+
+
+def run_eval(cfg, checkpoint: str | None = None) -> dict:
+    """Build the session (engine, trainer, prompts, rewards), load the checkpoint, evaluate, write the JSON."""
+    from megarl.checkpoint.dist import load_checkpoint
+    from megarl.rollout.evaluate import evaluate
+    from megarl.runtime import build_session
+
+    kind, path = resolve_checkpoint(checkpoint) if checkpoint else ("hf", Path(cfg.model.path))
+    out = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.train.run_dir) / "eval.json"
+    if kind == "hf" and checkpoint:
+        cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
+    # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's
+    cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")), warmup=replace(cfg.warmup, steps=0))
+    s = build_session(cfg)
+    if kind == "dist":
+        load_checkpoint(s.trainer, path, load_optimizer=False)
+        from megarl.weight_sync.streaming import sync_engine
+
+        sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, as the training loop does
+    result = evaluate(s.engine, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
+                      cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
+    from megarl.engines.base import GenerationRequest
+
+    shown = s.eval_prompts[:3]
+    outs = s.engine.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
+                              for p in shown], seed=0)
+    result = {"checkpoint": str(path), "kind": kind, "data": cfg.data.eval_path or f"task:{cfg.data.task}",
+              **result, "examples": [{"prompt": p.text, "answer": p.answer,
+                                      "response": s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)}
+                                     for p, o in zip(shown, outs)]}
+    s.rewards.close()
+    s.logger.close()
+    if s.is_main:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(format_table(result))
+        print(f"eval written to {out.resolve()}", flush=True)
+    return result

@@ -1,0 +1,266 @@
+"""The sandboxed reward pool: worker processes, a per-call timeout, hung workers killed and replaced.
+
+::
+
+    score(items) ──► queue ──► idle ready worker ──(pipe)──► fn(response, answer, **extras)
+                       ▲                  │ result / exception text ◄──┘
+                       │                  ▼
+                       │     past timeout_s: kill the worker, score ``on_error``,
+                       └──── start a replacement (it joins once it reports ready)
+
+Each worker is a fresh interpreter (``python -m megarl.rewards.pool``, so the caller's main
+module is never re-imported, unlike multiprocessing's spawn) that resolves ``reward.fn`` itself (a built-in name
+or ``package.module:function``), says ready, then serves one call at a time. A call
+that raises, returns something that is not a number (or a dict with a numeric
+``score``), or kills its worker scores ``on_error`` and counts as an error; one that
+runs past ``timeout_s`` counts as a timeout. Nothing raises into the caller.
+Invariants: every item gets exactly one score; a replaced worker takes calls only
+once it is ready, so a hang costs the batch at most ``timeout_s`` of one worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+log = logging.getLogger(__name__)
+RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step"}
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose parent died (killed mid-run) exits too, even while a reward call hangs."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
+    """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
+    from megarl.rewards.base import resolve_reward
+
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        fn = resolve_reward(spec, format_coef)
+    except Exception as exc:  # reported to the parent, which raises it at construction
+        conn.send(("failed", repr(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        idx, response, answer, extras = msg
+        try:
+            out = fn(response, answer, **extras)
+            if isinstance(out, dict):
+                extra = {k: float(v) for k, v in out.items() if k != "score"}
+                out = out["score"]
+            else:
+                extra = {}
+            score = float(out)
+            if math.isnan(score):
+                raise ValueError("the reward is NaN")
+            conn.send((idx, True, score, extra))
+        except Exception as exc:  # a user reward must not crash the worker or the run
+            conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:300], None))
+
+
+class _Worker:
+    """One worker process and its end of a socket pair (a ``multiprocessing`` Connection)."""
+
+    def __init__(self, spec: str, format_coef: float) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # user modules resolve alike
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef), str(os.getpid())],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.ready = False
+        self.task: tuple[int, float] | None = None  # (item index, deadline)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.conn.close()
+
+
+class RewardPool:
+    """Scores ``(response, answer[, extras])`` items in ``workers`` processes; see the module docstring."""
+
+    def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, on_error: float = 0.0,
+                 format_coef: float = 0.0, start_timeout_s: float = 120.0) -> None:
+        self.spec, self.format_coef, self.timeout_s, self.on_error = spec, format_coef, timeout_s, on_error
+        self._workers = [self._start() for _ in range(max(1, workers))]
+        self.errors = self.timeouts = self.calls = 0
+        self._step = {"errors": 0, "timeouts": 0}
+        self._extras: dict[str, list[float]] = {}
+        self._wait_ready(start_timeout_s)
+
+    def _start(self) -> _Worker:
+        return _Worker(self.spec, self.format_coef)
+
+    def _wait_ready(self, limit_s: float) -> None:
+        """Block until every worker resolved the function; a bad ``reward.fn`` raises here, before training."""
+        deadline = time.time() + limit_s
+        while not all(w.ready for w in self._workers):
+            left = deadline - time.time()
+            if left <= 0:
+                raise TimeoutError(f"reward workers for {self.spec!r} not ready after {limit_s:.0f}s")
+            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=left):
+                w = next(w for w in self._workers if w.conn is conn)
+                try:
+                    kind, detail = conn.recv()
+                except EOFError:
+                    kind, detail = "failed", f"worker exited with code {w.exitcode}"
+                if kind != "ready":
+                    self.close()
+                    raise ValueError(f"reward.fn={self.spec!r}: {detail}")
+                w.ready = True
+
+    def score(self, items) -> list[float]:
+        """One score per item, in order; failures score ``on_error`` and are counted, never raised."""
+        return self.score_detailed(items)[0]
+
+    def score_detailed(self, items) -> tuple[list[float], list[dict]]:
+        """Scores and, per item, the extra values its function returned (``{}`` for a plain float)."""
+        queue = deque(enumerate(items))
+        scores: list[float | None] = [None] * len(queue)
+        extras: list[dict] = [{} for _ in scores]
+        errors, timeouts, last_error = 0, 0, ""
+        while queue or any(w.task for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.task is None and queue:
+                    idx, item = queue.popleft()
+                    response, answer, row = (*item, {})[:3] if len(item) == 2 else item
+                    w.conn.send((idx, response, answer, row or {}))
+                    w.task = (idx, time.time() + self.timeout_s)
+            busy = [w for w in self._workers if w.task or not w.ready]
+            deadlines = [w.task[1] for w in busy if w.task]
+            timeout = max(0.0, min(deadlines) - time.time()) if deadlines else self.timeout_s
+            for conn in wait([w.conn for w in busy], timeout=timeout):
+                i = next(i for i, w in enumerate(self._workers) if w.conn is conn)
+                w = self._workers[i]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the worker died (os._exit, a crash in C code, OOM)
+                    if w.task:
+                        scores[w.task[0]], errors = self.on_error, errors + 1
+                        last_error = f"worker died (exit code {w.exitcode})"
+                    self._replace(i)
+                    continue
+                if msg[0] in ("ready", "failed"):
+                    w.ready = msg[0] == "ready"
+                    if not w.ready:
+                        self._replace(i)
+                    continue
+                idx, ok, value, extra = msg
+                w.task = None
+                if ok:
+                    scores[idx], extras[idx] = value, extra
+                else:
+                    scores[idx], errors, last_error = self.on_error, errors + 1, value
+            now = time.time()
+            for i, w in enumerate(self._workers):
+                if w.task and w.task[1] <= now:
+                    scores[w.task[0]], timeouts = self.on_error, timeouts + 1
+                    self._replace(i)
+        if errors:
+            log.warning("reward: %d of %d calls failed (last: %s); scored %s", errors, len(scores), last_error,
+                        self.on_error)
+        if timeouts:
+            log.warning("reward: %d of %d calls ran past %.1fs; workers replaced, scored %s", timeouts, len(scores),
+                        self.timeout_s, self.on_error)
+        self._count(len(scores), errors, timeouts, extras)
+        return [float(s) for s in scores], extras
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = self._start()
+
+    def _count(self, n: int, errors: int, timeouts: int, extras: list[dict]) -> None:
+        self.calls += n
+        self.errors += errors
+        self.timeouts += timeouts
+        self._step["errors"] += errors
+        self._step["timeouts"] += timeouts
+        for extra in extras:
+            for k, v in extra.items():
+                self._extras.setdefault(k, []).append(v)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``reward/errors``/``timeouts`` (cumulative), ``*_step`` since the last call, ``reward/<name>`` means."""
+        out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts),
+               "reward/errors_step": float(self._step["errors"]),
+               "reward/timeouts_step": float(self._step["timeouts"])}
+        for k, vals in self._extras.items():
+            out[f"reward/{'fn_' + k if k in RESERVED else k}"] = sum(vals) / len(vals)
+        self._step = {"errors": 0, "timeouts": 0}
+        self._extras = {}
+        return out
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls, self.errors, self.timeouts = state["calls"], state["errors"], state["timeouts"]
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                w.kill()
+        self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            if self._workers:
+                self.close()
+        except Exception:
+            pass
+
+
+def reward_spec(r, d) -> str:
+    """``reward.fn``, or the built-in task's own reward when it is empty (a dataset needs one named)."""
+    if r.fn:
+        return r.fn
+    if d.path:
+        raise ValueError("reward.fn must be set for a dataset (data.path): 'math', 'exact', or "
+                         "'package.module:function'")
+    return d.task
+
+
+def build_rewards(r, d) -> RewardPool:
+    """The reward pool ``reward.*`` asks for (workers start now; a bad ``reward.fn`` raises here)."""
+    if r.workers < 1 or r.timeout_s <= 0:
+        raise ValueError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers}, {r.timeout_s}")
+    return RewardPool(reward_spec(r, d), r.workers, r.timeout_s, r.on_error, r.format_coef)
+
+
+if __name__ == "__main__":  # a worker: python -m megarl.rewards.pool FD SPEC FORMAT_COEF PARENT_PID
+    _serve(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
