@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from hf_models import make_hf_model
 
 from conftest import ROOT, run_script
-from hf_models import make_hf_model
 
 TOOL = "tools/convert_checkpoint.py"
 
