@@ -90,3 +90,98 @@ def test_round_trip_through_the_trainer_is_bit_identical(tmp_path, family, layou
 @pytest.mark.parametrize("family,layout", SLOW)
 def test_round_trip_at_every_layout(tmp_path, family, layout):
     round_trip(tmp_path, family, layout)
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    model = make_hf_model(tmp_path / "model", "qwen3_moe", seed=1)
+    out = convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt", "--ep", 2, "--dtype", "bf16", "--dry-run")
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight  (96, 128)  torch.bfloat16" in out.stdout
+    assert "plan: " in out.stdout and "bytes" in out.stdout
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.tmp").exists()
+
+
+def write_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fails(tmp_path, capsys, args, *expected):
+    """The tool (in this process: these errors come before megatron starts) exits 2 naming the problem."""
+    assert tool().main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_errors_name_the_problem_before_any_output(tmp_path, capsys):
+    model = make_hf_model(tmp_path / "model", "llama_tied_llama3", seed=1)
+    to_mcore = ["hf-to-mcore", "--hf", model, "--out", tmp_path / "out"]
+    fails(tmp_path, capsys, [*to_mcore, "--tp", 3], "--tp 3 must divide", "valid: [1, 2]")
+    fails(tmp_path, capsys, [*to_mcore, "--pp", 3], "--pp 3", "valid pp × vpp: [1, 2, 4]")
+    fails(tmp_path, capsys, [*to_mcore, "--ep", 2], "--ep 2 needs an MoE model")
+    fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", model, "--out", tmp_path / "out"], "not a megatron dist checkpoint")
+    # an index naming a file that is not there, then a truncated shard
+    shard = model / "model.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    fails(tmp_path, capsys, to_mcore, "names 1 file(s) that are not there", "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").unlink()
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    fails(tmp_path, capsys, to_mcore, "truncated", "model.safetensors")
+    shard.write_bytes(data)
+    write_config(model, model_type="gpt2")
+    fails(tmp_path, capsys, to_mcore, "model_type 'gpt2' is not supported", "qwen3_moe")
+    write_config(model, model_type="llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    fails(tmp_path, capsys, to_mcore, "rope_scaling.rope_type 'dynamic'")
+
+
+def test_output_directory_in_use_is_refused(tmp_path):
+    model = make_hf_model(tmp_path / "model", "qwen3", seed=1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    proc = convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def peak_rss_mb(args) -> float:
+    """Peak RSS of the converter alone (a wrapper process whose only child is the tool)."""
+    code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if r.returncode == 0 else -1)")
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, TOOL, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    value = float(proc.stdout.strip().splitlines()[-1])
+    assert value > 0, proc.stderr[-3000:]
+    return value
+
+
+def test_conversion_streams_with_a_peak_rss_far_below_the_model(tmp_path):
+    """A 384 MB model (6 layers of 64 MB): both directions stay within the tool's own footprint
+    (measured by a dry run, which imports and plans everything) plus three layers, where loading
+    the model once would already cost 384 MB more. (Measured here: +130 MB and +70 MB.)"""
+    big = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+               intermediate_size=4096, num_hidden_layers=6)
+    model = make_hf_model(tmp_path / "model", "qwen3", seed=1, **big)
+    model_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
+    layer_mb = (4 * 1024 * 1024 + 3 * 1024 * 4096) * 4 / 2**20
+    assert model_mb > 380
+    base = peak_rss_mb(["hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt", "--dry-run"])
+    to_mcore = peak_rss_mb(["hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt"])
+    to_hf = peak_rss_mb(["mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "back", "--max-shard-gb", 0.1])
+    print(f"model {model_mb:.0f} MB, layer {layer_mb:.0f} MB; peak RSS: dry run {base:.0f} MB, "
+          f"hf→mcore {to_mcore:.0f} MB, mcore→hf {to_hf:.0f} MB")
+    assert to_mcore - base < 3 * layer_mb
+    assert to_hf - base < 3 * layer_mb  # 100 MB output shards: none waits in memory
+    assert len(list((tmp_path / "back").glob("model-*-of-*.safetensors"))) > 3
+    assert safetensors_bytes(tmp_path / "back") == safetensors_bytes(model)

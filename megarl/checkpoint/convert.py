@@ -37,15 +37,24 @@ from megarl.models.hf_config import num_experts, read_hf_config
 from megarl.weight_sync.hf_adapter import hf_to_megatron, megatron_to_hf
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_LAYER = re.compile(r"^(?:model\.layers|decoder\.layers)\.(\d+)\.")
-GLOBAL = -1  # the group of embedding, final norm and output layer
+_LAYER = re.compile(r"^(?:model\.layers|decoder\.layers)\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(?:local_experts\.)?(\d+)\.")
+GLOBAL = (-1, "")  # the group of embedding, final norm and output layer
 CONVERSION_FILE = "megarl_conversion.json"
 
 
-def group_of(name: str) -> int:
-    """The layer a tensor (HF or megatron name) belongs to, or ``GLOBAL``."""
+def group_of(name: str) -> tuple[int, str]:
+    """The unit a tensor (HF or megatron name) is converted in: (layer, 'attn' | 'mlp' | 'expert E'),
+    or ``GLOBAL``. Every fused tensor's parts fall in one unit; a unit is at most one layer's
+    attention or dense MLP or one expert, so that is what a conversion holds in memory."""
     m = _LAYER.match(name)
-    return int(m.group(1)) if m else GLOBAL
+    if m is None:
+        return GLOBAL
+    layer, rest = int(m.group(1)), m.group(2)
+    e = _EXPERT.match(rest)
+    if e is not None:
+        return layer, f"expert {int(e.group(1)):06d}"
+    return layer, "attn" if rest.startswith(("self_attn.", "self_attention.", "input_layernorm.")) else "mlp"
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,6 +117,19 @@ def _tensor_entries(raw: dict) -> dict:
     return {k: v for k, v in raw.items() if not isinstance(v, ShardedObject)}
 
 
+def _return_freed_memory() -> None:
+    """Make glibc give every large freed buffer back to the OS. By default it raises its mmap
+    threshold to the largest buffer freed so far, after which tensors of a few MB come from the
+    heap and stay in the process when freed: measured, the footprint grew by each tensor written
+    until it neared the model's size. A fixed threshold (1 MiB) keeps it near one unit."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def _publish(tmp: Path, out: Path) -> Path:
     if out.exists():
         shutil.rmtree(out)
@@ -137,7 +159,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
     check_layout(cfg, **layout)
     src = HFCheckpoint(hf_dir)
     # Plan: the megatron tensors the HF headers convert to (meta tensors: names, shapes, dtypes).
-    by_group: dict[int, list[str]] = {}
+    by_group: dict[tuple, list[str]] = {}
     for name in src.entries:
         by_group.setdefault(group_of(name), []).append(name)
     meta_full = {}
@@ -154,7 +176,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
             raise ValueError(f"{hf_dir}: {name} converts to shape {tuple(meta_full[name].shape)}; "
                              f"config.json implies {want}")
     items, where, total = [], {}, 0
-    for name, entry in tensors.items():
+    for name, entry in sorted(tensors.items(), key=lambda kv: group_of(kv[0])):  # unit by unit
         store = dtype or meta_full[name].dtype
         for st in _shard_list({name: entry}):
             offsets = torch.Size(st.global_offset)
@@ -176,10 +198,11 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
             f"(loads at any layout; checked for {layout})")
         return summary
     tmp = _fresh_tmp(out)
+    _return_freed_memory()
     bar = _progress(total, "hf→mcore")
     cache: dict = {"group": None, "chunks": {}}
 
-    def load_group(g: int) -> dict:
+    def load_group(g: tuple) -> dict:
         full = hf_to_megatron({n: src.read(n) for n in by_group[g]}, cfg)
         real = {n: dataclasses.replace(e, data=full[n]) for n, e in tensors.items() if group_of(n) == g}
         return {(st.key, tuple(st.global_offset)): st.data for st in _shard_list(real)}
@@ -192,7 +215,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
         key = (item.index.fqn, tuple(item.index.offset))
         g, store = where[key]
         if cache["group"] != g:
-            cache["group"], cache["chunks"] = None, {}  # free the previous layer first
+            cache["group"], cache["chunks"] = None, {}  # free the previous unit first
             cache["chunks"], cache["group"] = load_group(g), g
         t = cache["chunks"].pop(key).to(store).reshape(item.tensor_data.chunk.sizes).contiguous()
         bar.update(t.nbytes)
@@ -251,25 +274,40 @@ def _read_dcp(path: Path, requests: list) -> None:
     """Fill each (key, global offsets, chunk sizes, destination) of ``requests`` from the dist
     checkpoint at ``path``, whatever chunks (TP/PP/EP layout) it was saved in."""
     import torch.distributed.checkpoint as dcp
+
+    planner = _region_planner()(requests)
+    try:
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    finally:
+        planner.requests = []  # the destinations are the caller's; drop them here at once
+
+
+def _region_planner():
+    """A load planner that reads given regions of given keys into given tensors (built lazily:
+    torch's checkpoint modules are imported only when converting)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class RegionPlanner(DefaultLoadPlanner):
+        def __init__(self, requests: list) -> None:
+            super().__init__()
+            self.requests = requests
+
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
         def create_local_plan(self):
             items = []
-            for i, (key, offsets, sizes, _) in enumerate(requests):
+            for i, (key, offsets, sizes, _) in enumerate(self.requests):
                 chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
                 for item in create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk]):
                     items.append(dataclasses.replace(item, dest_index=MetadataIndex(key, chunk.offsets, i)))
             return LoadPlan(items)
 
         def resolve_tensor(self, read_item):
-            t = requests[read_item.dest_index.index][3]
+            t = self.requests[read_item.dest_index.index][3]
             for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
                 t = t.narrow(dim, start, length)
             return t
@@ -277,7 +315,7 @@ def _read_dcp(path: Path, requests: list) -> None:
         def commit_tensor(self, read_item, tensor):
             pass  # read in place
 
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=RegionPlanner(), no_dist=True)
+    return RegionPlanner
 
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
@@ -313,6 +351,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         log(f"plan: {len(plan)} tensors, {writer.total} bytes in {len(writer.files)} file(s) under {out}")
         return summary
     tmp = _fresh_tmp(out)
+    _return_freed_memory()
     writer.out = tmp
     bar = _progress(writer.total, "mcore→hf")
     try:

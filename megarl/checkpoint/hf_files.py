@@ -5,7 +5,7 @@ and checks them — every file an index names exists, no file is shorter than it
 before anything is converted; ``read(name)`` then reads that one tensor with a plain file read
 (no memory map), so the memory in use is the tensor, not the file. ``ShardedWriter`` is given the
 whole plan (names, shapes, dtypes) first, cuts it into shards of at most ``max_shard_bytes`` in
-plan order, and writes each shard as soon as its last tensor has arrived.
+plan order, writes each shard's header from the plan and each tensor at its offset as it arrives.
 """
 
 from __future__ import annotations
@@ -108,41 +108,64 @@ def nbytes(shape, dtype: torch.dtype) -> int:
 
 
 class ShardedWriter:
-    """Write HF-named tensors as ``model-0000k-of-0000N.safetensors`` + index, shard by shard.
+    """Write HF-named tensors as ``model-0000k-of-0000N.safetensors`` + index, tensor by tensor.
 
-    ``plan``: (name, shape, dtype) in the order the tensors will be added."""
+    ``plan``: (name, shape, dtype) in the order the tensors will be added. The plan fixes each
+    shard's safetensors header (names, dtypes, shapes, byte offsets) in advance, so every tensor
+    is written at its place the moment it arrives and nothing waits in memory."""
 
     def __init__(self, out: str | Path, plan: list[tuple[str, tuple, torch.dtype]], max_shard_bytes: int) -> None:
         self.out = Path(out)
-        shards: list[list[str]] = [[]]
+        shards: list[list[tuple[str, tuple, torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
             b = nbytes(shape, dtype)
             if shards[-1] and size + b > max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append(name)
+            shards[-1].append((name, tuple(shape), dtype))
             size += b
         n = len(shards)
         self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self.shard_of = {name: i for i, names in enumerate(shards) for name in names}
-        self.waiting = [set(names) for names in shards]
-        self.pending: list[dict[str, torch.Tensor]] = [{} for _ in shards]
+        self.shard_of = {name: i for i, names in enumerate(shards) for name, _, _ in names}
+        self.layout: dict[str, tuple[int, tuple, torch.dtype]] = {}  # name → (absolute offset, shape, dtype)
+        self.headers: list[bytes] = []
+        names = {v: k for k, v in DTYPES.items()}
+        for entries in shards:
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype in entries:
+                header[name] = {"dtype": names[dtype], "shape": list(shape),
+                                "data_offsets": [offset, offset + nbytes(shape, dtype)]}
+                offset += nbytes(shape, dtype)
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+            self.headers.append(struct.pack("<Q", len(raw)) + raw)
+            for name, shape, dtype in entries:
+                self.layout[name] = (len(self.headers[-1]) + header[name]["data_offsets"][0], shape, dtype)
+        self.waiting = [{name for name, _, _ in entries} for entries in shards]
+        self.handles: dict[int, object] = {}
         self.total = sum(nbytes(s, d) for _, s, d in plan)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
         if name not in self.shard_of:
             raise KeyError(f"tensor {name} is not in the conversion plan")
+        offset, shape, dtype = self.layout[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
         i = self.shard_of[name]
-        self.pending[i][name] = tensor.detach().contiguous()
+        if i not in self.handles:
+            self.handles[i] = open(self.out / self.files[i], "wb", buffering=0)
+            self.handles[i].write(self.headers[i])
+        f = self.handles[i]
+        f.seek(offset)
+        f.write(memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()))
         self.waiting[i].discard(name)
         if not self.waiting[i]:
-            save_file(self.pending[i], str(self.out / self.files[i]), metadata={"format": "pt"})
-            self.pending[i] = {}
+            self.handles.pop(i).close()
 
     def finish(self) -> None:
+        for f in self.handles.values():
+            f.close()
         left = sorted(n for w in self.waiting for n in w)
         if left:
             raise RuntimeError(f"conversion produced no tensor for {left[:5]}")
