@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from megarl.checkpoint.hf_export import export_policy
 from megarl.config import RunConfig
 from megarl.rollout.evaluate import greedy_pass_at_1
 from megarl.runtime import Session, build_session
@@ -85,6 +86,8 @@ def run(cfg: RunConfig) -> dict:
             metrics["eval/pass_at_1"] = evaluate(s)
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
+        export_policy(s, steps)
+    export_policy(s, steps, final=True)
     after = evaluate(s)
     s.logger.scalars(steps, {"eval/pass_at_1": after})
     s.logger.close()

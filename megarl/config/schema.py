@@ -221,6 +221,8 @@ class TrainConfig:
     """Where TensorBoard events, the resolved config and results go."""
     eval_every: int = 0
     """Greedy pass@1 on the held-out set every N steps (0: only at start and end)."""
+    export_hf_every: int = 0
+    """Export the policy as an HF checkpoint to run_dir/hf/step_N every N steps (0: only at the end)."""
 
 
 @dataclass
