@@ -185,3 +185,35 @@ def test_conversion_streams_with_a_peak_rss_far_below_the_model(tmp_path):
     assert to_hf - base < 3 * layer_mb  # 100 MB output shards: none waits in memory
     assert len(list((tmp_path / "back").glob("model-*-of-*.safetensors"))) > 3
     assert safetensors_bytes(tmp_path / "back") == safetensors_bytes(model)
+
+
+def test_check_conversion_and_inspect(tmp_path, capsys):
+    import importlib.util
+
+    model = make_hf_model(tmp_path / "model", "qwen3_moe", seed=1)
+    convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt", "--ep", 2)
+    ok = subprocess.run([sys.executable, "tools/check_conversion.py", "--hf", str(model), "--ckpt",
+                         str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    report = json.loads([line for line in ok.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["max_abs_logit_diff"] <= 1e-4 and abs(report["kl_per_token"]) <= 1e-6
+    assert "check_conversion: PASS" in ok.stdout
+    other = make_hf_model(tmp_path / "other", "qwen3_moe", seed=2)  # same shapes, other weights
+    bad = subprocess.run([sys.executable, "tools/check_conversion.py", "--hf", str(other), "--ckpt",
+                          str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "check_conversion: FAIL" in bad.stdout
+    # inspect: the same parameters counted from the HF headers and from the dist checkpoint's metadata
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", ROOT / "tools/inspect_checkpoint.py")
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    lines = {}
+    for kind, path in (("hf", model), ("mcore", tmp_path / "ckpt")):
+        assert inspect.main([str(path)]) == 0
+        lines[kind] = capsys.readouterr().out.splitlines()
+    numel = sum(t.numel() for t in __import__("safetensors.torch").torch.load_file(str(model / "model.safetensors")).values())
+    for kind, out in lines.items():
+        summary = next(line for line in out if line.startswith(f"{kind} checkpoint"))
+        assert f"{numel:,} parameters" in summary and "(2 of 4 experts)" in summary, summary
+    assert "model.layers.0.mlp.experts.3.down_proj.weight  [128, 48]  float32" in lines["hf"]
+    assert "saved at tensor parallel 1 (linear_qkv in 1 row block(s) per layer)" in lines["mcore"]
+    assert any("checked for layout {'tp': 1, 'pp': 1, 'ep': 2" in line for line in lines["mcore"])

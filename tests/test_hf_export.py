@@ -1,7 +1,8 @@
 """A run ends with a model you can use: the policy exported as an HF checkpoint."""
 
-from conftest import run_script
 from hf_models import make_hf_model
+
+from conftest import run_script
 
 
 def test_exported_policy_gives_the_trainers_logprobs_in_transformers(tmp_path):
