@@ -217,3 +217,14 @@ def test_check_conversion_and_inspect(tmp_path, capsys):
     assert "model.layers.0.mlp.experts.3.down_proj.weight  [128, 48]  float32" in lines["hf"]
     assert "saved at tensor parallel 1 (linear_qkv in 1 row block(s) per layer)" in lines["mcore"]
     assert any("checked for layout {'tp': 1, 'pp': 1, 'ep': 2" in line for line in lines["mcore"])
+
+
+def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
+    """Hub checkpoints are bf16: stored as bf16 in the dist checkpoint, and back bit for bit."""
+    model = make_hf_model(tmp_path / "model", "qwen2_moe", seed=1, dtype=torch.bfloat16)
+    convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt")
+    convert("mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "back")
+    original, back = safetensors_bytes(model), safetensors_bytes(tmp_path / "back")
+    assert back == original and {d for d, _, _ in back.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (tmp_path / "back" / "tokenizer.json").is_file() and (tmp_path / "back" / "generation_config.json").is_file()

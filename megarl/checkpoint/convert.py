@@ -111,6 +111,15 @@ def _shard_list(entries: dict) -> list:
     return [v for v in nested_values(applied) if isinstance(v, ShardedTensor)]
 
 
+def _with_data(entry, tensor: torch.Tensor):
+    """A skeleton entry (ShardedTensor or factory) holding ``tensor`` (its dtype, not the skeleton's)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return dataclasses.replace(entry, data=tensor, dtype=tensor.dtype)
+    return dataclasses.replace(entry, data=tensor)
+
+
 def _tensor_entries(raw: dict) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -204,7 +213,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
 
     def load_group(g: tuple) -> dict:
         full = hf_to_megatron({n: src.read(n) for n in by_group[g]}, cfg)
-        real = {n: dataclasses.replace(e, data=full[n]) for n, e in tensors.items() if group_of(n) == g}
+        real = {n: _with_data(e, full[n]) for n, e in tensors.items() if group_of(n) == g}
         return {(st.key, tuple(st.global_offset)): st.data for st in _shard_list(real)}
 
     def resolve(item):
@@ -357,7 +366,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     try:
         for g in groups:
             loaded = {n: torch.empty(e.data.shape, dtype=stored[n]) for n, e in raw.items() if group_of(n) == g}
-            request = {n: dataclasses.replace(e, data=loaded[n]) for n, e in raw.items() if group_of(n) == g}
+            request = {n: _with_data(e, loaded[n]) for n, e in raw.items() if group_of(n) == g}
             _read_dcp(ckpt, [(st.key, st.global_offset, (1,) * st.prepend_axis_num + tuple(st.local_shape),
                               st.data.view((1,) * st.prepend_axis_num + tuple(st.local_shape)))
                              for st in _shard_list(request)])
@@ -369,8 +378,9 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         writer.finish()
         bar.close()
         copy_aux_files(hf_config, tmp)
-        if dtype is not None:
-            _set_config_dtype(tmp / "config.json", dtype)
+        written = {d for _, _, d in plan}
+        if len(written) == 1:  # the config says what the weights are
+            _set_config_dtype(tmp / "config.json", written.pop())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
