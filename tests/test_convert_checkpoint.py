@@ -146,12 +146,15 @@ def test_errors_name_the_problem_before_any_output(tmp_path, capsys):
     fails(tmp_path, capsys, to_mcore, "rope_scaling.rope_type 'dynamic'")
 
 
-def test_output_directory_in_use_is_refused(tmp_path):
+def test_output_directory_in_use_is_refused(tmp_path, capsys):
     model = make_hf_model(tmp_path / "model", "qwen3", seed=1)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "metadata.json").write_text("{}")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    proc = convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "out", check=False)
-    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    for args in (["hf-to-mcore", "--hf", model], ["mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--hf-config", model]):
+        assert tool().main([str(a) for a in [*args, "--out", tmp_path / "out"]]) == 2
+        assert "exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 

@@ -146,9 +146,13 @@ def _publish(tmp: Path, out: Path) -> Path:
     return out
 
 
-def _fresh_tmp(out: Path) -> Path:
-    if out.exists() and any(out.iterdir()):
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another --out")
+
+
+def _fresh_tmp(out: Path) -> Path:
+    _check_out(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -163,6 +167,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     hf_dir, out = Path(hf_dir), Path(out)
+    if not dry_run:
+        _check_out(out)
     cfg = read_hf_config(hf_dir)
     layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 0, "vpp": 1, **(layout or {})}
     check_layout(cfg, **layout)
@@ -332,6 +338,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
                 log: Callable[[str], None] = print) -> dict:
     """Convert a megatron dist checkpoint (converted, or a run's at any layout) into HF safetensors."""
     ckpt, out = Path(ckpt), Path(out)
+    if not dry_run:
+        _check_out(out)
     if not (ckpt / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a megatron dist checkpoint (no metadata.json)")
     hf_config = Path(hf_config) if hf_config else ckpt / "hf"
