@@ -31,8 +31,10 @@ SPECS = {
 }
 
 
-def make_hf_model(path: str | Path, name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    """Write the tiny model ``name`` of ``SPECS`` with transformers into ``path``."""
+def make_hf_model(path: str | Path, name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  max_shard_size: str | None = None, **overrides) -> Path:
+    """Write the tiny model ``name`` of ``SPECS`` with transformers into ``path`` (in shards with an
+    index when ``max_shard_size`` is given, as hub checkpoints are)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megarl.models.tiny import build_tokenizer
@@ -46,6 +48,6 @@ def make_hf_model(path: str | Path, name: str, seed: int = 0, dtype: torch.dtype
             if "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_tokenizer(cfg.vocab_size).save_pretrained(path)
     return path

@@ -223,8 +223,10 @@ def test_check_conversion_and_inspect(tmp_path, capsys):
 
 
 def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
-    """Hub checkpoints are bf16: stored as bf16 in the dist checkpoint, and back bit for bit."""
-    model = make_hf_model(tmp_path / "model", "qwen2_moe", seed=1, dtype=torch.bfloat16)
+    """Hub checkpoints are bf16 and sharded with an index: stored as bf16 in the dist checkpoint, and
+    back bit for bit."""
+    model = make_hf_model(tmp_path / "model", "qwen2_moe", seed=1, dtype=torch.bfloat16, max_shard_size="300KB")
+    assert len(list(model.glob("model-*.safetensors"))) > 1 and (model / "model.safetensors.index.json").is_file()
     convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt")
     convert("mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "back")
     original, back = safetensors_bytes(model), safetensors_bytes(tmp_path / "back")
