@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from megarl.checkpoint.hf_export import export_policy
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.engines.memory import handover
@@ -106,6 +107,7 @@ def run(cfg: RunConfig) -> dict:
         metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
+        export_policy(s, steps)  # every train.export_hf_every steps
         if keeper.end_of_step(steps):  # checkpoint every train.save_every steps; preemption, faults
             break
     result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
@@ -114,6 +116,7 @@ def run(cfg: RunConfig) -> dict:
         s.logger.close()
         return {**result, "pass_at_1_after": float("nan")}
     keeper.finish(steps)
+    export_policy(s, steps, final=True)  # run_dir/hf/step_N
     after = evaluate(s)
     s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
     s.logger.close()

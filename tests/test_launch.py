@@ -26,3 +26,4 @@ def test_train_with_two_processes(tmp_path, layout):
     assert "warmup 3/3 | nll " in out and "nll nan" not in out  # rank 0 reports the last stage's loss
     assert out.count("step 1/2 |") == 1  # one console line per step (rank 0 only)
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "run" / "hf" / "step_2" / "model.safetensors").is_file()  # the end-of-run HF export

@@ -264,14 +264,15 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
     from megarl.algo.curriculum import CurriculumSource, PassRateTracker
     from megarl.checkpoint.session_state import IndexedSource, apply, capture
     from megarl.data.addition import AdditionTask
+    from megarl.data.source import AdditionSource
     from megarl.models.tiny import build_tokenizer
-    from megarl.rollout.scoring import pool_prompt_source, task_prompt_source
+    from megarl.rollout.scoring import PromptFeed, pool_prompt_source
 
-    tokenizer = build_tokenizer(32)
+    tokenizer = build_tokenizer()
 
     def session(pool_size):
         task = AdditionTask(4, 1.0, seed=1, eval_size=5)
-        stateful, source = {}, task_prompt_source(task, tokenizer)
+        stateful, source = {}, PromptFeed(AdditionSource(task, tokenizer))
         if pool_size:
             pool, tracker = task.next_problems(pool_size), PassRateTracker()
             draw = CurriculumSource(pool, lambda p: p.prompt, tracker, seed=1) if curriculum else None

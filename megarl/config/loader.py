@@ -17,7 +17,7 @@ import yaml
 
 from megarl.config.presets import PRESETS
 from megarl.config.schema import TINY_FAMILIES, RunConfig
-from megarl.models.hf_config import num_experts
+from megarl.models.hf_config import check_sequence_length, num_experts
 
 
 class _Loader(yaml.SafeLoader):
@@ -224,6 +224,10 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
             f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
             f"max_position_embeddings ({hf['max_position_embeddings']})"
         )
+    try:
+        check_sequence_length(hf, cfg.engine.max_model_len, f"{cfg.model.path}/config.json")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _validate_data_reward_eval(cfg: RunConfig) -> None:

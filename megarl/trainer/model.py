@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megarl.models.hf_config import is_moe_layer, num_experts, rope_theta
+from megarl.models.hf_config import check_model_math, is_moe_layer, num_experts, rope_parameters
 from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.weight_sync.sharding import (
@@ -24,6 +25,7 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
     """megatron-core TransformerConfig for an HF config and a parallel layout."""
     from megatron.core.transformer import TransformerConfig
 
+    check_model_math(cfg)
     heads = cfg["num_attention_heads"]
     experts = num_experts(cfg)
     moe = {}
@@ -57,6 +59,9 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         add_bias_linear=False,
         add_qkv_bias=cfg["model_type"] in ("qwen2", "qwen2_moe"),
         qk_layernorm=cfg["model_type"] in ("qwen3", "qwen3_moe"),
+        # YaRN scales cos and sin by its attention factor m: q·k grows by m², folded into the softmax scale.
+        softmax_scale=yarn_rope(cfg)[1] ** 2 / math.sqrt(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        if rope_parameters(cfg)["rope_type"] == "yarn" else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -174,10 +179,56 @@ def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, transformer
         vp_stage=vp_stage if ps.vpp > 1 else None,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=int(rope_theta(cfg)),
+        rotary_base=rope_parameters(cfg)["rope_theta"],
+        seq_len_interpolation_factor=linear_rope_factor(cfg),
     )
+    scale_rope(model.rotary_pos_emb, cfg)
     mark_tensor_parallel_params(model, ps)
     return model
+
+
+def linear_rope_factor(cfg: dict) -> float | None:
+    """``linear`` RoPE scaling (positions divided by ``factor``) is megatron's sequence interpolation."""
+    rope = rope_parameters(cfg)
+    return float(rope["factor"]) if rope["rope_type"] == "linear" else None
+
+
+def yarn_rope(cfg: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor as transformers computes them, from
+    megatron-core's YaRN helpers. (megatron's ``YarnRotaryEmbedding`` itself moves its tables to
+    CUDA and GPTModel drops its attention factor outside MLA, so it is not used directly.)"""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_find_correction_range,
+        _yarn_get_concentration_factor,
+        _yarn_linear_ramp_mask,
+    )
+
+    rope = rope_parameters(cfg)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base, original = rope["rope_theta"], rope["original_max_position_embeddings"]
+    factor = float(rope.get("factor") or cfg["max_position_embeddings"] / original)
+    extra = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    low, high = _yarn_find_correction_range(rope.get("beta_fast") or 32, rope.get("beta_slow") or 1, dim, base,
+                                            original, rope.get("truncate", True))
+    keep = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device="cpu")
+    inv_freq = extra / factor * (1 - keep) + extra * keep
+    attention = rope.get("attention_factor") or _yarn_get_concentration_factor(
+        factor, rope.get("mscale") or None, rope.get("mscale_all_dim") or None)
+    return inv_freq, float(attention)
+
+
+def scale_rope(rotary: torch.nn.Module, cfg: dict) -> None:
+    """Put the HF config's RoPE scaling into megatron's rotary embedding (``llama3``: megatron's own
+    frequency scaling with the config's factors; ``yarn``: its frequencies; ``linear`` is set at
+    construction). ``check_model_math`` has refused every other type."""
+    rope = rope_parameters(cfg)
+    if rope["rope_type"] == "llama3":
+        rotary.inv_freq = rotary._apply_scaling(
+            rotary.inv_freq, factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif rope["rope_type"] == "yarn":
+        rotary.inv_freq = yarn_rope(cfg)[0].to(rotary.inv_freq.device)
 
 
 def mark_tensor_parallel_params(model: torch.nn.Module, ps: ParallelState) -> None:
@@ -211,6 +262,8 @@ def load_hf_weights(modules: list[torch.nn.Module], model_dir: str | Path, cfg: 
     """Copy an HF checkpoint into this rank's shards of its model chunks (one per virtual stage);
     every parameter (but ``skip``) must be covered."""
     full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
+    if cfg.get("tie_word_embeddings"):  # the last stage's output layer is the embedding (one HF tensor)
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     for vp_stage, model in enumerate(modules):
         mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords(vp_stage))
         params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}

@@ -148,7 +148,11 @@ class PolicyTrainer:
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
         chunk = self.chunk
-        output_weight = self.modules[-1].output_layer.weight if chunk and self.ps.is_last_stage else None
+        last = self.modules[-1]
+        output_weight = None
+        if chunk and self.ps.is_last_stage:  # tied: the embedding (PP = 1) or its last-stage copy
+            output_weight = (last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights
+                             else last.output_layer.weight)
 
         def forward_step(data_iter, model):
             mb = dict(next(data_iter))

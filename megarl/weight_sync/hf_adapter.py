@@ -115,7 +115,12 @@ def qkv_from_megatron(qkv: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch
 
 
 def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full Megatron tensors (global layer / expert indices) → HF (name, tensor) pairs."""
+    """Full Megatron tensors (global layer / expert indices) → HF (name, tensor) pairs.
+
+    Tied embeddings (``tie_word_embeddings``): the output layer (the last pipeline stage's copy of
+    the embedding) is not exported; HF and vLLM keep the one embedding tensor."""
+    if cfg.get("tie_word_embeddings"):
+        named = ((name, t) for name, t in named if name != "output_layer.weight")
     pairs = _megatron_to_qwen_names(named, cfg)
     if cfg.get("model_type") == "mixtral":
         return ((_to_mixtral(name), t) for name, t in pairs)
@@ -160,6 +165,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Te
     """An HF state dict → full Megatron tensors with global layer / expert indices."""
     if cfg.get("model_type") == "mixtral":
         hf = {_from_mixtral(name): t for name, t in hf.items()}
+    if cfg.get("tie_word_embeddings"):  # a tied checkpoint's lm_head, where present, is the embedding
+        hf = {name: t for name, t in hf.items() if name != "lm_head.weight"}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, torch.Tensor] = {}
     for name, t in hf.items():

@@ -1,0 +1,48 @@
+"""The end-of-run HF export of a trained policy, loaded back by transformers.
+
+    python tests/export_checks.py MODEL_DIR WORK
+
+Trains one step on a fixed batch, exports the policy with ``export_hf`` (100 KB shards, so
+there are several and an index), and prints the trainer's logprobs of the batch next to those
+transformers computes from the export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main(model_dir: str, work: str) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parallel_checks import build_trainer, fixed_batch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo.losses import nll_loss
+    from megarl.checkpoint.hf_export import export_hf
+    from megarl.config.schema import OptimConfig
+
+    _, cfg, trainer = build_trainer("single", model_dir, OptimConfig(lr=3e-3, micro_batch_size=4))
+    batch = fixed_batch(cfg["vocab_size"], seq=40)
+    trainer.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
+    ours = trainer.logprobs(batch)
+    out = export_hf(trainer, model_dir, os.path.join(work, "hf", "step_1"), max_shard_bytes=100_000)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch.input_ids).logits
+    theirs = torch.log_softmax(logits.float(), -1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
+    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        old = torch.log_softmax(before(batch.input_ids).logits.float(), -1)
+    old = old.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
+    mask = batch.loss_mask
+    print(json.dumps({"gap": float(((ours - theirs).abs() * mask).max()),
+                      "moved": float(((old - theirs).abs() * mask).max()),
+                      "files": sorted(os.listdir(out))}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Convert between HF safetensors and megatron dist checkpoints, streaming layer by layer.
+
+    # HF → megatron (checked for the layout you will train at; loads at any layout)
+    python tools/convert_checkpoint.py hf-to-mcore --hf /models/Qwen2.5-32B --out ckpt/q32b --tp 8 --pp 2
+    # a run's checkpoint (any layout it was saved at) or a converted one → HF
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt runs/x/ckpt/step_100 --out hf/x \
+        --hf-config /models/Qwen2.5-32B --dtype bf16
+    # print the plan (tensors, shapes, dtypes, target files, bytes), write nothing
+    python tools/convert_checkpoint.py hf-to-mcore --hf /models/Qwen3-30B-A3B --out ckpt/a3b --ep 8 --dry-run
+
+Peak memory is about one layer (hf-to-mcore) or one layer plus one output shard (mcore-to-hf),
+not the model. Output goes to OUT.tmp and is renamed to OUT when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors directory → megatron dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    for flag in ("tp", "pp", "ep", "vpp"):
+        a.add_argument(f"--{flag}", type=int, default=1, help=f"training layout to check ({flag.upper()})")
+    a.add_argument("--etp", type=int, default=0, help="expert tensor parallel (0: = tp)")
+    b = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint → HF safetensors directory")
+    b.add_argument("--ckpt", required=True, help="dist checkpoint directory (has metadata.json)")
+    b.add_argument("--hf-config", default=None, help="HF directory with config.json and tokenizer "
+                   "(default: CKPT/hf, written by hf-to-mcore)")
+    b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output safetensors file")
+    for p in (a, b):
+        p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+        p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                       help="store tensors in this dtype (default: as the source)")
+        p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    warnings.filterwarnings("ignore")
+    from megarl.checkpoint.convert import DTYPE_NAMES, hf_to_mcore, mcore_to_hf
+
+    dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
+    try:
+        if args.direction == "hf-to-mcore":
+            layout = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp")}
+            hf_to_mcore(args.hf, args.out, layout, dtype, args.dry_run)
+        else:
+            mcore_to_hf(args.ckpt, args.out, args.hf_config, dtype, int(args.max_shard_gb * 2**30), args.dry_run)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as exc:
+        print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # the dist-checkpoint reader/writer needs the guard
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""List a checkpoint's tensors (HF safetensors directory or megatron dist checkpoint) and sum it up.
+
+    python tools/inspect_checkpoint.py /models/Qwen3-30B-A3B
+    python tools/inspect_checkpoint.py runs/x/ckpt/step_100 --hf-config /models/Qwen3-30B-A3B --summary
+
+Prints name, shape and dtype of each tensor (reading headers and metadata only, no weights),
+then the total size, the parameter count (total, and active per token for MoE: the routed
+experts count ``num_experts_per_tok / num_experts``), and for a dist checkpoint the layout it
+was saved at as far as its chunks tell (tensor parallel from the split of ``linear_qkv``; a
+converted checkpoint records the layout it was checked for) and whether it holds optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+_EXPERT = re.compile(r"\.experts\.(\d+\.)?|\.experts\.experts\.")
+
+
+def tensors_of(path: Path) -> tuple[str, dict]:
+    """('hf' | 'mcore', name → (shape, dtype name))."""
+    if (path / "metadata.json").is_file():
+        from megarl.checkpoint.convert import saved_tensors
+
+        return "mcore", {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+                         for k, v in saved_tensors(path).items()}
+    from megarl.checkpoint.hf_files import HFCheckpoint
+
+    ckpt = HFCheckpoint(path)
+    return "hf", {k: (shape, str(dtype).removeprefix("torch.")) for k, (_, dtype, shape, _, _) in ckpt.entries.items()}
+
+
+def count(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="HF directory or megatron dist checkpoint directory")
+    parser.add_argument("--hf-config", default=None, help="config.json directory (for active parameters of MoE)")
+    parser.add_argument("--summary", action="store_true", help="only the summary, not every tensor")
+    args = parser.parse_args(argv)
+    path = Path(args.path)
+    try:
+        kind, tensors = tensors_of(path)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"inspect_checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    model = {k: v for k, v in tensors.items() if not k.startswith(("optimizer.", "chained_"))}
+    if not args.summary:
+        for name, (shape, dtype) in sorted(model.items()):
+            print(f"{name}  {list(shape)}  {dtype}")
+    size = sum(count(s) * getattr(torch, d).itemsize for s, d in model.values())
+    total = sum(count(s) for s, _ in model.values())
+    expert = sum(count(s) for k, (s, _) in model.items() if _EXPERT.search(k) and "shared_expert" not in k)
+    cfg_dir = Path(args.hf_config) if args.hf_config else (path / "hf" if kind == "mcore" else path)
+    cfg = json.loads((cfg_dir / "config.json").read_text()) if (cfg_dir / "config.json").is_file() else {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    active = total - expert + (expert * cfg["num_experts_per_tok"] // experts if experts else 0)
+    print(f"{kind} checkpoint {path}: {len(model)} tensors, {size / 2**30:.3f} GiB, {total:,} parameters"
+          + (f", {active:,} active per token ({cfg['num_experts_per_tok']} of {experts} experts)" if experts else ""))
+    if kind == "mcore":
+        qkv = [k for k in tensors if k.endswith("linear_qkv.weight")]
+        if qkv:
+            from megarl.checkpoint.convert import saved_tensors
+
+            chunks = saved_tensors(path)[qkv[0]].chunks
+            tp = len({c.offsets[1] for c in chunks})
+            print(f"saved at tensor parallel {tp} (linear_qkv in {tp} row block(s) per layer)")
+        conv = path / "megarl_conversion.json"
+        if conv.is_file():
+            info = json.loads(conv.read_text())
+            print(f"converted from {info['from_hf']}; checked for layout {info['layout']} (stored unsharded)")
+        optimizer = len(tensors) - len(model)
+        print(f"optimizer state: {optimizer} tensors" if optimizer else "optimizer state: none (model only)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
