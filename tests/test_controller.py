@@ -51,9 +51,12 @@ def test_no_prompt_lost_or_duplicated(mode):
     ctrl, produced = make(mode, heavy_lengths(30))
     released = [g.prompt_index for _, groups, _ in run(ctrl, 25) for g in groups]
     assert len(released) == len(set(released))
-    live, requeued = set(ctrl.live), {item.index for item, _ in ctrl.requeued}
-    assert not (live & requeued) and not (set(released) & (live | requeued))
-    assert set(released) | live | requeued == set(produced)
+    live = set(ctrl.live)
+    requeued = {item.index for item, _, _ in ctrl.requeued}
+    long = {item.index for item, _, _ in ctrl.long_queue}
+    assert not (live & requeued) and not (long & (live | requeued))
+    assert not (set(released) & (live | requeued | long))
+    assert set(released) | live | requeued | long == set(produced)
 
 
 @pytest.mark.parametrize("mode", ["sync", "on_policy", "partial"])
