@@ -222,15 +222,18 @@ class RolloutController(PromptBuffer):
             report: StepReport = self.engines[k].step()
             times[k] += report.elapsed
             m.slot_time_busy += report.active * report.elapsed
+            live, slot_time = self.live, self.slot_time
             for ev in report.events:
-                index, j = running[ev.request_id]
-                s = self.live[index].samples[j]
+                key = running[ev.request_id]
+                index, j = key
+                s = live[index].samples[j]
+                n = len(ev.token_ids)
                 s.response_ids += ev.token_ids
                 s.logprobs += ev.logprobs
-                s.versions += [version] * len(ev.token_ids)
-                self.slot_time[(index, j)] += report.elapsed  # it held a slot for the whole step
-                phase_tokens += len(ev.token_ids)
-                m.tokens_generated += len(ev.token_ids)
+                s.versions += [version] * n
+                slot_time[key] = slot_time.get(key, 0.0) + report.elapsed  # it held a slot for the whole step
+                phase_tokens += n
+                m.tokens_generated += n
                 if ev.finished:
                     del running[ev.request_id], engine_of[ev.request_id]
                     s.finish_reason = ev.finish_reason
