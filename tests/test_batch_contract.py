@@ -153,6 +153,19 @@ def test_state_dict_round_trip_with_the_long_queue():
         assert [g.prompt_index for g in a] == [g.prompt_index for g in b] and ma.summary() == mb.summary()
 
 
+def test_paper_workload_contract():
+    """The paper workload, 6 steps: 64 groups every step in every mode; partial ≤ 1% bubble, shorter phases."""
+    lengths = paper_workload(0, 512, 8, 16384)
+    s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=6,
+                    staleness_limit=4)
+    sync, partial = simulate(lengths, "sync", s), simulate(lengths, "partial", s)
+    for out in (sync, partial):
+        assert out["groups_per_step_min"] == out["groups_per_step_max"] == 64
+    assert abs(sync["bubble_ratio"] - 0.76) <= 0.03
+    assert partial["bubble_ratio"] <= 0.01 and partial["phase_s_max"] <= sync["phase_s_max"]
+    assert partial["useful_tokens_per_s"] > 2 * sync["useful_tokens_per_s"]
+
+
 @pytest.mark.slow
 def test_paper_workload_targets():
     """The issue's targets on the paper workload (tools/simulate_rollout.py --workload sortedrl-paper)."""
