@@ -154,9 +154,9 @@ def test_state_dict_round_trip_with_the_long_queue():
 
 
 def test_paper_workload_contract():
-    """The paper workload, 6 steps: 64 groups every step in every mode; partial ≤ 1% bubble, shorter phases."""
+    """The paper workload, 4 steps: 64 groups every step in every mode; partial ≤ 1% bubble, shorter phases."""
     lengths = paper_workload(0, 512, 8, 16384)
-    s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=6,
+    s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=4,
                     staleness_limit=4)
     sync, partial = simulate(lengths, "sync", s), simulate(lengths, "partial", s)
     for out in (sync, partial):

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-discards", type=int)
     p.add_argument("--max-update-groups", type=int, help="the update-batch bound (default: prompts per step)")
     p.add_argument("--buffer-samples", type=int, help="admission budget in unfinished samples (default: none)")
+    p.add_argument("--prompts", type=int, help="prompts in a built-in workload's trace (default: 512 or 4096)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -71,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "sortedrl-paper":
         s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=16,
                         staleness_limit=4)
-        lengths = paper_workload(args.seed, 512, s.group_size, s.max_tokens)
+        lengths = paper_workload(args.seed, args.prompts or 512, s.group_size, s.max_tokens)
     elif args.workload == "lognormal":
         s = SimSettings(group_size=8, engines=8, slots=256, prompts_per_step=512, max_tokens=8192, steps=4)
-        lengths = lognormal_workload(args.seed, 4096, s.group_size, s.max_tokens)
+        lengths = lognormal_workload(args.seed, args.prompts or 4096, s.group_size, s.max_tokens)
     else:
         lengths = read_lengths(args.lengths)
     for name in ("group_size", "engines", "slots", "prompts_per_step", "max_tokens", "step_time_model", "steps",
