@@ -16,7 +16,8 @@ from megarl.rollout.simulated import SimulatedEngine, StepTimeModel
 from megarl.rollout.simulator import SimSettings, lognormal_workload, paper_workload, simulate
 
 G = 4
-VARIANTS = [("sync", {}), ("on_policy", {}), ("on_policy", {"long_rounds": True}), ("partial", {"staleness_limit": 2})]
+VARIANTS = [("sync", {}), ("on_policy", {"long_rounds": False}), ("on_policy", {"long_rounds": True}),
+            ("partial", {"staleness_limit": 2})]
 IDS = ["sync", "on_policy-drain", "on_policy-long_rounds", "partial"]
 
 
@@ -174,6 +175,7 @@ def test_paper_workload_targets():
                     staleness_limit=4)
     sync, partial = simulate(lengths, "sync", s), simulate(lengths, "partial", s)
     on_policy = simulate(lengths, "on_policy", SimSettings(**{**vars(s), "long_rounds": True}))
+    assert on_policy["long_rounds"] >= 1
     for out in (sync, on_policy, partial):
         assert out["groups_per_step_min"] == out["groups_per_step_max"] == 64
     assert partial["bubble_ratio"] <= 0.01 and partial["phase_s_max"] <= sync["phase_s_max"]

@@ -27,13 +27,14 @@ discarded and re-queued (on-policy: its tokens are counted as waste).
 
 On-policy starvation guard (a prompt discarded ``max_discards`` times), one of:
 
-- drain (default): the next phase pins it — admitted and dispatched first, with a
-  reserved place in the batch; once the other groups fill the rest, admission stops,
-  the unpinned samples are aborted, and the phase drains the pinned ones;
-- long rounds (``long_rounds``, RollPacker's tail batching): it waits in a long-prompt
-  queue; once that holds U prompts (or its oldest waited ``LONG_WAIT`` phases, or the
-  source is dry) the next phase is a long round: those prompts (topped up to U)
-  run to completion, longest first, with no early termination.
+- long rounds (``long_rounds``, the default; RollPacker's tail batching): it waits in
+  a long-prompt queue; once that holds U prompts (or its oldest was first admitted
+  ``LONG_WAIT`` phases ago, or the source is dry) the next phase is a long round: those
+  prompts (topped up to U) run to completion, longest first, with no early termination;
+- drain (``long_rounds=False``): the next phase pins it — admitted and dispatched
+  first, with a reserved place in the batch; once the other groups fill the rest,
+  admission stops, the unpinned samples are aborted, and the phase drains the pinned
+  ones (its cost: the bubble while draining, ``drain_s``).
 
 Lifecycle of a sample::
 
@@ -94,7 +95,7 @@ class ControllerConfig:
     release_cap: int = 0  # dynamic sampling: also end once this many groups were released, useful or not (0: off)
     dispatch: str = "pull"  # 'pull' (FIFO) | 'lpt' (longest first, when lengths are known)
     max_update_groups: int = 0  # M: the most useful groups one phase releases (0: U)
-    long_rounds: bool = False  # on-policy: tail batching (long rounds) instead of the drain guard (other modes: unused)
+    long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard (other modes: unused)
     buffer_samples: int = 0  # unfinished samples live at most when admitting for free slots (0: no bound)
 
     @property

@@ -31,7 +31,7 @@ class SimSettings:
     staleness_limit: int = 2
     max_discards: int = 2
     dispatch: str = "pull"
-    long_rounds: bool = False  # on-policy: tail batching instead of the drain guard
+    long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard
     buffer_samples: int = 0  # admission budget in unfinished samples (0: every free slot gets a sample)
     max_update_groups: int = 0  # the update-batch bound (0: prompts_per_step)
     max_chunk: int = 32  # decode steps one simulated engine step may advance (engines stay this close in time)
