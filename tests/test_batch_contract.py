@@ -181,3 +181,16 @@ def test_paper_workload_targets():
     assert partial["bubble_ratio"] <= 0.01 and partial["phase_s_max"] <= sync["phase_s_max"]
     assert on_policy["bubble_ratio"] <= 0.15
     assert partial["useful_tokens_per_s"] > 2 * sync["useful_tokens_per_s"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.max_update_groups=3", r"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step \(32\), got 3"),
+    ("rollout.buffer_samples=-1", r"rollout.buffer_samples must be >= 0, got -1"),
+])
+def test_bad_rollout_bounds_are_config_errors(override, message):
+    from megarl.config import ConfigError, load_config, validate
+
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 1)
+    validate(load_config(None, ["rollout.max_update_groups=40", "rollout.long_rounds=false"]), 1)
