@@ -23,3 +23,8 @@ def test_each_step_trains_exactly_prompts_per_step_groups(loop, mode):
 
 def test_groups_released_reaches_tensorboard(loop):
     assert loop["tb_groups_released"] == [3.0] * 9
+
+
+def test_the_bound_was_exercised(loop):
+    """Groups completed past the update batch (held or discarded) instead of enlarging it."""
+    assert sum(m["rollout/groups_over_bound"] for mode in ("on_policy", "partial") for m in loop[mode]) >= 1
