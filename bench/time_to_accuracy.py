@@ -16,7 +16,7 @@ last evaluation at or before it) and at equal samples (likewise, in trained
 samples), per mode. RL seconds count generation + training + weight sync, not the
 evaluations.
 
-    .venv/bin/python bench/time_to_accuracy.py [--budget 120] [--eval-every 4]
+    .venv/bin/python bench/time_to_accuracy.py [--budget 60] [--eval-every 3]
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ def at(points: list[dict], key: str, limit: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", type=float, default=120.0, help="RL wall-clock seconds per mode")
-    p.add_argument("--eval-every", type=int, default=4, help="steps between evaluations")
-    p.add_argument("--eval-size", type=int, default=64, help="held-out prompts per evaluation")
+    p.add_argument("--budget", type=float, default=60.0, help="RL wall-clock seconds per mode")
+    p.add_argument("--eval-every", type=int, default=3, help="steps between evaluations")
+    p.add_argument("--eval-size", type=int, default=48, help="held-out prompts per evaluation")
     p.add_argument("--max-digits", type=int, default=9, help="largest operand (the demo: 6)")
     p.add_argument("--tail-alpha", type=float, default=0.7, help="power-law exponent of operand sizes (the demo: 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=120)
     p.add_argument("--prompts-per-step", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=150)
+    p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("overrides", nargs="*", help="more key=value settings for every mode")
     args = p.parse_args()
