@@ -65,12 +65,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=float, default=60.0, help="RL wall-clock seconds per mode")
     p.add_argument("--eval-every", type=int, default=3, help="steps between evaluations")
-    p.add_argument("--eval-size", type=int, default=48, help="held-out prompts per evaluation")
-    p.add_argument("--max-digits", type=int, default=9, help="largest operand (the demo: 6)")
-    p.add_argument("--tail-alpha", type=float, default=0.7, help="power-law exponent of operand sizes (the demo: 1.0)")
+    p.add_argument("--eval-size", type=int, default=32, help="held-out prompts per evaluation")
+    p.add_argument("--max-digits", type=int, default=7, help="largest operand (the demo: 6)")
+    p.add_argument("--tail-alpha", type=float, default=0.8, help="power-law exponent of operand sizes (the demo: 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=120)
     p.add_argument("--prompts-per-step", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--warmup-steps", type=int, default=300, help="the demo's warm-up")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("overrides", nargs="*", help="more key=value settings for every mode")
     args = p.parse_args()
@@ -101,6 +101,9 @@ def main() -> int:
     before = {m: c[0]["pass_at_1"] for m, c in results.items()}
     if len(set(before.values())) != 1:
         print(f"warning: warm starts differ: pass@1 before RL {before}", file=sys.stderr)
+    if not any(before.values()):
+        print("warning: pass@1 before RL is 0: the warm start is too weak for a reward signal (more --warmup-steps)",
+              file=sys.stderr)
     t_eq = min(c[-1]["rl_s"] for c in results.values())
     n_eq = min(c[-1]["samples"] for c in results.values())
     summary = {m: {"pass_at_1_before": before[m], "final": c[-1], f"pass_at_1_at_{t_eq:.0f}s": at(c, "rl_s", t_eq),
