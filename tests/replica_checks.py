@@ -63,7 +63,7 @@ def main(run_dir: str, *overrides: str) -> None:
             gaps.append(m.get("sync/logprob_gap"))
         released = set(s.controller.released)
         live = set(s.controller.live)
-        requeued = {item.index for item, _ in s.controller.requeued}
+        requeued = {item.index for q in (s.controller.requeued, s.controller.long_queue) for item, *_ in q}
         # an interrupted sync, then a full one, checked on every replica
         vocab = s.hf_cfg["vocab_size"]
         g = torch.Generator().manual_seed(5)

@@ -77,9 +77,9 @@ def final_state(run_dir):
 
 
 def no_prompt_lost_or_twice(state):
-    """Every drawn prompt is in exactly one of: live (buffer), re-queued, released (trained)."""
+    """Every drawn prompt is in exactly one of: live (buffer), re-queued (or the long-prompt queue), released."""
     c = state["controller"]
-    live, requeued, released = set(c["live"]), [item.index for item, _ in c["requeued"]], c["released"]
+    live, requeued, released = set(c["live"]), [item.index for item, *_ in [*c["requeued"], *c.get("long_queue", [])]], c["released"]
     everything = sorted([*live, *requeued, *released])
     assert everything == list(range(state["source"]["drawn"])), "a prompt was lost or is held twice"
 

@@ -2,11 +2,15 @@
 """Simulate K engines × S slots under sync, on-policy and partial rollout, with the real controller.
 
     python tools/simulate_rollout.py --workload sortedrl-paper
+    python tools/simulate_rollout.py --workload lognormal --engines 64 --mode partial
     python tools/simulate_rollout.py --lengths trace.txt --group-size 8 --engines 2 --slots 32 \\
         --prompts-per-step 8 --max-tokens 4096 --step-time-model constant --mode sync
 
-Prints one JSON object per mode, one per line: mode, bubble_ratio, tokens_per_s,
-useful_tokens_per_s, wasted_token_fraction, eta_gen, steps, samples_trained, …
+Prints one JSON object per mode, one per line: mode (and for on-policy its starvation
+guard: long_rounds or drain), bubble_ratio, tokens_per_s, useful_tokens_per_s,
+wasted_token_fraction, eta_gen, groups_per_step_mean/max (the update batch),
+phase_s_mean/max, wait_phases_max (starvation), steps, samples_trained, …
+``--mode all`` runs sync, on-policy with each guard, and partial.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import argparse
 import json
 import sys
 
-from megarl.rollout.simulator import SimSettings, paper_workload, simulate
+from megarl.rollout.simulator import SimSettings, lognormal_workload, paper_workload, simulate
 
 
 def read_lengths(path: str) -> list[int]:
@@ -41,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="file with one generation length per line; runs of G lines form a group")
-    src.add_argument("--workload", choices=["sortedrl-paper"], help="built-in workload (512 prompts, 16K cap)")
+    src.add_argument("--workload", choices=["sortedrl-paper", "lognormal"],
+                     help="built-in workload: sortedrl-paper (512 prompts, 16K cap, 8 × 64 slots, 64 per step) or "
+                          "lognormal (4096 prompts, median 1000, σ 1, 8K cap, 8 × 256 slots, 512 per step, 4 steps)")
     p.add_argument("--group-size", type=int)
     p.add_argument("--engines", type=int)
     p.add_argument("--slots", type=int, help="concurrent sequences per engine")
@@ -53,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oversubscription", type=float, help="live groups per update group (non-sync modes)")
     p.add_argument("--staleness-limit", type=int)
     p.add_argument("--dispatch", choices=["pull", "lpt"])
+    p.add_argument("--guard", choices=["long_rounds", "drain", "both"], default="both",
+                   help="on-policy starvation guard (with --mode all or on_policy)")
+    p.add_argument("--max-discards", type=int)
+    p.add_argument("--max-update-groups", type=int, help="the update-batch bound (default: prompts per step)")
+    p.add_argument("--buffer-samples", type=int, help="admission budget in unfinished samples (default: none)")
+    p.add_argument("--prompts", type=int, help="prompts in a built-in workload's trace (default: 512 or 4096)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -60,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "sortedrl-paper":
         s = SimSettings(group_size=8, engines=8, slots=64, prompts_per_step=64, max_tokens=16384, steps=16,
                         staleness_limit=4)
-        lengths = paper_workload(args.seed, 512, s.group_size, s.max_tokens)
+        lengths = paper_workload(args.seed, args.prompts or 512, s.group_size, s.max_tokens)
+    elif args.workload == "lognormal":
+        s = SimSettings(group_size=8, engines=8, slots=256, prompts_per_step=512, max_tokens=8192, steps=4)
+        lengths = lognormal_workload(args.seed, args.prompts or 4096, s.group_size, s.max_tokens)
     else:
         lengths = read_lengths(args.lengths)
     for name in ("group_size", "engines", "slots", "prompts_per_step", "max_tokens", "step_time_model", "steps",
-                 "oversubscription", "staleness_limit", "dispatch"):
+                 "oversubscription", "staleness_limit", "dispatch", "max_discards", "max_update_groups",
+                 "buffer_samples"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
@@ -73,9 +89,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if len(lengths) % s.group_size:
         raise SystemExit(f"trace has {len(lengths)} lengths, not a multiple of --group-size {s.group_size}")
-    modes = ["sync", "on_policy", "partial"] if args.mode == "all" else [args.mode]
-    for mode in modes:
-        print(json.dumps(simulate(lengths, mode, s)), flush=True)
+    for name in ("max_update_groups", "buffer_samples"):
+        if getattr(s, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+    if s.max_update_groups and s.max_update_groups < (s.prompts_per_step or 1):
+        raise SystemExit(f"--max-update-groups must be >= --prompts-per-step ({s.prompts_per_step})")
+    guards = {"long_rounds": [True], "drain": [False], "both": [True, False]}[args.guard]
+    runs = [("sync", False)] + [("on_policy", g) for g in guards] + [("partial", False)]
+    for mode, long_rounds in runs:
+        if args.mode in ("all", mode):
+            s.long_rounds = long_rounds
+            print(json.dumps(simulate(lengths, mode, s)), flush=True)
     return 0
 
 

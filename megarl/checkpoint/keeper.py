@@ -153,7 +153,7 @@ class RunKeeper:
             except Exception as exc:  # the engine failed mid-phase
                 drawn = list(c.next_prompt.recent)
                 c.load_state_dict(pickle.loads(snapshot))
-                c.requeued.extend((item, 0) for item in drawn)
+                c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
                 self.restarts += 1
                 self.failing += 1
                 where = traceback.format_exception_only(exc)[-1].strip()

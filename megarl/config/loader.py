@@ -159,6 +159,9 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"rollout.dispatch must be 'pull' or 'lpt', got {r.dispatch!r}")
     if r.staleness_limit < 0 or r.max_discards < 1:
         raise ConfigError("rollout.staleness_limit must be >= 0 and rollout.max_discards >= 1")
+    if r.max_update_groups and r.max_update_groups < r.prompts_per_step or r.buffer_samples < 0:
+        raise ConfigError(f"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step ({r.prompts_per_step}), "
+                          f"got {r.max_update_groups}; rollout.buffer_samples must be >= 0, got {r.buffer_samples}")
     if cfg.optim.lr_decay not in ("constant", "cosine"):
         raise ConfigError(f"optim.lr_decay must be 'constant' or 'cosine', got {cfg.optim.lr_decay!r}")
     if cfg.engine.slots < 1:

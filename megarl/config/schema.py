@@ -105,6 +105,12 @@ class RolloutConfig:
     """End a phase once this many tokens were generated in it (0: off; needs one useful group)."""
     dispatch: str = "pull"
     """'pull' (FIFO) or 'lpt' (longest first once lengths from earlier epochs are known)."""
+    max_update_groups: int = 0
+    """Most groups one step trains (0: prompts_per_step); a phase still ends at prompts_per_step useful groups."""
+    long_rounds: bool = True
+    """On-policy starvation guard: tail batching (prompts discarded max_discards times run in a long round of their own); false: drain them in a pinned phase."""
+    buffer_samples: int = 0
+    """SortedRL admission budget: unfinished samples live at most while admitting for free slots (0: one per free slot)."""
 
 
 @dataclass

@@ -5,19 +5,36 @@ Pure Python: it imports neither vLLM nor torch.distributed, and drives any
 
 Pipeline of one phase (one policy version)::
 
-    prompt source ──► admit (buffered groups first, then re-queued, then new)
-                           │   keep `rollout_groups` groups live (oversubscription)
+    prompt source ──► admit (held/buffered groups first, then re-queued, then new):
+                           │   at least `rollout_groups` groups live, and more while a
+                           │   free slot has no runnable sample (≤ `buffer_samples`)
                            ▼
                   shared pull queue of samples ──► K engines × S slots
-                           ▲   (a freed slot pulls at once;     │ continuous batching
-                           │    LPT order when lengths known)   ▼
+                           ▲   (resumed, then re-queued      │ continuous batching
+                           │    longest first, then new)     ▼
                            │                         token events per step
                            │                                    │
                   partial buffer ◄── early termination ◄── harvest: a group is
                   (partial mode)     (U useful groups      released whole when its
-                                      released, or a        G samples are done, scored,
-                                      token budget)         filtered → update batch in
+                                      released, never       G samples are done, scored,
+                                      more than M)          filtered → update batch in
                                                             completion order (short first)
+
+The update-batch contract: a phase releases U = ``update_groups`` useful groups
+and never more than M = ``max_update_groups`` (default U), in every mode. A group
+that completes past the bound is held whole for the next phase (partial) or
+discarded and re-queued (on-policy: its tokens are counted as waste).
+
+On-policy starvation guard (a prompt discarded ``max_discards`` times), one of:
+
+- long rounds (``long_rounds``, the default; RollPacker's tail batching): it waits in
+  a long-prompt queue; once that holds U prompts (or its oldest was first admitted
+  ``LONG_WAIT`` phases ago, or the source is dry) the next phase is a long round: those
+  prompts (topped up to U) run to completion, longest first, with no early termination;
+- drain (``long_rounds=False``): the next phase pins it — admitted and dispatched
+  first, with a reserved place in the batch; once the other groups fill the rest,
+  admission stops, the unpinned samples are aborted, and the phase drains the pinned
+  ones (its cost: the bubble while draining, ``drain_s``).
 
 Lifecycle of a sample::
 
@@ -37,12 +54,13 @@ release is 1 ≤ k, so A trains with its per-token behaviour logprobs.
 
 Invariants (each is tested):
 1. No prompt is lost or duplicated: every admitted prompt is, at any time, in
-   exactly one of {live groups, re-queued, released}.
+   exactly one of {live groups, re-queued, long queue, released}.
 2. A group is released whole: all G samples finished or truncated.
 3. Staleness ≤ k: every trained token was sampled at most k versions before the
    version that trains it; on-policy mode trains only tokens of the current version.
 4. Behaviour logprobs and versions are kept per token across resumes.
 5. Deterministic: the same inputs and engine give the same schedule.
+6. A phase releases at most M useful groups, and U unless the source runs dry.
 """
 
 from __future__ import annotations
@@ -51,22 +69,14 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megarl.rollout.admission import LONG_WAIT, PromptBuffer, PromptItem
 from megarl.rollout.engine_api import SlotEngine, SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics
-from megarl.types import Group, Sample, SampleStatus
+from megarl.types import Group, SampleStatus
 
+__all__ = ["LONG_WAIT", "MODES", "ControllerConfig", "PromptItem", "RolloutController"]
 MODES = ("sync", "on_policy", "partial")
-
-
-@dataclass
-class PromptItem:
-    """A prompt from the source: a stable index, its tokens, and what the reward needs."""
-
-    index: int
-    prompt_ids: list[int]
-    prompt_text: str = ""
-    answer: str = ""
-    key: object = None  # identity for the length cache (same prompt in a later epoch)
+_DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
 
 
 @dataclass
@@ -74,16 +84,23 @@ class ControllerConfig:
     mode: str = "partial"
     group_size: int = 8
     update_groups: int = 32  # U: useful groups that end a phase (the update batch)
-    rollout_groups: int = 64  # groups kept live (oversubscription); sync uses U
+    rollout_groups: int = 64  # groups kept live at least (oversubscription); sync uses U
     max_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
     staleness_limit: int = 1  # k (partial mode)
     stale_action: str = "regenerate"  # 'regenerate' the stale sample | 'drop' its group and re-queue the prompt
-    max_discards: int = 2  # on-policy: after this many discards a prompt is protected from early termination
+    max_discards: int = 2  # on-policy: after this many discards a prompt is pinned (or sent to a long round)
     token_budget: int = 0  # also end a phase after this many generated tokens (0: off)
     release_cap: int = 0  # dynamic sampling: also end once this many groups were released, useful or not (0: off)
     dispatch: str = "pull"  # 'pull' (FIFO) | 'lpt' (longest first, when lengths are known)
+    max_update_groups: int = 0  # M: the most useful groups one phase releases (0: U)
+    long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard (other modes: unused)
+    buffer_samples: int = 0  # unfinished samples live at most when admitting for free slots (0: no bound)
+
+    @property
+    def batch_bound(self) -> int:
+        return self.max_update_groups or self.update_groups
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -94,127 +111,103 @@ class ControllerConfig:
             raise ValueError(f"dispatch must be 'pull' or 'lpt', got {self.dispatch!r}")
         if self.mode != "sync" and self.rollout_groups < self.update_groups:
             raise ValueError(f"rollout_groups ({self.rollout_groups}) must be >= update_groups ({self.update_groups})")
+        if self.max_update_groups and self.max_update_groups < self.update_groups:
+            raise ValueError(f"max_update_groups ({self.max_update_groups}) must be 0 (= update_groups) or >= "
+                             f"update_groups ({self.update_groups})")
+        if self.buffer_samples < 0 or self.max_discards < 1:
+            raise ValueError(f"buffer_samples must be >= 0 and max_discards >= 1, got {self.buffer_samples} and "
+                             f"{self.max_discards}")
 
 
-@dataclass
-class _Live:
-    """A group in flight: its samples, its prompt, and how often it was discarded."""
-
-    item: PromptItem
-    samples: list[Sample]
-    discards: int = 0
-    admitted_version: int = 0
-
-
-class RolloutController:
+class RolloutController(PromptBuffer):
     """Runs generation phases over engines; returns released groups in completion order."""
 
     def __init__(self, cfg: ControllerConfig, engines: list[SlotEngine], next_prompt: Callable[[], PromptItem | None],
                  score: Callable[[Group], None] | None = None, keep_group: Callable[[Group], bool] | None = None,
                  batch_order: Callable[[list[Group]], list[Group]] | None = None) -> None:
         cfg.validate()
-        self.cfg, self.engines = cfg, engines
-        self.next_prompt = next_prompt
+        super().__init__(cfg, next_prompt)
+        self.engines = engines
         self.score = score or (lambda group: None)
         self.keep_group = keep_group or (lambda group: True)  # dynamic sampling hook
         self.batch_order = batch_order or (lambda groups: groups)  # selective batching hook
-        self.live: dict[int, _Live] = {}  # prompt index → group in flight (or buffered)
-        self.requeued: collections.deque[tuple[PromptItem, int]] = collections.deque()  # (item, discards)
-        self.length_cache: dict[object, float] = {}  # prompt key → mean generated length
-        self.released: set[int] = set()
-        self.slot_time: collections.Counter = collections.Counter()  # (index, j) → engine slot-time spent
-        self.source_done = False
-        self.clock = 0.0  # engine time across phases
-
-    # ---- admission -------------------------------------------------------------------
-    def _new_group(self, item: PromptItem, version: int, discards: int = 0) -> None:
-        if item.index in self.live or item.index in self.released:
-            raise RuntimeError(f"prompt {item.index} admitted twice")
-        samples = [Sample(prompt_ids=list(item.prompt_ids)) for _ in range(self.cfg.group_size)]
-        self.live[item.index] = _Live(item, samples, discards, version)
-
-    def _admit(self, version: int, target: int | None = None) -> None:
-        if target is None:
-            target = self.cfg.update_groups if self.cfg.mode == "sync" else self.cfg.rollout_groups
-        while len(self.live) < target:
-            if self.requeued:
-                item, discards = self.requeued.popleft()
-                self._new_group(item, version, discards)
-                continue
-            item = None if self.source_done else self.next_prompt()
-            if item is None:
-                self.source_done = True
-                return
-            self._new_group(item, version)
-
-    def _expire_stale(self, version: int, m: PhaseMetrics) -> None:
-        """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
-        k = self.cfg.staleness_limit
-        for index in list(self.live):
-            g = self.live[index]
-            stale = [j for j, s in enumerate(g.samples) if s.versions and version - min(s.versions) > k]
-            if not stale:
-                continue
-            if self.cfg.stale_action == "drop":
-                m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
-                del self.live[index]
-                self._forget_time(index)
-                self.requeued.appendleft((g.item, g.discards))
-                continue
-            for j in stale:
-                s = g.samples[j]
-                m.tokens_wasted += len(s.response_ids)
-                self.slot_time.pop((index, j), None)
-                s.response_ids, s.logprobs, s.versions = [], [], []
-                s.status, s.finish_reason = SampleStatus.QUEUED, ""
-
-    def _queue(self) -> collections.deque[tuple[int, int]]:
-        """Samples to run: resumed ones first (buffered groups before new prompts), then by LPT or FIFO."""
-        resumed, fresh = [], []
-        for index, g in self.live.items():
-            for j, s in enumerate(g.samples):
-                if s.status in (SampleStatus.QUEUED, SampleStatus.RESUMED):
-                    (resumed if s.response_ids else fresh).append((index, j))
-        if self.cfg.dispatch == "lpt" and all(self.live[i].item.key in self.length_cache for i, _ in fresh):
-            fresh.sort(key=lambda ij: -self.length_cache[self.live[ij[0]].item.key])
-        return collections.deque(resumed + fresh)
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:
         """Generate until the termination threshold; return the update batch and the phase's metrics."""
         cfg, m = self.cfg, PhaseMetrics()
+        bound, released = cfg.batch_bound, []
         if cfg.mode == "partial":
             self._expire_stale(version, m)
-        self._admit(version)
-        queue = self._queue()
+            for index in [i for i, g in self.live.items() if all(s.status in _DONE for s in g.samples)]:
+                if len(released) < bound:  # held whole past last phase's bound: first in this batch
+                    self._release(index, version, released, m)
+        members = self._long_round(version)
+        if members is not None:
+            m.long_rounds = 1
+        else:
+            self._admit(version, cfg.update_groups if cfg.mode == "sync" else cfg.rollout_groups)
+        pinned = self._pin()
+        queue = self._queue(members, pinned)
         running: dict[str, tuple[int, int]] = {}
         engine_of: dict[str, int] = {}
         times = [self.clock] * len(self.engines)
-        released: list[Group] = []
-        phase_tokens = 0
-        serial = 0
+        phase_tokens, serial, drain_at = 0, 0, None
+        fill = cfg.mode != "sync" and members is None
+        budget = cfg.buffer_samples or float("inf")
 
-        def dispatch(k: int) -> None:
+        def pending_pinned() -> int:
+            return sum(1 for i in pinned if i in self.live)
+
+        def dispatch() -> None:
             nonlocal serial
-            engine = self.engines[k]
-            while queue and engine.num_active() < engine.slots:
-                index, j = queue.popleft()
-                s = self.live[index].samples[j]
-                if s.response_ids:
-                    s.interruptions += 1
-                s.status = SampleStatus.RUNNING
-                serial += 1
-                rid = f"{index}:{j}:{serial}"
-                engine.submit(SlotRequest(rid, s.prompt_ids + s.response_ids, cfg.max_tokens - len(s.response_ids),
-                                          cfg.temperature, cfg.top_p, key=(index, j), generated=len(s.response_ids)))
-                running[rid], engine_of[rid] = (index, j), k
+            for k, engine in enumerate(self.engines):
+                while queue and engine.num_active() < engine.slots:
+                    index, j = queue.popleft()
+                    s = self.live[index].samples[j]
+                    if s.response_ids:
+                        s.interruptions += 1
+                    s.status = SampleStatus.RUNNING
+                    serial += 1
+                    rid = f"{index}:{j}:{serial}"
+                    engine.submit(SlotRequest(rid, s.prompt_ids + s.response_ids, cfg.max_tokens - len(s.response_ids),
+                                              cfg.temperature, cfg.top_p, key=(index, j), generated=len(s.response_ids)))
+                    running[rid], engine_of[rid] = (index, j), k
+
+        def admit_for_free_slots() -> None:
+            """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
+            free = sum(e.slots - e.num_active() for e in self.engines)
+            while len(self.live) < cfg.rollout_groups or (
+                    len(queue) < free and len(running) + len(queue) + cfg.group_size <= budget):
+                index = self._admit_one(version)
+                if index is None:
+                    return
+                entries = self._entries([index])
+                if self.live[index].discards:  # a re-queued prompt goes to the head of the queue
+                    queue.extendleft(reversed(entries))
+                else:
+                    queue.extend(entries)
+
+        def drain() -> None:
+            """Pinned groups hold the rest of the batch: stop admitting, abort every unpinned sample."""
+            nonlocal fill, queue
+            fill = False
+            aborted = [rid for rid, (i, _) in running.items() if i not in pinned]
+            for rid in aborted:
+                index, j = running.pop(rid)
+                self.engines[engine_of.pop(rid)].abort([rid])
+                self.live[index].samples[j].status = SampleStatus.RESUMED
+            queue = collections.deque((i, j) for i, j in queue if i in pinned)
 
         def done() -> bool:
             useful = len(released)
             if cfg.mode == "sync":
                 return not self.live
-            protected = any(g.discards >= cfg.max_discards for g in self.live.values())
-            if protected or useful == 0:
+            if members is not None:
+                return not any(i in self.live for i in members)
+            if useful >= bound:
+                return True
+            if pending_pinned() or useful == 0:
                 return False
             if cfg.token_budget and phase_tokens >= cfg.token_budget:
                 return True
@@ -222,43 +215,49 @@ class RolloutController:
                 return True  # oversampling cap: train on the useful groups there are
             return useful >= cfg.update_groups
 
-        for k in range(len(self.engines)):
-            dispatch(k)
+        if fill:
+            admit_for_free_slots()
+        dispatch()
         while running and not done():
             k = min((k for k in range(len(self.engines)) if self.engines[k].num_active()), key=lambda k: times[k])
             report: StepReport = self.engines[k].step()
             times[k] += report.elapsed
             m.slot_time_busy += report.active * report.elapsed
+            live, slot_time = self.live, self.slot_time
             for ev in report.events:
-                index, j = running[ev.request_id]
-                s = self.live[index].samples[j]
+                key = running[ev.request_id]
+                index, j = key
+                s = live[index].samples[j]
+                n = len(ev.token_ids)
                 s.response_ids += ev.token_ids
                 s.logprobs += ev.logprobs
-                s.versions += [version] * len(ev.token_ids)
-                self.slot_time[(index, j)] += report.elapsed  # it held a slot for the whole step
-                phase_tokens += len(ev.token_ids)
-                m.tokens_generated += len(ev.token_ids)
+                s.versions += [version if ev.version is None else ev.version] * n  # the sampling engine's version
+                slot_time[key] = slot_time.get(key, 0.0) + report.elapsed  # it held a slot for the whole step
+                phase_tokens += n
+                m.tokens_generated += n
                 if ev.finished:
                     del running[ev.request_id], engine_of[ev.request_id]
                     s.finish_reason = ev.finish_reason
                     s.status = SampleStatus.FINISHED if ev.finish_reason == "stop" else SampleStatus.TRUNCATED
                     m.samples_finished += 1
                     m.len_finished_sum += len(s.response_ids)
-                    if all(x.status in (SampleStatus.FINISHED, SampleStatus.TRUNCATED) for x in self.live[index].samples):
-                        self._release(index, version, released, m)
-            before = len(self.live)
-            if cfg.mode != "sync":
-                self._admit(version)
-            elif m.groups_filtered and (not cfg.release_cap or len(released) + m.groups_filtered < cfg.release_cap):
+                    if all(x.status in _DONE for x in self.live[index].samples):
+                        self._harvest(index, version, released, m, pinned, members, pending_pinned)
+            if fill and pinned and len(released) + pending_pinned() >= cfg.update_groups:
+                drain()
+                drain_at = times[k]
+            if fill:
+                admit_for_free_slots()
+            elif cfg.mode == "sync" and m.groups_filtered and (
+                    not cfg.release_cap or len(released) + m.groups_filtered < cfg.release_cap):
                 # sync + dynamic sampling: replace each filtered group until U useful ones (or the cap)
                 target = cfg.update_groups - len(released)
                 if cfg.release_cap:  # never release more than the cap, in flight included
                     target = min(target, cfg.release_cap - len(released) - m.groups_filtered)
-                self._admit(version, target=target)
-            if len(self.live) > before:
-                queue.extend(self._queue_new(before))
-            for kk in range(len(self.engines)):
-                dispatch(kk)
+                before = len(self.live)
+                self._admit(version, target)
+                queue.extend(self._entries(list(self.live)[before:]))
+            dispatch()
             now = times[k]
             for kk in range(len(self.engines)):  # an idle engine waits until now
                 if not self.engines[kk].num_active():
@@ -267,25 +266,36 @@ class RolloutController:
         self._end_phase(running, engine_of, m)
         end = max(times) if times else self.clock
         m.duration = end - self.clock
+        m.drain_s = end - drain_at if drain_at is not None else 0.0
         m.slot_time_total = sum(e.slots for e in self.engines) * m.duration
         self.clock = end
         m.buffer_groups = len(self.live)
         m.prompts_discarded_twice = sum(1 for g in self.live.values() if g.discards >= 2) + sum(
-            1 for _, d in self.requeued if d >= 2)
+            1 for q in (self.requeued, self.long_queue) for _, d, _ in q if d >= 2)
         return self.batch_order(released), m
 
-    def _queue_new(self, first_new: int) -> list[tuple[int, int]]:
-        """Queue entries for groups admitted during the phase (dict order = admission order)."""
-        new = list(self.live)[first_new:]
-        return [(index, j) for index in new for j in range(self.cfg.group_size)]
-
-    def _forget_time(self, index: int) -> None:
-        for j in range(self.cfg.group_size):
-            self.slot_time.pop((index, j), None)
+    def _harvest(self, index: int, version: int, released: list[Group], m: PhaseMetrics, pinned: set[int],
+                 members: set[int] | None, pending_pinned: Callable[[], int]) -> None:
+        """A group is complete: release it, unless that would pass the bound (places reserved for pinned groups)."""
+        cfg = self.cfg
+        if cfg.mode == "sync" or members is not None or index in pinned or \
+                len(released) + pending_pinned() < cfg.batch_bound:
+            self._release(index, version, released, m)
+            return
+        m.groups_over_bound += 1
+        if cfg.mode == "partial":
+            return  # held whole, released first in the next phase (its staleness checked then)
+        g = self.live.pop(index)  # on-policy: its tokens are of this version only; discarded, re-queued
+        m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+        self._forget_time(index)
+        if g.item.key is not None:
+            self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
+        self.requeued.appendleft((g.item, g.discards, g.admitted_version))
 
     def _release(self, index: int, version: int, released: list[Group], m: PhaseMetrics) -> None:
         g = self.live.pop(index)
         self.released.add(index)
+        self.progress.pop(index, None)
         group = Group(index, g.item.prompt_text, g.item.answer, g.samples)
         self.score(group)
         lengths = [len(s.response_ids) for s in g.samples]
@@ -299,13 +309,15 @@ class RolloutController:
             return
         for s, spent in zip(g.samples, times):
             s.status = SampleStatus.CONSUMED
-            m.staleness.update(version - v for v in s.versions)
+            for v, n in collections.Counter(s.versions).items():
+                m.staleness[version - v] += n
             m.interruptions += s.interruptions
             m.slot_time_useful += spent
         m.samples_trained += len(g.samples)
         m.groups_trained += 1
         m.tokens_useful += sum(lengths)
         m.len_trained_sum += sum(lengths)
+        m.wait_phases_max = max(m.wait_phases_max, version - g.admitted_version)
         released.append(group)
 
     def _end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics) -> None:
@@ -319,35 +331,19 @@ class RolloutController:
             self.live[index].samples[j].status = SampleStatus.RESUMED
         if self.cfg.mode != "on_policy":
             return
-        discarded = []
+        discarded, long = [], []
         for index in list(self.live):
             g = self.live[index]
-            generated = sum(len(s.response_ids) for s in g.samples)
-            if generated == 0:
+            reached = max(len(s.response_ids) for s in g.samples)
+            if reached == 0:
                 continue  # never started: stays admitted, nothing was spent on it
-            m.tokens_wasted += generated
+            m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
             del self.live[index]
             self._forget_time(index)
-            discarded.append((g.item, g.discards + 1))
-        self.requeued.extendleft(reversed(discarded))  # first in the next phase, in their order
-
-    # ---- checkpointing -----------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "live": {i: (g.item, g.samples, g.discards, g.admitted_version) for i, g in self.live.items()},
-            "requeued": list(self.requeued),
-            "length_cache": dict(self.length_cache),
-            "released": set(self.released),
-            "slot_time": dict(self.slot_time),
-            "source_done": self.source_done,
-            "clock": self.clock,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.live = {i: _Live(*v) for i, v in state["live"].items()}
-        self.requeued = collections.deque(state["requeued"])
-        self.length_cache = dict(state["length_cache"])
-        self.released = set(state["released"])
-        self.slot_time = collections.Counter(state["slot_time"])
-        self.source_done = state["source_done"]
-        self.clock = state["clock"]
+            self.progress[index] = max(self.progress.get(index, 0), reached)
+            entry = (g.item, g.discards + 1, g.admitted_version)
+            (long if self.cfg.long_rounds and entry[1] >= self.cfg.max_discards else discarded).append(entry)
+        # first in the next phase: prompts due for pinning, then the others, each in their order
+        discarded.sort(key=lambda e: e[1] < self.cfg.max_discards)
+        self.requeued.extendleft(reversed(discarded))
+        self.long_queue.extend(long)

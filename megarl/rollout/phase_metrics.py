@@ -4,7 +4,9 @@
 - η_gen = slot-time spent on tokens that reach the loss / total slot-time;
 - wasted tokens = generated, then thrown away (discarded on-policy samples,
   stale partial samples, groups dropped by dynamic sampling);
-- useful tokens = tokens of the samples handed to the trainer.
+- useful tokens = tokens of the samples handed to the trainer;
+- groups released = the update batch (useful groups handed to the trainer);
+- wait phases = phases from a prompt's first admission to its release (starvation).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class PhaseMetrics:
     staleness: Counter = field(default_factory=Counter)  # versions behind → trained tokens
     buffer_groups: int = 0
     prompts_discarded_twice: int = 0
+    groups_over_bound: int = 0  # completed past the update-batch bound: held (partial) or discarded (on-policy)
+    long_rounds: int = 0  # phases run as a long round (on-policy tail batching)
+    drain_s: float = 0.0  # time spent draining pinned groups with admission stopped (on-policy guard)
+    wait_phases_max: int = 0  # most phases between a trained prompt's first admission and its release
 
     @property
     def bubble_ratio(self) -> float:
@@ -47,6 +53,8 @@ class PhaseMetrics:
                 self.staleness.update(other.staleness)
             elif name in ("buffer_groups", "prompts_discarded_twice"):  # snapshots, not sums
                 setattr(self, name, getattr(other, name))
+            elif name == "wait_phases_max":
+                self.wait_phases_max = max(self.wait_phases_max, other.wait_phases_max)
             else:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -66,6 +74,11 @@ class PhaseMetrics:
             "rollout/buffer_groups": float(self.buffer_groups),
             "rollout/prompts_discarded_twice": float(self.prompts_discarded_twice),
             "rollout/groups_filtered": float(self.groups_filtered),
+            "rollout/groups_released": float(self.groups_trained),
+            "rollout/groups_over_bound": float(self.groups_over_bound),
+            "rollout/long_rounds": float(self.long_rounds),
+            "rollout/drain_s": self.drain_s,
+            "rollout/wait_phases_max": float(self.wait_phases_max),
             "rollout/staleness_mean": sum(k * v for k, v in self.staleness.items()) / total_stale,
             "rollout/staleness_max": float(max(self.staleness, default=0)),
         }

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -27,6 +29,32 @@ def sim_token(position: int) -> int:
 def sim_logprob(key: tuple[int, int], position: int) -> float:
     """A distinct, reproducible behaviour logprob per (sample, position), so tests can trace it."""
     return -0.001 * (position + 1) - 0.01 * key[1] - 1e-6 * key[0]
+
+
+class _Tables:
+    """``sim_token`` and the position part of ``sim_logprob`` precomputed, so a step slices instead of looping."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.tokens: list[int] = []
+        self.base = np.zeros(0)
+        self.base_list: list[float] = []
+
+    def grow(self, n: int) -> None:
+        if n > self.size:
+            self.size = max(n, 2 * self.size, 4096)
+            self.tokens = [sim_token(t) for t in range(self.size)]
+            self.base = -0.001 * (np.arange(self.size, dtype=np.float64) + 1)
+            self.base_list = self.base.tolist()
+
+    def logprobs(self, key: tuple[int, int], start: int, end: int) -> list[float]:
+        a, b = 0.01 * key[1], 1e-6 * key[0]  # the same float operations as sim_logprob
+        if end - start <= 16:
+            return [(x - a) - b for x in self.base_list[start:end]]
+        return ((self.base[start:end] - a) - b).tolist()
+
+
+_TABLES = _Tables()
 
 
 class StepTimeModel:
@@ -64,20 +92,22 @@ class SimulatedEngine:
         active = len(self._active)
         if not active:
             return StepReport([], 0.0, 0)
-        n = min(self.max_chunk, *(min(full - done, left) for full, done, left, _ in self._active.values()))
-        n = max(n, 1)
-        events = []
-        for rid, state in list(self._active.items()):
+        n = max(1, min(self.max_chunk, *(min(full - done, left) for full, done, left, _ in self._active.values())))
+        events, tables = [], _TABLES
+        finished = []
+        for rid, state in self._active.items():
+            start = state[1]
             state[1] += n
             state[2] -= n
-            start = state[1] - n
-            ev = TokenEvent(rid, [sim_token(t) for t in range(start, state[1])],
-                            [sim_logprob(state[3], t) for t in range(start, state[1])])
+            tables.grow(state[1])
+            ev = TokenEvent(rid, tables.tokens[start:state[1]], tables.logprobs(state[3], start, state[1]))
             if state[1] >= state[0]:
                 ev.finished, ev.finish_reason = True, "stop"
             elif state[2] <= 0:
                 ev.finished, ev.finish_reason = True, "length"
             if ev.finished:
-                del self._active[rid]
+                finished.append(rid)
             events.append(ev)
+        for rid in finished:
+            del self._active[rid]
         return StepReport(events, n * self.step_time(active), active)

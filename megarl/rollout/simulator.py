@@ -31,6 +31,10 @@ class SimSettings:
     staleness_limit: int = 2
     max_discards: int = 2
     dispatch: str = "pull"
+    long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard
+    buffer_samples: int = 0  # admission budget in unfinished samples (0: every free slot gets a sample)
+    max_update_groups: int = 0  # the update-batch bound (0: prompts_per_step)
+    max_chunk: int = 32  # decode steps one simulated engine step may advance (engines stay this close in time)
 
 
 def paper_workload(seed: int = 0, prompts: int = 512, group_size: int = 8, cap: int = 16384) -> list[int]:
@@ -47,6 +51,13 @@ def paper_workload(seed: int = 0, prompts: int = 512, group_size: int = 8, cap: 
             else:
                 lengths.append(cap + rng.randint(0, cap))  # would run past the cap: truncated
     return lengths
+
+
+def lognormal_workload(seed: int = 0, prompts: int = 4096, group_size: int = 8, cap: int = 8192,
+                       median: float = 1000.0, sigma: float = 1.0) -> list[int]:
+    """Lengths drawn per sample from a lognormal (median ``median`` tokens, shape ``sigma``), some past the cap."""
+    rng = random.Random(seed)
+    return [max(1, int(rng.lognormvariate(math.log(median), sigma))) for _ in range(prompts * group_size)]
 
 
 def sync_closed_form(lengths: list[int], batch: int, cap: int) -> float:
@@ -84,16 +95,24 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
         mode=mode, group_size=g, update_groups=per_step,
         rollout_groups=per_step if mode == "sync" else max(per_step, int(round(per_step * s.oversubscription))),
         max_tokens=s.max_tokens, staleness_limit=s.staleness_limit, max_discards=s.max_discards, dispatch=s.dispatch,
+        long_rounds=s.long_rounds and mode == "on_policy", buffer_samples=s.buffer_samples,
+        max_update_groups=s.max_update_groups,
     )
     model = StepTimeModel(s.step_time_model)
-    engines = [SimulatedEngine(s.slots, length_of, model) for _ in range(s.engines)]
+    engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk) for _ in range(s.engines)]
     ctrl = RolloutController(cfg, engines, next_prompt)
-    total = PhaseMetrics()
+    total, batches, phase_s = PhaseMetrics(), [], []
     for version in range(steps):
         groups, m = ctrl.run_phase(version)
         total.merge(m)
+        batches.append(len(groups))
+        phase_s.append(m.duration)
         if not groups and ctrl.source_done and not ctrl.live:
             break
-    out = {"mode": mode, **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
-    out.update(steps=steps, samples_trained=total.samples_trained, sim_seconds=total.duration)
+    out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
+           **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
+    out.update(steps=steps, samples_trained=total.samples_trained, sim_seconds=total.duration,
+               groups_per_step_mean=sum(batches) / len(batches), groups_per_step_max=max(batches),
+               groups_per_step_min=min(batches), phase_s_mean=sum(phase_s) / len(phase_s), phase_s_max=max(phase_s),
+               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s])
     return out

@@ -1,0 +1,180 @@
+"""What is live and what runs next: admission, the re-queue and long-prompt queues, the dispatch order.
+
+``PromptBuffer`` is the state half of the SortedRL controller (``controller.py``
+holds the phase loop): the groups in flight (``live``, including partial samples
+and groups held whole past the update-batch bound), the prompts parked after an
+on-policy discard (``requeued``, admitted first; ``long_queue``, for long rounds),
+what is known of each prompt's length (``length_cache``, ``progress``), and the
+checkpoint of all of it (``state_dict``). Pure Python.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megarl.rollout.phase_metrics import PhaseMetrics
+from megarl.types import Sample, SampleStatus
+
+LONG_WAIT = 8  # long rounds: phases a prompt may wait in the long queue before a round is forced
+
+
+@dataclass
+class PromptItem:
+    """A prompt from the source: a stable index, its tokens, and what the reward needs."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str = ""
+    answer: str = ""
+    key: object = None  # identity for the length cache (same prompt in a later epoch)
+
+
+
+@dataclass
+class LiveGroup:
+    """A group in flight: its samples, its prompt, how often it was discarded, when it was first admitted."""
+
+    item: PromptItem
+    samples: list[Sample]
+    discards: int = 0
+    admitted_version: int = 0
+
+
+
+class PromptBuffer:
+    """Groups in flight and parked prompts; admission and queue order. ``cfg`` is a ``ControllerConfig``."""
+
+    def __init__(self, cfg, next_prompt: Callable[[], PromptItem | None]) -> None:
+        self.cfg, self.next_prompt = cfg, next_prompt
+        self.live: dict[int, LiveGroup] = {}  # prompt index → group in flight (or buffered, or held complete)
+        # parked prompts: (item, discards, version first admitted); re-queued first, long queue for long rounds
+        self.requeued: collections.deque[tuple[PromptItem, int, int]] = collections.deque()
+        self.long_queue: collections.deque[tuple[PromptItem, int, int]] = collections.deque()
+        self.progress: dict[int, int] = {}  # prompt index → most tokens a sample reached before a discard
+        self.length_cache: dict[object, float] = {}  # prompt key → mean generated length
+        self.released: set[int] = set()
+        self.slot_time: collections.Counter = collections.Counter()  # (index, j) → engine slot-time spent
+        self.source_done = False
+        self.clock = 0.0  # engine time across phases
+
+    def _new_group(self, item: PromptItem, version: int, discards: int = 0, first: int | None = None) -> int:
+        if item.index in self.live or item.index in self.released:
+            raise RuntimeError(f"prompt {item.index} admitted twice")
+        samples = [Sample(prompt_ids=list(item.prompt_ids)) for _ in range(self.cfg.group_size)]
+        self.live[item.index] = LiveGroup(item, samples, discards, version if first is None else first)
+        return item.index
+
+    def _admit_one(self, version: int) -> int | None:
+        """Admit the next prompt (re-queued first); its index, or None when the source is dry."""
+        if self.requeued:
+            item, discards, first = self.requeued.popleft()
+            return self._new_group(item, version, discards, first)
+        item = None if self.source_done else self.next_prompt()
+        if item is None:
+            self.source_done = True
+            return None
+        return self._new_group(item, version)
+
+    def _admit(self, version: int, target: int) -> None:
+        while len(self.live) < target and self._admit_one(version) is not None:
+            pass
+
+    def _hint(self, index: int) -> float:
+        """Expected length of a prompt's samples: its cached mean, or at least what a discarded sample reached."""
+        return max(self.length_cache.get(self.live[index].item.key, 0.0), self.progress.get(index, 0))
+
+    def _expire_stale(self, version: int, m: PhaseMetrics) -> None:
+        """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
+        k = self.cfg.staleness_limit
+        for index in list(self.live):
+            g = self.live[index]
+            stale = [j for j, s in enumerate(g.samples) if s.versions and version - min(s.versions) > k]
+            if not stale:
+                continue
+            if self.cfg.stale_action == "drop":
+                m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+                del self.live[index]
+                self._forget_time(index)
+                self.requeued.appendleft((g.item, g.discards, g.admitted_version))
+                continue
+            for j in stale:
+                s = g.samples[j]
+                m.tokens_wasted += len(s.response_ids)
+                self.slot_time.pop((index, j), None)
+                s.response_ids, s.logprobs, s.versions = [], [], []
+                s.status, s.finish_reason = SampleStatus.QUEUED, ""
+
+    def _entries(self, indices) -> list[tuple[int, int]]:
+        return [(i, j) for i in indices for j, s in enumerate(self.live[i].samples)
+                if s.status in (SampleStatus.QUEUED, SampleStatus.RESUMED)]
+
+    def _queue(self, members: set[int] | None, pinned: set[int]) -> collections.deque[tuple[int, int]]:
+        """Samples to run: resumed first, then pinned and re-queued groups (longest first), then new (LPT or FIFO)."""
+        indices = [i for i in self.live if members is None or i in members]
+        if members is not None:  # a long round: everything longest first
+            return collections.deque(self._entries(sorted(indices, key=lambda i: -self._hint(i))))
+        resumed = [(i, j) for i, j in self._entries(indices) if self.live[i].samples[j].response_ids]
+        back = [i for i in indices if self.live[i].discards]
+        back.sort(key=lambda i: (i not in pinned, -self._hint(i)))
+        fresh = [i for i in indices if not self.live[i].discards]
+        if self.cfg.dispatch == "lpt" and all(self.live[i].item.key in self.length_cache for i in fresh):
+            fresh.sort(key=lambda i: -self.length_cache[self.live[i].item.key])
+        queued = [(i, j) for i, j in self._entries(back + fresh) if not self.live[i].samples[j].response_ids]
+        return collections.deque(resumed + queued)
+
+    def _pin(self) -> set[int]:
+        """On-policy drain guard: groups discarded `max_discards` times get a reserved place (at most U)."""
+        if self.cfg.mode != "on_policy" or self.cfg.long_rounds:
+            return set()
+        due = [i for i, g in self.live.items() if g.discards >= self.cfg.max_discards]
+        return set(due[:self.cfg.update_groups])
+
+    def _long_round(self, version: int) -> set[int] | None:
+        """Tail batching: when due, admit the long queue (topped up to U) as this phase's only members."""
+        cfg, q = self.cfg, self.long_queue
+        due = q and (len(q) >= cfg.update_groups or version - q[0][2] >= LONG_WAIT or self.source_done)
+        if not (cfg.long_rounds and cfg.mode == "on_policy" and due):
+            return None
+        members = set()
+        while q and len(members) < cfg.update_groups:
+            item, discards, first = q.popleft()
+            members.add(self._new_group(item, version, discards, first))
+        for index, g in self.live.items():  # top up with admitted groups that never started, then new ones
+            if len(members) < cfg.update_groups and index not in members and not any(s.response_ids for s in g.samples):
+                members.add(index)
+        while len(members) < cfg.update_groups and (index := self._admit_one(version)) is not None:
+            members.add(index)
+        return members
+
+    def _forget_time(self, index: int) -> None:
+        for j in range(self.cfg.group_size):
+            self.slot_time.pop((index, j), None)
+
+
+    # ---- checkpointing -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "live": {i: (g.item, g.samples, g.discards, g.admitted_version) for i, g in self.live.items()},
+            "requeued": list(self.requeued),
+            "long_queue": list(self.long_queue),
+            "progress": dict(self.progress),
+            "length_cache": dict(self.length_cache),
+            "released": set(self.released),
+            "slot_time": dict(self.slot_time),
+            "source_done": self.source_done,
+            "clock": self.clock,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.live = {i: LiveGroup(*v) for i, v in state["live"].items()}
+        self.requeued = collections.deque((*e, 0) if len(e) == 2 else tuple(e) for e in state["requeued"])  # 2-tuples: older
+        self.long_queue = collections.deque(tuple(e) for e in state.get("long_queue", ()))
+        self.progress = dict(state.get("progress", {}))
+        self.length_cache = dict(state["length_cache"])
+        self.released = set(state["released"])
+        self.slot_time = collections.Counter(state["slot_time"])
+        self.source_done = state["source_done"]
+        self.clock = state["clock"]
+
