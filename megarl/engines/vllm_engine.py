@@ -181,7 +181,7 @@ class VLLMSlotEngine(TrackedRequests):
                 continue
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), _sampled_logprobs(c))
-            ev.version = getattr(self.engine, "weight_version", 0)  # set by the sync protocol
+            ev.version = getattr(self.engine, "weight_version", None)  # set by the sync protocol (None before it ran)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)
