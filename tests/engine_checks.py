@@ -64,6 +64,7 @@ def partial_greedy_resume(s) -> dict:
     ctrl = RolloutController(cfg, [engine], lambda: next(source, None))
     released = []
     for version in range(40):
+        s.engine.weight_version = version  # as if synced to this version (the same weights): tokens carry it
         groups, _ = ctrl.run_phase(version)
         released += groups
         if len(released) == len(items):
@@ -111,10 +112,11 @@ def main(family: str, workdir: str) -> None:
 
     if family == "qwen2":  # SortedRL modes with the real engine, inside the real loop
         out["resume"] = partial_greedy_resume(s)
-        for mode in ("partial", "on_policy"):
+        s.engine.weight_version = 1  # the step counter goes on where rl_step(s, 0) left the engine
+        for first, mode in ((1, "partial"), (3, "on_policy")):
             s.cfg.rollout.mode = mode
             s.controller = build_controller(s.cfg, s.controller.engines[0], s.controller.next_prompt, s.controller.score)
-            out[f"rl_{mode}"] = [rl_step(s, step) for step in range(1, 3)]
+            out[f"rl_{mode}"] = [rl_step(s, step) for step in range(first, first + 2)]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -1,10 +1,12 @@
 """The end-of-run HF export of a trained policy, loaded back by transformers.
 
     python tests/export_checks.py MODEL_DIR WORK
+    python tests/export_checks.py vllm EXPORT_DIR
 
 Trains one step on a fixed batch, exports the policy with ``export_hf`` (100 KB shards, so
 there are several and an index), and prints the trainer's logprobs of the batch next to those
-transformers computes from the export.
+transformers computes from the export. ``vllm``: a fresh vLLM engine loads the export; its behaviour
+logprobs of what it samples against transformers' on the same tokens.
 """
 
 from __future__ import annotations
@@ -44,5 +46,31 @@ def main(model_dir: str, work: str) -> None:
                       "files": sorted(os.listdir(out))}), flush=True)
 
 
+def vllm_loads(export: str) -> None:
+    from megarl.engines.vllm_engine import set_cpu_engine_env
+
+    set_cpu_engine_env(0.25)
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo.batch import build_batch
+    from megarl.engines.base import GenerationRequest
+    from megarl.engines.vllm_engine import VLLMEngine
+    from megarl.trainer.parallel import build_parallel_state
+
+    build_parallel_state()  # vLLM's external launcher joins this process group
+    engine = VLLMEngine(export, max_model_len=64, kv_cache_gib=0.25, max_num_seqs=8)
+    vocab = json.load(open(os.path.join(export, "config.json")))["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    reqs = [GenerationRequest(torch.randint(2, vocab, (6,), generator=g).tolist(), max_tokens=16) for _ in range(4)]
+    outs = [o[0] for o in engine.generate(reqs, seed=0)]
+    batch = build_batch([r.prompt_ids for r in reqs], [o.token_ids for o in outs], [o.logprobs for o in outs])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch.input_ids).logits
+    theirs = torch.log_softmax(logits.float(), -1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
+    print(json.dumps({"tokens": int(batch.loss_mask.sum()),
+                      "gap": float(((batch.old_logprobs - theirs).abs() * batch.loss_mask).max())}), flush=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    vllm_loads(sys.argv[2]) if sys.argv[1] == "vllm" else main(*sys.argv[1:])

@@ -51,6 +51,8 @@ def hf_logprobs(path, vocab):
 LAYOUTS = {"single": (), "tp2": ("--tp", 2), "pp2": ("--pp", 2), "ep2_alltoall": ("--ep", 2),
            "tp2_sp": ("--tp", 2), "pp2_vpp2": ("--pp", 2, "--vpp", 2), "tp2_pp2": ("--tp", 2, "--pp", 2),
            "tp2_sp_pp2": ("--tp", 2, "--pp", 2)}
+LAYOUT_DIMS = {"single": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "ep2_alltoall": (1, 1, 1, 2),
+               "tp2_sp": (2, 1, 1, 1), "pp2_vpp2": (1, 2, 2, 1), "tp2_pp2": (2, 2, 1, 1), "tp2_sp_pp2": (2, 2, 1, 1)}
 DEFAULT = [("llama_tied_llama3", "pp2"), ("qwen3_moe", "ep2_alltoall")]
 SLOW = [(f, lay) for f in ("llama_tied_llama3", "mistral") for lay in ("single", "tp2", "tp2_pp2", "pp2_vpp2")]
 SLOW += [("mistral", "pp2")]
@@ -68,6 +70,8 @@ def round_trip(tmp_path, family, layout):
     launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     run_script([*launcher, "tests/conversion_checks.py", layout, str(other), str(tmp_path / "ckpt"), str(tmp_path)],
                env={"OMP_NUM_THREADS": "1"})
+    saved = json.loads((tmp_path / "ckpt" / "megarl_layout.json").read_text())  # the trainer re-saved it here
+    assert (saved["tp"], saved["pp"], saved["vpp"], saved["ep"]) == LAYOUT_DIMS[layout], saved
     convert("mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--hf-config", model, "--out", tmp_path / "back")
     original, back = safetensors_bytes(model), safetensors_bytes(tmp_path / "back")
     assert back.keys() == original.keys()

@@ -14,6 +14,8 @@ def test_exported_policy_gives_the_trainers_logprobs_in_transformers(tmp_path):
     assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) > 2
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(files)
     assert not (tmp_path / "hf" / "step_1.tmp").exists()
+    v = run_script(["tests/export_checks.py", "vllm", str(tmp_path / "hf" / "step_1")])  # vLLM loads it as is
+    assert v["tokens"] > 0 and v["gap"] <= 1e-4
 
 
 class _Cfg:

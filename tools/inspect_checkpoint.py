@@ -77,6 +77,10 @@ def main(argv=None) -> int:
             chunks = saved_tensors(path)[qkv[0]].chunks
             tp = len({c.offsets[1] for c in chunks})
             print(f"saved at tensor parallel {tp} (linear_qkv in {tp} row block(s) per layer)")
+        from megarl.checkpoint.dist import LAYOUT_FILE
+
+        if (path / LAYOUT_FILE).is_file():
+            print(f"saved at layout {json.loads((path / LAYOUT_FILE).read_text())}")
         conv = path / "megarl_conversion.json"
         if conv.is_file():
             info = json.loads(conv.read_text())

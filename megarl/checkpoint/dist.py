@@ -20,6 +20,7 @@ plain optimizer or of EP = 1 put in the distributed, chained form (``_align_chai
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+LAYOUT_FILE = "megarl_layout.json"
+"""Written beside a dist checkpoint: the parallel layout that saved it."""
 
 
 def _chain(optimizer) -> list:
@@ -75,6 +79,9 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     dist_checkpointing.save(_sharded(trainer, is_loading=False), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
+        ps = trainer.ps  # the layout it was saved at (loading reshards to any): for inspect_checkpoint
+        layout = {k: getattr(ps, k) for k in ("world_size", "tp", "pp", "vpp", "ep", "etp", "dp", "sequence_parallel")}
+        (tmp / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
         old = path.with_name(path.name + ".old")
         if path.exists():  # never a moment without a complete checkpoint on disk
             shutil.rmtree(old, ignore_errors=True)

@@ -36,3 +36,27 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in memory with these HF-named full tensors."""
+
+
+class TrackedRequests:
+    """The request ids a slot engine has in flight (a base of the ``SlotEngine``s): ``abort`` passes on
+    only those (``_abort``), ``reset`` forgets them all after the engine under it was restarted."""
+
+    def __init__(self) -> None:
+        self._active: set[str] = set()
+
+    def _abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_ids: list[str]) -> None:
+        ids = [r for r in request_ids if r in self._active]
+        if ids:
+            self._abort(ids)
+        self._active.difference_update(ids)
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def reset(self) -> None:
+        """Forget every request (the engine under it was restarted)."""
+        self._active.clear()

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from megarl.engines.base import Completion
+from megarl.engines.base import Completion, TrackedRequests
 from megarl.engines.weight_update import WeightLoadError
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
@@ -121,30 +121,20 @@ def serve(conn, spec: dict) -> None:
             return
 
 
-class ReplicaClient:
+class ReplicaClient(TrackedRequests):
     """The trainer's handle on one replica: a ``SlotEngine`` over a pipe."""
 
     def __init__(self, index: int, conn, proc, slots: int) -> None:
         self.index, self.conn, self.proc, self.slots = index, conn, proc, slots
         self.weight_version = 0
-        self._active: set[str] = set()
+        super().__init__()
 
     def submit(self, request: SlotRequest) -> None:
         self.conn.send(("submit", request))
         self._active.add(request.request_id)
 
-    def abort(self, request_ids: list[str]) -> None:
-        ids = [r for r in request_ids if r in self._active]
-        if ids:
-            self.conn.send(("abort", ids))
-        self._active.difference_update(ids)
-
-    def num_active(self) -> int:
-        return len(self._active)
-
-    def reset(self) -> None:
-        """Forget every request (the replica was restarted)."""
-        self._active.clear()
+    def _abort(self, request_ids: list[str]) -> None:
+        self.conn.send(("abort", request_ids))
 
     def step(self) -> StepReport:
         active = len(self._active)

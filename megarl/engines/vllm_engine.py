@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from megarl.checkpoint.faults import injected, kill_point
-from megarl.engines.base import Completion, GenerationRequest
+from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -133,7 +133,7 @@ def _repack_tied_head(model: torch.nn.Module) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-class VLLMSlotEngine:
+class VLLMSlotEngine(TrackedRequests):
     """The step-driven face of a ``VLLMEngine`` for the rollout controller (``SlotEngine``).
 
     Each sample is one request (n=1) whose prompt is the original prompt followed
@@ -145,7 +145,7 @@ class VLLMSlotEngine:
     def __init__(self, engine: VLLMEngine, slots: int, length_of=None) -> None:
         """``length_of(key)``, for benchmarks only: each sample's full length, generated with ignore_eos."""
         self.engine, self.slots, self.length_of = engine, slots, length_of
-        self._active: set[str] = set()
+        super().__init__()
 
     def submit(self, request: SlotRequest) -> None:
         from vllm import SamplingParams
@@ -164,18 +164,8 @@ class VLLMSlotEngine:
                                                params)
         self._active.add(request.request_id)
 
-    def abort(self, request_ids: list[str]) -> None:
-        ids = [r for r in request_ids if r in self._active]
-        if ids:
-            self.engine.llm.llm_engine.abort_request(ids)
-        self._active.difference_update(ids)
-
-    def num_active(self) -> int:
-        return len(self._active)
-
-    def reset(self) -> None:
-        """Forget every request (the engine under it was restarted)."""
-        self._active.clear()
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.llm.llm_engine.abort_request(request_ids)
 
     def step(self) -> StepReport:
         kill_point("engine_step")
@@ -191,7 +181,7 @@ class VLLMSlotEngine:
                 continue
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), _sampled_logprobs(c))
-            ev.version = getattr(self.engine, "weight_version", 0)  # set by the sync protocol
+            ev.version = getattr(self.engine, "weight_version", None)  # set by the sync protocol (None before it ran)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)
