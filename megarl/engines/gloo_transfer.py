@@ -21,6 +21,7 @@ The same wire format is spoken by ``GlooSender`` on the trainer side.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,13 +30,6 @@ from megarl.engines.weight_update import repack_moe, restore, snapshot
 
 BACKEND = "megarl_gloo"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def join_group(host: str, port: int, rank: int, world_size: int):
@@ -101,7 +95,7 @@ def _register() -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             dtype, plan = _DTYPES[update_info.dtype], update_info.buckets
-            sizes = [sum(_numel(s) for _, s in pieces) for pieces in plan]
+            sizes = [sum(math.prod(s) for _, s in pieces) for pieces in plan]
             incoming = _post(self.group, sizes[0], dtype) if sizes else None
             failure = None
             for i, pieces in enumerate(plan):
@@ -118,7 +112,7 @@ def _register() -> None:
                 try:
                     views, offset = [], 0
                     for name, shape in pieces:
-                        n = _numel(shape)
+                        n = math.prod(shape)
                         views.append((name, bucket[offset:offset + n].view(tuple(shape))))
                         offset += n
                     with torch.no_grad():

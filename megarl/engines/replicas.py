@@ -18,15 +18,16 @@ update leaves a replica serving its old weights (its own backup), and it says so
 from __future__ import annotations
 
 import atexit
+import math
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import torch
 
 from megarl.engines.base import Completion, TrackedRequests
 from megarl.engines.weight_update import WeightLoadError
+from megarl.launch.bootstrap import free_port
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -150,19 +151,6 @@ class ReplicaClient(TrackedRequests):
         return StepReport(report, elapsed, active)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EngineReplicas:
     """K replicas in their own processes, their gloo weight group, and the calls the loop makes on "the engine"."""
 
@@ -207,7 +195,7 @@ class EngineReplicas:
             status, detail = c.conn.recv()
             if status != "ready":
                 raise RuntimeError(f"engine replica {c.index} failed to start: {detail}")
-        port, world = _free_port(), 1 + replicas * tensor_parallel_size
+        port, world = free_port(), 1 + replicas * tensor_parallel_size
         for c in self.clients:
             c.conn.send(("init_transfer", {"host": "127.0.0.1", "port": port, "world_size": world,
                                            "rank_offset": 1 + c.index * tensor_parallel_size}))
@@ -238,7 +226,7 @@ class EngineReplicas:
         for c in self.clients:
             c.conn.send(("update", (plan, name, version)))
         start, error = time.perf_counter(), None
-        sizes = [sum(_numel(shape) for _, shape in pieces) for pieces in plan]
+        sizes = [sum(math.prod(shape) for _, shape in pieces) for pieces in plan]
         try:
             sent = self.sender.send(buckets, sizes, dtype)
         except Exception as exc:  # noqa: BLE001  (the sender told the replicas to restore; report below)

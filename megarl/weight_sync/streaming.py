@@ -22,6 +22,7 @@ only move bytes, and the tests hold the result equal to ``export.gather_hf_weigh
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        return sum(_numel(s) for _, s in self.hf)
+        return sum(math.prod(s) for _, s in self.hf)
 
 
 @dataclass
@@ -61,13 +62,6 @@ class SyncStats:
     def metrics(self) -> dict[str, float]:
         return {"sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
                 "sync/peak_extra_mib": self.peak_extra_bytes / 2**20}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _order(entry_name: str, source: int) -> tuple:
@@ -184,7 +178,7 @@ class StreamingSync:
             offset = 0
             for e in bucket_entries:
                 for name, shape in e.hf:
-                    n = _numel(shape)
+                    n = math.prod(shape)
                     yield name, bucket[offset:offset + n].view(shape)
                     offset += n
             del bucket
@@ -210,7 +204,7 @@ class StreamingSync:
                 out.view(rows, loc.tp, -1).copy_(gathered.view(loc.tp, rows, -1).transpose(0, 1))
                 return extra
             t = gathered
-        views = [out[o:o + _numel(s)].view(s) for o, s in zip(_offsets(e.hf), (s for _, s in e.hf))]
+        views = [out[o:o + math.prod(s)].view(s) for o, s in zip(_offsets(e.hf), (s for _, s in e.hf))]
         if e.name.endswith(("linear_qkv.weight", "linear_qkv.bias")) and len(views) == 3:
             native.split_qkv(t, head_layout(self.hf_cfg)[1], *views)
         elif e.name.endswith("linear_fc1.weight") and len(views) == 2:
@@ -227,7 +221,7 @@ def _offsets(pieces) -> list[int]:
     out, o = [], 0
     for _, shape in pieces:
         out.append(o)
-        o += _numel(shape)
+        o += math.prod(shape)
     return out
 
 
