@@ -63,9 +63,9 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     s = build_session(cfg)
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
-        from megarl.weight_sync.streaming import sync_engine
+        from megarl.weight_sync.protocol import sync_weights
 
-        sync_engine(s.engine, s.trainer, cfg.sync.bucket_mib)  # streamed, as the training loop does
+        sync_weights(s.engine, s.trainer, cfg.sync, version=0)  # the loop's protocol: streamed, all or nothing
     result = evaluate(s.engine, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
                       cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
     from megarl.engines.base import GenerationRequest

@@ -64,8 +64,3 @@ def evaluate(engine: Engine, tokenizer, prompts: list, rewards, max_tokens: int,
         if samples not in (1, *(2**i for i in range(1, 20))):
             out[f"pass_at_{samples}"] = sum(pass_at_k(samples, sum(c), samples) for c in sampled) / len(sampled)
     return out
-
-
-def greedy_pass_at_1(engine: Engine, tokenizer, prompts: list, max_tokens: int, rewards) -> float:
-    """Fraction of prompts whose greedy response is correct."""
-    return evaluate(engine, tokenizer, prompts, rewards, max_tokens)["pass_at_1"]

@@ -246,10 +246,3 @@ def streaming_sync(trainer, engine, bucket_mib: float) -> StreamingSync:
         _SYNCS[trainer] = sync
     return sync
 
-
-def sync_engine(engine, trainer, bucket_mib: float) -> dict[str, float]:
-    """Stream the trainer's weights into the engine; returns the sync's metrics."""
-    sync = streaming_sync(trainer, engine, bucket_mib)
-    start = time.perf_counter()
-    engine.update_weights(sync.weights())
-    return {"timing/sync_s": time.perf_counter() - start, **sync.stats.metrics()}
