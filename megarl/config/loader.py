@@ -140,9 +140,11 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     etp = p.etp or p.tp
     if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
         raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * etp} must divide tp×dp = {dp * p.tp}")
-    if cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size:
-        raise ConfigError(
-            f"engine.tensor_parallel_size must be 1 or the world size {world_size}, got {cfg.engine.tensor_parallel_size}"
+    if cfg.engine.placement == "colocated" and (cfg.engine.tensor_parallel_size < 1 or
+                                                world_size % cfg.engine.tensor_parallel_size):
+        raise ConfigError(  # world/TP colocated replicas (megarl/engines/colocated.py); TP = world: one engine
+            f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} must divide the world size {world_size} "
+            f"(colocated placement: world/TP engine replicas); valid: {_divisors(world_size)}"
         )
     r = cfg.rollout
     if r.samples_per_prompt < 2:

@@ -87,6 +87,14 @@ def _agree(ok: bool) -> bool:
 
 def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> float:
     """Max |engine − trainer| logprob over the sampled tokens of a small seeded probe batch (all ranks call it)."""
+    return max(rank_gaps(engine, trainer, seed, prompts, tokens))
+
+
+def rank_gaps(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> list[float]:
+    """The probe's gap for each rank's engine. Ranks may hold different engines (colocated replicas):
+    every rank's probe is exchanged and the trainer (all ranks together) scores each distinct one."""
+    import torch.distributed as dist
+
     from megarl.algo.batch import build_batch
     from megarl.engines.base import GenerationRequest
 
@@ -95,8 +103,18 @@ def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 
     ids = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
     temp = float(getattr(trainer, "temperature", 1.0))
     outs = engine.generate([GenerationRequest(p, n=1, max_tokens=tokens, temperature=temp) for p in ids], seed=seed)
-    batch = build_batch(ids, [o[0].token_ids for o in outs], [o[0].logprobs for o in outs])
-    return float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max())
+    every = [[(o[0].token_ids, o[0].logprobs) for o in outs]]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, [(o[0].token_ids, o[0].logprobs) for o in outs])
+    gaps: list[float] = []
+    for r, probe in enumerate(every):
+        if probe in every[:r]:  # the same engine (or the same samples): scored once
+            gaps.append(gaps[every.index(probe)])
+            continue
+        batch = build_batch(ids, [t for t, _ in probe], [lp for _, lp in probe])
+        gaps.append(float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max()))
+    return gaps
 
 
 class WeightSyncProtocol:
