@@ -41,7 +41,7 @@ def evaluate(s: Session) -> float:
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
-    torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
+    torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP); colocated replicas derive their own streams from it
     run_phase = keeper.run_phase if keeper else s.controller.run_phase  # the keeper survives engine errors
     groups, phase = run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()

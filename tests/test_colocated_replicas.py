@@ -7,6 +7,7 @@ per rank), the run's own ``build_session`` and ``rl_step`` in partial mode (``co
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,37 @@ def test_every_rank_releases_the_same_groups(result):
 
 def test_every_token_carries_its_engine_version_and_no_prompt_is_lost(result):
     check_versions_and_prompts(result)
+
+
+@pytest.mark.parametrize("world, engine_tp, ok", [(2, 1, True), (2, 2, True), (4, 2, True), (4, 3, False),
+                                                  (2, 4, False), (4, 0, False)])
+def test_engine_tp_must_divide_the_world(world, engine_tp, ok):
+    from megarl.config import ConfigError, load_config, validate
+    from megarl.models.tiny import TinyShape, hf_config
+
+    cfg = load_config(None, [f"engine.tensor_parallel_size={engine_tp}"])
+    hf = hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)
+    if ok:
+        validate(cfg, world, hf)
+        return
+    valid = [d for d in range(1, world + 1) if world % d == 0]
+    with pytest.raises(ConfigError, match=rf"engine.tensor_parallel_size={engine_tp} must divide the world size "
+                                          rf"{world} .*; valid: {re.escape(str(valid))}"):
+        validate(cfg, world, hf)
+
+
+def test_plan_counts_replicas_and_refuses_an_engine_tp_that_splits_the_world():
+    from test_plan import QWEN25_32B, RUN
+
+    from megarl.config import ConfigError, load_config
+    from megarl.launch.plan import plan
+
+    res = plan(QWEN25_32B, load_config(None, [*RUN, "parallel.tp=8", "engine.tensor_parallel_size=4"]), 2, 8, 141)
+    assert res["layout"]["engine_tp"] == 4 and res["layout"]["engine_replicas"] == 4
+    with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size=3 must divide the world size 16"):
+        plan(QWEN25_32B, load_config(None, [*RUN, "engine.tensor_parallel_size=3"]), 2, 8, 141)
+    proposed = plan(QWEN25_32B, load_config(None, RUN), 2, 8, 141, propose=True)["layout"]
+    assert 16 % proposed["engine_tp"] == 0 and proposed["engine_replicas"] == 16 // proposed["engine_tp"]
 
 
 @pytest.mark.slow

@@ -113,10 +113,6 @@ class ColocatedReplicas:
             self._rng = torch.get_rng_state()
             torch.set_rng_state(outer)
 
-    def metrics(self) -> dict[str, float]:
-        """Requests each replica was given over the run (``engine/replica_<k>_requests``)."""
-        return {f"engine/replica_{k}_requests": float(n) for k, n in enumerate(self.submitted)}
-
 
 def colocated_slot_engine(engine, slots: int, tensor_parallel_size: int):
     """The controller's engine face: the plain slot engine (one engine spans the world, or world 1),
