@@ -12,7 +12,8 @@ engine was given and every token event it reported, then:
   ``sync.check_every=1``), keeping a digest of each phase's released groups (tokens, behaviour
   logprobs, versions, rewards) and of the controller's buffer;
 - the same prompt submitted to two replicas right after one reseed: the samples must differ
-  (each replica samples from a stream of its own).
+  (each replica samples from a stream of its own);
+- a reward that answers differently per rank, through ``shared_rewards``: every rank gets rank 0's.
 
 Every rank's records are gathered; rank 0 prints one JSON line.
 """
@@ -39,6 +40,7 @@ def main(run_dir: str, *overrides: str) -> None:
     from megarl.config import load_config
     from megarl.engines.colocated import ColocatedReplicas
     from megarl.rollout.engine_api import SlotRequest
+    from megarl.rollout.scoring import shared_rewards
     from megarl.runtime import build_session
     from megarl.train import rl_step
     from megarl.trainer.sft import supervised_warmup
@@ -125,7 +127,12 @@ def main(run_dir: str, *overrides: str) -> None:
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
     same_prompt = [tokens[f"same:{j}"] for j in range(face.replicas)]
 
-    record = {"rank": rank, "replica": face.replica, "given": given[:before], "events": events[:phase_events],
+    class RankReward:  # answers differently on each rank, as a reward that times out on one rank would
+        def score(self, items):
+            return [float(rank)] * len(items)
+
+    shared_score = shared_rewards(RankReward()).score([("3", "3", {})])
+    record = {"rank": rank, "shared_score": shared_score, "replica": face.replica, "given": given[:before], "events": events[:phase_events],
               "submitted": submitted, "released": released_digests, "buffer": buffer_digest(c.state_dict()),
               "drawn": sorted(drawn), "released_ids": sorted(c.released), "live": sorted(c.live),
               "requeued": requeued, "live_versions": live_versions}
