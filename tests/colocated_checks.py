@@ -13,6 +13,7 @@ engine was given and every token event it reported, then:
   logprobs, versions, rewards) and of the controller's buffer;
 - the same prompt submitted to two replicas right after one reseed: the samples must differ
   (each replica samples from a stream of its own);
+- an engine error on one replica: raised on every rank, no request left in flight;
 - a reward that answers differently per rank, through ``shared_rewards``: every rank gets rank 0's.
 
 Every rank's records are gathered; rank 0 prints one JSON line.
@@ -127,12 +128,27 @@ def main(run_dir: str, *overrides: str) -> None:
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
     same_prompt = [tokens[f"same:{j}"] for j in range(face.replicas)]
 
+    # an engine error on the last replica only: every rank raises it after the step's exchange
+    def failing_step():
+        raise RuntimeError("engine fault on purpose")
+
+    if face.replica == face.replicas - 1:
+        local.step = failing_step
+    for j in range(face.replicas):
+        face.submit(SlotRequest(f"fail:{j}", list(prompt), 4, temperature=1.0))
+    try:
+        face.step()
+        step_error = ""
+    except RuntimeError as exc:
+        step_error = str(exc)
+    face.abort([f"fail:{j}" for j in range(face.replicas)])
+
     class RankReward:  # answers differently on each rank, as a reward that times out on one rank would
         def score(self, items):
             return [float(rank)] * len(items)
 
     shared_score = shared_rewards(RankReward()).score([("3", "3", {})])
-    record = {"rank": rank, "shared_score": shared_score, "replica": face.replica, "given": given[:before], "events": events[:phase_events],
+    record = {"rank": rank, "shared_score": shared_score, "step_error": step_error, "left": face.num_active(), "replica": face.replica, "given": given[:before], "events": events[:phase_events],
               "submitted": submitted, "released": released_digests, "buffer": buffer_digest(c.state_dict()),
               "drawn": sorted(drawn), "released_ids": sorted(c.released), "live": sorted(c.live),
               "requeued": requeued, "live_versions": live_versions}

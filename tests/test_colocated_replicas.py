@@ -52,6 +52,10 @@ def check_lockstep(r: dict) -> None:
     first = r["ranks"][0]
     assert len(first["released"]) == len(r["versions"])
     assert [x["shared_score"] for x in r["ranks"]] == [[0.0]] * r["world"]  # rewards: rank 0 scores for all
+    last = r["replicas"] - 1
+    for x in r["ranks"]:  # one replica's engine error is raised on every rank, so the keeper acts everywhere
+        assert f"colocated engine step failed: replica {last} (rank {last * r['engine_tp']}): RuntimeError: " \
+               "engine fault on purpose" in x["step_error"] and x["left"] == 0
     for x in r["ranks"][1:]:  # released groups (tokens, logprobs, versions, rewards) and the buffer, alike
         assert x["released"] == first["released"] and x["buffer"] == first["buffer"]
         for key in ("drawn", "released_ids", "live", "requeued"):
@@ -140,9 +144,7 @@ def test_engine_tp2_replicas_over_four_processes(tmp_path_factory):
 
 
 def test_megarl_train_with_two_colocated_replicas(tmp_path):
-    """The real command: 2 processes, engine TP 1, partial mode. One replica's engine fails in step 2: every
-    rank raises it after the step's exchange, the keeper re-runs the phase on restarted engines on both ranks.
-    The run completes and its final checkpoint holds every prompt exactly once."""
+    """The real command: 2 processes, engine TP 1, partial mode; the final checkpoint holds every prompt once."""
     from test_resume import final_state, no_prompt_lost_or_twice
 
     run = tmp_path / "run"
@@ -153,12 +155,9 @@ def test_megarl_train_with_two_colocated_replicas(tmp_path):
            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
            "engine.max_model_len=96", "engine.slots=8", "engine.kv_cache_gib=0.25", "optim.micro_batch_size=16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "engine_error@2"})
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
-    for rank in (0, 1):
-        assert re.search(rf"rank {rank} step 2: engine error mid-phase \(RuntimeError: colocated engine step failed: "
-                         r"replica \d \(rank \d\): RuntimeError: engine fault injected.*restart 1/3", proc.stdout)
     state = final_state(run)
     no_prompt_lost_or_twice(state)
     for _, samples, *_ in state["controller"]["live"].values():
