@@ -21,7 +21,7 @@ from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
-from megarl.engines.colocated import colocated_slot_engine
+from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
 from megarl.engines.memory import sleep_supported
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
@@ -57,6 +57,12 @@ class Session:
     @property
     def is_main(self) -> bool:
         return self.ps.rank == 0
+
+    @property
+    def generator(self):
+        """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
+        face = self.controller.engines[0]
+        return face if isinstance(face, ColocatedReplicas) else self.engine
 
 
 def ensure_model(cfg: RunConfig) -> None:

@@ -36,7 +36,7 @@ CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubb
 
 
 def evaluate(s: Session) -> float:
-    return evaluate_prompts(s.engine, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens)["pass_at_1"]
+    return evaluate_prompts(s.generator, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens)["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:

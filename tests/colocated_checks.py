@@ -13,6 +13,7 @@ engine was given and every token event it reported, then:
   logprobs, versions, rewards) and of the controller's buffer;
 - the same prompt submitted to two replicas right after one reseed: the samples must differ
   (each replica samples from a stream of its own);
+- evaluation through ``Session.generator``: each replica generates its share, the result equals one engine's;
 - an engine error on one replica: raised on every rank, no request left in flight;
 - a reward that answers differently per rank, through ``shared_rewards``: every rank gets rank 0's.
 
@@ -128,6 +129,21 @@ def main(run_dir: str, *overrides: str) -> None:
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
     same_prompt = [tokens[f"same:{j}"] for j in range(face.replicas)]
 
+    # evaluation shared out: each replica generates its share, every rank gets all of it, as one engine gives
+    from megarl.engines.base import GenerationRequest
+
+    probe = [GenerationRequest(p.ids, max_tokens=12, greedy=True) for p in s.eval_prompts]
+    counted, engine_generate = [], s.engine.generate
+
+    def counted_generate(requests, seed):
+        counted.append(len(requests))
+        return engine_generate(requests, seed)
+
+    s.engine.generate = counted_generate
+    shared_out = [[c.token_ids for c in o] for o in s.generator.generate(probe, seed=0)]
+    whole = [[c.token_ids for c in o] for o in s.engine.generate(probe, seed=0)]
+    s.engine.generate = engine_generate
+
     # an engine error on the last replica only: every rank raises it after the step's exchange
     def failing_step():
         raise RuntimeError("engine fault on purpose")
@@ -148,7 +164,7 @@ def main(run_dir: str, *overrides: str) -> None:
             return [float(rank)] * len(items)
 
     shared_score = shared_rewards(RankReward()).score([("3", "3", {})])
-    record = {"rank": rank, "shared_score": shared_score, "step_error": step_error, "left": face.num_active(), "replica": face.replica, "given": given[:before], "events": events[:phase_events],
+    record = {"rank": rank, "shared_score": shared_score, "eval_same": shared_out == whole, "eval_counts": counted, "step_error": step_error, "left": face.num_active(), "replica": face.replica, "given": given[:before], "events": events[:phase_events],
               "submitted": submitted, "released": released_digests, "buffer": buffer_digest(c.state_dict()),
               "drawn": sorted(drawn), "released_ids": sorted(c.released), "live": sorted(c.live),
               "requeued": requeued, "live_versions": live_versions}

@@ -41,6 +41,9 @@ def check_no_duplicated_work(r: dict) -> None:
     leaders = [ranks[k * tp] for k in range(r["replicas"])]
     for x in ranks:  # the ranks of one replica run the same requests; the routing table is the same everywhere
         assert x["given"] == leaders[x["replica"]]["given"] and x["submitted"] == ranks[0]["submitted"]
+    for x in ranks:  # evaluation: each replica its share (then the whole set on one engine, for comparison)
+        n = x["eval_counts"][1]
+        assert x["eval_same"] and x["eval_counts"][0] == len(range(x["replica"], n, r["replicas"])) < n
     sets = [set(x["given"]) for x in leaders]
     assert all(sets) and sum(len(s) for s in sets) == len(set().union(*sets))  # each request ran on one replica
     assert [len(s) for s in sets] == ranks[0]["submitted"][:]  # and nowhere else
@@ -143,6 +146,7 @@ def test_engine_tp2_replicas_over_four_processes(tmp_path_factory):
         check(r)
 
 
+@pytest.mark.slow
 def test_megarl_train_with_two_colocated_replicas(tmp_path):
     """The real command: 2 processes, engine TP 1, partial mode; the final checkpoint holds every prompt once."""
     from test_resume import final_state, no_prompt_lost_or_twice

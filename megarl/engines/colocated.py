@@ -99,6 +99,18 @@ class ColocatedReplicas:
                     self.load[k] -= 1
         return StepReport(events, elapsed, active)
 
+    def generate(self, requests: list, seed: int) -> list:
+        """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its
+        engine, the results are exchanged, and every rank returns all of them in request order."""
+        share = requests[self.replica::self.replicas]
+        mine = self.engine.generate(share, seed=seed) if share else []
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        out = [None] * len(requests)
+        for k in range(self.replicas):
+            out[k::self.replicas] = every[k * self.tp]
+        return out
+
     def _step_local(self) -> StepReport:
         """One step of this rank's engine, sampling from this replica's own RNG stream."""
         seed = torch.initial_seed()
