@@ -164,15 +164,18 @@ def main(run_dir: str, *overrides: str) -> None:
             return [float(rank)] * len(items)
 
     shared_score = shared_rewards(RankReward()).score([("3", "3", {})])
-    record = {"rank": rank, "shared_score": shared_score, "eval_same": shared_out == whole, "eval_counts": counted, "step_error": step_error, "left": face.num_active(), "replica": face.replica, "given": given[:before], "events": events[:phase_events],
+    record = {"rank": rank, "replica": face.replica, "given": given[:before], "events": events[:phase_events],
               "submitted": submitted, "released": released_digests, "buffer": buffer_digest(c.state_dict()),
               "drawn": sorted(drawn), "released_ids": sorted(c.released), "live": sorted(c.live),
-              "requeued": requeued, "live_versions": live_versions}
+              "requeued": requeued, "live_versions": live_versions, "shared_score": shared_score,
+              "eval_same": shared_out == whole, "eval_counts": counted, "step_error": step_error,
+              "left": face.num_active()}
     every = [None] * world
     dist.all_gather_object(every, record)
     if rank == 0:
         print(json.dumps({"world": world, "engine_tp": cfg.engine.tensor_parallel_size, "replicas": face.replicas,
-                          "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_before_sync": stale, "audits": audits, "versions": versions,
+                          "gap_stale": gap_stale, "gap_synced": gap_synced, "stale_before_sync": stale,
+                          "audits": audits, "versions": versions,
                           "grad_norms": grad_norms, "same_prompt": same_prompt, "ranks": every}), flush=True)
     dist.barrier()
     s.rewards.close()

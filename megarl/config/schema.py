@@ -120,7 +120,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     """KV cache size per engine in GiB (vLLM's CPU default would take ~10 GiB)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor-parallel size (the engine spans this many trainer processes); it divides the world: world/TP colocated replicas."""
+    """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP colocated replicas."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
     placement: str = "colocated"

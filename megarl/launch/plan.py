@@ -22,8 +22,9 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   micro_batch_size · max_model_len tokens, times all layers (1F1B keeps PP microbatches of
   L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
-- vLLM: all weights · w / engine TP (TP < world: world/TP replicas, each holding the whole model); KV cache 2·L·kv_heads_per_rank·head_dim·w per token for
-  min(slots, rollout sequences) × max_model_len tokens. Plus 2 GiB runtime overhead.
+- vLLM: all weights · w / engine TP (TP < world: world/TP replicas, each holding the whole model);
+  KV cache 2·L·kv_heads_per_rank·head_dim·w per token for min(slots, rollout sequences) ×
+  max_model_len tokens. Plus 2 GiB runtime overhead.
 
 Precision ``fp32`` is what megarl's trainer and engine build today (w = 4); ``bf16`` models
 megatron's mixed precision (w = 2). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
