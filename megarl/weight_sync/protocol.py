@@ -127,7 +127,8 @@ class WeightSyncProtocol:
                 metrics.update(engine.load(plan, flat_buckets(stream, plan, weights), version, stream.dtype))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
-                backup = load(engine, stream.weights() if weights is None else weights)
+                # zero_copy: on one rank, tensors that need no re-layout go to the engine as views
+                backup = load(engine, stream.weights(zero_copy=True) if weights is None else weights)
                 self.stages.append(Stage.RESET_CACHE)
                 engine.llm.reset_prefix_cache()
                 self.stages.append(Stage.BUMP)
