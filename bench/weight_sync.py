@@ -20,8 +20,9 @@
    layerwise load, the rollback copy and the prefix-cache reset;
 4. memory (a subprocess with ``MALLOC_MMAP_THRESHOLD_=65536``, so every large buffer is its own
    mapping and RSS sees it come and go): the peak extra RSS of a streamed sync, buckets and
-   zero-copy, at two depths, against the bound (one bucket + the largest tensor), and with the
-   engine loading vs a full gather;
+   zero-copy, at two depths, against the bound (one bucket + the largest tensor); and with the
+   engine loading: the loop's sync (with its all-or-nothing rollback), the same stream without
+   the rollback, a full gather;
 5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
    API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
    plain gloo broadcast of the same buckets to the same processes, received and dropped.
@@ -324,12 +325,15 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     proto.run(1)  # warm: vLLM's first reload allocates its own bookkeeping
     metrics: dict[str, float] = {}
     into = peak_added(lambda: metrics.update(proto.run(2)))
+    bare = peak_added(lambda: engine.update_weights(sync.weights(zero_copy=True)))
     cfg = trainer.hf_cfg
     gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(trainer.modules, cfg, ps, num_experts(cfg))))
-    print(f"memory with the engine loading ({trainer.nbytes / 2**20:.0f} MiB model): the loop's sync "
-          f"{into / 2**20:.1f} MiB = {into / trainer.nbytes:.3f} of the model (incl. its rollback copy "
-          f"{metrics['sync/backup_mib']:.1f} MiB and vLLM's per-layer "
-          f"buffers) vs a full gather {gathered / 2**20:.1f} MiB = {gathered / trainer.nbytes:.3f}", flush=True)
+    model = trainer.nbytes
+    print(f"memory with the engine loading ({model / 2**20:.0f} MiB model): the loop's sync {into / 2**20:.1f} MiB = "
+          f"{into / model:.3f} of the model (all or nothing: vLLM's old packed GEMM weights are held until the new "
+          f"ones are complete, + a {metrics['sync/backup_mib']:.1f} MiB copy of the in-place tensors); the same stream "
+          f"without the rollback {bare / 2**20:.1f} MiB = {bare / model:.3f}; a full gather (no rollback) "
+          f"{gathered / 2**20:.1f} MiB = {gathered / model:.3f}", flush=True)
 
 
 def bench_disaggregated(model_dir, ps, args) -> None:
