@@ -15,7 +15,9 @@ by bucket, layer by layer::
       TP all-gather ─▶ split / cast into bucket ─▶ broadcast ─▶ (hf name, view) … ─▶ engine
 
 Peak extra memory on a rank: the bucket (``sync.bucket_mib``, or one tensor when larger) plus
-the largest gathered tensor — independent of the number of layers. The names and layouts come
+the largest gathered tensor — independent of the number of layers. In one process (nothing to
+broadcast) ``weights(zero_copy=True)`` hands a colocated engine views of the trainer's own
+tensors wherever no gather, cast or re-layout is needed, and packs only the rest (the QKV split). The names and layouts come
 from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
 only move bytes, and the tests hold the result equal to ``export.gather_hf_weights``.
 """
