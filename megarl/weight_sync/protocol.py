@@ -69,8 +69,10 @@ def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes."""
     from vllm.config import set_current_vllm_config
 
+    from megarl.trainer import cpu_adapter
+
     worker = engine.worker
-    with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(worker.vllm_config), cpu_adapter.suspended():  # vLLM asks for no CUDA here
         return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, _agree)
 
 
