@@ -181,6 +181,7 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
     from megarl.checkpoint.hf_export import export_hf
     from megarl.engines.vllm_engine import _repack_tied_head
     from megarl.engines.weight_update import repack_moe
+    from megarl.trainer import cpu_adapter
     from megarl.weight_sync.protocol import WeightSyncProtocol
 
     g = torch.Generator().manual_seed(1)
@@ -201,20 +202,22 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
             finally:
                 os.close(fd)
 
-    def reload_from_disk():
+    def reload_from_disk():  # vLLM's work without the trainer's cuda->cpu mode, as in the loop's sync
         write_checkpoint()
         worker = engine.worker
-        worker.reload_weights(weights_path=str(ckpt), is_checkpoint_format=True)
-        repack_moe(worker.model_runner.get_model())
-        _repack_tied_head(worker.model_runner.get_model())
-        engine.llm.reset_prefix_cache()
+        with cpu_adapter.suspended():
+            worker.reload_weights(weights_path=str(ckpt), is_checkpoint_format=True)
+            repack_moe(worker.model_runner.get_model())
+            _repack_tied_head(worker.model_runner.get_model())
+            engine.llm.reset_prefix_cache()
 
     def fresh_engine():
         write_checkpoint()
         engine.llm = None
         gc.collect()
         engine._args["model"] = str(ckpt)
-        engine.llm = engine._start()
+        with cpu_adapter.suspended():
+            engine.llm = engine._start()
 
     paths = {"memory": lambda: proto.run(next(count)), "reload": reload_from_disk, "fresh": fresh_engine}
     times: dict[str, list[float]] = {name: [] for name in paths}
