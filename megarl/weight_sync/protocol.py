@@ -69,8 +69,10 @@ def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes."""
     from vllm.config import set_current_vllm_config
 
+    from megarl.trainer import cpu_adapter
+
     worker = engine.worker
-    with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(worker.vllm_config), cpu_adapter.suspended():  # vLLM asks for no CUDA here
         return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, _agree)
 
 
@@ -145,7 +147,8 @@ class WeightSyncProtocol:
                 metrics.update(engine.load(plan, flat_buckets(stream, plan, weights), version, stream.dtype))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
-                backup = load(engine, stream.weights() if weights is None else weights)
+                # zero_copy: on one rank, tensors that need no re-layout go to the engine as views
+                backup = load(engine, stream.weights(zero_copy=True) if weights is None else weights)
                 self.stages.append(Stage.RESET_CACHE)
                 engine.llm.reset_prefix_cache()
                 self.stages.append(Stage.BUMP)
