@@ -118,6 +118,8 @@ class ControllerConfig:
         if self.max_update_groups and self.max_update_groups < self.update_groups:
             raise ValueError(f"max_update_groups ({self.max_update_groups}) must be 0 (= update_groups) or >= "
                              f"update_groups ({self.update_groups})")
+        if self.long_round_groups < 0:
+            raise ValueError(f"long_round_groups must be >= 0 (0: update_groups), got {self.long_round_groups}")
         if self.buffer_samples < 0 or self.max_discards < 1:
             raise ValueError(f"buffer_samples must be >= 0 and max_discards >= 1, got {self.buffer_samples} and "
                              f"{self.max_discards}")
