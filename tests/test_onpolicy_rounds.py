@@ -78,7 +78,7 @@ def test_balanced_long_rounds_are_shorter_and_keep_the_contract(seed):
     lengths = paper_like(seed)
     balanced, unbalanced = make("on_policy", lengths)[0], make("on_policy", lengths, unbalanced=True)[0]
     phases = run(balanced, 24)
-    for v, (groups, m) in enumerate(phases):
+    for v, (groups, _) in enumerate(phases):
         assert len(groups) == U, f"phase {v} released {len(groups)} groups"
         assert all(x == v for g in groups for s in g.samples for x in s.versions)  # strictly on-policy
     ours, before = summary(phases), summary(run(unbalanced, 24))
