@@ -132,10 +132,12 @@ class PromptBuffer:
         own = [collections.deque() for _ in engines]
         load = [0.0] * len(engines)
         room = [e.slots - e.num_active() for e in engines]
+        if not only:
+            return own
         rest = collections.deque()
         for index, j in queue:
-            free = [k for k in range(len(own)) if room[k] > 0]
-            if not free or index not in only:
+            free = [k for k in range(len(own)) if room[k] > 0] if index in only else None
+            if not free:
                 rest.append((index, j))
                 continue
             k = min(free, key=lambda k: (load[k], k))
