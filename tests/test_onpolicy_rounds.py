@@ -155,3 +155,14 @@ def test_paper_workload_on_policy_trade_off():
     floor = on_policy_bubble_floor(small["at_cap_samples_trained"], small["tokens_generated"], sync["phase_s_max"],
                                    16384, 64, StepTimeModel("batch"))
     assert 0.1 < floor <= small["bubble_ratio"]  # ... costs bubble: no such schedule gets near 6%
+
+
+def test_bad_long_round_groups_is_a_config_error():
+    from megarl.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match=r"rollout.long_round_groups must be >= 0 \(0: rollout.prompts_per_step\), "
+                                          r"got -1"):
+        validate(load_config(None, ["rollout.long_round_groups=-1"]), 1)
+    validate(load_config(None, ["rollout.long_round_groups=4"]), 1)
+    with pytest.raises(ValueError, match="long_round_groups must be >= 0"):
+        ControllerConfig(mode="on_policy", long_round_groups=-1).validate()
