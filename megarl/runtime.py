@@ -166,6 +166,7 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         stale_action=r.stale_action, max_discards=r.max_discards, token_budget=r.token_budget, dispatch=r.dispatch,
         release_cap=round(cfg.algo.oversample_cap * r.prompts_per_step) if cfg.algo.dynamic_sampling else 0,
         max_update_groups=r.max_update_groups, long_rounds=r.long_rounds, buffer_samples=r.buffer_samples,
+        long_round_groups=r.long_round_groups,
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
     return RolloutController(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score,

@@ -164,6 +164,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if r.max_update_groups and r.max_update_groups < r.prompts_per_step or r.buffer_samples < 0:
         raise ConfigError(f"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step ({r.prompts_per_step}), "
                           f"got {r.max_update_groups}; rollout.buffer_samples must be >= 0, got {r.buffer_samples}")
+    if r.long_round_groups < 0:
+        raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
     if cfg.optim.lr_decay not in ("constant", "cosine"):
         raise ConfigError(f"optim.lr_decay must be 'constant' or 'cosine', got {cfg.optim.lr_decay!r}")
     if cfg.engine.slots < 1:

@@ -111,6 +111,8 @@ class RolloutConfig:
     """On-policy starvation guard: tail batching (prompts discarded max_discards times run in a long round of their own); false: drain them in a pinned phase."""
     buffer_samples: int = 0
     """SortedRL admission budget: unfinished samples live at most while admitting for free slots (0: one per free slot)."""
+    long_round_groups: int = 0
+    """On-policy long rounds: long-queue prompts per round, topped up with new ones (0: prompts_per_step; fewer: shorter rounds, more bubble)."""
 
 
 @dataclass
