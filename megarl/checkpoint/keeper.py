@@ -29,6 +29,7 @@ from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
 
 
@@ -163,7 +164,10 @@ class RunKeeper:
                 if self.failing > self.cfg.engine.max_restarts:
                     raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
                                   f"{self.cfg.engine.max_restarts}); last: {where}") from exc
-                self.s.engine.restart()
+                try:
+                    self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
+                except EngineRestartRefused as refused:
+                    raise StopRun(str(refused)) from exc
                 self.preemption.install()
                 for engine in c.engines:
                     engine.reset()
