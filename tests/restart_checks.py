@@ -5,7 +5,8 @@
 Builds the run's session (trainer TP 2; ``engine.tensor_parallel_size=1``: two replicas, or ``=2``: one
 engine over both ranks), runs two RL steps through the keeper (the injected engine error fires in step 1,
 on every rank's engine), saves a run checkpoint, and checks the engine still generates and matches the
-trainer (``rank_gaps``). Rank 0 prints one JSON line with every rank's record.
+trainer (``rank_gaps``). With ``engine_unrecoverable@1`` too, the recovery is refused: the keeper's
+``StopRun`` saves a checkpoint of the steps done, as ``megarl train`` does. Rank 0 prints one JSON line with every rank's record.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 def main(run_dir: str, *overrides: str) -> None:
     import torch.distributed as dist
 
-    from megarl.checkpoint.keeper import RunKeeper
+    from megarl.checkpoint.keeper import RunKeeper, StopRun
     from megarl.config import load_config
     from megarl.runtime import build_session
     from megarl.train import rl_step
@@ -32,16 +33,19 @@ def main(run_dir: str, *overrides: str) -> None:
     s = build_session(cfg)
     rank = dist.get_rank()
     keeper = RunKeeper(s)
-    steps, error = 0, ""
+    steps, error, stopped = 0, "", ""
     try:
         for step in range(2):
             rl_step(s, step, keeper)
             steps += 1
         keeper.save(steps)
+    except StopRun as stop:  # what megarl train does: save and stop (exit status 1)
+        stopped = str(stop)
+        keeper.stop(steps, stopped)
     except Exception as exc:  # noqa: BLE001  (reported, the test fails on it)
         error = f"{type(exc).__name__}: {exc}"
-    gaps = rank_gaps(s.engine, s.trainer) if not error else None
-    record = {"rank": rank, "steps": steps, "restarts": keeper.restarts, "error": error,
+    gaps = rank_gaps(s.engine, s.trainer) if not (error or stopped) else None
+    record = {"rank": rank, "steps": steps, "restarts": keeper.restarts, "error": error, "stopped": stopped,
               "saved_at": keeper.saved_at, "gaps": gaps}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, record)

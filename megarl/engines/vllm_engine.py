@@ -101,6 +101,8 @@ class VLLMEngine:
     def recover(self) -> None:
         """Bring the engine back to idle in place: abort every request it holds, check its scheduler and output
         processor are empty, drop the prefix cache (KV of the failed phase)."""
+        if injected("engine_unrecoverable"):
+            raise RuntimeError("recovery fault injected by MEGARL_TEST_FAULT (a test hook)")
         engine = self.llm.llm_engine
         held = list(engine.output_processor.request_states)
         if held:
