@@ -12,7 +12,8 @@
 
 Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
 mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
-the prompts drawn during the failed phase are re-queued, the engine is restarted and given the
+the prompts drawn during the failed phase are re-queued, the engine is restarted (under torchrun:
+recovered in place, or refused → ``StopRun``; see ``VLLMEngine.restart``) and given the
 trainer's current weights, and the phase runs again. When the phase fails again after
 ``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
 step (milliseconds for the tiny runs; it grows with the partial buffer).
