@@ -148,7 +148,9 @@ def test_engine_tp2_replicas_over_four_processes(tmp_path_factory):
 
 @pytest.mark.slow
 def test_megarl_train_with_two_colocated_replicas(tmp_path):
-    """The real command: 2 processes, engine TP 1, partial mode; the final checkpoint holds every prompt once."""
+    """The real command: 2 processes, engine TP 1, partial mode. One replica's engine fails in step 2: every
+    rank raises it after the step's exchange and recovers its engine in place; the run completes and its final
+    checkpoint holds every prompt exactly once."""
     from test_resume import final_state, no_prompt_lost_or_twice
 
     run = tmp_path / "run"
@@ -159,9 +161,12 @@ def test_megarl_train_with_two_colocated_replicas(tmp_path):
            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
            "engine.max_model_len=96", "engine.slots=8", "engine.kv_cache_gib=0.25", "optim.micro_batch_size=16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "engine_error@2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} step 2: engine error mid-phase \(RuntimeError: colocated engine step failed: "
+                         r".*engine fault injected.*restart 1/3", proc.stdout)
     state = final_state(run)
     no_prompt_lost_or_twice(state)
     for _, samples, *_ in state["controller"]["live"].values():

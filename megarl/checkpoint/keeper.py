@@ -12,7 +12,8 @@
 
 Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
 mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
-the prompts drawn during the failed phase are re-queued, the engine is restarted and given the
+the prompts drawn during the failed phase are re-queued, the engine is restarted (under torchrun:
+recovered in place, or refused → ``StopRun``; see ``VLLMEngine.restart``) and given the
 trainer's current weights, and the phase runs again. When the phase fails again after
 ``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
 step (milliseconds for the tiny runs; it grows with the partial buffer).
@@ -29,6 +30,7 @@ from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
 
 
@@ -163,7 +165,10 @@ class RunKeeper:
                 if self.failing > self.cfg.engine.max_restarts:
                     raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
                                   f"{self.cfg.engine.max_restarts}); last: {where}") from exc
-                self.s.engine.restart()
+                try:
+                    self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
+                except EngineRestartRefused as refused:
+                    raise StopRun(str(refused)) from exc
                 self.preemption.install()
                 for engine in c.engines:
                     engine.reset()

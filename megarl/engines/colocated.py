@@ -17,7 +17,8 @@ Each rank's engine holds the full weights its TP shard needs (the streaming sync
 rank). Every event carries its replica's weight version. Replicas sample from streams of their
 own (derived from the loop's per-step seed and the replica index), so two samples of one prompt
 that run on two replicas are not the same sample twice. An engine error on any replica is raised
-on every rank after the exchange, so every rank's keeper handles it at the same step.
+on every rank after the exchange, so every rank's keeper handles it at the same step and every rank
+recovers its engine in place (``VLLMEngine.restart`` under torchrun).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from megarl.checkpoint.faults import injected, kill_point
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
@@ -69,11 +70,49 @@ class VLLMEngine:
         return LLM(**self._args)
 
     def restart(self) -> None:
-        """Drop the engine (after it failed) and start a fresh one with the same settings; it holds the
-        checkpoint's weights until the caller pushes the trainer's with ``update_weights``."""
-        self.llm = None
-        gc.collect()
-        self.llm = self._start()
+        """After the engine failed mid-phase: the caller then pushes the trainer's weights (``update_weights``).
+
+        One process: drop the engine and start a fresh one with the same settings. Under torchrun (world > 1)
+        a fresh ``LLM`` cannot be started in-process: vLLM keeps its groups in module globals
+        (``vllm.distributed.parallel_state``: ``_WORLD``, ``_TP``, ...; ``init_distributed_environment`` and
+        ``ensure_model_parallel_initialized`` reuse what they find), the old engine's teardown leaves them half
+        destroyed (measured: the new engine hangs at engine TP = world, fails with "process group not
+        initialized" at TP 1), and destroying them first fails in gloo. So the engine is recovered in place
+        (``recover``), every rank agreeing; when any rank's recovery fails, ``EngineRestartRefused``: the run
+        must save and stop, and the same command resumes it in fresh processes."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            self.llm = None
+            gc.collect()
+            self.llm = self._start()
+            return
+        problem = ""
+        try:
+            self.recover()
+        except Exception as exc:  # noqa: BLE001  (every rank must learn it: agreed below)
+            problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problem)
+        if any(every):
+            raise EngineRestartRefused("the vLLM engine could not be recovered in place ("
+                                       + "; ".join(p for p in every if p) + ") and a fresh engine cannot be "
+                                       "started inside torchrun's processes: rerun the same command to resume "
+                                       "from the checkpoint")
+
+    def recover(self) -> None:
+        """Bring the engine back to idle in place: abort every request it holds, check its scheduler and output
+        processor are empty, drop the prefix cache (KV of the failed phase)."""
+        if injected("engine_unrecoverable"):
+            raise RuntimeError("recovery fault injected by MEGARL_TEST_FAULT (a test hook)")
+        engine = self.llm.llm_engine
+        held = list(engine.output_processor.request_states)
+        if held:
+            engine.abort_request(held, internal=True)  # the output processor's keys are vLLM's internal ids
+        core = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)  # in-process core
+        left = engine.get_num_unfinished_requests() + (core.get_num_unfinished_requests() if core else 0)
+        if left:
+            raise RuntimeError(f"{left} requests still unfinished after aborting {len(held)}")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset (KV blocks still in use)")
 
     @property
     def worker(self):
@@ -105,6 +144,10 @@ class VLLMEngine:
         _repack_moe(self.worker.model_runner.get_model())
         _repack_tied_head(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
+
+
+class EngineRestartRefused(RuntimeError):
+    """The engine failed and cannot be restarted in this process (see ``VLLMEngine.restart``)."""
 
 
 def _run_unique_shm_names() -> None:
