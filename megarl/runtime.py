@@ -146,7 +146,7 @@ def build_engines(cfg: RunConfig):
 
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
-                              e.slots, seed=cfg.train.seed)
+                              e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s)
     return replicas, replicas.clients
 
 
@@ -161,6 +161,8 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         max_update_groups=r.max_update_groups, long_rounds=r.long_rounds, buffer_samples=r.buffer_samples,
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
-    return RolloutController(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score,
-                             keep_group=keep)
+    from megarl.engines.cluster import LeaderController  # rank 0 drives disaggregated replicas for every rank
+
+    cls = LeaderController if cfg.engine.placement == "disaggregated" else RolloutController
+    return cls(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score, keep_group=keep)
 

@@ -273,6 +273,10 @@ class SyncConfig:
     """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
     check_every: int = 0
     """Every N syncs, compare engine and trainer logprobs on a probe batch → sync/logprob_gap (0: never)."""
+    transport: str = "gloo"
+    """Disaggregated engines' weight transport: 'gloo' (CPU or GPU) or 'nccl' (CUDA on the trainer and the engines)."""
+    timeout_s: float = 300.0
+    """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
 
 
 @dataclass
