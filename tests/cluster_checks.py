@@ -92,5 +92,43 @@ class _On:
         return self.replicas.generate(requests, seed, replica=self.k)
 
 
+def replica_tp(run_dir: str, *overrides: str) -> None:
+    """One trainer process, one replica at TP=2 (two vLLM workers, both in the transfer group): RL steps
+    with the audit after every sync, then a sync broken half-way (the replica keeps its weights)."""
+    from megarl.config import load_config
+    from megarl.runtime import build_session
+    from megarl.train import rl_step
+    from megarl.weight_sync.protocol import WeightSyncProtocol
+    from megarl.weight_sync.streaming import streaming_sync
+
+    cfg = load_config("configs/demo.yaml", [
+        f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
+        "engine.replicas=1", "engine.tensor_parallel_size=2", "engine.kv_cache_gib=0.0625", "engine.slots=8",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "data.eval_size=4",
+        "optim.micro_batch_size=8", "sync.check_every=1", "sync.bucket_mib=0.25", *overrides])
+    s = build_session(cfg)
+    try:
+        steps = [rl_step(s, step) for step in range(2)]
+        stream = streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
+        total, lines = len(stream.buckets()), []
+
+        def broken():
+            for name, t in stream.weights():
+                if stream.stats.buckets > total // 2:
+                    raise ConnectionError("injected: the link died after half of the buckets")
+                yield name, t
+
+        proto = WeightSyncProtocol(s.engine, s.trainer, cfg.sync.bucket_mib, check_every=1, log=lines.append)
+        failed = proto.run(3, weights=broken())
+        ok = proto.run(3)
+        print(json.dumps({"gaps": [m["sync/logprob_gap"] for m in steps], "versions": [m["engine/version"] for m in steps],
+                          "failed": failed, "log": lines, "ok": ok}), flush=True)
+    finally:
+        s.engine.close()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "replica_tp":
+        replica_tp(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

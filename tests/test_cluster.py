@@ -34,6 +34,7 @@ def check_wire(r: dict, abort: bool) -> None:
         assert rec["equal"] == {"0": True, "1": True, "2": True}  # then nothing more is loaded
 
 
+@pytest.mark.slow
 def test_two_senders_interleaved_and_one_aborting_over_gloo():
     check_wire(run_script(["tests/transfer_checks.py", "gloo", "abort"], timeout=600, env={"OMP_NUM_THREADS": "1"}),
                abort=True)
@@ -90,3 +91,12 @@ def test_a_replica_killed_mid_broadcast_fails_the_sync_then_the_keeper_restarts_
         assert r["restarts"] == 1 and r["after"]["engine/version"] == 4.0, rank
         assert r["after"]["sync/logprob_gap"] <= 1e-4 and max(r["gaps"]) <= 1e-4 and r["versions"] == [4, 4], rank
     assert cluster[0]["alive_after_kill"] == [False, False]  # the broken group's replicas were all ended
+
+
+@pytest.mark.slow
+def test_one_replica_at_tp2_matches_the_trainer_and_survives_a_broken_sync(tmp_path):
+    r = run_script(["tests/cluster_checks.py", "replica_tp", str(tmp_path)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    assert r["versions"] == [1.0, 2.0] and max(r["gaps"]) <= 1e-4  # both TP workers loaded their shards
+    assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 2.0
+    assert "replicas serve versions [2]" in r["log"][0]
+    assert r["ok"]["engine/version"] == 3.0 and r["ok"]["sync/logprob_gap"] <= 1e-4

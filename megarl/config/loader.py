@@ -140,7 +140,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     etp = p.etp or p.tp
     if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
         raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * etp} must divide tp×dp = {dp * p.tp}")
-    if cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size:
+    if (cfg.engine.placement != "disaggregated"  # a replica's own TP does not depend on the trainer's world
+            and cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size):
         raise ConfigError(
             f"engine.tensor_parallel_size must be 1 or the world size {world_size}, got {cfg.engine.tensor_parallel_size}"
         )

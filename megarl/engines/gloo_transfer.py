@@ -15,9 +15,12 @@ gloo (CPU) or NCCL (GPU, ``sync.transport: nccl``: the same wire format on CUDA 
 - ``receive_weights``: per bucket of the plan (names + shapes + the sender's group, sent once in
   ``update_info``), a one-element flag broadcast (1: a bucket follows; 0: that sender aborted
   and sends nothing more) then the bucket itself, whose HF views go to ``model.load_weights``.
-  The next bucket is received while the current one loads. Any failure — a sender's abort, a
-  dead link, a bad tensor — finishes vLLM's layerwise state and restores the backup, so the
-  replica keeps serving the old weights; the error is re-raised to the caller.
+  The next bucket is received while the current one loads. A failure — a sender's abort, a
+  dead link, a bad tensor — does not raise out of the worker (vLLM's multiprocess executor would
+  leave the other TP workers' replies queued for the next call): each worker keeps it
+  (``megarl_update_outcome``), and if any worker of a replica failed, every one of them finishes
+  vLLM's layerwise state and restores its backup (``megarl_abandon_update``), so the replica
+  keeps serving the old weights on all of its workers, never a mix.
 - ``finish_weight_update``: finalize the reload, repack fused-MoE layers, drop the backup.
 
 The same wire format is spoken by ``GlooSender`` on the trainer side. A group's timeout
@@ -144,6 +147,7 @@ def _register() -> None:
         groups: list = []
         device = torch.device("cpu")
         backup = None
+        failure = ""  # why the last receive failed on this worker
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = init_info.rank_offset + self.parallel_config.rank
@@ -159,24 +163,32 @@ def _register() -> None:
             initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
             def load(_, views):
                 with torch.no_grad():
                     self.model.load_weights(iter(views))
 
             plan = update_info.buckets
             sources = update_info.sources or [0] * len(plan)
+            self.failure = ""
             try:
                 receive(self.groups, plan, sources, _DTYPES[update_info.dtype], self.device, load)
-            except Exception:
-                try:
-                    finalize_layerwise_reload(self.model, self.model_config)
-                except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
-                    pass
-                restore(self.backup)
-                self.backup = None
-                raise
+            except Exception as exc:  # noqa: BLE001  (kept for ``outcome``; the replica restores every worker)
+                self.failure = f"{type(exc).__name__}: {exc}"
+
+        def outcome(self) -> str:
+            """'' when this worker received and loaded every bucket, else why not."""
+            return self.failure
+
+        def abandon(self) -> None:
+            """Put this worker's previous weights back (every worker of a replica does, if any failed)."""
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)  # no layer stays on the meta device
+            except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
+                pass
+            restore(self.backup)
+            self.backup, self.failure = None, ""
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -198,6 +210,12 @@ class GlooWorkerExtension:
         """Receive buckets in our wire format and drop them (the bench's transport baseline); bytes received."""
         engine = self.weight_transfer_engine
         return receive(engine.groups, plan, sources, _DTYPES[dtype], engine.device, lambda i, views: None)
+
+    def megarl_update_outcome(self) -> str:
+        return self.weight_transfer_engine.outcome()
+
+    def megarl_abandon_update(self) -> None:
+        self.weight_transfer_engine.abandon()
 
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)

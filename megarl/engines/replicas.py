@@ -48,6 +48,9 @@ def _llm(spec: dict):
     for key in [k for k in os.environ if k in _LAUNCHER_ENV or k.startswith(("TORCHELASTIC_", "OMPI_", "PMI_"))]:
         del os.environ[key]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's CPU workers of a TP>1 replica bind to one NUMA node each by default (refused with fewer
+    # nodes than workers); replicas that share a host leave the placement to the OS unless told otherwise
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     from vllm import LLM
@@ -124,13 +127,19 @@ def serve(conn, spec: dict) -> None:
                 conn.send(("failed", "requests still in flight", version))
                 continue
             try:
+                start = time.perf_counter()
                 llm.start_weight_update()
                 backup = llm.collective_rpc("megarl_backup_mib")[0]
                 llm.update_weights({"update_info": {"buckets": plan, "sources": sources, "dtype": dtype}})
+                failures = [f for f in llm.collective_rpc("megarl_update_outcome") if f]
+                if failures:  # every worker restores, also those that loaded: never a mix across TP ranks
+                    llm.collective_rpc("megarl_abandon_update")
+                    conn.send(("failed", failures[0], version))
+                    continue
                 llm.finish_weight_update(weight_version=str(new_version))
                 llm.reset_prefix_cache()
                 version = new_version
-                conn.send(("ok", backup, version))
+                conn.send(("ok", (backup, time.perf_counter() - start), version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
                 conn.send(("failed", f"{type(exc).__name__}: {exc}", version))
         elif cmd == "recv_raw":
@@ -349,12 +358,12 @@ class EngineReplicas:
             ended = "; every replica was ended: the next phase restarts them" if died else ""
             raise WeightLoadError(f"weight update to version {version} failed ({'; '.join(errors)}); replicas serve "
                                   f"versions {versions}{ended}")
-        return {"sync/backup_mib": backup, "sync/transfer_s": seconds,
+        return {"sync/backup_mib": backup[0], "sync/replica_update_s": backup[1], "sync/transfer_s": seconds,
                 "sync/sent_bytes": float(sum(n for _, _, n in parts))}
 
     def _collect(self, version: int, died: str = ""):
-        """Rank 0: every replica's reply → (failures, versions, backup MiB, died); a dead one ends them all."""
-        failed, backup = [], 0.0
+        """Rank 0: every replica's reply → (failures, versions, (backup MiB, slowest update s), died); a dead one ends all."""
+        failed, backup, slowest = [], 0.0, 0.0
         try:
             if died:
                 raise EngineDied(died)
@@ -364,11 +373,11 @@ class EngineReplicas:
                 if status != "ok":
                     failed.append(f"replica {c.index}: {detail}")
                 else:
-                    backup = max(backup, float(detail))
+                    backup, slowest = max(backup, detail[0]), max(slowest, detail[1])
         except EngineDied as exc:
             self._end_all()  # their transfer group is broken: a live replica may wait on it forever
-            return [str(exc)], [c.weight_version for c in self.clients], 0.0, True
-        return failed, [c.weight_version for c in self.clients], backup, False
+            return [str(exc)], [c.weight_version for c in self.clients], (0.0, 0.0), True
+        return failed, [c.weight_version for c in self.clients], (backup, slowest), False
 
     def _end_all(self) -> None:
         for c in self.clients:
