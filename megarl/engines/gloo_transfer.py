@@ -215,7 +215,13 @@ class GlooWorkerExtension:
         return self.weight_transfer_engine.outcome()
 
     def megarl_abandon_update(self) -> None:
-        self.weight_transfer_engine.abandon()
+        """Restore this worker and end vLLM's update session as ``finish_weight_update`` would, loading nothing."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.weight_transfer_engine.abandon()
+        self.weight_transfer_engine.reset_weight_update_target()
+        self._weight_update_active = False
 
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)
