@@ -100,3 +100,22 @@ def test_one_replica_at_tp2_matches_the_trainer_and_survives_a_broken_sync(tmp_p
     assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 2.0
     assert "replicas serve versions [2]" in r["log"][0]
     assert r["ok"]["engine/version"] == 3.0 and r["ok"]["sync/logprob_gap"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_megarl_train_two_trainer_processes_two_replicas_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
+           "parallel.pp=2", "warmup.steps=2", "train.steps=2", "train.time_limit_s=0",
+           f"train.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "data.eval_size=4",
+           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "engine.slots=8",
+           "engine.kv_cache_gib=0.0625", "engine.placement=disaggregated", "engine.replicas=2", "rollout.mode=partial",
+           "sync.check_every=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
