@@ -172,6 +172,10 @@ def bench_disaggregated(model_dir, ps, args) -> None:
     load_hf_weights(modules, str(model_dir), cfg, ps)
     sync = StreamingSync(modules, cfg, ps, num_experts(cfg), int(args.bucket_mib * 2**20), torch.float32)
     plan = plan_buckets(sync)
+    # the replicas' malloc as glibc's default settles (heap up to 32 MiB), as in a run: the RSS line's
+    # setting (every buffer > 64 KiB a fresh mapping) would make vLLM's reload page-fault on every sync.
+    # (Set, not unset: a spawned replica re-imports this script, which re-executes itself without it.)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
     replicas = EngineReplicas(str(model_dir), args.replicas, 1, 64, 0.0625, 4)
     try:
         version, updates = iter(range(1, 1000)), []

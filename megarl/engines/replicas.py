@@ -191,8 +191,16 @@ class EngineReplicas:
 
     def generate(self, requests, seed: int, replica: int = 0) -> list[list[Completion]]:
         """Batch generation (evaluation, the audit) on one replica (0 unless asked); every trainer rank gets it."""
-        out = self.clients[replica].call("generate", (requests, seed)) if self.leader else None
-        return cluster.share(out)
+        out = None
+        if self.leader:
+            try:
+                out = ("ok", self.clients[replica].call("generate", (requests, seed)))
+            except Exception as exc:  # noqa: BLE001  (every rank raises it, none waits for an answer)
+                out = ("error", f"{type(exc).__name__}: {exc}")
+        out = cluster.share(out)
+        if out[0] == "error":
+            raise EngineDied(f"generation on engine replica {replica} failed: {out[1]}")
+        return out[1]
 
     def pause(self) -> None:
         busy = cluster.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
