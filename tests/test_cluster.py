@@ -53,7 +53,7 @@ def test_two_senders_over_nccl():
     check_wire(run_script(["tests/transfer_checks.py", "nccl", "abort"], timeout=600), abort=True)
 
 
-def test_nccl_transport_is_refused_without_cuda():
+def test_nccl_transport_and_replica_devices_are_refused_without_cuda():
     from megarl.config import load_config, validate
     from megarl.config.loader import ConfigError
 
@@ -64,7 +64,10 @@ def test_nccl_transport_is_refused_without_cuda():
         validate(cfg, 2)
     with pytest.raises(ConfigError, match=r"sync.transport must be 'gloo' or 'nccl', got 'tcp'"):
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=tcp"]), 1)
+    with pytest.raises(ConfigError, match=r"engine.replica_devices='0,1' names CUDA devices, but CUDA is absent"):
+        validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replica_devices=0,1"]), 1)
     validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replicas=2"]), 2)  # 2 trainers
+    validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"]), 1)
 
 
 @pytest.fixture(scope="module")

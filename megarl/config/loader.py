@@ -184,6 +184,14 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if cfg.sync.transport == "nccl" and not _cuda():
         raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
                           "is False here); use sync.transport=gloo")
+    devices = [d for d in e.replica_devices.split(",") if d.strip()]
+    if e.placement == "disaggregated" and _cuda() and len(devices) != e.replicas * e.tensor_parallel_size:
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
+                          f"engine.replicas × engine.tensor_parallel_size = {e.replicas * e.tensor_parallel_size} "
+                          "CUDA device ids of rank 0's node, apart from the trainer's (e.g. '4,5,6,7')")
+    if devices and not _cuda():
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
+                          "leave it empty (replicas are plain processes on CPU)")
     if cfg.sync.timeout_s <= 0:
         raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {cfg.sync.timeout_s}")
     if e.placement == "disaggregated" and e.sleep_level:

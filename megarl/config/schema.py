@@ -127,6 +127,8 @@ class EngineConfig:
     """'colocated' (engines inside the trainer's processes) or 'disaggregated' (replicas in processes of their own)."""
     replicas: int = 1
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
+    replica_devices: str = ""
+    """Disaggregated on GPUs: CUDA device ids on rank 0's node for the replicas ('4,5,6,7': replicas × TP of them)."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3

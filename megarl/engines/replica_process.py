@@ -24,6 +24,8 @@ def _llm(spec: dict):
     # group join the trainer's store (TORCHELASTIC_USE_AGENT_STORE) and wait there forever
     for key in [k for k in os.environ if k in _LAUNCHER_ENV or k.startswith(("TORCHELASTIC_", "OMPI_", "PMI_"))]:
         del os.environ[key]
+    if spec.get("devices"):  # on GPUs: this replica's own devices (engine.replica_devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec["devices"]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's CPU workers of a TP>1 replica bind to one NUMA node each by default (refused with fewer
     # nodes than workers); replicas that share a host leave the placement to the OS unless told otherwise

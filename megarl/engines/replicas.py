@@ -90,13 +90,14 @@ class EngineReplicas:
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
-                 transport: str = "gloo", timeout_s: float = 300.0) -> None:
+                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "") -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = cluster.rank_and_world()
         self.leader = self.rank == 0
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
-                          start_timeout_s=start_timeout_s)
+                          start_timeout_s=start_timeout_s,
+                          devices=[d.strip() for d in devices.split(",") if d.strip()])
         self.transport, self.timeout_s = transport, timeout_s
         self.versions = [0] * replicas  # what each replica serves (known on every trainer rank)
         self.senders: list[int] | None = None  # the trainer ranks whose groups the replicas joined
@@ -123,7 +124,8 @@ class EngineReplicas:
         for k in range(replicas):
             parent, child = ctx.Pipe()
             spec = dict(model=a["model"], tp=tensor_parallel_size, max_model_len=a["max_model_len"],
-                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k)
+                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k,
+                        devices=",".join(a["devices"][k * tensor_parallel_size:(k + 1) * tensor_parallel_size]))
             proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
             proc.start()
             if k < len(old):
