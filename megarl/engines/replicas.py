@@ -232,13 +232,12 @@ class EngineReplicas:
             self._end_all()
             raise WeightLoadError(f"weight update to version {version} failed ({exc}); every replica was ended: "
                                   "the next phase restarts them") from exc
-        if self.leader:
-            groups = [senders.index(s) for s in sources]
-            for c in self.clients:
-                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version), reply=False)
         start, error, sent = time.perf_counter(), None, 0
         watch = _Watchdog(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
         try:
+            groups = [senders.index(s) for s in sources]
+            for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
+                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version), reply=False)
             if self.sender is not None:
                 sent = self.sender.send(buckets, [n for n, s in zip(sizes, sources) if s == self.rank], dtype)
             else:
@@ -246,6 +245,11 @@ class EngineReplicas:
                     pass
         except Exception as exc:  # noqa: BLE001  (the sender told the replicas to abort; reported below)
             error = f"trainer rank {self.rank}: {type(exc).__name__}: {exc}"
+            try:  # a broken link: finish the walk, so that this rank's TP peers' all-gathers find it there
+                for _ in buckets:
+                    pass
+            except Exception:  # noqa: BLE001  (the stream itself failed: nothing more to walk)
+                pass
         seconds = time.perf_counter() - start
         verdict = self._collect(version, watch.stop()) if self.leader else None
         parts = cluster.gather((error, verdict, sent))
@@ -262,7 +266,9 @@ class EngineReplicas:
                 "sync/sent_bytes": float(sum(n for _, _, n in parts))}
 
     def _collect(self, version: int, died: str = ""):
-        """Rank 0: every replica's reply → (failures, versions, (backup MiB, slowest update s), died); a dead one ends all."""
+        """Rank 0: every replica's reply → (failures, versions, (backup MiB, slowest update s), died).
+
+        A dead replica ends them all."""
         failed, backup, slowest = [], 0.0, 0.0
         try:
             if died:
