@@ -350,19 +350,44 @@ def bench_disaggregated(model_dir, ps, args) -> None:
     load_hf_weights(modules, str(model_dir), cfg, ps)
     sync = StreamingSync(modules, cfg, ps, num_experts(cfg), int(args.bucket_mib * 2**20), torch.float32)
     plan = plan_buckets(sync)
+    # the replicas' malloc as glibc's default settles (heap up to 32 MiB), as in a run: the RSS line's
+    # setting (every buffer > 64 KiB a fresh mapping) would make vLLM's reload page-fault on every sync.
+    # (Set, not unset: a spawned replica re-imports this script, which re-executes itself without it.)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
     replicas = EngineReplicas(str(model_dir), args.replicas, 1, 64, 0.0625, 4)
     try:
-        version = iter(range(1, 1000))
-        synced = median_time(lambda: replicas.load(plan, flat_buckets(sync, plan), next(version)), args.repeats)
+        version, updates = iter(range(1, 1000)), []
+
+        def synced_once():
+            updates.append(replicas.load(plan, flat_buckets(sync, plan), next(version))["sync/replica_update_s"])
+
         buckets = [b.clone() for b in flat_buckets(sync, plan)]
-        plain = median_time(lambda: replicas.broadcast_raw(buckets), args.repeats)
+        synced, plain = [], []
+        synced_once(), replicas.broadcast_raw(buckets)  # warm-up
+        for _ in range(args.repeats):  # interleaved, so both see the same neighbours
+            synced.append(_timed(synced_once))
+            plain.append(_timed(lambda: replicas.broadcast_raw(buckets)))
+        fill = median_time(lambda: sum(1 for _ in flat_buckets(sync, plan)), args.repeats)
     finally:
         replicas.close()
     nbytes = sum(b.nbytes for b in buckets)
+    synced_s, plain_s = statistics.median(synced), statistics.median(plain)
     print(f"disagg {nbytes / 1e6:.0f} MB to {args.replicas} engine processes ({len(buckets)} buckets of "
           f"{args.bucket_mib:g} MiB): bucketed sync through vLLM's weight-transfer API (gloo, incl. the replicas' "
-          f"load) {synced:.3f} s vs plain gloo broadcast of the same bytes {plain:.3f} s = {plain / synced:.2f} "
-          f"of the plain broadcast's speed", flush=True)
+          f"load) {synced_s:.3f} s vs plain gloo broadcast of the same bytes {plain_s:.3f} s = "
+          f"{plain_s / synced_s:.2f} of the plain broadcast's speed (runs: {_runs(plain, synced)}; trainer fills "
+          f"the buckets in {fill:.3f} s, a replica's start→finish {statistics.median(updates[1:]):.3f} s)",
+          flush=True)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _runs(plain: list[float], synced: list[float]) -> str:
+    return ", ".join(f"{p / s:.2f}" for p, s in zip(plain, synced))
 
 
 if __name__ == "__main__":

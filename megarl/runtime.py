@@ -153,7 +153,8 @@ def build_engines(cfg: RunConfig):
 
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
-                              e.slots, seed=cfg.train.seed)
+                              e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
+                              devices=e.replica_devices)
     return replicas, replicas.clients
 
 
@@ -169,6 +170,8 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         long_round_groups=r.long_round_groups,
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
-    return RolloutController(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score,
-                             keep_group=keep)
+    from megarl.engines.cluster import LeaderController  # rank 0 drives disaggregated replicas for every rank
+
+    cls = LeaderController if cfg.engine.placement == "disaggregated" else RolloutController
+    return cls(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score, keep_group=keep)
 

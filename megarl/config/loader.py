@@ -179,9 +179,24 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"engine.placement must be 'colocated' or 'disaggregated', got {e.placement!r}")
     if e.replicas < 1 or (e.replicas > 1 and e.placement != "disaggregated"):
         raise ConfigError(f"engine.replicas={e.replicas}: must be >= 1, and > 1 only with engine.placement=disaggregated")
-    if e.placement == "disaggregated" and world_size > 1:
-        raise ConfigError(f"engine.placement=disaggregated runs with one trainer process for now (world size "
-                          f"{world_size}); use --nproc 1 or engine.placement=colocated")
+    if cfg.sync.transport not in ("gloo", "nccl"):
+        raise ConfigError(f"sync.transport must be 'gloo' or 'nccl', got {cfg.sync.transport!r}")
+    if cfg.sync.transport == "nccl" and e.placement != "disaggregated":
+        raise ConfigError("sync.transport=nccl applies to engine.placement=disaggregated (colocated engines load "
+                          "in place); set sync.transport=gloo or engine.placement=disaggregated")
+    if cfg.sync.transport == "nccl" and not _cuda():
+        raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
+                          "is False here); use sync.transport=gloo")
+    devices = [d for d in e.replica_devices.split(",") if d.strip()]
+    if e.placement == "disaggregated" and _cuda() and len(devices) != e.replicas * e.tensor_parallel_size:
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
+                          f"engine.replicas × engine.tensor_parallel_size = {e.replicas * e.tensor_parallel_size} "
+                          "CUDA device ids of rank 0's node, apart from the trainer's (e.g. '4,5,6,7')")
+    if devices and not _cuda():
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
+                          "leave it empty (replicas are plain processes on CPU)")
+    if cfg.sync.timeout_s <= 0:
+        raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {cfg.sync.timeout_s}")
     if e.placement == "disaggregated" and e.sleep_level:
         raise ConfigError("engine.sleep_level applies to colocated engines; set it to 0 with disaggregated placement")
     if cfg.engine.sleep_level not in (0, 1, 2):
@@ -199,6 +214,12 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     _validate_data_reward_eval(cfg)
     if hf_config is not None:
         _validate_against_model(cfg, hf_config)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _validate_against_model(cfg: RunConfig, hf: dict) -> None:

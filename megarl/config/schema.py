@@ -129,6 +129,8 @@ class EngineConfig:
     """'colocated' (engines inside the trainer's processes) or 'disaggregated' (replicas in processes of their own)."""
     replicas: int = 1
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
+    replica_devices: str = ""
+    """Disaggregated on GPUs: CUDA device ids on rank 0's node for the replicas ('4,5,6,7': replicas × TP of them)."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3
@@ -275,6 +277,10 @@ class SyncConfig:
     """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
     check_every: int = 0
     """Every N syncs, compare engine and trainer logprobs on a probe batch → sync/logprob_gap (0: never)."""
+    transport: str = "gloo"
+    """Disaggregated engines' weight transport: 'gloo' (CPU or GPU) or 'nccl' (CUDA on the trainer and the engines)."""
+    timeout_s: float = 300.0
+    """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
 
 
 @dataclass

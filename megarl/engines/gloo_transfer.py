@@ -1,28 +1,38 @@
-"""Our weight-transfer backend for vLLM's RL API, on gloo: trainer → every engine worker, one broadcast per bucket.
+"""Our weight-transfer backend for vLLM's RL API: trainer sending ranks → every engine worker, one broadcast per bucket.
 
 vLLM 0.32's ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` drive a worker-side ``WeightTransferEngine`` chosen by
-``weight_transfer_config={"backend": ...}``; its built-in backends are GPU-only. Importing this
-module (vLLM imports it as the ``worker_extension_cls`` module, in every worker) registers
-``megarl_gloo``:
+``weight_transfer_config={"backend": ...}``. Importing this module (vLLM imports it as the
+``worker_extension_cls`` module, in every worker) registers ``megarl_gloo``, which speaks over
+gloo (CPU) or NCCL (GPU, ``sync.transport: nccl``: the same wire format on CUDA tensors):
 
-- ``init_transfer_engine``: join a bare gloo group (``stateless_init_torch_distributed_process_group``)
-  of the trainer's sending rank (rank 0) and every worker of every replica (ranks 1..).
+- ``init_transfer_engine``: join one bare group per trainer *sending rank*
+  (``stateless_init_torch_distributed_process_group``): the sender is rank 0 of its group,
+  every worker of every replica joins every group (ranks 1..). A trainer at TP=2 has one
+  sender (the TP leader gathers each tensor); at PP=2 or EP=2 each stage / expert rank sends
+  its own layers over its own group, and nobody gathers the rest.
 - ``start_weight_update``: back up the model (``weight_update.snapshot``), begin vLLM's layerwise reload.
-- ``receive_weights``: per bucket of the plan (names + shapes, sent once in ``update_info``), a
-  one-element flag broadcast (1: a bucket follows; 0: the trainer aborted) then the bucket
-  itself, whose HF views go to ``model.load_weights``. Any failure — the trainer's abort, a
-  dead link, a bad tensor — finishes vLLM's layerwise state and restores the backup, so the
-  replica keeps serving the old weights; the error is re-raised to the caller.
+- ``receive_weights``: per bucket of the plan (names + shapes + the sender's group, sent once in
+  ``update_info``), a one-element flag broadcast (1: a bucket follows; 0: that sender aborted
+  and sends nothing more) then the bucket itself, whose HF views go to ``model.load_weights``.
+  The next bucket is received while the current one loads. A failure — a sender's abort, a
+  dead link, a bad tensor — does not raise out of the worker (vLLM's multiprocess executor would
+  leave the other TP workers' replies queued for the next call): each worker keeps it
+  (``megarl_update_outcome``), and if any worker of a replica failed, every one of them finishes
+  vLLM's layerwise state and restores its backup (``megarl_abandon_update``), so the replica
+  keeps serving the old weights on all of its workers, never a mix.
 - ``finish_weight_update``: finalize the reload, repack fused-MoE layers, drop the backup.
 
-The same wire format is spoken by ``GlooSender`` on the trainer side.
+The same wire format is spoken by ``GlooSender`` on the trainer side. A group's timeout
+(``sync.timeout_s``) bounds every wait: a trainer that dies mid-update cannot hang a replica forever.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -32,25 +42,79 @@ BACKEND = "megarl_gloo"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def join_group(host: str, port: int, rank: int, world_size: int):
+def listen(host: str = "127.0.0.1") -> socket.socket:
+    """The bound, listening socket a group's rank 0 (a trainer sender) serves the group's store on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def join_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 0.0,
+               listen_socket: socket.socket | None = None):
+    """A bare process group (unknown to ``torch.distributed``'s helpers): ``gloo`` or ``nccl``.
+
+    Rank 0 passes its ``listen`` socket: it then serves the store itself even inside a torchrun
+    job (whose ``TORCHELASTIC_USE_AGENT_STORE`` would otherwise make it a client of nobody)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend="gloo")
+    timeout = timedelta(seconds=timeout_s) if timeout_s > 0 else None
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend=backend,
+                                                          timeout=timeout, listen_socket=listen_socket)
 
 
-def _broadcast(tensor: torch.Tensor, group) -> None:
-    """From rank 0 of a bare (stateless) group: such a group is unknown to ``torch.distributed``'s helpers."""
-    group.broadcast(tensor, 0).wait()
-
-
-def _post(group, numel: int, dtype: torch.dtype):
-    """Start receiving the next (flag, bucket) pair; returns them with their pending works."""
-    flag, bucket = torch.zeros(1, dtype=torch.int64), torch.empty(numel, dtype=dtype)
+def _post(group, numel: int, dtype: torch.dtype, device):
+    """Start receiving the next (flag, bucket) pair of ``group``; returns them with their pending works."""
+    flag, bucket = torch.zeros(1, dtype=torch.int64, device=device), torch.empty(numel, dtype=dtype, device=device)
     return flag, bucket, (group.broadcast(flag, 0), group.broadcast(bucket, 0))
 
 
 class TransferAborted(RuntimeError):
-    """The trainer aborted the update mid-way."""
+    """A trainer sending rank aborted the update mid-way."""
+
+
+def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, device, load) -> int:
+    """Receive every bucket of ``plan`` (bucket i from ``groups[sources[i]]``); ``load(i, views)`` each one.
+
+    The next bucket is on the wire while ``load`` runs. A failure (a sender's abort, ``load``
+    raising) is raised at the end, after every bucket the live senders send was received, so
+    the senders and the other replicas go on. Returns the bytes received."""
+    sizes = [sum(math.prod(s) for _, s in pieces) for pieces in plan]
+    aborted: set[int] = set()
+    failure, got = None, 0
+
+    def post_from(i: int):
+        while i < len(plan) and sources[i] in aborted:
+            i += 1  # that sender sends nothing more
+        return (i, _post(groups[sources[i]], sizes[i], dtype, device)) if i < len(plan) else (i, None)
+
+    i, incoming = post_from(0)
+    while incoming is not None:
+        flag, bucket, works = incoming
+        for w in works:
+            w.wait()
+        if int(flag) != 1:
+            aborted.add(sources[i])
+            failure = failure or TransferAborted(f"trainer sender {sources[i]} aborted the weight update")
+            i, incoming = post_from(i + 1)
+            continue
+        got += bucket.nbytes
+        current, (i, incoming) = i, post_from(i + 1)  # the next bucket arrives while this one loads
+        if failure is not None:
+            continue  # a local failure: keep receiving so the senders and the other replicas go on
+        try:
+            views, offset = [], 0
+            for name, shape in plan[current]:
+                n = math.prod(shape)
+                views.append((name, bucket[offset:offset + n].view(tuple(shape))))
+                offset += n
+            load(current, views)
+        except Exception as exc:  # noqa: BLE001  (raised below, after the stream ends)
+            failure = exc
+    if failure is not None:
+        raise failure
+    return got
 
 
 def _register() -> None:
@@ -63,14 +127,16 @@ def _register() -> None:
 
     @dataclass
     class GlooInitInfo(WeightTransferInitInfo):
-        host: str = "127.0.0.1"
-        port: int = 0
-        world_size: int = 2
-        rank_offset: int = 1  # this replica's first rank in the group (its worker of TP rank r is offset + r)
+        groups: list = field(default_factory=list)  # [(host, port)] of each trainer sending rank's group
+        world_size: int = 2  # of each group: 1 sender + every worker of every replica
+        rank_offset: int = 1  # this replica's first rank in each group (its worker of TP rank r is offset + r)
+        backend: str = "gloo"  # or "nccl" (CUDA tensors)
+        timeout_s: float = 0.0  # every wait of the group (0: torch's default)
 
     @dataclass
     class GlooUpdateInfo(WeightTransferUpdateInfo):
         buckets: list = field(default_factory=list)  # [[(hf name, shape), …], …] in send order
+        sources: list = field(default_factory=list)  # each bucket's group (index into ``groups``)
         dtype: str = "float32"
 
     class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -78,12 +144,17 @@ def _register() -> None:
         update_info_cls = GlooUpdateInfo
         supports_draft_weight_update = False
 
-        group = None
+        groups: list = []
+        device = torch.device("cpu")
         backup = None
+        failure = ""  # why the last receive failed on this worker
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = init_info.rank_offset + self.parallel_config.rank
-            self.group = join_group(init_info.host, init_info.port, rank, init_info.world_size)
+            if init_info.backend == "nccl":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.groups = [join_group(host, port, rank, init_info.world_size, init_info.backend, init_info.timeout_s)
+                           for host, port in init_info.groups]
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -92,41 +163,32 @@ def _register() -> None:
             initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            def load(_, views):
+                with torch.no_grad():
+                    self.model.load_weights(iter(views))
+
+            plan = update_info.buckets
+            sources = update_info.sources or [0] * len(plan)
+            self.failure = ""
+            try:
+                receive(self.groups, plan, sources, _DTYPES[update_info.dtype], self.device, load)
+            except Exception as exc:  # noqa: BLE001  (kept for ``outcome``; the replica restores every worker)
+                self.failure = f"{type(exc).__name__}: {exc}"
+
+        def outcome(self) -> str:
+            """'' when this worker received and loaded every bucket, else why not."""
+            return self.failure
+
+        def abandon(self) -> None:
+            """Put this worker's previous weights back (every worker of a replica does, if any failed)."""
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            dtype, plan = _DTYPES[update_info.dtype], update_info.buckets
-            sizes = [sum(math.prod(s) for _, s in pieces) for pieces in plan]
-            incoming = _post(self.group, sizes[0], dtype) if sizes else None
-            failure = None
-            for i, pieces in enumerate(plan):
-                flag, bucket, works = incoming
-                for w in works:
-                    w.wait()
-                if int(flag) != 1:
-                    failure = failure or TransferAborted("the trainer aborted the weight update")
-                    break
-                # the next bucket arrives while this one loads (gloo runs its transfers on its own threads)
-                incoming = _post(self.group, sizes[i + 1], dtype) if i + 1 < len(sizes) else None
-                if failure is not None:
-                    continue  # a local failure: keep receiving so the trainer and the other replicas go on
-                try:
-                    views, offset = [], 0
-                    for name, shape in pieces:
-                        n = math.prod(shape)
-                        views.append((name, bucket[offset:offset + n].view(tuple(shape))))
-                        offset += n
-                    with torch.no_grad():
-                        self.model.load_weights(iter(views))
-                except Exception as exc:  # noqa: BLE001  (restored below, re-raised to the caller)
-                    failure = exc
-            if failure is not None:
-                try:
-                    finalize_layerwise_reload(self.model, self.model_config)
-                except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
-                    pass
-                restore(self.backup)
-                self.backup = None
-                raise failure
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)  # no layer stays on the meta device
+            except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
+                pass
+            restore(self.backup)
+            self.backup, self.failure = None, ""
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -136,7 +198,7 @@ def _register() -> None:
             self.backup = None
 
         def shutdown(self) -> None:
-            self.group = None
+            self.groups = []
 
     WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
 
@@ -144,15 +206,22 @@ def _register() -> None:
 class GlooWorkerExtension:
     """The ``worker_extension_cls`` of our engine replicas: importing its module registers the backend."""
 
-    def megarl_recv_raw(self, sizes: list[int], dtype: str = "float32") -> int:
-        """Receive buckets of ``sizes`` elements in our wire format and drop them (the bench's transport baseline)."""
-        group, flag, got = self.weight_transfer_engine.group, torch.zeros(1, dtype=torch.int64), 0
-        for n in sizes:
-            _broadcast(flag, group)
-            bucket = torch.empty(n, dtype=_DTYPES[dtype])
-            _broadcast(bucket, group)
-            got += bucket.nbytes
-        return got
+    def megarl_recv_raw(self, plan: list, sources: list[int], dtype: str = "float32") -> int:
+        """Receive buckets in our wire format and drop them (the bench's transport baseline); bytes received."""
+        engine = self.weight_transfer_engine
+        return receive(engine.groups, plan, sources, _DTYPES[dtype], engine.device, lambda i, views: None)
+
+    def megarl_update_outcome(self) -> str:
+        return self.weight_transfer_engine.outcome()
+
+    def megarl_abandon_update(self) -> None:
+        """Restore this worker and end vLLM's update session as ``finish_weight_update`` would, loading nothing."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.weight_transfer_engine.abandon()
+        self.weight_transfer_engine.reset_weight_update_target()
+        self._weight_update_active = False
 
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)
@@ -169,20 +238,20 @@ except ValueError:  # already registered (module imported twice)
 
 
 class GlooSender:
-    """The trainer's side: broadcast each bucket once to every replica's workers (rank 0 of the group).
+    """A trainer sending rank's side: broadcast each of its buckets once to every replica's workers (rank 0 of its group).
 
     One bucket is on the wire while the next is filled; an abort sends the flag 0 with a bucket
-    of the size the receivers expect next, so every posted receive completes."""
+    of the size the receivers expect next (so every posted receive completes) and then nothing."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, group, device=None) -> None:
+        self.group, self.device = group, torch.device("cpu") if device is None else device
 
     def send(self, buckets, sizes: list[int], dtype: torch.dtype = torch.float32) -> int:
-        """``buckets``: an iterator of flat tensors of ``sizes`` elements, in plan order; returns the bytes sent.
+        """``buckets``: an iterator of this sender's flat tensors of ``sizes`` elements, in plan order; bytes sent.
 
-        If the iterator raises, the receivers are told to abort and the error is re-raised."""
+        If the iterator or the link raises, the receivers are told to abort and the error is re-raised."""
         sent, posted, pending = 0, 0, ()
-        one = torch.ones(1, dtype=torch.int64)
+        one = torch.ones(1, dtype=torch.int64, device=self.device)
         try:
             for bucket in buckets:
                 works = (self.group.broadcast(one, 0), self.group.broadcast(bucket, 0))
@@ -190,13 +259,17 @@ class GlooSender:
                     w.wait()
                 pending, _held = works, bucket  # keep the bucket alive until it is on the wire
                 posted, sent = posted + 1, sent + bucket.nbytes
-        except BaseException:
             for w in pending:
                 w.wait()
-            if posted < len(sizes):
-                _broadcast(torch.zeros(1, dtype=torch.int64), self.group)
-                _broadcast(torch.zeros(sizes[posted], dtype=dtype), self.group)
+        except BaseException:
+            try:
+                for w in pending:
+                    w.wait()
+                if posted < len(sizes):
+                    zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+                    self.group.broadcast(zero, 0).wait()
+                    self.group.broadcast(torch.zeros(sizes[posted], dtype=dtype, device=self.device), 0).wait()
+            except Exception:  # noqa: BLE001  (the link itself is broken: the caller ends the replicas)
+                pass
             raise
-        for w in pending:
-            w.wait()
         return sent

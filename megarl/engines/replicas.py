@@ -2,17 +2,24 @@
 
 ::
 
-    trainer (rank 0)                                  replica k (own process, own TP; ``serve``)
+    trainer rank 0 (leader)                           replica k (own process, own TP; ``serve``)
       controller ──submit/abort/step (pipe)──────────▶ LLM.llm_engine.add_request / step
       ReplicaClient k  ◀──token events + version──────
       sync: "update" (plan) to every replica ───────▶ LLM.start_weight_update → update_weights → finish
-            GlooSender: flag + bucket, broadcast ════▶ (every worker of every replica, one gloo group)
-                                               ◀──── ok (+ reset prefix cache, version bump) | failed
+    every trainer sending rank s (rank 0 too)
+            GlooSender: flag + bucket, broadcast ════▶ (every worker of every replica; one group per sender)
+    rank 0                                     ◀──── ok (+ reset prefix cache, version bump) | failed
+      the verdict ──all_gather_object──▶ every trainer rank (all raise, or none)
 
-Each replica is a ``SlotEngine`` (``ReplicaClient``); the SortedRL controller drives them all from
-one shared pull queue. Weights go through vLLM's weight-transfer API with our ``megarl_gloo``
-backend (``gloo_transfer``): the trainer broadcasts each bucket once to all replicas. A failed
-update leaves a replica serving its old weights (its own backup), and it says so.
+Each replica is a ``SlotEngine`` (``ReplicaClient``); the SortedRL controller on rank 0 drives
+them all from one shared pull queue, and the other trainer ranks learn each phase's batch from
+it (``cluster.LeaderController``). Weights go through vLLM's weight-transfer API with our
+``megarl_gloo`` backend (``gloo_transfer``; gloo on CPU, NCCL with ``sync.transport: nccl``):
+each bucket is broadcast once to all replicas by the trainer rank that owns it
+(``cluster.own_buckets``). A failed update leaves a replica serving its old weights (its own
+backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engine error: every
+replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
+``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
 """
 
 from __future__ import annotations
@@ -20,106 +27,20 @@ from __future__ import annotations
 import atexit
 import math
 import multiprocessing as mp
-import os
+import threading
 import time
 
 import torch
 
+from megarl.engines import cluster
 from megarl.engines.base import Completion, TrackedRequests
+from megarl.engines.replica_process import serve
 from megarl.engines.weight_update import WeightLoadError
-from megarl.launch.bootstrap import free_port
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
-def _llm(spec: dict):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
-    from vllm import LLM
-
-    return LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-               tensor_parallel_size=spec["tp"], seed=spec["seed"], logprobs_mode="processed_logprobs",
-               enable_prefix_caching=True, max_num_seqs=spec["slots"],
-               kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30),
-               worker_extension_cls="megarl.engines.gloo_transfer.GlooWorkerExtension",
-               weight_transfer_config={"backend": "megarl_gloo"})
-
-
-def _params(req: SlotRequest):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(n=1, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, logprobs=0,
-                          detokenize=False, output_kind=RequestOutputKind.DELTA)
-
-
-def serve(conn, spec: dict) -> None:
-    """A replica's main loop: one command from the trainer at a time (see the module docstring)."""
-    try:
-        llm = _llm(spec)
-    except BaseException as exc:  # noqa: BLE001  (reported to the trainer, which names the replica)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    from vllm.inputs import TokensPrompt
-
-    from megarl.engines.vllm_engine import VLLMEngine, _sampled_logprobs
-
-    engine = llm.llm_engine
-    version, active = 0, set()
-    conn.send(("ready", None))
-    while True:
-        try:
-            cmd, arg = conn.recv()
-        except EOFError:  # the trainer is gone: end with it
-            return
-        if cmd == "submit":
-            engine.add_request(arg.request_id, TokensPrompt(prompt_token_ids=arg.prompt_ids), _params(arg))
-            active.add(arg.request_id)
-        elif cmd == "abort":
-            ids = [r for r in arg if r in active]
-            if ids:
-                engine.abort_request(ids)
-            active.difference_update(ids)
-        elif cmd == "step":
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed, events = time.perf_counter() - start, []
-            for out in outputs:
-                if out.request_id in active:
-                    c = out.outputs[0]
-                    events.append((out.request_id, list(c.token_ids), _sampled_logprobs(c), out.finished,
-                                   c.finish_reason or "length"))
-                    if out.finished:
-                        active.discard(out.request_id)
-            conn.send((events, elapsed, version))
-        elif cmd == "generate":
-            requests, seed = arg
-            shim = VLLMEngine.__new__(VLLMEngine)
-            shim.llm = llm
-            conn.send(shim.generate(requests, seed))
-        elif cmd == "init_transfer":
-            llm.init_weight_transfer_engine({"init_info": arg})
-            conn.send("ok")
-        elif cmd == "update":
-            plan, dtype, new_version = arg
-            if engine.has_unfinished_requests():
-                conn.send(("failed", "requests still in flight", version))
-                continue
-            try:
-                llm.start_weight_update()
-                backup = llm.collective_rpc("megarl_backup_mib")[0]
-                llm.update_weights({"update_info": {"buckets": plan, "dtype": dtype}})
-                llm.finish_weight_update(weight_version=str(new_version))
-                llm.reset_prefix_cache()
-                version = new_version
-                conn.send(("ok", backup, version))
-            except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
-                conn.send(("failed", f"{type(exc).__name__}: {exc}", version))
-        elif cmd == "recv_raw":
-            conn.send(llm.collective_rpc("megarl_recv_raw", args=tuple(arg))[0])
-        elif cmd == "close":
-            conn.send("closed")
-            return
+class EngineDied(RuntimeError):
+    """A replica process is gone; an engine error the loop's containment restarts the replicas for."""
 
 
 class ReplicaClient(TrackedRequests):
@@ -130,17 +51,26 @@ class ReplicaClient(TrackedRequests):
         self.weight_version = 0
         super().__init__()
 
+    def call(self, cmd: str, arg=None, reply: bool = True):
+        """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
+        try:
+            self.conn.send((cmd, arg))
+            return self.conn.recv() if reply else None
+        except (BrokenPipeError, EOFError, ConnectionResetError) as exc:
+            self.proc.join(1)
+            raise EngineDied(f"engine replica {self.index} (pid {self.proc.pid}) is not running "
+                             f"(exit code {self.proc.exitcode})") from exc
+
     def submit(self, request: SlotRequest) -> None:
-        self.conn.send(("submit", request))
+        self.call("submit", request, reply=False)
         self._active.add(request.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:
-        self.conn.send(("abort", request_ids))
+        self.call("abort", request_ids, reply=False)
 
     def step(self) -> StepReport:
         active = len(self._active)
-        self.conn.send(("step", None))
-        events, elapsed, version = self.conn.recv()
+        events, elapsed, version = self.call("step")
         report = []
         for rid, toks, lps, finished, reason in events:
             ev = TokenEvent(rid, toks, lps, version=version)
@@ -152,25 +82,40 @@ class ReplicaClient(TrackedRequests):
 
 
 class EngineReplicas:
-    """K replicas in their own processes, their gloo weight group, and the calls the loop makes on "the engine"."""
+    """K replicas in their own processes, their weight groups, and the calls the loop makes on "the engine".
+
+    Every trainer rank builds one: rank 0 (the leader) starts and drives the replica processes
+    (``clients``); each trainer rank that owns buckets sends them. With several trainer
+    processes ``pause``, ``generate``, ``load`` and ``restart`` are collective calls."""
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
-                 kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0) -> None:
+                 kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
+                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "") -> None:
         self.clients: list[ReplicaClient] = []
+        self.rank, self.world = cluster.rank_and_world()
+        self.leader = self.rank == 0
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
-                          start_timeout_s=start_timeout_s)
+                          start_timeout_s=start_timeout_s,
+                          devices=[d.strip() for d in devices.split(",") if d.strip()])
+        self.transport, self.timeout_s = transport, timeout_s
+        self.versions = [0] * replicas  # what each replica serves (known on every trainer rank)
+        self.senders: list[int] | None = None  # the trainer ranks whose groups the replicas joined
+        self.sender = None  # this rank's GlooSender, if it sends
+        self.sent_by_rank: list[int] = []  # bytes each trainer rank sent in the last sync
         atexit.register(self.close)
-        self._start()
+        if self.leader:
+            self._start()
 
     def restart(self) -> None:
         """End every replica and start them again (after an engine error); the caller then syncs the weights."""
-        self.close()
-        self._start()
+        self.senders, self.sender = None, None  # the groups are rebuilt at the next sync
+        self.versions = [0] * self._args["replicas"]
+        if self.leader:
+            self.close()
+            self._start()
 
     def _start(self) -> None:
-        from megarl.engines.gloo_transfer import GlooSender, join_group
-
         a = self._args
         replicas, tensor_parallel_size, slots, start_timeout_s = a["replicas"], a["tp"], a["slots"], a["start_timeout_s"]
         ctx = mp.get_context("spawn")
@@ -179,7 +124,8 @@ class EngineReplicas:
         for k in range(replicas):
             parent, child = ctx.Pipe()
             spec = dict(model=a["model"], tp=tensor_parallel_size, max_model_len=a["max_model_len"],
-                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k)
+                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k,
+                        devices=",".join(a["devices"][k * tensor_parallel_size:(k + 1) * tensor_parallel_size]))
             proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
             proc.start()
             if k < len(old):
@@ -195,64 +141,173 @@ class EngineReplicas:
             status, detail = c.conn.recv()
             if status != "ready":
                 raise RuntimeError(f"engine replica {c.index} failed to start: {detail}")
-        port, world = free_port(), 1 + replicas * tensor_parallel_size
-        for c in self.clients:
-            c.conn.send(("init_transfer", {"host": "127.0.0.1", "port": port, "world_size": world,
-                                           "rank_offset": 1 + c.index * tensor_parallel_size}))
-        self.sender = GlooSender(join_group("127.0.0.1", port, 0, world))
-        for c in self.clients:
-            c.conn.recv()
+
+    def _connect(self, senders: list[int]) -> None:
+        """Every sending rank opens a group that every worker of every replica joins (collective)."""
+        from megarl.engines.gloo_transfer import GlooSender, join_group
+
+        if self.senders == senders:
+            return
+        dead = cluster.share([c.index for c in self.clients if not c.proc.is_alive()] if self.leader else None)
+        if dead:
+            raise EngineDied(f"engine replicas {dead} are not running")
+        tp, replicas = self._args["tp"], self._args["replicas"]
+        world = 1 + replicas * tp
+        mine = cluster.sender_socket(self.rank in senders)
+        groups = [address for address in cluster.gather(mine and mine[:2]) if address is not None]
+        self.sender, errors = None, []
+        try:
+            for c in self.clients:
+                c.call("init_transfer", {"groups": groups, "world_size": world, "rank_offset": 1 + c.index * tp,
+                                         "backend": self.transport, "timeout_s": self.timeout_s}, reply=False)
+            if self.rank in senders:
+                host, port, sock = mine
+                device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "nccl" else None
+                group = join_group(host, port, 0, world, self.transport, self.timeout_s, listen_socket=sock)
+                self.sender = GlooSender(group, device)
+            errors = [f"replica {c.index}: {r}" for c in self.clients if (r := self._reply(c)) != "ok"]
+        except Exception as exc:  # noqa: BLE001  (every rank raises below)
+            errors.append(f"trainer rank {self.rank}: {type(exc).__name__}: {exc}")
+        errors = [e for part in cluster.gather(errors) for e in part]
+        if errors:
+            self.sender = None
+            raise EngineDied(f"engine replicas could not join the weight transfer groups: {'; '.join(errors)}")
+        self.senders = senders
+
+    def _reply(self, c: ReplicaClient, timeout_s: float | None = None):
+        """Wait for replica ``c``'s reply, polling that it (and every other replica) is still alive."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while not c.conn.poll(0.2):
+            if why := self.dead():
+                raise EngineDied(why)
+            if time.monotonic() > deadline:
+                raise EngineDied(f"engine replica {c.index} did not answer within {self.timeout_s:.0f}s")
+        try:
+            return c.conn.recv()
+        except (EOFError, ConnectionResetError) as exc:
+            raise EngineDied(f"engine replica {c.index} (pid {c.proc.pid}) died") from exc
 
     @property
     def weight_version(self) -> int:
-        return min(c.weight_version for c in self.clients)
+        return min(self.versions)
 
     def generate(self, requests, seed: int, replica: int = 0) -> list[list[Completion]]:
-        """Batch generation (evaluation, the audit) on one replica (0 unless asked)."""
-        c = self.clients[replica]
-        c.conn.send(("generate", (requests, seed)))
-        return c.conn.recv()
+        """Batch generation (evaluation, the audit) on one replica (0 unless asked); every trainer rank gets it."""
+        out = None
+        if self.leader:
+            try:
+                out = ("ok", self.clients[replica].call("generate", (requests, seed)))
+            except Exception as exc:  # noqa: BLE001  (every rank raises it, none waits for an answer)
+                out = ("error", f"{type(exc).__name__}: {exc}")
+        out = cluster.share(out)
+        if out[0] == "error":
+            raise EngineDied(f"generation on engine replica {replica} failed: {out[1]}")
+        return out[1]
 
     def pause(self) -> None:
-        busy = [c.index for c in self.clients if c.num_active()]
+        busy = cluster.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
         if busy:
             from megarl.weight_sync.protocol import SyncError
 
             raise SyncError(f"weight sync refused: replicas {busy} still have requests in flight; end the phase first")
 
-    def load(self, plan: list, buckets, version: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-        """Broadcast ``buckets`` (flat tensors in ``plan`` order) to every replica; all-or-nothing per replica."""
-        name = str(dtype).removeprefix("torch.")
-        for c in self.clients:
-            c.conn.send(("update", (plan, name, version)))
-        start, error = time.perf_counter(), None
+    def sync_stream(self, sync, version: int, weights=None) -> dict[str, float]:
+        """Send a ``StreamingSync``'s buckets: each from the trainer rank that owns it (``weights``: a test's stream)."""
+        plan, sources = plan_buckets(sync), [entries[0].source for entries in sync.buckets()]
+        if weights is not None or self.world == 1:
+            return self.load(plan, flat_buckets(sync, plan, weights), version, sync.dtype, [0] * len(plan))
+        return self.load(plan, cluster.own_buckets(sync), version, sync.dtype, sources)
+
+    def load(self, plan: list, buckets, version: int, dtype: torch.dtype = torch.float32,
+             sources: list[int] | None = None) -> dict[str, float]:
+        """Broadcast ``buckets`` (this rank's flat tensors, in ``plan`` order; bucket i comes from trainer rank
+        ``sources[i]``, all 0 if None) to every replica; all-or-nothing per replica, and the same outcome on
+        every trainer rank."""
+        sources = [0] * len(plan) if sources is None else list(sources)
+        senders = sorted(set(sources))
         sizes = [sum(math.prod(shape) for _, shape in pieces) for pieces in plan]
         try:
-            sent = self.sender.send(buckets, sizes, dtype)
-        except Exception as exc:  # noqa: BLE001  (the sender told the replicas to restore; report below)
-            error, sent = exc, 0
+            self._connect(senders)
+        except EngineDied as exc:
+            self._end_all()
+            raise WeightLoadError(f"weight update to version {version} failed ({exc}); every replica was ended: "
+                                  "the next phase restarts them") from exc
+        start, error, sent = time.perf_counter(), None, 0
+        watch = _Watchdog(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
+        try:
+            groups = [senders.index(s) for s in sources]
+            for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
+                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version), reply=False)
+            if self.sender is not None:
+                sent = self.sender.send(buckets, [n for n, s in zip(sizes, sources) if s == self.rank], dtype)
+            else:
+                for _ in buckets:  # a TP peer of a sender: it helps gather (the bucket is not its own)
+                    pass
+        except Exception as exc:  # noqa: BLE001  (the sender told the replicas to abort; reported below)
+            error = f"trainer rank {self.rank}: {type(exc).__name__}: {exc}"
+            try:  # a broken link: finish the walk, so that this rank's TP peers' all-gathers find it there
+                for _ in buckets:
+                    pass
+            except Exception:  # noqa: BLE001  (the stream itself failed: nothing more to walk)
+                pass
         seconds = time.perf_counter() - start
-        replies = [c.conn.recv() for c in self.clients]
-        failed = []
-        for c, (status, detail, served) in zip(self.clients, replies):
-            c.weight_version = served
-            if status != "ok":
-                failed.append(f"replica {c.index}: {detail}")
-        if error is not None or failed:
-            why = f"{type(error).__name__}: {error}" if error is not None else "; ".join(failed)
-            raise WeightLoadError(f"weight update to version {version} failed ({why}); replicas serve versions "
-                                  f"{[c.weight_version for c in self.clients]}")
-        backup = max(float(detail) for _, detail, _ in replies)
-        return {"sync/backup_mib": backup, "sync/transfer_s": seconds, "sync/sent_bytes": float(sent)}
+        verdict = self._collect(version, watch.stop()) if self.leader else None
+        parts = cluster.gather((error, verdict, sent))
+        failed, versions, backup, died = parts[0][1]
+        self.versions, self.sent_by_rank = versions, [n for _, _, n in parts]
+        errors = [e for e, _, _ in parts if e is not None] + failed
+        if died:
+            self.senders, self.sender = None, None
+        if errors:
+            ended = "; every replica was ended: the next phase restarts them" if died else ""
+            raise WeightLoadError(f"weight update to version {version} failed ({'; '.join(errors)}); replicas serve "
+                                  f"versions {versions}{ended}")
+        return {"sync/backup_mib": backup[0], "sync/replica_update_s": backup[1], "sync/transfer_s": seconds,
+                "sync/sent_bytes": float(sum(n for _, _, n in parts))}
+
+    def _collect(self, version: int, died: str = ""):
+        """Rank 0: every replica's reply → (failures, versions, (backup MiB, slowest update s), died).
+
+        A dead replica ends them all."""
+        failed, backup, slowest = [], 0.0, 0.0
+        try:
+            if died:
+                raise EngineDied(died)
+            for c in self.clients:
+                status, detail, served = self._reply(c)
+                c.weight_version = served
+                if status != "ok":
+                    failed.append(f"replica {c.index}: {detail}")
+                else:
+                    backup, slowest = max(backup, detail[0]), max(slowest, detail[1])
+        except EngineDied as exc:
+            self._end_all()  # their transfer group is broken: a live replica may wait on it forever
+            return [str(exc)], [c.weight_version for c in self.clients], (0.0, 0.0), True
+        return failed, [c.weight_version for c in self.clients], (backup, slowest), False
+
+    def _end_all(self) -> None:
+        for c in self.clients:
+            if c.proc.is_alive():
+                c.proc.kill()
+            c.proc.join(10)
+
+    def dead(self) -> str:
+        """'' while every replica process runs, else which one died."""
+        for c in self.clients:
+            if not c.proc.is_alive():
+                return f"engine replica {c.index} (pid {c.proc.pid}) died (exit code {c.proc.exitcode})"
+        return ""
 
     def broadcast_raw(self, buckets: list[torch.Tensor]) -> float:
         """The transport alone: the same buckets broadcast to every replica, received and dropped; seconds."""
+        plan = [[("raw", (b.numel(),))] for b in buckets]
+        self._connect([0])
         for c in self.clients:
-            c.conn.send(("recv_raw", ([b.numel() for b in buckets], str(buckets[0].dtype).removeprefix("torch."))))
+            c.call("recv_raw", (plan, [0] * len(plan), str(buckets[0].dtype).removeprefix("torch.")), reply=False)
         start = time.perf_counter()
-        self.sender.send(buckets, [b.numel() for b in buckets], buckets[0].dtype)
+        self.sender.send(iter(buckets), [b.numel() for b in buckets], buckets[0].dtype)
         for c in self.clients:
-            c.conn.recv()
+            self._reply(c)
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -268,6 +323,28 @@ class EngineReplicas:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join(5)
+
+
+class _Watchdog:
+    """While a rank-0 sync runs: if a replica process dies, end every replica — their transfer group is
+    broken, and ending them makes every blocked send and receive fail at once instead of at the timeout."""
+
+    def __init__(self, replicas: EngineReplicas) -> None:
+        self.replicas, self.done, self.died = replicas, threading.Event(), ""
+        self.thread = threading.Thread(target=self._run, name="megarl-replica-watchdog", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.1):
+            if why := self.replicas.dead():
+                self.died = why
+                self.replicas._end_all()
+                return
+
+    def stop(self) -> str:
+        self.done.set()
+        self.thread.join()
+        return self.died
 
 
 def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:

@@ -141,10 +141,7 @@ class WeightSyncProtocol:
             self.stages.append(Stage.STREAM_LOAD)
             stream = streaming_sync(self.trainer, engine, self.bucket_mib)
             if remote:  # each replica loads, resets its prefix cache and bumps its version, or restores
-                from megarl.engines.replicas import flat_buckets, plan_buckets
-
-                plan = plan_buckets(stream)
-                metrics.update(engine.load(plan, flat_buckets(stream, plan, weights), version, stream.dtype))
+                metrics.update(engine.sync_stream(stream, version, weights))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
                 # zero_copy: on one rank, tensors that need no re-layout go to the engine as views

@@ -1,0 +1,124 @@
+"""Disaggregated engines at cluster scale: several trainer processes, dead replicas, the NCCL transport.
+
+- The wire format between processes (``tests/transfer_checks.py``): two trainer senders, each on
+  its own group, interleaved buckets (as pipeline stages with virtual stages send them), two
+  receivers; a sender that aborts half-way does not stop the other one's buckets.
+- Two trainer processes (torchrun, PP=2) → two vLLM replicas in processes of their own
+  (``tests/cluster_checks.py``): each pipeline stage sends its own layers, the replicas' logprobs
+  equal the trainer's after every sync; a replica SIGKILLed mid-broadcast fails the sync without
+  a hang, and the keeper restarts the replicas at the next phase.
+- ``sync.transport: nccl``: refused without CUDA, before anything starts; over NCCL on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_script
+
+
+def check_wire(r: dict, abort: bool) -> None:
+    assert r["exit"] == [0, 0, 0, 0]
+    if not abort:
+        assert r["senders"]["0"] == {"sent": 4 * (5 + 3 + 13), "error": ""}
+        assert r["senders"]["1"] == {"sent": 4 * (7 + 11 + 2), "error": ""}
+        for rec in r["receivers"].values():
+            assert rec["error"] == "" and rec["received"] == 4 * 41
+            assert rec["equal"] == {str(i): True for i in range(6)}  # each bucket, bit for bit, from its sender
+        return
+    assert "injected" in r["senders"]["1"]["error"] and r["senders"]["0"]["error"] == ""
+    assert r["senders"]["0"]["sent"] == 4 * (5 + 3 + 13)  # sender 0 got all of its buckets through
+    for rec in r["receivers"].values():
+        assert rec["error"] == "TransferAborted: trainer sender 1 aborted the weight update"
+        assert rec["equal"] == {"0": True, "1": True, "2": True}  # then nothing more is loaded
+
+
+@pytest.mark.slow
+def test_two_senders_interleaved_and_one_aborting_over_gloo():
+    check_wire(run_script(["tests/transfer_checks.py", "gloo", "abort"], timeout=600, env={"OMP_NUM_THREADS": "1"}),
+               abort=True)
+
+
+@pytest.mark.slow
+def test_two_senders_interleaved_over_gloo():
+    check_wire(run_script(["tests/transfer_checks.py", "gloo"], timeout=600, env={"OMP_NUM_THREADS": "1"}), abort=False)
+
+
+@pytest.mark.gpu
+def test_two_senders_over_nccl():
+    if torch.cuda.device_count() < 4:
+        pytest.skip("gpu: the NCCL wire test needs 4 GPUs (one per process)")
+    check_wire(run_script(["tests/transfer_checks.py", "nccl"], timeout=600), abort=False)
+    check_wire(run_script(["tests/transfer_checks.py", "nccl", "abort"], timeout=600), abort=True)
+
+
+def test_nccl_transport_and_replica_devices_are_refused_without_cuda():
+    from megarl.config import load_config, validate
+    from megarl.config.loader import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: nccl is allowed")
+    cfg = load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=nccl"])
+    with pytest.raises(ConfigError, match=r"sync.transport=nccl needs CUDA .*use sync.transport=gloo"):
+        validate(cfg, 2)
+    with pytest.raises(ConfigError, match=r"sync.transport must be 'gloo' or 'nccl', got 'tcp'"):
+        validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=tcp"]), 1)
+    with pytest.raises(ConfigError, match=r"engine.replica_devices='0,1' names CUDA devices, but CUDA is absent"):
+        validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replica_devices=0,1"]), 1)
+    validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replicas=2"]), 2)  # 2 trainers
+    validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"]), 1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    run = tmp_path_factory.mktemp("cluster")
+    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/cluster_checks.py",
+                      str(run)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    return out["ranks"]
+
+
+def test_two_trainer_processes_each_send_their_own_stage_and_the_replicas_match(cluster):
+    for rank, r in enumerate(cluster):
+        assert r["senders"] == [0, 1], rank  # PP=2: both stages send; nobody gathers the other's layers
+        assert all(n > 0 for n in r["sent_by_rank"]) and sum(r["sent_by_rank"]) == r["steps"][0]["sync/bytes"]
+        assert [m["engine/version"] for m in r["steps"]] == [1.0, 2.0], rank
+        assert all(m["sync/logprob_gap"] <= 1e-4 for m in r["steps"]), rank  # the audit after every sync
+        assert r["steps"][0]["sync/peak_extra_mib"] < r["steps"][0]["sync/bytes"] / 2**20 / 4
+
+
+def test_a_replica_killed_mid_broadcast_fails_the_sync_then_the_keeper_restarts_them(cluster):
+    for rank, r in enumerate(cluster):
+        assert r["killed"] == {"sync/failures": 1.0, "engine/version": 2.0}, rank  # the old version, not a mix
+        assert r["killed_s"] < 60, rank  # no hang: the watchdog ended the replicas, every link failed at once
+        assert r["restarts"] == 1 and r["after"]["engine/version"] == 4.0, rank
+        assert r["after"]["sync/logprob_gap"] <= 1e-4 and max(r["gaps"]) <= 1e-4 and r["versions"] == [4, 4], rank
+    assert cluster[0]["alive_after_kill"] == [False, False]  # the broken group's replicas were all ended
+
+
+@pytest.mark.slow
+def test_one_replica_at_tp2_matches_the_trainer_and_survives_a_broken_sync(tmp_path):
+    r = run_script(["tests/cluster_checks.py", "replica_tp", str(tmp_path)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    assert r["versions"] == [1.0, 2.0] and max(r["gaps"]) <= 1e-4  # both TP workers loaded their shards
+    assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 2.0
+    assert "replicas serve versions [2]" in r["log"][0]
+    assert r["ok"]["engine/version"] == 3.0 and r["ok"]["sync/logprob_gap"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_megarl_train_two_trainer_processes_two_replicas_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
+           "parallel.pp=2", "warmup.steps=2", "train.steps=2", "train.time_limit_s=0",
+           f"train.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "data.eval_size=4",
+           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "engine.slots=8",
+           "engine.kv_cache_gib=0.0625", "engine.placement=disaggregated", "engine.replicas=2", "rollout.mode=partial",
+           "sync.check_every=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
