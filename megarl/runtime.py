@@ -116,7 +116,10 @@ def build_session(cfg: RunConfig) -> Session:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
-    score = group_scorer(tokenizer, shared_rewards(rewards), feed.take_extras)  # one rank scores, all agree
+    # colocated: every rank's controller scores in lockstep, so one rank scores for all; disaggregated: only
+    # rank 0 runs the controller (LeaderController) and shares the scored phase
+    lockstep = cfg.engine.placement == "colocated"
+    score = group_scorer(tokenizer, shared_rewards(rewards) if lockstep else rewards, feed.take_extras)
     stateful = {}
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
