@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,12 +69,27 @@ def at(points: list[dict], key: str, limit: float) -> float:
     return [p for p in points if p[key] <= limit + 1e-9][-1]["pass_at_1"]
 
 
+STARTED: list[subprocess.Popen] = []
+
+
 def train(args_list: list[str], log: Path) -> subprocess.Popen:
     """``megarl train`` on the demo config with these overrides, its output to ``log``."""
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs/demo.yaml"), *args_list]
     print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        STARTED.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True))
+    return STARTED[-1]
+
+
+def kill_all() -> None:
+    """The bench stopped (an error, Ctrl-C, SIGTERM): its runs stop with it (SIGKILL: no checkpoint wanted)."""
+    for p in STARTED:
+        if p.poll() is None:
+            p.kill()
+
+
+def on_sigterm(*_) -> None:
+    raise SystemExit("time_to_accuracy: stopped by SIGTERM")
 
 
 def wait(procs: dict[str, tuple[subprocess.Popen, Path]], every: float = 60.0) -> None:
@@ -81,9 +97,6 @@ def wait(procs: dict[str, tuple[subprocess.Popen, Path]], every: float = 60.0) -
     while True:
         for m, (p, log) in procs.items():
             if p.poll() not in (None, 0):
-                for q, _ in procs.values():
-                    if q.poll() is None:
-                        q.kill()
                 tail = log.read_text(errors="replace").splitlines()[-40:]
                 raise SystemExit(f"{m} failed ({p.returncode}):\n" + "\n".join(tail))
         running = [(m, p, log) for m, (p, log) in procs.items() if p.poll() is None]
@@ -102,9 +115,9 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=600.0, help="RL wall-clock seconds per mode")
     p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     p.add_argument("--eval-size", type=int, default=100, help="held-out prompts per evaluation")
-    p.add_argument("--max-digits", type=int, default=7, help="largest operand (the demo: 6)")
-    p.add_argument("--tail-alpha", type=float, default=0.8, help="power-law exponent of operand sizes (the demo: 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=120)
+    p.add_argument("--max-digits", type=int, default=12, help="largest operand (the demo: 6)")
+    p.add_argument("--tail-alpha", type=float, default=1.0, help="power-law exponent of operand sizes (the demo: 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="the length cap (the demo: 80)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=300, help="the demo's warm-up")
     p.add_argument("--modes", default=",".join(MODES))
@@ -122,20 +135,26 @@ def main() -> int:
             f"data.max_digits={args.max_digits}", f"data.tail_alpha={args.tail_alpha}",
             f"data.eval_size={args.eval_size}", *args.overrides]
     results, gen_share = {}, {}
+    signal.signal(signal.SIGTERM, on_sigterm)
     with tempfile.TemporaryDirectory() as tmp:
         warm = Path(tmp) / "warm"  # the one warm start: the supervised warm-up, exported as an HF checkpoint
         proc = train([f"model.path={tmp}/model", f"train.run_dir={warm}", f"warmup.steps={args.warmup_steps}",
                       "train.steps=0", *task], Path(tmp) / "warm.log")
-        wait({"warm-up": (proc, Path(tmp) / "warm.log")})
-        procs = {}
-        for mode in modes:
-            log = Path(tmp) / f"{mode}.log"
-            procs[mode] = (train([f"model.path={warm}/hf/step_0", f"train.run_dir={tmp}/{mode}",
-                                  f"rollout.mode={mode}", "warmup.steps=0", f"train.time_limit_s={args.budget}",
-                                  "train.steps=100000", "optim.lr_decay=constant", f"train.eval_every={args.eval_every}", *task], log), log)
-            if args.sequential:
-                wait({mode: procs.pop(mode)})
-        wait(procs)
+        try:
+            wait({"warm-up": (proc, Path(tmp) / "warm.log")})
+            procs = {}
+            for mode in modes:
+                log = Path(tmp) / f"{mode}.log"
+                procs[mode] = (train([f"model.path={warm}/hf/step_0", f"train.run_dir={tmp}/{mode}",
+                                      f"rollout.mode={mode}", "warmup.steps=0", f"train.time_limit_s={args.budget}",
+                                      "train.steps=100000", "optim.lr_decay=constant",
+                                      f"train.eval_every={args.eval_every}", *task], log), log)
+                if args.sequential:
+                    wait({mode: procs.pop(mode)})
+            wait(procs)
+        except BaseException:
+            kill_all()
+            raise
         for mode in modes:
             results[mode], gen_share[mode] = curve(Path(tmp) / mode, G)
             print(json.dumps({"mode": mode, "generation_share": round(gen_share[mode], 3), "curve": results[mode]}),
