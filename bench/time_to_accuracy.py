@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -115,8 +116,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=600.0, help="RL wall-clock seconds per mode")
     p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     p.add_argument("--eval-size", type=int, default=100, help="held-out prompts per evaluation")
-    p.add_argument("--max-digits", type=int, default=12, help="largest operand (the demo: 6)")
-    p.add_argument("--tail-alpha", type=float, default=1.0, help="power-law exponent of operand sizes (the demo: 1.0)")
+    p.add_argument("--max-digits", type=int, default=7, help="largest operand (the demo: 6)")
+    p.add_argument("--tail-alpha", type=float, default=0.8, help="power-law exponent of operand sizes (the demo: 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="the length cap (the demo: 80)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=300, help="the demo's warm-up")
@@ -142,6 +143,10 @@ def main() -> int:
                       "train.steps=0", *task], Path(tmp) / "warm.log")
         try:
             wait({"warm-up": (proc, Path(tmp) / "warm.log")})
+            warm_pass = re.findall(r"eval before RL: pass@1 ([0-9.]+)", (Path(tmp) / "warm.log").read_text())
+            if warm_pass and float(warm_pass[-1]) == 0.0:
+                raise SystemExit("the warm start solves none of the held-out prompts (pass@1 0): RL would get no "
+                                 "reward signal; use more --warmup-steps or a smaller --max-digits")
             procs = {}
             for mode in modes:
                 log = Path(tmp) / f"{mode}.log"
