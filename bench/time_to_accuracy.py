@@ -7,9 +7,11 @@ once (``train.steps=0``), its policy is exported as an HF checkpoint, and every 
 starts RL from that checkpoint with the same seed (the script checks that pass@1
 before RL agrees). The setting is generation-heavy: a longer length tail than the
 demo (operands up to ``--max-digits`` digits, a flatter power law, a longer length
-cap), so that generation dominates the step (the share is printed). Every mode gets
-the same wall-clock budget for RL (``train.time_limit_s``) and is evaluated (greedy
-pass@1 on held-out prompts) every ``--eval-every`` steps.
+cap), so that generation dominates the step (the share is printed). Otherwise the
+demo's recipe: 32 prompts × 8 samples per step, lr 1e-3 with cosine decay over 150
+steps (a constant 1e-3 collapsed every mode to pass@1 0 within 10 steps here). Every
+mode gets the same wall-clock budget for RL (``train.time_limit_s``) and is evaluated
+(greedy pass@1 on held-out prompts) every ``--eval-every`` steps.
 
 Side by side: the modes run at the same time, one process each, so the load of a
 shared machine falls on all of them alike (``--sequential`` runs them one after the
@@ -21,7 +23,7 @@ last evaluation at or before it) and at equal samples (likewise, in trained
 samples), per mode. RL seconds count generation + training + weight sync, not the
 evaluations.
 
-    .venv/bin/python bench/time_to_accuracy.py [--budget 600] [--eval-every 10]
+    .venv/bin/python bench/time_to_accuracy.py [--budget 600] [--eval-every 5]
 """
 
 from __future__ import annotations
@@ -114,12 +116,12 @@ def wait(procs: dict[str, tuple[subprocess.Popen, Path]], every: float = 60.0) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=float, default=600.0, help="RL wall-clock seconds per mode")
-    p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    p.add_argument("--eval-every", type=int, default=5, help="steps between evaluations")
     p.add_argument("--eval-size", type=int, default=100, help="held-out prompts per evaluation")
     p.add_argument("--max-digits", type=int, default=7, help="largest operand (the demo: 6)")
     p.add_argument("--tail-alpha", type=float, default=0.8, help="power-law exponent of operand sizes (the demo: 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="the length cap (the demo: 80)")
-    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--prompts-per-step", type=int, default=32, help="the demo's")
     p.add_argument("--warmup-steps", type=int, default=300, help="the demo's warm-up")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--sequential", action="store_true", help="one mode after the other (a quiet machine)")
@@ -152,7 +154,7 @@ def main() -> int:
                 log = Path(tmp) / f"{mode}.log"
                 procs[mode] = (train([f"model.path={warm}/hf/step_0", f"train.run_dir={tmp}/{mode}",
                                       f"rollout.mode={mode}", "warmup.steps=0", f"train.time_limit_s={args.budget}",
-                                      "train.steps=100000", "optim.lr_decay=constant",
+                                      "train.steps=150",
                                       f"train.eval_every={args.eval_every}", *task], log), log)
                 if args.sequential:
                     wait({mode: procs.pop(mode)})
