@@ -9,7 +9,7 @@ before RL agrees). The setting is generation-heavy: a longer length tail than th
 demo (operands up to ``--max-digits`` digits, a flatter power law, a longer length
 cap), so that generation dominates the step (the share is printed). Otherwise the
 demo's recipe: 32 prompts × 8 samples per step, lr 1e-3 with cosine decay over 150
-steps (a constant 1e-3 collapsed every mode to pass@1 0 within 10 steps here). Every
+steps (16 prompts per step at a constant 1e-3 took every mode to pass@1 0 within 10 steps). Every
 mode gets the same wall-clock budget for RL (``train.time_limit_s``) and is evaluated
 (greedy pass@1 on held-out prompts) every ``--eval-every`` steps.
 
