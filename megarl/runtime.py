@@ -21,14 +21,15 @@ from megarl.algo.filters import is_informative
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
+from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
 from megarl.engines.memory import sleep_supported
-from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
+from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
-from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, tracking_scorer
+from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
 from megarl.trainer import cpu_adapter
 from megarl.trainer.parallel import ParallelState, build_parallel_state
 from megarl.trainer.policy import PolicyTrainer
@@ -56,6 +57,12 @@ class Session:
     @property
     def is_main(self) -> bool:
         return self.ps.rank == 0
+
+    @property
+    def generator(self):
+        """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
+        face = self.controller.engines[0]
+        return face if isinstance(face, ColocatedReplicas) else self.engine
 
 
 def ensure_model(cfg: RunConfig) -> None:
@@ -96,7 +103,7 @@ def build_session(cfg: RunConfig) -> Session:
         engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
                             cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
                             enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported())
-        slot_engines = [VLLMSlotEngine(engine, cfg.engine.slots)]
+        slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
     cpu_adapter.activate()
     from megatron.core import tensor_parallel
 
@@ -109,7 +116,7 @@ def build_session(cfg: RunConfig) -> Session:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
-    score = group_scorer(tokenizer, rewards, feed.take_extras)
+    score = group_scorer(tokenizer, shared_rewards(rewards), feed.take_extras)  # one rank scores, all agree
     stateful = {}
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
@@ -159,6 +166,7 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
         stale_action=r.stale_action, max_discards=r.max_discards, token_budget=r.token_budget, dispatch=r.dispatch,
         release_cap=round(cfg.algo.oversample_cap * r.prompts_per_step) if cfg.algo.dynamic_sampling else 0,
         max_update_groups=r.max_update_groups, long_rounds=r.long_rounds, buffer_samples=r.buffer_samples,
+        long_round_groups=r.long_round_groups,
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
     return RolloutController(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score,

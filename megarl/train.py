@@ -36,12 +36,13 @@ CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubb
 
 
 def evaluate(s: Session) -> float:
-    return evaluate_prompts(s.engine, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens)["pass_at_1"]
+    prompts, max_tokens = s.eval_prompts, s.cfg.rollout.max_new_tokens
+    return evaluate_prompts(s.generator, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
-    torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank samples alike (engine TP)
+    torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank alike (engine TP); replicas derive own streams
     run_phase = keeper.run_phase if keeper else s.controller.run_phase  # the keeper survives engine errors
     groups, phase = run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()

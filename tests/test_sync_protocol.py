@@ -2,7 +2,8 @@
 
 A sync whose stream breaks after half of its buckets leaves the engine serving exactly the old
 weights (same greedy tokens, logprobs equal bit for bit, version unchanged); a full sync then
-runs the stages in order and the audit finds engine ≈ trainer, and a skipped sync is caught.
+runs the stages in order and the audit finds engine ≈ trainer, and a skipped sync is caught. A
+model with a tied LM head gets the trainer's logprobs after a protocol sync too.
 """
 
 from __future__ import annotations
@@ -82,3 +83,9 @@ def test_a_load_failing_on_one_engine_rank_restores_every_rank(tmp_path):
         assert r["ok"]["engine/version"] == 1.0 and r["gap"] <= 1e-4, rank
     assert "another engine rank failed" in out["ranks"][0]["log"][0]
     assert "injected: rank 1" in out["ranks"][1]["log"][0]
+
+
+def test_protocol_sync_of_a_tied_lm_head_gives_the_trainers_logprobs(tmp_path):
+    r = run_script(["tests/protocol_checks.py", "tied", str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
+    assert r["tied"] and r["gap_stale"] > 1e-2  # the trainer moved; the engine had not yet
+    assert r["metrics"]["engine/version"] == 1.0 and r["gap_after"] <= 1e-4  # was ~0.07 with a stale packed head

@@ -10,7 +10,10 @@ Prints one JSON object per mode, one per line: mode (and for on-policy its starv
 guard: long_rounds or drain), bubble_ratio, tokens_per_s, useful_tokens_per_s,
 wasted_token_fraction, eta_gen, groups_per_step_mean/max (the update batch),
 phase_s_mean/max, wait_phases_max (starvation), steps, samples_trained, …
-``--mode all`` runs sync, on-policy with each guard, and partial.
+``--mode all`` runs sync, on-policy with each guard, and partial. On-policy lines also carry
+``bubble_floor``: the least bubble any on-policy schedule could have that trains the same
+at-cap samples and generates the same tokens with no phase longer than the sync run's
+longest (``on_policy_bubble_floor``; 0 under the constant step model).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import argparse
 import json
 import sys
 
-from megarl.rollout.simulator import SimSettings, lognormal_workload, paper_workload, simulate
+from megarl.rollout.simulated import StepTimeModel
+from megarl.rollout.simulator import SimSettings, lognormal_workload, on_policy_bubble_floor, paper_workload, simulate
 
 
 def read_lengths(path: str) -> list[int]:
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guard", choices=["long_rounds", "drain", "both"], default="both",
                    help="on-policy starvation guard (with --mode all or on_policy)")
     p.add_argument("--max-discards", type=int)
+    p.add_argument("--long-round-groups", type=int,
+                   help="on-policy long rounds: long-queue prompts per round, topped up with new ones "
+                        "(default: prompts per step)")
     p.add_argument("--max-update-groups", type=int, help="the update-batch bound (default: prompts per step)")
     p.add_argument("--buffer-samples", type=int, help="admission budget in unfinished samples (default: none)")
     p.add_argument("--prompts", type=int, help="prompts in a built-in workload's trace (default: 512 or 4096)")
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = read_lengths(args.lengths)
     for name in ("group_size", "engines", "slots", "prompts_per_step", "max_tokens", "step_time_model", "steps",
                  "oversubscription", "staleness_limit", "dispatch", "max_discards", "max_update_groups",
-                 "buffer_samples"):
+                 "buffer_samples", "long_round_groups"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
@@ -89,17 +96,26 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if len(lengths) % s.group_size:
         raise SystemExit(f"trace has {len(lengths)} lengths, not a multiple of --group-size {s.group_size}")
-    for name in ("max_update_groups", "buffer_samples"):
+    for name in ("max_update_groups", "buffer_samples", "long_round_groups"):
         if getattr(s, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
     if s.max_update_groups and s.max_update_groups < (s.prompts_per_step or 1):
         raise SystemExit(f"--max-update-groups must be >= --prompts-per-step ({s.prompts_per_step})")
     guards = {"long_rounds": [True], "drain": [False], "both": [True, False]}[args.guard]
     runs = [("sync", False)] + [("on_policy", g) for g in guards] + [("partial", False)]
+    sync_phase_s = None
     for mode, long_rounds in runs:
-        if args.mode in ("all", mode):
+        if args.mode in ("all", mode) or (mode == "sync" and args.mode == "on_policy"):
             s.long_rounds = long_rounds
-            print(json.dumps(simulate(lengths, mode, s)), flush=True)
+            out = simulate(lengths, mode, s)
+            if mode == "sync":
+                sync_phase_s = out["phase_s_max"]
+            elif mode == "on_policy":
+                out["bubble_floor"] = on_policy_bubble_floor(out["at_cap_samples_trained"], out["tokens_generated"],
+                                                             sync_phase_s, s.max_tokens, s.slots,
+                                                             StepTimeModel(s.step_time_model))
+            if args.mode in ("all", mode):
+                print(json.dumps(out), flush=True)
     return 0
 
 

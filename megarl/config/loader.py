@@ -140,9 +140,11 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     etp = p.etp or p.tp
     if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
         raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * etp} must divide tp×dp = {dp * p.tp}")
-    if cfg.engine.tensor_parallel_size != 1 and cfg.engine.tensor_parallel_size != world_size:
-        raise ConfigError(
-            f"engine.tensor_parallel_size must be 1 or the world size {world_size}, got {cfg.engine.tensor_parallel_size}"
+    if cfg.engine.placement == "colocated" and (cfg.engine.tensor_parallel_size < 1 or
+                                                world_size % cfg.engine.tensor_parallel_size):
+        raise ConfigError(  # world/TP colocated replicas (megarl/engines/colocated.py); TP = world: one engine
+            f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} must divide the world size {world_size} "
+            f"(colocated placement: world/TP engine replicas); valid: {_divisors(world_size)}"
         )
     r = cfg.rollout
     if r.samples_per_prompt < 2:
@@ -162,6 +164,8 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if r.max_update_groups and r.max_update_groups < r.prompts_per_step or r.buffer_samples < 0:
         raise ConfigError(f"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step ({r.prompts_per_step}), "
                           f"got {r.max_update_groups}; rollout.buffer_samples must be >= 0, got {r.buffer_samples}")
+    if r.long_round_groups < 0:
+        raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
     if cfg.optim.lr_decay not in ("constant", "cosine"):
         raise ConfigError(f"optim.lr_decay must be 'constant' or 'cosine', got {cfg.optim.lr_decay!r}")
     if cfg.engine.slots < 1:

@@ -111,6 +111,8 @@ class RolloutConfig:
     """On-policy starvation guard: tail batching (prompts discarded max_discards times run in a long round of their own); false: drain them in a pinned phase."""
     buffer_samples: int = 0
     """SortedRL admission budget: unfinished samples live at most while admitting for free slots (0: one per free slot)."""
+    long_round_groups: int = 0
+    """On-policy long rounds: long-queue prompts per round, topped up with new ones (0: prompts_per_step; fewer: shorter rounds, more bubble)."""
 
 
 @dataclass
@@ -120,7 +122,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     """KV cache size per engine in GiB (vLLM's CPU default would take ~10 GiB)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor-parallel size (the engine spans this many trainer processes)."""
+    """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP colocated replicas."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
     placement: str = "colocated"

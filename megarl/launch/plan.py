@@ -22,8 +22,9 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   micro_batch_size · max_model_len tokens, times all layers (1F1B keeps PP microbatches of
   L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
-- vLLM: all weights · w / engine TP; KV cache 2·L·kv_heads_per_rank·head_dim·w per token for
-  min(slots, rollout sequences) × max_model_len tokens. Plus 2 GiB runtime overhead.
+- vLLM: all weights · w / engine TP (TP < world: world/TP replicas, each holding the whole model);
+  KV cache 2·L·kv_heads_per_rank·head_dim·w per token for min(slots, rollout sequences) ×
+  max_model_len tokens. Plus 2 GiB runtime overhead.
 
 Precision ``fp32`` is what megarl's trainer and engine build today (w = 4); ``bf16`` models
 megatron's mixed precision (w = 2). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
@@ -225,7 +226,7 @@ def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
     out = []
     for tp, pp, ep, etp_one, engine_tp in itertools.product(
             _divisors(gpus_per_node), _divisors(hf["num_hidden_layers"]), _divisors(experts or 1),
-            (True, False), sorted({1, world})):
+            (True, False), _divisors(world)):  # engine TP < world: world/TP colocated replicas
         if world % (tp * pp):
             continue
         if etp_one and (tp == 1 or not experts):

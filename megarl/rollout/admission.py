@@ -124,6 +124,30 @@ class PromptBuffer:
         queued = [(i, j) for i, j in self._entries(back + fresh) if not self.live[i].samples[j].response_ids]
         return collections.deque(resumed + queued)
 
+    def _balance(self, queue: collections.deque, only: set[int], engines: list) -> list[collections.deque]:
+        """LPT placement of a long round's (or the pinned groups') samples, in queue order (longest first): each on
+        the engine with a free slot whose placed samples are shortest in sum (by ``_hint``: the length a discarded
+        sample had reached, or the cached mean), so no engine holds more of the long work than it must (the phase
+        lasts as long as its slowest engine). Returns one queue per engine; the rest stays in the shared queue."""
+        own = [collections.deque() for _ in engines]
+        load = [0.0] * len(engines)
+        room = [e.slots - e.num_active() for e in engines]
+        if not only:
+            return own
+        rest = collections.deque()
+        for index, j in queue:
+            free = [k for k in range(len(own)) if room[k] > 0] if index in only else None
+            if not free:
+                rest.append((index, j))
+                continue
+            k = min(free, key=lambda k: (load[k], k))
+            own[k].append((index, j))
+            room[k] -= 1
+            load[k] += max(self._hint(index), 1.0)
+        queue.clear()
+        queue.extend(rest)
+        return own
+
     def _pin(self) -> set[int]:
         """On-policy drain guard: groups discarded `max_discards` times get a reserved place (at most U)."""
         if self.cfg.mode != "on_policy" or self.cfg.long_rounds:
@@ -132,13 +156,16 @@ class PromptBuffer:
         return set(due[:self.cfg.update_groups])
 
     def _long_round(self, version: int) -> set[int] | None:
-        """Tail batching: when due, admit the long queue (topped up to U) as this phase's only members."""
+        """Tail batching: once the long queue holds ``long_round_groups`` (default U) prompts, or its oldest waited
+        LONG_WAIT phases, or the source is dry, admit up to that many of them, topped up to U (never-started groups,
+        then new prompts), as this phase's only members."""
         cfg, q = self.cfg, self.long_queue
-        due = q and (len(q) >= cfg.update_groups or version - q[0][2] >= LONG_WAIT or self.source_done)
+        size = min(cfg.long_round_groups or cfg.update_groups, cfg.update_groups)
+        due = q and (len(q) >= size or version - q[0][2] >= LONG_WAIT or self.source_done)
         if not (cfg.long_rounds and cfg.mode == "on_policy" and due):
             return None
         members = set()
-        while q and len(members) < cfg.update_groups:
+        while q and len(members) < size:
             item, discards, first = q.popleft()
             members.add(self._new_group(item, version, discards, first))
         for index, g in self.live.items():  # top up with admitted groups that never started, then new ones

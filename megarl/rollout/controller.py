@@ -28,9 +28,12 @@ discarded and re-queued (on-policy: its tokens are counted as waste).
 On-policy starvation guard (a prompt discarded ``max_discards`` times), one of:
 
 - long rounds (``long_rounds``, the default; RollPacker's tail batching): it waits in
-  a long-prompt queue; once that holds U prompts (or its oldest was first admitted
-  ``LONG_WAIT`` phases ago, or the source is dry) the next phase is a long round: those
-  prompts (topped up to U) run to completion, longest first, with no early termination;
+  a long-prompt queue; once that holds ``long_round_groups`` prompts (default U; or its
+  oldest was first admitted ``LONG_WAIT`` phases ago, or the source is dry) the next phase
+  is a long round: those prompts (topped up to U with new ones) run to completion with no
+  early termination, their samples placed on the engines longest first, each on the
+  engine with the least known long work (LPT: the phase lasts as long as its slowest
+  engine);
 - drain (``long_rounds=False``): the next phase pins it — admitted and dispatched
   first, with a reserved place in the batch; once the other groups fill the rest,
   admission stops, the unpinned samples are aborted, and the phase drains the pinned
@@ -97,6 +100,7 @@ class ControllerConfig:
     max_update_groups: int = 0  # M: the most useful groups one phase releases (0: U)
     long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard (other modes: unused)
     buffer_samples: int = 0  # unfinished samples live at most when admitting for free slots (0: no bound)
+    long_round_groups: int = 0  # on-policy long rounds: long-queue prompts per round, topped up to U with new ones (0: U)
 
     @property
     def batch_bound(self) -> int:
@@ -114,6 +118,8 @@ class ControllerConfig:
         if self.max_update_groups and self.max_update_groups < self.update_groups:
             raise ValueError(f"max_update_groups ({self.max_update_groups}) must be 0 (= update_groups) or >= "
                              f"update_groups ({self.update_groups})")
+        if self.long_round_groups < 0:
+            raise ValueError(f"long_round_groups must be >= 0 (0: update_groups), got {self.long_round_groups}")
         if self.buffer_samples < 0 or self.max_discards < 1:
             raise ValueError(f"buffer_samples must be >= 0 and max_discards >= 1, got {self.buffer_samples} and "
                              f"{self.max_discards}")
@@ -149,6 +155,7 @@ class RolloutController(PromptBuffer):
             self._admit(version, cfg.update_groups if cfg.mode == "sync" else cfg.rollout_groups)
         pinned = self._pin()
         queue = self._queue(members, pinned)
+        own = self._balance(queue, members if members is not None else pinned, self.engines)
         running: dict[str, tuple[int, int]] = {}
         engine_of: dict[str, int] = {}
         times = [self.clock] * len(self.engines)
@@ -162,8 +169,9 @@ class RolloutController(PromptBuffer):
         def dispatch() -> None:
             nonlocal serial
             for k, engine in enumerate(self.engines):
-                while queue and engine.num_active() < engine.slots:
-                    index, j = queue.popleft()
+                mine = own[k]
+                while (mine or queue) and engine.num_active() < engine.slots:
+                    index, j = mine.popleft() if mine else queue.popleft()
                     s = self.live[index].samples[j]
                     if s.response_ids:
                         s.interruptions += 1
@@ -178,7 +186,7 @@ class RolloutController(PromptBuffer):
             """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
             free = sum(e.slots - e.num_active() for e in self.engines)
             while len(self.live) < cfg.rollout_groups or (
-                    len(queue) < free and len(running) + len(queue) + cfg.group_size <= budget):
+                    len(queue) + sum(map(len, own)) < free and len(running) + len(queue) + cfg.group_size <= budget):
                 index = self._admit_one(version)
                 if index is None:
                     return

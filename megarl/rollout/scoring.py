@@ -83,3 +83,31 @@ def tracking_scorer(score: Callable[[Group], None], tracker) -> Callable[[Group]
         tracker.update(group.prompt_text, [s.reward for s in group.samples])
 
     return scored_and_tracked
+
+
+class RankZeroScores:
+    """A reward pool whose ``score`` runs on rank 0 only and is broadcast to every rank.
+
+    Every rank's controller scores each released group at the same point (lockstep); a reward
+    that times out on one rank and not on another would split the controllers apart (different
+    groups kept, different batches, a hang). One rank scores, all use its numbers."""
+
+    def __init__(self, rewards) -> None:
+        self.rewards = rewards
+
+    def score(self, items: list) -> list[float]:
+        import torch.distributed as dist
+
+        out = [self.rewards.score(items) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
+
+    def __getattr__(self, name: str):
+        return getattr(self.rewards, name)
+
+
+def shared_rewards(rewards):
+    """``rewards`` scored once for all ranks (``RankZeroScores``) when several trainer processes run."""
+    import torch.distributed as dist
+
+    return RankZeroScores(rewards) if dist.is_initialized() and dist.get_world_size() > 1 else rewards

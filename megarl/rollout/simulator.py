@@ -34,6 +34,7 @@ class SimSettings:
     long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard
     buffer_samples: int = 0  # admission budget in unfinished samples (0: every free slot gets a sample)
     max_update_groups: int = 0  # the update-batch bound (0: prompts_per_step)
+    long_round_groups: int = 0  # on-policy: long-queue prompts per long round (0: prompts_per_step)
     max_chunk: int = 32  # decode steps one simulated engine step may advance (engines stay this close in time)
 
 
@@ -71,6 +72,29 @@ def sync_closed_form(lengths: list[int], batch: int, cap: int) -> float:
     return 1.0 - busy / total
 
 
+def on_policy_bubble_floor(at_cap: int, tokens: int, phase_s: float, cap: int, slots: int,
+                           model: StepTimeModel) -> float:
+    """The least bubble any on-policy schedule can have that trains ``at_cap`` samples of ``cap`` tokens and
+    generates ``tokens`` tokens in all, with no phase longer than ``phase_s``, under the ``batch`` step model
+    t(a) = b + c·a per decode step with a active sequences (0 under the ``constant`` model).
+
+    On-policy, an at-cap sample runs its ``cap`` decode steps inside one phase. On an engine that runs one, the
+    idle slot-time per step, (S − a)(b + c·a), is concave in a and 0 at a = S, so it is ≥ b·(S − a); with
+    Σ(b + c·a) ≤ phase_s over those steps, Σa ≤ (phase_s − b·cap)/c, hence idle ≥ cap·(S·b + b²/c) − (b/c)·phase_s.
+    The same Σa bound lets one engine finish at most ⌊(phase_s − b·cap)/(c·cap)⌋ at-cap samples in a phase, so at
+    least ⌈at_cap / that⌉ engine-phases pay that idle. Busy slot-time is ≤ (b + c·S) per generated token.
+    """
+    b, c = model.base, model.per_seq if model.kind == "batch" else 0.0
+    if not at_cap or not c:
+        return 0.0
+    per_engine = math.floor((phase_s - b * cap) / (c * cap))
+    if per_engine < 1:
+        return 1.0  # no phase that short can hold an at-cap sample: infeasible
+    idle = math.ceil(at_cap / per_engine) * max(0.0, cap * (slots * b + b * b / c) - (b / c) * phase_s)
+    busy = tokens * (b + c * slots)
+    return idle / (idle + busy)
+
+
 def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
     g = s.group_size
     if len(lengths) % g:
@@ -96,22 +120,24 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
         rollout_groups=per_step if mode == "sync" else max(per_step, int(round(per_step * s.oversubscription))),
         max_tokens=s.max_tokens, staleness_limit=s.staleness_limit, max_discards=s.max_discards, dispatch=s.dispatch,
         long_rounds=s.long_rounds and mode == "on_policy", buffer_samples=s.buffer_samples,
-        max_update_groups=s.max_update_groups,
+        max_update_groups=s.max_update_groups, long_round_groups=s.long_round_groups,
     )
     model = StepTimeModel(s.step_time_model)
     engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk) for _ in range(s.engines)]
     ctrl = RolloutController(cfg, engines, next_prompt)
-    total, batches, phase_s = PhaseMetrics(), [], []
+    total, batches, phase_s, at_cap = PhaseMetrics(), [], [], 0
     for version in range(steps):
         groups, m = ctrl.run_phase(version)
         total.merge(m)
+        at_cap += sum(x.finish_reason == "length" for g in groups for x in g.samples)
         batches.append(len(groups))
         phase_s.append(m.duration)
         if not groups and ctrl.source_done and not ctrl.live:
             break
     out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
            **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
-    out.update(steps=steps, samples_trained=total.samples_trained, sim_seconds=total.duration,
+    out.update(steps=steps, samples_trained=total.samples_trained, at_cap_samples_trained=at_cap,
+               tokens_generated=total.tokens_generated, sim_seconds=total.duration,
                groups_per_step_mean=sum(batches) / len(batches), groups_per_step_max=max(batches),
                groups_per_step_min=min(batches), phase_s_mean=sum(phase_s) / len(phase_s), phase_s_max=max(phase_s),
                groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s])

@@ -136,3 +136,17 @@ def activate() -> bool:
     _ACTIVE = _CudaToCpuMode()
     _ACTIVE.__enter__()
     return True
+
+
+@contextlib.contextmanager
+def suspended():
+    """The cuda→cpu mode off for a block that asks for no CUDA device: a colocated engine's weight load
+    (vLLM's layerwise reload makes ~10k torch calls; through the mode they cost ~10–15% of a sync)."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    stack = _get_current_function_mode_stack()
+    if _ACTIVE is None or not stack or stack[-1] is not _ACTIVE:
+        yield  # not active, or another mode on top of it: leave the stack alone
+        return
+    with _pop_mode_temporarily():
+        yield

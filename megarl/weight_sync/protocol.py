@@ -69,8 +69,10 @@ def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes."""
     from vllm.config import set_current_vllm_config
 
+    from megarl.trainer import cpu_adapter
+
     worker = engine.worker
-    with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(worker.vllm_config), cpu_adapter.suspended():  # vLLM asks for no CUDA here
         return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, _agree)
 
 
@@ -87,6 +89,14 @@ def _agree(ok: bool) -> bool:
 
 def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> float:
     """Max |engine − trainer| logprob over the sampled tokens of a small seeded probe batch (all ranks call it)."""
+    return max(rank_gaps(engine, trainer, seed, prompts, tokens))
+
+
+def rank_gaps(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> list[float]:
+    """The probe's gap for each rank's engine. Ranks may hold different engines (colocated replicas):
+    every rank's probe is exchanged and the trainer (all ranks together) scores each distinct one."""
+    import torch.distributed as dist
+
     from megarl.algo.batch import build_batch
     from megarl.engines.base import GenerationRequest
 
@@ -95,8 +105,18 @@ def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 
     ids = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
     temp = float(getattr(trainer, "temperature", 1.0))
     outs = engine.generate([GenerationRequest(p, n=1, max_tokens=tokens, temperature=temp) for p in ids], seed=seed)
-    batch = build_batch(ids, [o[0].token_ids for o in outs], [o[0].logprobs for o in outs])
-    return float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max())
+    every = [[(o[0].token_ids, o[0].logprobs) for o in outs]]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, [(o[0].token_ids, o[0].logprobs) for o in outs])
+    gaps: list[float] = []
+    for r, probe in enumerate(every):
+        if probe in every[:r]:  # the same engine (or the same samples): scored once
+            gaps.append(gaps[every.index(probe)])
+            continue
+        batch = build_batch(ids, [t for t, _ in probe], [lp for _, lp in probe])
+        gaps.append(float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max()))
+    return gaps
 
 
 class WeightSyncProtocol:
@@ -127,7 +147,8 @@ class WeightSyncProtocol:
                 metrics.update(engine.load(plan, flat_buckets(stream, plan, weights), version, stream.dtype))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
-                backup = load(engine, stream.weights() if weights is None else weights)
+                # zero_copy: on one rank, tensors that need no re-layout go to the engine as views
+                backup = load(engine, stream.weights(zero_copy=True) if weights is None else weights)
                 self.stages.append(Stage.RESET_CACHE)
                 engine.llm.reset_prefix_cache()
                 self.stages.append(Stage.BUMP)

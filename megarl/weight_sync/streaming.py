@@ -15,7 +15,9 @@ by bucket, layer by layer::
       TP all-gather ─▶ split / cast into bucket ─▶ broadcast ─▶ (hf name, view) … ─▶ engine
 
 Peak extra memory on a rank: the bucket (``sync.bucket_mib``, or one tensor when larger) plus
-the largest gathered tensor — independent of the number of layers. The names and layouts come
+the largest gathered tensor — independent of the number of layers. In one process (nothing to
+broadcast) ``weights(zero_copy=True)`` hands a colocated engine views of the trainer's own
+tensors wherever no gather, cast or re-layout is needed, and packs only the rest (the QKV split). The names and layouts come
 from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
 only move bytes, and the tests hold the result equal to ``export.gather_hf_weights``.
 """
@@ -94,6 +96,7 @@ class StreamingSync:
     _plan: list[Entry] | None = None
     _local: dict[str, _Local] = field(default_factory=dict)
     _leader: dict[str, int] = field(default_factory=dict)
+    _buckets: tuple | None = None  # ((bucket_bytes, dtype), the buckets) as last grouped
     _device: torch.device = torch.device("cpu")  # where the trainer's weights (and so the buckets) live
 
     def plan(self) -> list[Entry]:
@@ -145,7 +148,13 @@ class StreamingSync:
         return plan
 
     def buckets(self) -> list[list[Entry]]:
-        """Consecutive entries of one sender, up to ``bucket_bytes`` (a larger tensor alone)."""
+        """Consecutive entries of one sender, up to ``bucket_bytes`` (a larger tensor alone); computed once."""
+        key = (self.bucket_bytes, self.dtype)
+        if self._buckets is None or self._buckets[0] != key:
+            self._buckets = (key, self._group())
+        return self._buckets[1]
+
+    def _group(self) -> list[list[Entry]]:
         size = torch.empty((), dtype=self.dtype).element_size()
         out: list[list[Entry]] = []
         used = 0
@@ -159,30 +168,53 @@ class StreamingSync:
         return out
 
     @torch.no_grad()
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF (name, tensor) pairs of the whole model, streamed bucket by bucket; fills ``stats``."""
+    def weights(self, zero_copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF (name, tensor) pairs of the whole model, streamed bucket by bucket; fills ``stats``.
+
+        ``zero_copy`` (one process, nothing to broadcast): a tensor that needs no gather, cast or
+        re-layout is handed over as a view of the trainer's own parameter instead of a copy in the
+        bucket; only the rest (e.g. the QKV split) is packed. For a consumer that copies what it is
+        given before the trainer changes it (a colocated engine's load), not for one that wants
+        flat buckets (``engines.replicas.flat_buckets``)."""
         start, self.stats = time.perf_counter(), SyncStats()
+        size = torch.empty((), dtype=self.dtype).element_size()
+        direct = zero_copy and self.ps.world_size == 1
         for bucket_entries in self.buckets():
-            total = sum(e.numel for e in bucket_entries)
-            bucket = torch.empty(total, dtype=self.dtype, device=self._device)
+            views = {e.name: v for e in bucket_entries if (v := self._views(e) if direct else None) is not None}
+            packed = [e for e in bucket_entries if e.name not in views]
+            bucket = torch.empty(sum(e.numel for e in packed), dtype=self.dtype, device=self._device)
             source = bucket_entries[0].source
             offset = 0
-            for e in bucket_entries:
+            for e in packed:
                 extra = self._fill(e, bucket[offset:offset + e.numel]) if e.name in self._local else 0
                 self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, bucket.nbytes + extra)
                 offset += e.numel
             if self.ps.world_size > 1:
                 dist.broadcast(bucket, src=source)
-            self.stats.bytes += bucket.nbytes
+            self.stats.bytes += sum(e.numel for e in bucket_entries) * size
             self.stats.buckets += 1
             offset = 0
             for e in bucket_entries:
+                if e.name in views:
+                    yield from views[e.name]
+                    continue
                 for name, shape in e.hf:
                     n = math.prod(shape)
                     yield name, bucket[offset:offset + n].view(shape)
                     offset += n
-            del bucket
+            del bucket, views
         self.stats.seconds = time.perf_counter() - start
+
+    def _views(self, e: Entry) -> list[tuple[str, torch.Tensor]] | None:
+        """``e``'s HF pieces as views of the local parameter, when they lie in it one after another as
+        they are (one piece, or gate/up of an unsplit ``linear_fc1``) and it is in the engine's dtype."""
+        loc = self._local.get(e.name)
+        if loc is None or loc.dim is not None or loc.param.dtype != self.dtype or not loc.param.is_contiguous():
+            return None
+        if len(e.hf) != 1 and not (e.name.endswith("linear_fc1.weight") and len(e.hf) == 2):
+            return None
+        flat = loc.param.detach().view(-1)
+        return [(name, flat[o:o + math.prod(s)].view(s)) for o, (name, s) in zip(_offsets(e.hf), e.hf)]
 
     def _fill(self, e: Entry, out: torch.Tensor) -> int:
         """Write entry ``e``'s HF pieces into ``out`` (on its TP group; only the sender's copy is sent).

@@ -1,0 +1,138 @@
+"""``engine.placement: colocated`` with ``engine.tensor_parallel_size`` < the world: world/TP engine
+replicas inside the trainer's processes, driven as one slot engine so that every rank's controller
+stays in lockstep.
+
+::
+
+    rank      0     1     2     3        world 4, engine TP 2: replica k = ranks [k·TP, (k+1)·TP)
+    replica   0     0     1     1        (vLLM's external_launcher builds the same TP groups)
+
+    controller (the same on every rank)
+      submit(request) ──► the least-loaded replica (lowest index on ties); only its ranks add it
+      step()          ──► every replica with work steps its own engine ─► its events
+                          ─► all_gather_object over the world ─► one copy per replica (its first
+                          rank), in replica order ─► the same StepReport on every rank
+
+Each rank's engine holds the full weights its TP shard needs (the streaming sync feeds every
+rank). Every event carries its replica's weight version. Replicas sample from streams of their
+own (derived from the loop's per-step seed and the replica index), so two samples of one prompt
+that run on two replicas are not the same sample twice. An engine error on any replica is raised
+on every rank after the exchange, so every rank's keeper handles it at the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.engine_api import SlotRequest, StepReport
+
+_SEED_STRIDE = 1_000_003
+
+
+class ColocatedReplicas:
+    """``SlotEngine`` over world/TP colocated replicas (``local``: this rank's ``VLLMSlotEngine``)."""
+
+    def __init__(self, local, tensor_parallel_size: int, rank: int | None = None, world: int | None = None) -> None:
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
+        if tensor_parallel_size < 1 or self.world % tensor_parallel_size:
+            raise ValueError(f"engine TP {tensor_parallel_size} must divide the world size {self.world}")
+        self.local, self.tp = local, tensor_parallel_size
+        self.replicas, self.replica = self.world // tensor_parallel_size, self.rank // tensor_parallel_size
+        self.slots = local.slots * self.replicas
+        self.owner: dict[str, int] = {}  # request id → replica serving it
+        self.load = [0] * self.replicas  # requests in flight per replica (the same on every rank)
+        self.submitted = [0] * self.replicas  # requests each replica was given over the run
+        self._seed: int | None = None  # the loop's seed the replica stream was derived from
+        self._rng: torch.Tensor | None = None  # this replica's sampling RNG state
+
+    @property
+    def engine(self):
+        return self.local.engine
+
+    def submit(self, request: SlotRequest) -> None:
+        k = min(range(self.replicas), key=lambda r: (self.load[r], r))
+        self.owner[request.request_id] = k
+        self.load[k] += 1
+        self.submitted[k] += 1
+        if k == self.replica:
+            self.local.submit(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        mine = [r for r in request_ids if self.owner.get(r) == self.replica]
+        if mine:
+            self.local.abort(mine)
+        for r in request_ids:
+            k = self.owner.pop(r, None)
+            if k is not None:
+                self.load[k] -= 1
+
+    def num_active(self) -> int:
+        return sum(self.load)
+
+    def reset(self) -> None:
+        """Forget every request (the engines were restarted)."""
+        self.local.reset()
+        self.owner.clear()
+        self.load = [0] * self.replicas
+
+    def step(self) -> StepReport:
+        mine, error = StepReport([], 0.0, 0), ""
+        if self.load[self.replica]:
+            try:
+                mine = self._step_local()
+            except Exception as exc:  # noqa: BLE001  (raised on every rank below, after the exchange)
+                error = f"replica {self.replica} (rank {self.rank}): {type(exc).__name__}: {exc}"
+        every = [None] * self.world
+        dist.all_gather_object(every, (mine.events, mine.elapsed, mine.active, error))
+        errors = [e for *_, e in every if e]
+        if errors:
+            raise RuntimeError("colocated engine step failed: " + "; ".join(errors))
+        events, elapsed, active = [], 0.0, 0
+        for k in range(self.replicas):
+            evs, el, act, _ = every[k * self.tp]  # one copy per replica: its first rank's
+            events += evs
+            elapsed, active = max(elapsed, el), active + act
+            for ev in evs:
+                if ev.finished and self.owner.pop(ev.request_id, None) is not None:
+                    self.load[k] -= 1
+        return StepReport(events, elapsed, active)
+
+    def generate(self, requests: list, seed: int) -> list:
+        """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its
+        engine, the results are exchanged, and every rank returns all of them in request order."""
+        share = requests[self.replica::self.replicas]
+        mine = self.engine.generate(share, seed=seed) if share else []
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        out = [None] * len(requests)
+        for k in range(self.replicas):
+            out[k::self.replicas] = every[k * self.tp]
+        return out
+
+    def _step_local(self) -> StepReport:
+        """One step of this rank's engine, sampling from this replica's own RNG stream."""
+        seed = torch.initial_seed()
+        if seed != self._seed or self._rng is None:  # the loop reseeded (every rank alike): derive anew
+            self._seed = seed
+            self._rng = torch.Generator().manual_seed((seed * _SEED_STRIDE + self.replica) % 2**63).get_state()
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self._rng)
+        try:
+            return self.local.step()
+        finally:
+            self._rng = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def colocated_slot_engine(engine, slots: int, tensor_parallel_size: int):
+    """The controller's engine face: the plain slot engine (one engine spans the world, or world 1),
+    or ``ColocatedReplicas`` when engine TP is smaller than the world."""
+    from megarl.engines.vllm_engine import VLLMSlotEngine
+
+    local = VLLMSlotEngine(engine, slots)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tensor_parallel_size >= world:
+        return local
+    return ColocatedReplicas(local, tensor_parallel_size)
