@@ -29,6 +29,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from check_helpers import record_drawn  # noqa: E402  (tests/ on the path first)
+
 
 def digest(rows) -> str:
     return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
@@ -75,15 +77,7 @@ def main(run_dir: str, *overrides: str) -> None:
         return report
 
     local.submit, local.step = recorded_submit, recorded_step
-    drawn, source = set(), s.controller.next_prompt
-
-    def counted():
-        item = source()
-        if item is not None:
-            drawn.add(item.index)
-        return item
-
-    s.controller.next_prompt = counted
+    drawn = record_drawn(s.controller)
     released_digests, run_phase = [], s.controller.run_phase
 
     def recorded_phase(version):

@@ -16,6 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from check_helpers import record_drawn  # noqa: E402  (tests/ on the path first)
+
 
 def main(run_dir: str, *overrides: str) -> None:
     import torch
@@ -45,16 +47,7 @@ def main(run_dir: str, *overrides: str) -> None:
                 return report
 
             client.step = recorded
-        drawn = set()
-        source = s.controller.next_prompt
-
-        def counted():
-            item = source()
-            if item is not None:
-                drawn.add(item.index)
-            return item
-
-        s.controller.next_prompt = counted
+        drawn = record_drawn(s.controller)
         versions, gaps, released = [], [], set()
         for step in range(cfg.train.steps):
             phase_of["step"] = step
