@@ -179,8 +179,7 @@ def main() -> None:
 def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args) -> None:
     """In memory vs via disk (reload in place / fresh engine), interleaved, each checked on a probe."""
     from megarl.checkpoint.hf_export import export_hf
-    from megarl.engines.vllm_engine import _repack_tied_head
-    from megarl.engines.weight_update import repack_moe
+    from megarl.engines.weight_update import repack_after_reload
     from megarl.trainer import cpu_adapter
     from megarl.weight_sync.protocol import WeightSyncProtocol
 
@@ -207,8 +206,7 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
         worker = engine.worker
         with cpu_adapter.suspended():
             worker.reload_weights(weights_path=str(ckpt), is_checkpoint_format=True)
-            repack_moe(worker.model_runner.get_model())
-            _repack_tied_head(worker.model_runner.get_model())
+            repack_after_reload(worker.model_runner.get_model())
             engine.llm.reset_prefix_cache()
 
     def fresh_engine():

