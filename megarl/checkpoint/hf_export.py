@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.hf_files import ShardedWriter, copy_aux_files
-from megarl.models.hf_config import num_experts
+from megarl.models.hf_config import DTYPE_NAMES, num_experts, torch_dtype
 from megarl.weight_sync.streaming import StreamingSync
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def export_dtype(hf_cfg: dict) -> torch.dtype:
     """The dtype the HF model was published in (float32 when the config does not say)."""
-    return _DTYPES.get(str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32"), torch.float32)
+    name = str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32")
+    return torch_dtype(name) if name in DTYPE_NAMES else torch.float32
 
 
 def export_hf(trainer, model_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,

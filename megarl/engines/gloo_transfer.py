@@ -37,9 +37,9 @@ from datetime import timedelta
 import torch
 
 from megarl.engines.weight_update import repack_after_reload, restore, snapshot
+from megarl.models.hf_config import torch_dtype
 
 BACKEND = "megarl_gloo"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def listen(host: str = "127.0.0.1") -> socket.socket:
@@ -171,7 +171,7 @@ def _register() -> None:
             sources = update_info.sources or [0] * len(plan)
             self.failure = ""
             try:
-                receive(self.groups, plan, sources, _DTYPES[update_info.dtype], self.device, load)
+                receive(self.groups, plan, sources, torch_dtype(update_info.dtype), self.device, load)
             except Exception as exc:  # noqa: BLE001  (kept for ``outcome``; the replica restores every worker)
                 self.failure = f"{type(exc).__name__}: {exc}"
 
@@ -209,7 +209,7 @@ class GlooWorkerExtension:
     def megarl_recv_raw(self, plan: list, sources: list[int], dtype: str = "float32") -> int:
         """Receive buckets in our wire format and drop them (the bench's transport baseline); bytes received."""
         engine = self.weight_transfer_engine
-        return receive(engine.groups, plan, sources, _DTYPES[dtype], engine.device, lambda i, views: None)
+        return receive(engine.groups, plan, sources, torch_dtype(dtype), engine.device, lambda i, views: None)
 
     def megarl_update_outcome(self) -> str:
         return self.weight_transfer_engine.outcome()

@@ -12,6 +12,19 @@ from pathlib import Path
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "mixtral")
 
 
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+"""The weight dtypes megarl exports and syncs, by the names HF configs and the sync's messages use."""
+
+
+def torch_dtype(name: str):
+    """The torch dtype named ``name``, one of ``DTYPE_NAMES`` (KeyError naming the valid ones otherwise)."""
+    if name not in DTYPE_NAMES:
+        raise KeyError(f"weight dtype {name!r}: valid {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    return getattr(torch, name)
+
+
 def read_hf_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
