@@ -3,7 +3,9 @@
 A sync whose stream breaks after half of its buckets leaves the engine serving exactly the old
 weights (same greedy tokens, logprobs equal bit for bit, version unchanged); a full sync then
 runs the stages in order and the audit finds engine ≈ trainer, and a skipped sync is caught. A
-model with a tied LM head gets the trainer's logprobs after a protocol sync too.
+model with a tied LM head gets the trainer's logprobs after a protocol sync too. With
+``sync.rollback=resync`` a sync takes no backup (peak extra RSS far below ``copy``'s), a broken
+stream leaves the engine refusing to generate, and the next full sync repairs it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 
 def run_protocol(tmp_path, family: str) -> dict:
     model = make_tiny_model(tmp_path / family, TinyShape(family=family), seed=3)
-    return run_script(["tests/protocol_checks.py", str(model)], env={"OMP_NUM_THREADS": "1"})
+    # every large buffer its own mapping, so that RSS sees the rollback copy come and go
+    return run_script(["tests/protocol_checks.py", str(model)], env={"OMP_NUM_THREADS": "1",
+                                                                    "MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def check(r: dict) -> None:
@@ -30,6 +34,20 @@ def check(r: dict) -> None:
     assert r["ok"]["sync/logprob_gap"] <= 1e-4 and r["gap_synced"] <= 1e-4
     assert r["gap_skipped"] > 1e-2  # the audit catches an engine that did not get the step's weights
     assert 0 < r["ok"]["sync/backup_mib"] < 64  # the rollback copy: weights only, never the KV cache
+    check_resync(r)
+
+
+def check_resync(r: dict) -> None:
+    """sync.rollback=resync: no backup; a failed load → the engine serves nothing; the next sync repairs it."""
+    assert r["backup_copy_mib"] > 0 and r["backup_resync_mib"] == 0.0
+    # copy mode holds the old weights (copies + vLLM's old packed weights) for the whole load; resync does not
+    assert min(r["peaks_copy"]) - max(r["peaks_resync"]) >= 0.5 * r["model_bytes"], r
+    assert r["resync_failed"]["engine/version"] == -1.0 and r["resync_failed"]["sync/failures"] == 1.0
+    assert "engine unusable until re-synced" in r["resync_log"][0] and "sync.rollback=resync" in r["resync_log"][0]
+    assert len(r["refused"]) == 3 and all("refuses to generate" in why and "sync.rollback=resync" in why
+                                          for why in r["refused"])  # generate, submit, step: never a mix served
+    assert r["resync_repaired"]["engine/version"] == 4.0 and r["resync_repaired"]["sync/backup_mib"] == 0.0
+    assert r["resync_gap"] <= 1e-4
 
 
 def test_interrupted_sync_leaves_old_weights_moe(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.engines.weight_update import refuse_if_unusable
 from megarl.rollout.engine_api import SlotRequest, StepReport
 
 _SEED_STRIDE = 1_000_003
@@ -53,6 +54,7 @@ class ColocatedReplicas:
         return self.local.engine
 
     def submit(self, request: SlotRequest) -> None:
+        refuse_if_unusable(self.engine)  # every rank alike (a failed load marks every rank's engine)
         k = min(range(self.replicas), key=lambda r: (self.load[r], r))
         self.owner[request.request_id] = k
         self.load[k] += 1
@@ -103,6 +105,7 @@ class ColocatedReplicas:
     def generate(self, requests: list, seed: int) -> list:
         """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its
         engine, the results are exchanged, and every rank returns all of them in request order."""
+        refuse_if_unusable(self.engine)
         share = requests[self.replica::self.replicas]
         mine = self.engine.generate(share, seed=seed) if share else []
         every = [None] * self.world

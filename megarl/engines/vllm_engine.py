@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.faults import injected, kill_point
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
-from megarl.engines.weight_update import repack_after_reload
+from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -44,6 +44,8 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
 
 class VLLMEngine:
     """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
+
+    unusable = ""  # why generation is refused ('' while usable): a load failed with no backup (sync.rollback=resync)
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
@@ -85,6 +87,8 @@ class VLLMEngine:
             self.llm = None
             gc.collect()
             self.llm = self._start()
+            if self.unusable:  # a fresh engine serves the model's own files (version 0) until the caller syncs
+                self.unusable, self.weight_version = "", 0
             return
         problem = ""
         try:
@@ -123,6 +127,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        refuse_if_unusable(self)
         torch.manual_seed(seed)  # same RNG state on every rank (see module docstring)
         prompts, params = [], []
         for r in requests:
@@ -197,6 +202,7 @@ class VLLMSlotEngine(TrackedRequests):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        refuse_if_unusable(self.engine)
         max_tokens, ignore_eos = request.max_tokens, False
         if self.length_of is not None:
             max_tokens = min(max_tokens, self.length_of(request.key) - request.generated)
@@ -214,6 +220,7 @@ class VLLMSlotEngine(TrackedRequests):
 
     def step(self) -> StepReport:
         kill_point("engine_step")
+        refuse_if_unusable(self.engine)
         if injected("engine_error", nth=3):
             raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
         active = len(self._active)
