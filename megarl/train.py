@@ -24,6 +24,7 @@ from megarl.checkpoint.hf_export import export_policy
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.engines.memory import handover
+from megarl.engines.weight_update import is_unusable
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
 from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
@@ -36,6 +37,10 @@ CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubb
 
 
 def evaluate(s: Session) -> float:
+    if is_unusable(s.engine):  # a failed sync.rollback=resync load; the next phase restarts and re-syncs it
+        if s.is_main:
+            print("eval skipped: the engine serves no version until it is re-synced (sync.rollback=resync)", flush=True)
+        return float("nan")
     prompts, max_tokens = s.eval_prompts, s.cfg.rollout.max_new_tokens
     return evaluate_prompts(s.generator, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
 

@@ -107,3 +107,56 @@ def test_protocol_sync_of_a_tied_lm_head_gives_the_trainers_logprobs(tmp_path):
     r = run_script(["tests/protocol_checks.py", "tied", str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
     assert r["tied"] and r["gap_stale"] > 1e-2  # the trainer moved; the engine had not yet
     assert r["metrics"]["engine/version"] == 1.0 and r["gap_after"] <= 1e-4  # was ~0.07 with a stale packed head
+
+
+def test_sync_rollback_is_checked_before_launch(tmp_path, capsys):
+    """A bad sync.rollback is refused by validation and by `megarl plan`, naming the key and the valid values."""
+    import json
+
+    from megarl.config import ConfigError
+    from megarl.config.loader import load_config, validate
+    from megarl.launch.plan import main as plan_main
+    from megarl.models.tiny import hf_config
+
+    assert load_config(None, []).sync.rollback == "copy"  # the default: today's all-or-nothing copy
+    validate(load_config(None, ["sync.rollback=resync"]), 1)
+    with pytest.raises(ConfigError, match=r"sync.rollback must be 'copy' .* or 'resync' .*got 'none'"):
+        validate(load_config(None, ["sync.rollback=none"]), 1)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)))
+    rc = plan_main(["--model", str(tmp_path / "config.json"), "--nodes", "1", "--gpus-per-node", "2",
+                    "sync.rollback=nothing"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "sync.rollback must be 'copy'" in err and "'resync'" in err, err
+
+
+@pytest.mark.slow
+def test_a_failed_resync_mode_sync_is_repaired_by_the_keeper_in_a_training_run(tmp_path):
+    """`megarl train` with sync.rollback=resync and step 1's sync broken half-way: the engine serves nothing
+    (engine/version -1), step 2's phase is refused, the keeper restarts the engine and re-syncs, the run ends."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=2",
+           "train.steps=3", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", "data.eval_size=8", "rollout.prompts_per_step=4",
+           "rollout.samples_per_prompt=4", "engine.slots=32", "engine.kv_cache_gib=0.25", "sync.check_every=1",
+           "sync.rollback=resync"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "sync_error@1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "engine unusable until re-synced" in proc.stdout
+    assert "EngineUnusable" in proc.stdout and "restart 1/" in proc.stdout, proc.stdout[-3000:]
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+
+    def values(tag):
+        return [e.value for e in acc.Scalars(tag)]
+
+    assert values("engine/version") == [-1.0, 2.0, 3.0]  # step 1's engine served nothing until re-synced
+    assert values("sync/backup_mib") == [0.0, 0.0]  # (logged by the successful syncs) no backup copy
+    assert values("faults/engine_restarts")[-1] == 1.0
+    assert max(values("sync/logprob_gap")) <= 1e-4  # after the repair the engine serves the trainer's weights
