@@ -325,8 +325,8 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     rmetrics: dict[str, float] = {}
     no_backup = peak_added(lambda: rmetrics.update(resync.run(3)))
     model = trainer.nbytes
-    print(f"memory sync.rollback, engine side ({model / 2**20:.0f} MiB model): copy (all or nothing) {into / 2**20:.1f} "
-          f"MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB + vLLM's old packed "
+    print(f"memory sync.rollback, engine side ({model / 2**20:.0f} MiB model): copy (all or nothing) "
+          f"{into / 2**20:.1f} MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB + vLLM's old packed "
           f"weights held) vs resync (no backup) {no_backup / 2**20:.1f} MiB = {no_backup / model:.3f} (backup "
           f"{rmetrics['sync/backup_mib']:.1f} MiB)", flush=True)
     print(f"memory with the engine loading ({model / 2**20:.0f} MiB model): the loop's sync {into / 2**20:.1f} MiB = "
