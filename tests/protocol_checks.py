@@ -13,7 +13,7 @@
 4. ``sync.rollback=resync``: a full sync's peak extra RSS against one with the backup copy
    (``copy``), then a broken stream: no backup, the engine refuses to generate (batch and slot
    face), and the next full sync makes it serve the trainer's weights again.
-Run with ``MALLOC_MMAP_THRESHOLD_=65536`` for the RSS figures (see ``engines.memory.peak_rss_added``).
+Run with ``MALLOC_MMAP_THRESHOLD_=4096`` for the RSS figures (see ``engines.memory.peak_rss_added``).
 Prints one JSON line.
 """
 

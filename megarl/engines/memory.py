@@ -27,8 +27,9 @@ def on_gpu() -> bool:
 def peak_rss_added(fn) -> int:
     """Bytes of peak RSS while ``fn`` runs, above the RSS before it (Linux: ``clear_refs`` 5 resets the peak).
 
-    Run under ``MALLOC_MMAP_THRESHOLD_=65536`` so that every large buffer is its own mapping and
-    RSS sees it come and go (glibc's heap would keep freed memory and hide new buffers)."""
+    Run under a small ``MALLOC_MMAP_THRESHOLD_`` (65536; 4096 for a tiny model's small tensors) so that
+    every buffer above it is its own mapping and RSS sees it come and go (glibc's heap would keep freed
+    memory and hide new buffers)."""
     import re
     from pathlib import Path
 
