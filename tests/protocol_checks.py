@@ -148,6 +148,7 @@ def ranks(model_dir: str) -> None:
 
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
+    from megarl.engines.weight_update import EngineUnusable
     from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
     from megarl.weight_sync.streaming import streaming_sync
 
@@ -168,7 +169,20 @@ def ranks(model_dir: str) -> None:
     after = probe(engine, cfg["vocab_size"])
     ok = proto.run(1)
     gap = logprob_gap(engine, trainer, seed=3)
-    r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap}
+    # sync.rollback=resync: the same failure marks every rank's engine unusable (rank 0 loaded all of it, but
+    # its TP peer holds a mix); the next sync repairs both
+    proto.rollback = "resync"
+    stream = streaming_sync(trainer, engine, 1 / 16)
+    resync_failed = proto.run(2, weights=fails_at_the_end_on_rank_1())
+    try:
+        probe(engine, cfg["vocab_size"])
+        refused = ""
+    except EngineUnusable as exc:
+        refused = str(exc)
+    resync_ok = proto.run(2)
+    r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap,
+         "resync_failed": resync_failed, "refused": refused, "resync_ok": resync_ok,
+         "resync_gap": logprob_gap(engine, trainer, seed=4)}
     every = [None] * world
     dist.all_gather_object(every, r)
     if rank == 0:

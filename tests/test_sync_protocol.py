@@ -102,6 +102,9 @@ def test_a_load_failing_on_one_engine_rank_restores_every_rank(tmp_path):
         assert r["ok"]["engine/version"] == 1.0 and r["gap"] <= 1e-4, rank
     assert "another engine rank failed" in out["ranks"][0]["log"][0]
     assert "injected: rank 1" in out["ranks"][1]["log"][0]
+    for r in out["ranks"]:  # sync.rollback=resync: both ranks serve nothing, then the next sync repairs both
+        assert r["resync_failed"]["engine/version"] == -1.0 and "sync.rollback=resync" in r["refused"]
+        assert r["resync_ok"]["engine/version"] == 2.0 and r["resync_gap"] <= 1e-4
 
 
 def test_protocol_sync_of_a_tied_lm_head_gives_the_trainers_logprobs(tmp_path):
