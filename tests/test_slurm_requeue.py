@@ -4,6 +4,7 @@ The script's own functions, sourced by bash; the real requeue on a two-node Slur
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +65,20 @@ def test_megarl_train_status_and_exit_file(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # only rank 0 writes
     os.remove(path)
     assert _exit_status({"error": True, "requeue": True}) == EXIT_REQUEUE and not path.exists()
+
+
+@pytest.mark.slow
+def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
+    """One process, engine.max_restarts=0: the injected engine error in step 1 stops the run with a checkpoint."""
+    exit_file = tmp_path / "logs" / "1.0.exit"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
+           "train.steps=2", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+           "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+           "engine.slots=4", "engine.kv_cache_gib=0.0625", "engine.max_restarts=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEGARL_TEST_FAULT": "engine_error@1",
+                               "MEGARL_EXIT_FILE": str(exit_file)})
+    assert proc.returncode == EXIT_REQUEUE, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "engine failed 1 times in a row (engine.max_restarts=0)" in proc.stderr
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir()
