@@ -220,12 +220,25 @@ class VLLMSlotEngine(TrackedRequests):
 
     def step(self) -> StepReport:
         kill_point("engine_step")
-        refuse_if_unusable(self.engine)
-        if injected("engine_error", nth=3):
-            raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
+        refuse_if_unusable(self.engine)  # every rank alike: a failed load marks every rank's engine
+        problem = ""
+        try:
+            if injected("engine_error", nth=3):
+                raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
+            if injected("engine_error_one_rank", nth=3) and dist.is_initialized() and dist.get_rank() == 0:
+                raise RuntimeError("engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)")
+        except RuntimeError as exc:
+            problem = str(exc)
+        self._agree(problem, "before vLLM's step")
         active = len(self._active)
         start = time.perf_counter()
-        outputs = self.engine.llm.llm_engine.step()
+        try:
+            outputs = self.engine.llm.llm_engine.step()
+        except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
+            if self._tp_group() is None:
+                raise
+            problem, outputs = f"{type(exc).__name__}: {exc}", []
+        self._agree(problem, "in vLLM's step")
         elapsed = time.perf_counter() - start
         events = []
         for out in outputs:
@@ -239,3 +252,32 @@ class VLLMSlotEngine(TrackedRequests):
                 self._active.discard(out.request_id)
             events.append(ev)
         return StepReport(events, elapsed, active)
+
+    def _agree(self, problem: str, where: str) -> None:
+        """Raise ``problem`` (this rank's error, '' for none) on every rank of this engine when any has one.
+
+        At engine TP > 1 every rank of the engine runs vLLM's step, whose TP collectives on CPU are vLLM's
+        shared-memory all-reduce: its barrier spins without a timeout (csrc/cpu/shm.cpp, ``wait_for_all``), so
+        a rank that raised alone would leave its peers spinning there forever. One flag all-reduce over the
+        engine's TP group (gloo) before the step and one after make such an error every rank's, raised at the
+        same point: the keeper then recovers the engine on every rank. An error raised by one rank between
+        vLLM's own collectives (inside the forward) cannot be caught here: see the README (faults)."""
+        group = self._tp_group()
+        if group is None:
+            if problem:
+                raise RuntimeError(problem)
+            return
+        flag = torch.tensor([1.0 if problem else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
+            raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")
+
+    def _tp_group(self):
+        """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
+        if self.engine._args["tensor_parallel_size"] <= 1 or not dist.is_initialized():
+            return None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().cpu_group

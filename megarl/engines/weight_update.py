@@ -51,11 +51,6 @@ def mark_unusable(engine, why: str) -> None:
     engine.weight_version, engine.unusable = UNUSABLE, why
 
 
-def is_unusable(engine) -> bool:
-    """The engine (or, for replicas, one of them) serves no version: a load failed with no backup."""
-    return bool(getattr(engine, "unusable", "")) or getattr(engine, "weight_version", 0) == UNUSABLE
-
-
 def refuse_if_unusable(engine) -> None:
     """Raise ``EngineUnusable`` when the engine's last load failed with no backup."""
     why = getattr(engine, "unusable", "")
