@@ -7,10 +7,18 @@
   (``tests/cluster_checks.py``): each pipeline stage sends its own layers, the replicas' logprobs
   equal the trainer's after every sync; a replica SIGKILLed mid-broadcast fails the sync without
   a hang, and the keeper restarts the replicas at the next phase.
+- Two trainer processes at TP=2 (dense), PP=2×VPP=2 (a transformers-written model with a tied LM head),
+  EP=2 (Qwen3-MoE with two replicas, Mixtral) and DP=2 (dense) → disaggregated replicas
+  (``cluster_checks.py layout``): after a warm-up and three RL steps every replica's logprobs equal the
+  trainer's (fp32, ≤ 1e-4; each sync had work to do), and the senders are exactly the ranks that own the
+  buckets: each rank sent the bytes of its own layers / experts, wrote only those, and TP-gathered only
+  its own tensors (at TP=2 both ranks gather per tensor and only the TP leader sends).
 - ``sync.transport: nccl``: refused without CUDA, before anything starts; over NCCL on a GPU.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -122,3 +130,60 @@ def test_megarl_train_two_trainer_processes_two_replicas_end_to_end(tmp_path):
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
+
+
+# layout id → (trainer layout, engine replicas, cluster_checks.py overrides); tiny models of 4 layers, 4 experts
+LAYOUTS = {
+    "tp2_dense": (dict(tp=2), 1, ("parallel.tp=2", "model.make_tiny=qwen2")),
+    "pp2_vpp2_tied": (dict(pp=2, vpp=2), 1, ("parallel.pp=2", "parallel.vpp=2", "hf=qwen3_tied")),
+    "ep2_qwen3_moe": (dict(ep=2), 2, ("parallel.ep=2", "engine.replicas=2")),
+    "ep2_mixtral": (dict(ep=2), 1, ("parallel.ep=2", "model.make_tiny=mixtral")),
+    "dp2_dense": (dict(), 1, ("model.make_tiny=qwen2",)),
+}
+
+
+def owner(name: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, layers: int = 4, experts: int = 4) -> int:
+    """The trainer rank (of 2) that holds a Megatron tensor's layer or expert and must send it: the pipeline
+    stage of its (virtual) chunk, the expert rank of its expert, else rank 0 (TP leader, first DP replica)."""
+    layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if layer is None:
+        return pp - 1 if name.startswith(("decoder.final_layernorm.", "output_layer.")) else 0
+    expert = re.search(r"\.experts\.local_experts\.(\d+)\.", name)
+    if expert is not None and ep > 1:
+        return int(expert.group(1)) // (experts // ep)
+    return int(layer.group(1)) // (layers // (pp * vpp)) % pp
+
+
+def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
+    steps, plan = r["steps"], r["plan"]
+    assert [m["engine/version"] for m in steps] == [1.0, 2.0, 3.0] and r["versions"] == [3] * replicas
+    assert min(m["loss/grad_norm"] for m in steps) > 0 and min(r["stale"]) > 1e-3  # every sync had work to do
+    assert max(m["sync/logprob_gap"] for m in steps) <= 1e-4  # the audit after every sync
+    assert len(r["gaps"]) == replicas and max(r["gaps"]) <= 1e-4  # and each replica at the end
+    for name, source, _ in plan:
+        assert source == owner(name, **layout), name
+    own = [sorted(n for n, s, _ in plan if s == k) for k in range(2)]
+    expected = [sum(b for _, s, b in plan if s == k) for k in range(2)]
+    assert sum(expected) == steps[-1]["sync/bytes"] == steps[-1]["sync/sent_bytes"]
+    for k, x in enumerate(r["ranks"]):
+        assert x["senders"] == [j for j in range(2) if expected[j]], k  # exactly the ranks that own buckets
+        assert x["sent_by_rank"] == expected, k  # each sent the bytes of its own buckets, nothing else
+        assert x["wrote"] == own[k] and set(x["wrote"]) <= set(x["local"]), k  # nobody packs what it does not own
+        if layout.get("tp", 1) == 1:
+            assert x["gathered"] == [], k  # no TP: no gather at all
+        else:  # the per-tensor TP gather: both ranks of the TP group take part, only the leader sends
+            assert x["gathered"] == r["ranks"][0]["gathered"] and set(x["gathered"]) <= set(own[0]), k
+            assert any(x["gathered"]), k
+    assert r["tied"] == tied
+    if tied:  # the head is the embedding: not sent again, though the last stage holds a copy
+        assert not any(n.startswith("output_layer.") for n, _, _ in plan)
+        assert "output_layer.weight" in r["ranks"][layout.get("pp", 1) - 1]["local"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, name):
+    layout, replicas, overrides = LAYOUTS[name]
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/cluster_checks.py",
+                    "layout", str(tmp_path), *overrides], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    check_layout(r, layout, replicas, tied="tied" in name)
