@@ -162,7 +162,8 @@ def layout(run_dir: str, *overrides: str) -> None:
         "sync.timeout_s=300", "algo.entropy_coef=0.01", *(["model.make_tiny="] if hf else []), *overrides])
     s = build_session(cfg)
     rank, steps_n = dist.get_rank(), 3
-    wrote, gathered = set(), set()  # the plan entries this rank filled into a bucket of its own / TP-gathered
+    # the plan entries this rank filled into a bucket of its own / TP-gathered onto itself / gave its TP shard of
+    wrote, gathered, gave = set(), set(), set()
     plain_fill = streaming.StreamingSync._fill
 
     def recorded_fill(sync, e, out):
@@ -171,6 +172,8 @@ def layout(run_dir: str, *overrides: str) -> None:
             gathered.add(e.name)
         if out.numel():
             wrote.add(e.name)
+        if sync._local[e.name].dim is not None and sync._leader[e.name] == e.source != rank:
+            gave.add(e.name)
         return extra
 
     streaming.StreamingSync._fill = recorded_fill
@@ -191,7 +194,8 @@ def layout(run_dir: str, *overrides: str) -> None:
         gaps = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(cfg.engine.replicas)]
         sync = streaming.streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
         mine = {"senders": s.engine.senders, "sent_by_rank": s.engine.sent_by_rank, "wrote": sorted(wrote),
-                "gathered": sorted(gathered), "local": sorted(sync._local)}
+                "gathered": sorted(gathered), "gave": sorted(gave), "local": sorted(sync._local),
+                "peak_extra": sync.stats.peak_extra_bytes}
         ranks = cluster.gather(mine)
         if rank == 0:
             plan = [(e.name, e.source, e.numel * sync.dtype.itemsize) for e in sync.plan()]

@@ -169,11 +169,14 @@ def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
         assert x["senders"] == [j for j in range(2) if expected[j]], k  # exactly the ranks that own buckets
         assert x["sent_by_rank"] == expected, k  # each sent the bytes of its own buckets, nothing else
         assert x["wrote"] == own[k] and set(x["wrote"]) <= set(x["local"]), k  # nobody packs what it does not own
-        if layout.get("tp", 1) == 1:
-            assert x["gathered"] == [], k  # no TP: no gather at all
-        else:  # the per-tensor TP gather: both ranks of the TP group take part, only the leader sends
-            assert x["gathered"] == r["ranks"][0]["gathered"] and set(x["gathered"]) <= set(own[0]), k
-            assert any(x["gathered"]), k
+        assert set(x["gathered"]) <= set(own[k]), k  # nor gathers it
+        if not expected[k]:
+            assert x["peak_extra"] == 0, k  # a rank that sends nothing holds no bucket and no gathered tensor
+    first, second = r["ranks"]
+    if layout.get("tp", 1) == 1:
+        assert first["gathered"] == second["gathered"] == first["gave"] == second["gave"] == []  # no TP: no gather
+    else:  # the per-tensor TP gather onto the leader, which sends: its peer only gives its shard of each
+        assert first["gathered"] and second["gave"] == first["gathered"] and second["gathered"] == first["gave"] == []
     assert r["tied"] == tied
     if tied:  # the head is the embedding: not sent again, though the last stage holds a copy
         assert not any(n.startswith("output_layer.") for n, _, _ in plan)
