@@ -10,6 +10,10 @@ say). Rank 0 drives the replicas; each trainer rank sends the buckets of its own
    gives them the trainer's weights, and the step completes.
 3. Each replica's logprobs equal the trainer's afterwards.
 Rank 0 prints one JSON line with every rank's results.
+
+    torchrun --nproc-per-node 2 tests/cluster_checks.py layout RUN_DIR [key=value ...] [hf=NAME]
+
+One trainer layout (TP=2, PP=2×VPP=2, EP=2, DP=2) → disaggregated replicas: see ``layout``.
 """
 
 from __future__ import annotations
