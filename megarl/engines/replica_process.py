@@ -11,6 +11,7 @@ any failed every worker restores its backup (``gloo_transfer``).
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 from megarl.rollout.engine_api import SlotRequest
@@ -40,6 +41,17 @@ def _llm(spec: dict):
                kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30),
                worker_extension_cls="megarl.engines.gloo_transfer.GlooWorkerExtension",
                weight_transfer_config={"backend": "megarl_gloo"})
+
+
+def _usage() -> tuple[float, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def _used_since(before: tuple[float, int]) -> dict:
+    """This process's CPU seconds (every thread: vLLM's load and gloo's receive) and page faults since ``before``."""
+    cpu, faults = _usage()
+    return {"cpu_s": cpu - before[0], "page_faults": float(faults - before[1])}
 
 
 def _params(req: SlotRequest):
@@ -101,12 +113,17 @@ def serve(conn, spec: dict) -> None:
             except Exception as exc:  # noqa: BLE001  (reported to the trainer)
                 conn.send(f"{type(exc).__name__}: {exc}")
         elif cmd == "update":
-            plan, sources, dtype, new_version = arg
+            plan, sources, dtype, new_version, stage_only = arg
             if engine.has_unfinished_requests():
                 conn.send(("failed", "requests still in flight", version))
                 continue
             try:
-                start = time.perf_counter()
+                start, used = time.perf_counter(), _usage()
+                if stage_only:  # the bench's transfer-only figure: received and staged, nothing loaded
+                    phases = llm.collective_rpc("megarl_recv_staged", args=(plan, sources, dtype))[0]
+                    phases.update(_used_since(used))
+                    conn.send(("ok", (0.0, time.perf_counter() - start, phases), version))
+                    continue
                 llm.start_weight_update()
                 backup = llm.collective_rpc("megarl_backup_mib")[0]
                 llm.update_weights({"update_info": {"buckets": plan, "sources": sources, "dtype": dtype}})
@@ -118,7 +135,8 @@ def serve(conn, spec: dict) -> None:
                 llm.finish_weight_update(weight_version=str(new_version))
                 llm.reset_prefix_cache()
                 version = new_version
-                conn.send(("ok", (backup, time.perf_counter() - start), version))
+                phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
+                conn.send(("ok", (backup, time.perf_counter() - start, phases), version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
                 conn.send(("failed", f"{type(exc).__name__}: {exc}", version))
         elif cmd == "recv_raw":
