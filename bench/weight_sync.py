@@ -25,7 +25,10 @@
    the rollback, a full gather;
 5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
    API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
-   plain gloo broadcast of the same buckets to the same processes, received and dropped.
+   plain gloo broadcast of the same buckets to the same processes, received and dropped; then the
+   transfer only (the same sync's buckets received and cut into their named views, nothing loaded:
+   what is ours) vs the same broadcast, where the slowest replica's time went (vLLM's load, waiting
+   for buckets, the rollback snapshot, start, finish) and a replica's CPU time per sync.
 
 ``--only disagg`` runs the last line alone, ``--only memory`` the memory lines alone.
 
