@@ -3,7 +3,9 @@
 ``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0)
 and answers one command at a time: submit / abort / step (the SortedRL controller's slot
 engine), generate (evaluation, the audit), init_transfer / update (vLLM's weight-transfer API
-with our ``megarl_gloo`` backend), recv_raw (the bench's transport baseline), close. An update
+with our ``megarl_gloo`` backend; its reply carries the update's phases and this process's CPU
+time; ``stage_only``: received and cut into views, nothing loaded — the bench's transfer-only figure),
+recv_raw (the bench's transport baseline), close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
 any failed every worker restores its backup (``gloo_transfer``).
 """
