@@ -25,7 +25,10 @@
    the rollback, a full gather; and the loop's sync with ``sync.rollback`` copy vs resync;
 5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
    API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
-   plain gloo broadcast of the same buckets to the same processes, received and dropped.
+   plain gloo broadcast of the same buckets to the same processes, received and dropped; then the
+   transfer only (the same sync's buckets received and cut into their named views, nothing loaded:
+   what is ours) vs the same broadcast, where the slowest replica's time went (vLLM's load, waiting
+   for buckets, the rollback snapshot, start, finish) and a replica's CPU time per sync.
 
 ``--only disagg`` runs the last line alone, ``--only memory`` the memory lines alone.
 
@@ -351,30 +354,48 @@ def bench_disaggregated(model_dir, ps, args) -> None:
     # setting (every buffer > 64 KiB a fresh mapping) would make vLLM's reload page-fault on every sync.
     # (Set, not unset: a spawned replica re-imports this script, which re-executes itself without it.)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what `megarl train` gives its replicas (megarl/cli.py)
     replicas = EngineReplicas(str(model_dir), args.replicas, 1, 64, 0.0625, 4)
     try:
-        version, updates = iter(range(1, 1000)), []
+        version, updates, phases, staged_phases = iter(range(1, 1000)), [], [], []
 
-        def synced_once():
-            updates.append(replicas.load(plan, flat_buckets(sync, plan), next(version))["sync/replica_update_s"])
+        def synced_once(stage_only: bool = False):
+            out = replicas.load(plan, flat_buckets(sync, plan), next(version), stage_only=stage_only)
+            (staged_phases if stage_only else phases).append(replicas.last_phases)
+            if not stage_only:
+                updates.append(out["sync/replica_update_s"])
 
         buckets = [b.clone() for b in flat_buckets(sync, plan)]
-        synced, plain = [], []
-        synced_once(), replicas.broadcast_raw(buckets)  # warm-up
-        for _ in range(args.repeats):  # interleaved, so both see the same neighbours
+        synced, staged, plain = [], [], []
+        synced_once(), synced_once(True), replicas.broadcast_raw(buckets)  # warm-up
+        for _ in range(args.repeats):  # interleaved, so all three see the same neighbours
             synced.append(_timed(synced_once))
+            staged.append(_timed(lambda: synced_once(True)))
             plain.append(_timed(lambda: replicas.broadcast_raw(buckets)))
         fill = median_time(lambda: sum(1 for _ in flat_buckets(sync, plan)), args.repeats)
     finally:
         replicas.close()
     nbytes = sum(b.nbytes for b in buckets)
-    synced_s, plain_s = statistics.median(synced), statistics.median(plain)
+    synced_s, staged_s, plain_s = statistics.median(synced), statistics.median(staged), statistics.median(plain)
+
+    def phase(key: str, of: list | None = None) -> float:  # the most of any replica, median over the timed syncs
+        return statistics.median(max(p.get(key, 0.0) for p in ps) for ps in (phases if of is None else of)[1:])
+
     print(f"disagg {nbytes / 1e6:.0f} MB to {args.replicas} engine processes ({len(buckets)} buckets of "
           f"{args.bucket_mib:g} MiB): bucketed sync through vLLM's weight-transfer API (gloo, incl. the replicas' "
           f"load) {synced_s:.3f} s vs plain gloo broadcast of the same bytes {plain_s:.3f} s = "
           f"{plain_s / synced_s:.2f} of the plain broadcast's speed (runs: {_runs(plain, synced)}; trainer fills "
           f"the buckets in {fill:.3f} s, a replica's start→finish {statistics.median(updates[1:]):.3f} s)",
           flush=True)
+    print(f"disagg transfer only (ours: the same sync's buckets filled, broadcast, received and cut into their "
+          f"named views on the replicas, no vLLM load) {staged_s:.3f} s vs the plain broadcast {plain_s:.3f} s = "
+          f"{plain_s / staged_s:.2f} (runs: {_runs(plain, staged)}); in the full sync the slowest replica spent: "
+          f"vLLM's load_weights (layerwise reload + oneDNN repack) {phase('load_s'):.3f} s, waiting for a bucket "
+          f"{phase('wait_s'):.3f} s, rollback snapshot {phase('snapshot_s'):.3f} s, start (snapshot + reload set-up) "
+          f"{phase('start_s'):.3f} s, finish (finalize + repack) {phase('finish_s'):.3f} s; a replica's CPU time "
+          f"(all its threads) per full sync {phase('cpu_s'):.3f} s ({phase('page_faults'):.0f} page faults) vs per "
+          f"transfer only {phase('cpu_s', staged_phases):.3f} s ({phase('page_faults', staged_phases):.0f}), "
+          f"{os.cpu_count()} cores for the trainer and {args.replicas} replicas", flush=True)
 
 
 def _timed(fn) -> float:

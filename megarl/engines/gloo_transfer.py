@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -76,7 +77,8 @@ class TransferAborted(RuntimeError):
     """A trainer sending rank aborted the update mid-way."""
 
 
-def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, device, load) -> int:
+def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, device, load,
+            timings: dict | None = None) -> int:
     """Receive every bucket of ``plan`` (bucket i from ``groups[sources[i]]``); ``load(i, views)`` each one.
 
     The next bucket is on the wire while ``load`` runs. A failure (a sender's abort, ``load``
@@ -91,11 +93,15 @@ def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, de
             i += 1  # that sender sends nothing more
         return (i, _post(groups[sources[i]], sizes[i], dtype, device)) if i < len(plan) else (i, None)
 
+    clock = time.perf_counter
+    times = {"wait_s": 0.0, "load_s": 0.0} if timings is None else timings
     i, incoming = post_from(0)
     while incoming is not None:
         flag, bucket, works = incoming
+        t = clock()
         for w in works:
             w.wait()
+        times["wait_s"] = times.get("wait_s", 0.0) + clock() - t
         if int(flag) != 1:
             aborted.add(sources[i])
             failure = failure or TransferAborted(f"trainer sender {sources[i]} aborted the weight update")
@@ -111,7 +117,9 @@ def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, de
                 n = math.prod(shape)
                 views.append((name, bucket[offset:offset + n].view(tuple(shape))))
                 offset += n
+            t = clock()
             load(current, views)
+            times["load_s"] = times.get("load_s", 0.0) + clock() - t
         except Exception as exc:  # noqa: BLE001  (raised below, after the stream ends)
             failure = exc
     if failure is not None:
@@ -151,6 +159,7 @@ def _register() -> None:
         backup = None
         rollback = "copy"  # sync.rollback: 'copy' backs up before each update, 'resync' does not
         failure = ""  # why the last receive failed on this worker
+        timings: dict = {}  # the last update's phases on this worker, seconds
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = init_info.rank_offset + self.parallel_config.rank
@@ -162,8 +171,11 @@ def _register() -> None:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            start = time.perf_counter()
             self.backup = snapshot(self.model) if self.rollback == "copy" else None
+            self.timings = {"snapshot_s": time.perf_counter() - start}
             initialize_layerwise_reload(self.model)
+            self.timings["start_s"] = time.perf_counter() - start
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             def load(_, views):
@@ -174,7 +186,7 @@ def _register() -> None:
             sources = update_info.sources or [0] * len(plan)
             self.failure = ""
             try:
-                receive(self.groups, plan, sources, torch_dtype(update_info.dtype), self.device, load)
+                receive(self.groups, plan, sources, torch_dtype(update_info.dtype), self.device, load, self.timings)
             except Exception as exc:  # noqa: BLE001  (kept for ``outcome``; the replica restores every worker)
                 self.failure = f"{type(exc).__name__}: {exc}"
 
@@ -198,9 +210,11 @@ def _register() -> None:
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            start = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
             repack_after_reload(self.model)
             self.backup = None
+            self.timings["finish_s"] = time.perf_counter() - start
 
         def shutdown(self) -> None:
             self.groups = []
@@ -220,6 +234,13 @@ class GlooWorkerExtension:
         """``sync.rollback`` for the next updates: 'copy' (back up first) or 'resync' (no backup)."""
         self.weight_transfer_engine.rollback = mode
 
+    def megarl_recv_staged(self, plan: list, sources: list[int], dtype: str = "float32") -> dict:
+        """An update's transfer without vLLM's load: every bucket received and cut into its HF-named views,
+        which are then dropped (the bench's transfer-only figure); the phases, as ``megarl_update_timings``."""
+        engine, timings = self.weight_transfer_engine, {}
+        receive(engine.groups, plan, sources, torch_dtype(dtype), engine.device, lambda i, views: None, timings)
+        return timings
+
     def megarl_update_outcome(self) -> str:
         return self.weight_transfer_engine.outcome()
 
@@ -231,6 +252,10 @@ class GlooWorkerExtension:
             self.weight_transfer_engine.abandon()
         self.weight_transfer_engine.reset_weight_update_target()
         self._weight_update_active = False
+
+    def megarl_update_timings(self) -> dict:
+        """The last update's phases on this worker (seconds): snapshot, start, wait (receive), load, finish."""
+        return dict(self.weight_transfer_engine.timings)
 
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)

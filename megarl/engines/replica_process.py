@@ -3,7 +3,9 @@
 ``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0)
 and answers one command at a time: submit / abort / step (the SortedRL controller's slot
 engine), generate (evaluation, the audit), init_transfer / update (vLLM's weight-transfer API
-with our ``megarl_gloo`` backend), recv_raw (the bench's transport baseline), close. An update
+with our ``megarl_gloo`` backend; its reply carries the update's phases and this process's CPU
+time; ``stage_only``: received and cut into views, nothing loaded — the bench's transfer-only figure),
+recv_raw (the bench's transport baseline), close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
 any failed every worker restores its backup (``gloo_transfer``). With ``sync.rollback: resync``
 there is no backup: a failed update leaves the replica unusable (its version ``UNUSABLE``; step
@@ -13,6 +15,7 @@ and generate answer ``EngineUnusable``, submits are dropped) until an update suc
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 from megarl.rollout.engine_api import SlotRequest
@@ -42,6 +45,17 @@ def _llm(spec: dict):
                kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30),
                worker_extension_cls="megarl.engines.gloo_transfer.GlooWorkerExtension",
                weight_transfer_config={"backend": "megarl_gloo"})
+
+
+def _usage() -> tuple[float, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def _used_since(before: tuple[float, int]) -> dict:
+    """This process's CPU seconds (every thread: vLLM's load and gloo's receive) and page faults since ``before``."""
+    cpu, faults = _usage()
+    return {"cpu_s": cpu - before[0], "page_faults": float(faults - before[1])}
 
 
 def _params(req: SlotRequest):
@@ -107,13 +121,18 @@ def serve(conn, spec: dict) -> None:
             except Exception as exc:  # noqa: BLE001  (reported to the trainer)
                 conn.send(f"{type(exc).__name__}: {exc}")
         elif cmd == "update":
-            plan, sources, dtype, new_version, rollback = arg
+            plan, sources, dtype, new_version, rollback, stage_only = arg
             if engine.has_unfinished_requests():
                 conn.send(("failed", "requests still in flight", version))
                 continue
             started = False
             try:
-                start = time.perf_counter()
+                start, used = time.perf_counter(), _usage()
+                if stage_only:  # the bench's transfer-only figure: received and staged, nothing loaded
+                    phases = llm.collective_rpc("megarl_recv_staged", args=(plan, sources, dtype))[0]
+                    phases.update(_used_since(used))
+                    conn.send(("ok", (0.0, time.perf_counter() - start, phases), version))
+                    continue
                 llm.collective_rpc("megarl_set_rollback", args=(rollback,))
                 started = True
                 llm.start_weight_update()
@@ -129,7 +148,8 @@ def serve(conn, spec: dict) -> None:
                 llm.finish_weight_update(weight_version=str(new_version))
                 llm.reset_prefix_cache()
                 version, unusable = new_version, ""
-                conn.send(("ok", (backup, time.perf_counter() - start), version))
+                phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
+                conn.send(("ok", (backup, time.perf_counter() - start, phases), version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
                 why = f"{type(exc).__name__}: {exc}"
                 if started and rollback != "copy":
