@@ -61,8 +61,8 @@ class Session:
     @property
     def generator(self):
         """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
-        face = self.controller.engines[0]
-        return face if isinstance(face, ColocatedReplicas) else self.engine
+        faces = self.controller.engines  # (none on the trainer ranks > 0 of disaggregated replicas)
+        return faces[0] if faces and isinstance(faces[0], ColocatedReplicas) else self.engine
 
 
 def ensure_model(cfg: RunConfig) -> None:

@@ -149,3 +149,38 @@ def test_two_nodes_replicas_on_node_1_sync_audit_kill_and_restart(tmp_path):
         assert r["restarts"] == 1 and r["after"]["engine/version"] == 4.0, rank  # node 1 respawned them
         assert r["after"]["sync/logprob_gap"] <= 1e-4 and max(r["gaps"]) <= 1e-4 and r["versions"] == [4, 4], rank
     assert ranks[0]["alive_after_kill"] == [False, False]
+
+
+@pytest.mark.slow
+def test_slurm_two_node_job_trains_with_both_replicas_under_node_1s_step(tmp_path):
+    """A real two-node Slurm (tests/slurm_cluster.sh) through slurm/train.sbatch: one trainer process per
+    node, the replicas spawned by node 1's (n2's) trainer, the sync audit after every step."""
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    from test_slurm import logs, steps_logged, submit_tiny, wait_for
+
+    cluster = tmp_path / "slurm"
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        run_dir = tmp_path / "run"
+        job = submit_tiny(env, run_dir, "engine.placement=disaggregated", "engine.replicas=2", "engine.replica_nodes=1",
+                          "engine.kv_cache_gib=0.0625", "engine.slots=8", "sync.check_every=1", "train.steps=3")
+        state = wait_for(env, job, 1200)
+        node0, node1 = logs(run_dir, job, 0)
+        batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+        assert state == "COMPLETED", batch + node0[-4000:] + node1[-4000:]
+    finally:
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    placed = [line for line in node0.splitlines() if "megarl: engine replica" in line]
+    assert len(placed) == 2 and all(" on node 1 (n2)" in line for line in placed), node0[-3000:]
+    assert "step 3/3 |" in node0 + node1 and "eval after RL: pass@1" in node0 + node1
+    assert steps_logged(run_dir) == [0, 1, 2, 3]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    assert len(gaps) >= 3 and max(gaps) <= 1e-4, gaps  # node 1's replicas serve the trainer's weights
