@@ -104,6 +104,11 @@ class RemoteProcess:
         return f"pid {self.pid} on node {self.node} ({self.host})"
 
 
+def where(proc) -> str:
+    """A replica process for messages: its pid, and its node when another node spawned it."""
+    return repr(proc) if isinstance(proc, RemoteProcess) else f"pid {proc.pid}"
+
+
 class Rendezvous:
     """Rank 0's listener for the replicas that other nodes spawn."""
 
@@ -139,6 +144,8 @@ class Rendezvous:
         self.listener.close()
         missing = sorted(set(indices) - set(got))
         if missing:
+            for _, proc in got.values():  # those that came end themselves
+                proc.kill()
             raise RuntimeError(f"engine replicas {missing} (on other nodes) did not connect to trainer rank 0 at "
                                f"{self.address[0]}:{self.address[1]} within {timeout_s:.0f}s")
         return got

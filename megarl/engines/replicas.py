@@ -3,7 +3,7 @@
 ::
 
     trainer rank 0 (leader)                           replica k (own process, own TP; ``serve``)
-      controller ──submit/abort/step (pipe)──────────▶ LLM.llm_engine.add_request / step
+      controller ──submit/abort/step (pipe, or TCP)──▶ LLM.llm_engine.add_request / step
       ReplicaClient k  ◀──token events + version──────
       sync: "update" (plan) to every replica ───────▶ LLM.start_weight_update → update_weights → finish
     every trainer sending rank s (rank 0 too)
@@ -20,6 +20,8 @@ each bucket is broadcast once to all replicas by the trainer rank that owns it
 backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engine error: every
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
 ``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
+With ``engine.replica_nodes`` the replicas run on other nodes, spawned there and linked back to
+rank 0 over TCP (``nodes``); starting and restarting them is then collective.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class ReplicaClient(TrackedRequests):
             return self.conn.recv() if reply else None
         except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
             self.proc.join(1)
-            raise EngineDied(f"engine replica {self.index} ({_where(self.proc)}) is not running "
+            raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
                              f"(exit code {self.proc.exitcode})") from exc
 
     def submit(self, request: SlotRequest) -> None:
@@ -155,7 +157,10 @@ class EngineReplicas:
                 error = f"{type(exc).__name__}: {exc}"
         if self._remote:
             error = cluster.share(error)
-        if error:
+        if error:  # end what this rank started (a replica whose link rank 0 drops ends itself)
+            for proc in [proc for _, proc in links.values()] + self._local:
+                proc.kill()
+            self._local = []
             raise RuntimeError(error)
 
     def _ready(self, links: dict) -> None:
@@ -173,14 +178,14 @@ class EngineReplicas:
                 c = ReplicaClient(k, conn, proc, self._args["slots"])
             self.clients.append(c)
             if isinstance(proc, nodes.RemoteProcess):
-                print(f"megarl: engine replica {k}: {_where(proc)}", flush=True)
+                print(f"megarl: engine replica {k}: {nodes.where(proc)}", flush=True)
         for c in self.clients:
             if not c.conn.poll(start_timeout_s):
-                raise RuntimeError(f"engine replica {c.index} ({_where(c.proc)}) did not start within "
+                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) did not start within "
                                    f"{start_timeout_s:.0f}s")
             status, detail = c.conn.recv()
             if status != "ready":
-                raise RuntimeError(f"engine replica {c.index} ({_where(c.proc)}) failed to start: {detail}")
+                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) failed to start: {detail}")
 
     def _connect(self, senders: list[int]) -> None:
         """Every sending rank opens a group that every worker of every replica joins (collective)."""
@@ -225,7 +230,7 @@ class EngineReplicas:
                     raise EngineDied(f"engine replica {c.index} did not answer within {self.timeout_s:.0f}s")
             return c.conn.recv()
         except (EOFError, OSError) as exc:  # the pipe or link ended (a killed link is closed here)
-            raise EngineDied(f"engine replica {c.index} ({_where(c.proc)}) died") from exc
+            raise EngineDied(f"engine replica {c.index} ({nodes.where(c.proc)}) died") from exc
 
     @property
     def weight_version(self) -> int:
@@ -335,7 +340,7 @@ class EngineReplicas:
         """'' while every replica process runs, else which one died."""
         for c in self.clients:
             if not c.proc.is_alive():
-                return f"engine replica {c.index} ({_where(c.proc)}) died (exit code {c.proc.exitcode})"
+                return f"engine replica {c.index} ({nodes.where(c.proc)}) died (exit code {c.proc.exitcode})"
         return ""
 
     def broadcast_raw(self, buckets: list[torch.Tensor]) -> float:
@@ -369,10 +374,6 @@ class EngineReplicas:
                 proc.kill()
                 proc.join(5)
         self._local = []
-
-
-def _where(proc) -> str:
-    return repr(proc) if isinstance(proc, nodes.RemoteProcess) else f"pid {proc.pid}"
 
 
 class _Watchdog:
