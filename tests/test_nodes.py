@@ -133,12 +133,18 @@ def _torchrun_nodes(tmp_path, script: list[str], timeout: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_nodes_replicas_on_node_1_sync_audit_kill_and_restart(tmp_path):
+@pytest.mark.parametrize("replica_nodes", [1, 2])
+def test_two_nodes_replicas_on_node_1_sync_audit_kill_and_restart(tmp_path, replica_nodes):
+    """replica_nodes=1: both replicas on node 1; 2: replica 0 on rank 0's node (a pipe), replica 1 on node 1
+    (TCP) — the one SIGKILLed mid-broadcast is on node 1 either way."""
     run = tmp_path / "run"
-    out0, _ = _torchrun_nodes(tmp_path, ["tests/cluster_checks.py", str(run), "engine.replica_nodes=1"], 1500)
+    out0, _ = _torchrun_nodes(tmp_path, ["tests/cluster_checks.py", str(run), f"engine.replica_nodes={replica_nodes}"],
+                              1500)
     ranks = json.loads([line for line in out0.splitlines() if line.startswith("{")][-1])["ranks"]
     placed = [line for line in out0.splitlines() if line.startswith("megarl: engine replica")]
-    assert len(placed) == 4, out0  # at the start and after the keeper's restart: both replicas on node 1
+    remote = [0, 1] if replica_nodes == 1 else [1]
+    # at the start and after the keeper's restart, the remote replicas each time on node 1
+    assert [int(line.split()[3].rstrip(":")) for line in placed] == remote * 2, out0
     assert all(" on node 1 (" in line for line in placed)
     for rank, r in enumerate(ranks):
         assert r["senders"] == [0, 1], rank  # PP=2 across the two nodes: each stage sends its own layers
