@@ -22,7 +22,7 @@
    mapping and RSS sees it come and go): the peak extra RSS of a streamed sync, buckets and
    zero-copy, at two depths, against the bound (one bucket + the largest tensor); and with the
    engine loading: the loop's sync (with its all-or-nothing rollback), the same stream without
-   the rollback, a full gather;
+   the rollback, a full gather; and the loop's sync with ``sync.rollback`` copy vs resync;
 5. disagg: a sync into ``--replicas`` vLLM engines in processes of their own (vLLM's weight-transfer
    API, our gloo backend, each bucket broadcast once to all; including the replicas' load) vs a
    plain gloo broadcast of the same buckets to the same processes, received and dropped.
@@ -83,18 +83,10 @@ def bench_pack(tensors: list[torch.Tensor], repeats: int) -> None:
           f"kernel {kernel * 1e3:.1f} ms vs torch.cat {cat * 1e3:.1f} ms = {cat / kernel:.1f}x faster", flush=True)
 
 
-def _rss(key: str) -> int:
-    import re
-
-    return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
 def peak_added(fn) -> int:
-    """Peak RSS while ``fn`` runs, above the RSS before it (Linux: clear_refs 5 resets the peak)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _rss("VmRSS")
-    fn()
-    return _rss("VmHWM") - before
+    from megarl.engines.memory import peak_rss_added
+
+    return peak_rss_added(fn)
 
 
 class BenchTrainer:
@@ -329,7 +321,14 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     bare = peak_added(lambda: engine.update_weights(sync.weights(zero_copy=True)))
     cfg = trainer.hf_cfg
     gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(trainer.modules, cfg, ps, num_experts(cfg))))
+    resync = WeightSyncProtocol(engine, trainer, args.bucket_mib, rollback="resync")
+    rmetrics: dict[str, float] = {}
+    no_backup = peak_added(lambda: rmetrics.update(resync.run(3)))
     model = trainer.nbytes
+    print(f"memory sync.rollback, engine side ({model / 2**20:.0f} MiB model): copy (all or nothing) "
+          f"{into / 2**20:.1f} MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB + vLLM's old packed "
+          f"weights held) vs resync (no backup) {no_backup / 2**20:.1f} MiB = {no_backup / model:.3f} (backup "
+          f"{rmetrics['sync/backup_mib']:.1f} MiB)", flush=True)
     print(f"memory with the engine loading ({model / 2**20:.0f} MiB model): the loop's sync {into / 2**20:.1f} MiB = "
           f"{into / model:.3f} of the model (all or nothing: vLLM's old packed GEMM weights are held until the new "
           f"ones are complete, + a {metrics['sync/backup_mib']:.1f} MiB copy of the in-place tensors); the same stream "

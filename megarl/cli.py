@@ -11,6 +11,11 @@ rendezvous itself (``megarl/launch/bootstrap.py``).
 
 The configuration is loaded and validated before any process is launched; a bad
 key, type or layout exits with status 2 and a message that names it.
+
+``train`` exits 0 when the run completed or was preempted (checkpoint saved), 1 when a fault stopped it
+(e.g. non-finite steps), and 75 (``EXIT_REQUEUE``) when an engine fault stopped it with a checkpoint
+(rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
+``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it).
 """
 
 from __future__ import annotations
@@ -123,9 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             print(f"demo: pass@1 before={result['pass_at_1_before']:.3f} "
                   f"after={result['pass_at_1_after']:.3f} steps={result['steps']}", flush=True)
-    if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1)
+    if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1, 75)
         print(f"megarl: stopped at step {result['steps']}: {result['stopped']}", file=sys.stderr, flush=True)
-    return 1 if result.get("error") else 0
+    return _exit_status(result)
+
+
+def _exit_status(result: dict) -> int:
+    """0, 1 or ``EXIT_REQUEUE`` (see the module docstring); rank 0 writes it to ``$MEGARL_EXIT_FILE`` if set."""
+    from megarl.checkpoint.keeper import EXIT_REQUEUE
+
+    status = EXIT_REQUEUE if result.get("requeue") else 1 if result.get("error") else 0
+    path = os.environ.get("MEGARL_EXIT_FILE")
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path + ".tmp").write_text(f"{status}\n")
+        os.replace(path + ".tmp", path)
+    return status
 
 
 if __name__ == "__main__":

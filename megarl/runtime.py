@@ -157,7 +157,8 @@ def build_engines(cfg: RunConfig):
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
-                              devices=e.replica_devices, replica_nodes=e.replica_nodes)
+                              devices=e.replica_devices, rollback=cfg.sync.rollback,
+                              replica_nodes=e.replica_nodes)
     return replicas, replicas.clients
 
 

@@ -84,7 +84,7 @@ def run(cfg: RunConfig) -> dict:
             supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
                               cfg.warmup.lr, log=say)
             sync_weights(s.engine, s.trainer, cfg.sync, version=0)
-        keeper.run["pass_at_1_before"] = evaluate(s)
+        keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
         s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
     before = keeper.run["pass_at_1_before"]
     say(f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts")
@@ -104,7 +104,7 @@ def run(cfg: RunConfig) -> dict:
         metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
         if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
-            metrics["eval/pass_at_1"] = evaluate(s)
+            metrics["eval/pass_at_1"] = keeper.evaluate(lambda: evaluate(s), steps)
         metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
@@ -112,13 +112,13 @@ def run(cfg: RunConfig) -> dict:
         if keeper.end_of_step(steps):  # checkpoint every train.save_every steps; preemption, faults
             break
     result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
-              "error": keeper.error}
+              "error": keeper.error, "requeue": keeper.requeue}
     if keeper.stopped:  # preempted or a fault: the checkpoint is saved, leave at once
         s.logger.close()
         return {**result, "pass_at_1_after": float("nan")}
     keeper.finish(steps)
     export_policy(s, steps, final=True)  # run_dir/hf/step_N
-    after = evaluate(s)
+    after = keeper.evaluate(lambda: evaluate(s), steps)
     s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
     s.logger.close()
     say(f"eval after RL: pass@1 {after:.3f}")

@@ -10,6 +10,10 @@ say). Rank 0 drives the replicas; each trainer rank sends the buckets of its own
    gives them the trainer's weights, and the step completes.
 3. Each replica's logprobs equal the trainer's afterwards.
 Rank 0 prints one JSON line with every rank's results.
+
+    torchrun --nproc-per-node 2 tests/cluster_checks.py layout RUN_DIR [key=value ...] [hf=NAME]
+
+One trainer layout (TP=2, PP=2×VPP=2, EP=2, DP=2) → disaggregated replicas: see ``layout``.
 """
 
 from __future__ import annotations
@@ -127,8 +131,89 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
         s.engine.close()
 
 
+def layout(run_dir: str, *overrides: str) -> None:
+    """Two trainer processes at the layout the overrides give (TP=2, PP=2×VPP=2, EP=2, DP=2) → disaggregated
+    replicas: RL steps with the audit after every sync, the stale gap before the last sync, each replica's gap
+    at the end, and what each trainer rank wrote into buckets of its own, TP-gathered and sent (``hf=NAME``: a
+    model written by transformers, ``tests/hf_models.py``, e.g. ``hf=qwen3_tied`` with a tied LM head)."""
+    import torch.distributed as dist
+
+    import megarl.train
+    from megarl.config import load_config
+    from megarl.engines import cluster
+    from megarl.runtime import build_session
+    from megarl.train import rl_step
+    from megarl.trainer.sft import supervised_warmup
+    from megarl.weight_sync import streaming
+    from megarl.weight_sync.protocol import logprob_gap, sync_weights
+
+    hf = [o.split("=", 1)[1] for o in overrides if o.startswith("hf=")]
+    overrides = tuple(o for o in overrides if not o.startswith("hf="))
+    if hf:  # written by rank 0 before the session starts (no process group yet: a marker file)
+        from hf_models import make_hf_model
+
+        marker = f"{run_dir}/model.done"
+        if int(os.environ.get("RANK", "0")) == 0:
+            make_hf_model(f"{run_dir}/model", hf[0], seed=3)
+            open(marker, "w").close()
+        while not os.path.exists(marker):
+            time.sleep(0.2)
+    cfg = load_config("configs/demo.yaml", [
+        f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
+        "engine.replicas=1", "engine.kv_cache_gib=0.0625", "engine.slots=8", "rollout.mode=partial",
+        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
+        "data.eval_size=4", "optim.micro_batch_size=8", "sync.check_every=1", "sync.bucket_mib=0.0625",
+        "sync.timeout_s=300", "algo.entropy_coef=0.01", *(["model.make_tiny="] if hf else []), *overrides])
+    s = build_session(cfg)
+    rank, steps_n = dist.get_rank(), 3
+    # the plan entries this rank filled into a bucket of its own / TP-gathered onto itself / gave its TP shard of
+    wrote, gathered, gave = set(), set(), set()
+    plain_fill = streaming.StreamingSync._fill
+
+    def recorded_fill(sync, e, out):
+        extra = plain_fill(sync, e, out)
+        if extra:
+            gathered.add(e.name)
+        if out.numel():
+            wrote.add(e.name)
+        if sync._local[e.name].dim is not None and sync._leader[e.name] == e.source != rank:
+            gave.add(e.name)
+        return extra
+
+    streaming.StreamingSync._fill = recorded_fill
+    stale = []
+
+    def sync_after_gap(engine, trainer, sync_cfg, version):  # the engine's gap measured before each sync
+        stale.append(logprob_gap(engine, trainer, seed=50 + version))
+        return sync_weights(engine, trainer, sync_cfg, version)
+
+    megarl.train.sync_weights = sync_after_gap
+    try:  # a short supervised warm-up first: the trainer moves away from the checkpoint the replicas load
+        supervised_warmup(s.trainer, s.tokenizer, s.task, 2, 16, 3e-3, log=lambda *a, **k: None)
+        steps = []
+        for step in range(steps_n):
+            m = rl_step(s, step)
+            steps.append({k: m.get(k) for k in ("engine/version", "sync/logprob_gap", "sync/failures", "sync/bytes",
+                                                "sync/sent_bytes", "loss/grad_norm")})
+        gaps = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(cfg.engine.replicas)]
+        sync = streaming.streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
+        mine = {"senders": s.engine.senders, "sent_by_rank": s.engine.sent_by_rank, "wrote": sorted(wrote),
+                "gathered": sorted(gathered), "gave": sorted(gave), "local": sorted(sync._local),
+                "peak_extra": sync.stats.peak_extra_bytes}
+        ranks = cluster.gather(mine)
+        if rank == 0:
+            plan = [(e.name, e.source, e.numel * sync.dtype.itemsize) for e in sync.plan()]
+            print(json.dumps({"steps": steps, "stale": stale, "gaps": gaps, "versions": s.engine.versions,
+                              "plan": plan, "ranks": ranks, "tied": bool(s.trainer.hf_cfg.get("tie_word_embeddings"))}),
+                  flush=True)
+    finally:
+        s.engine.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "replica_tp":
         replica_tp(*sys.argv[2:])
+    elif sys.argv[1] == "layout":
+        layout(*sys.argv[2:])
     else:
         main(*sys.argv[1:])

@@ -10,6 +10,10 @@
 2. A full sync then succeeds: version bumped, stages in order, engine ≈ trainer, and the audit
    (``check_every=1``) logs ``sync/logprob_gap`` ≈ 0.
 3. The trainer takes another step and the sync is skipped: the audit's gap is large.
+4. ``sync.rollback=resync``: a full sync's peak extra RSS against one with the backup copy
+   (``copy``), then a broken stream: no backup, the engine refuses to generate (batch and slot
+   face), and the next full sync makes it serve the trainer's weights again.
+Run with ``MALLOC_MMAP_THRESHOLD_=4096`` for the RSS figures (see ``engines.memory.peak_rss_added``).
 Prints one JSON line.
 """
 
@@ -66,14 +70,14 @@ def main(model_dir: str) -> None:
     total = len(stream.buckets())
     fed = {"tensors": 0}
 
-    def broken():
+    def broken(stream):
         for name, t in stream.weights():
             if stream.stats.buckets > total // 2:
                 raise ConnectionError("injected: the link died after half of the buckets")
             fed["tensors"] += 1
             yield name, t
 
-    failed = proto.run(1, weights=broken())
+    failed = proto.run(1, weights=broken(stream))
     after_failure = probe(engine, cfg["vocab_size"])
     failed_stages = [s.value for s in proto.stages]
     ok = proto.run(1)
@@ -81,13 +85,49 @@ def main(model_dir: str) -> None:
     gap_synced = logprob_gap(engine, trainer, seed=3)
     step()
     gap_skipped = logprob_gap(engine, trainer, seed=3)  # the trainer moved on; the engine did not
-    print(json.dumps({
+    resync = resync_checks(engine, trainer, cfg["vocab_size"], broken)
+    print(json.dumps({**resync,
         "buckets": total, "tensors_fed": fed["tensors"], "failed": failed, "failed_stages": failed_stages,
         "log": lines, "same_tokens": [a[0] for a in before] == [b[0] for b in after_failure],
         "logprob_diff_after_failure": max(abs(x - y) for a, b in zip(before, after_failure)
                                           for x, y in zip(a[1], b[1])),
         "ok": ok, "ok_stages": ok_stages, "gap_synced": gap_synced, "gap_skipped": gap_skipped,
     }), flush=True)
+
+
+def resync_checks(engine, trainer, vocab: int, broken) -> dict:
+    """``sync.rollback=resync`` against ``copy`` on the same engine: peak extra RSS of a full sync, then a
+    failed load (no backup: the engine refuses to generate) repaired by the next full sync."""
+    from megarl.engines.memory import peak_rss_added
+    from megarl.engines.vllm_engine import VLLMSlotEngine
+    from megarl.engines.weight_update import EngineUnusable
+    from megarl.rollout.engine_api import SlotRequest
+    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
+    from megarl.weight_sync.streaming import streaming_sync
+
+    lines: list[str] = []
+    proto = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16, log=lines.append, rollback="resync")
+    model_bytes = sum(p.numel() * p.element_size() for m in trainer.modules for p in m.parameters())
+    copy = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16)  # the default: sync.rollback=copy
+    copy_metrics, resync_metrics = {}, {}
+    peaks = [peak_rss_added(lambda: copy_metrics.update(copy.run(3))),  # alternated: neither runs first alone
+             peak_rss_added(lambda: resync_metrics.update(proto.run(3))),
+             peak_rss_added(lambda: copy.run(3)), peak_rss_added(lambda: proto.run(3))]
+    failed = proto.run(4, weights=broken(streaming_sync(trainer, engine, 1 / 16)))
+    refused = []
+    for attempt in (lambda: probe(engine, vocab),
+                    lambda: VLLMSlotEngine(engine, 4).submit(SlotRequest("r", [3, 5, 7], 4, 1.0, 1.0)),
+                    lambda: VLLMSlotEngine(engine, 4).step()):
+        try:
+            attempt()
+            refused.append("")
+        except EngineUnusable as exc:
+            refused.append(str(exc))
+    repaired = proto.run(4)
+    return {"model_bytes": model_bytes, "peaks_copy": peaks[0::2], "peaks_resync": peaks[1::2],
+            "backup_copy_mib": copy_metrics["sync/backup_mib"], "backup_resync_mib": resync_metrics["sync/backup_mib"],
+            "resync_failed": failed, "resync_log": lines, "refused": refused, "resync_repaired": repaired,
+            "resync_gap": logprob_gap(engine, trainer, seed=5)}
 
 
 def ranks(model_dir: str) -> None:
@@ -108,6 +148,7 @@ def ranks(model_dir: str) -> None:
 
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
+    from megarl.engines.weight_update import EngineUnusable
     from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
     from megarl.weight_sync.streaming import streaming_sync
 
@@ -128,7 +169,20 @@ def ranks(model_dir: str) -> None:
     after = probe(engine, cfg["vocab_size"])
     ok = proto.run(1)
     gap = logprob_gap(engine, trainer, seed=3)
-    r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap}
+    # sync.rollback=resync: the same failure marks every rank's engine unusable (rank 0 loaded all of it, but
+    # its TP peer holds a mix); the next sync repairs both
+    proto.rollback = "resync"
+    stream = streaming_sync(trainer, engine, 1 / 16)
+    resync_failed = proto.run(2, weights=fails_at_the_end_on_rank_1())
+    try:
+        probe(engine, cfg["vocab_size"])
+        refused = ""
+    except EngineUnusable as exc:
+        refused = str(exc)
+    resync_ok = proto.run(2)
+    r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap,
+         "resync_failed": resync_failed, "refused": refused, "resync_ok": resync_ok,
+         "resync_gap": logprob_gap(engine, trainer, seed=4)}
     every = [None] * world
     dist.all_gather_object(every, r)
     if rank == 0:

@@ -114,6 +114,7 @@ def main(run_dir: str, *overrides: str) -> None:
         unchanged_local = before_local == outputs()
         after_local = proto.run(s.engine.weight_version + 1)
         gap_after_local = logprob_gap(s.engine, s.trainer, seed=11)
+        resync = resync_checks(s, proto, stream, bad, outputs)
         print(json.dumps({
             "steps": cfg.train.steps, "versions": versions, "gaps": gaps, "events": seen,
             "drawn": sorted(drawn), "released": sorted(released), "live": sorted(live), "requeued": sorted(requeued),
@@ -121,10 +122,39 @@ def main(run_dir: str, *overrides: str) -> None:
             "version_before": version_before, "ok": ok, "gap_each_replica": gap_each,
             "replica_versions": versions_after_ok, "local_error": local_error,
             "unchanged_after_local_failure": unchanged_local, "after_local": after_local,
-            "gap_after_local": gap_after_local,
+            "gap_after_local": gap_after_local, **resync,
         }), flush=True)
     finally:
         s.engine.close()
+
+
+def resync_checks(s, proto, stream, bad, outputs) -> dict:
+    """``sync.rollback=resync`` reaches the replicas: no backup; the same failure inside them leaves both
+    unusable (they refuse to generate: batch, submit, step), and the next full sync repairs them."""
+    from megarl.engines.replicas import flat_buckets, plan_buckets
+    from megarl.engines.weight_update import EngineUnusable, WeightLoadError
+    from megarl.rollout.engine_api import SlotRequest
+    from megarl.weight_sync.protocol import logprob_gap
+
+    s.engine.rollback = "resync"
+    version = s.engine.weight_version
+    try:
+        s.engine.load(bad, flat_buckets(stream, plan_buckets(stream)), version + 1)
+        error = ""
+    except WeightLoadError as exc:
+        error = str(exc)
+    unusable_versions = [c.weight_version for c in s.engine.clients]
+    client, refused = s.engine.clients[1], []
+    for attempt in (outputs, lambda: client.submit(SlotRequest("resync-probe", [3, 5, 7], 4)), client.step):
+        try:
+            attempt()
+            refused.append("")
+        except EngineUnusable as exc:
+            refused.append(str(exc))
+    repaired = proto.run(version + 1)
+    return {"resync_error": error, "resync_unusable_versions": unusable_versions, "resync_refused": refused,
+            "resync_repaired": repaired, "resync_versions": [c.weight_version for c in s.engine.clients],
+            "resync_gap": logprob_gap(s.engine, s.trainer, seed=13)}
 
 
 class _On:

@@ -7,10 +7,19 @@
   (``tests/cluster_checks.py``): each pipeline stage sends its own layers, the replicas' logprobs
   equal the trainer's after every sync; a replica SIGKILLed mid-broadcast fails the sync without
   a hang, and the keeper restarts the replicas at the next phase.
+- Two trainer processes at TP=2 (dense Qwen2; a transformers-written Qwen3 with a tied LM head),
+  PP=2×VPP=2 (the tied Qwen3), EP=2 (Qwen3-MoE with two replicas; Mixtral) and DP=2 (dense) →
+  disaggregated replicas (``cluster_checks.py layout``, all ``slow``: each starts vLLM): after a
+  warm-up and three RL steps every replica's logprobs equal the trainer's (fp32, ≤ 1e-4; each sync
+  had work to do), and the senders are exactly the ranks that own the buckets: each rank sent the
+  bytes of its own layers / experts, packed only those, and gathered nothing it does not send (at
+  TP=2 each tensor is gathered onto the TP leader, which sends; its peer only gives its shard).
 - ``sync.transport: nccl``: refused without CUDA, before anything starts; over NCCL on a GPU.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -122,3 +131,65 @@ def test_megarl_train_two_trainer_processes_two_replicas_end_to_end(tmp_path):
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step 2/2 |" in proc.stdout and "eval after RL: pass@1" in proc.stdout
+
+
+# layout id → (trainer layout, engine replicas, cluster_checks.py overrides); tiny models of 4 layers, 4 experts
+LAYOUTS = {
+    "tp2_dense": (dict(tp=2), 1, ("parallel.tp=2", "model.make_tiny=qwen2")),
+    "pp2_vpp2_tied": (dict(pp=2, vpp=2), 1, ("parallel.pp=2", "parallel.vpp=2", "hf=qwen3_tied")),
+    "tp2_tied": (dict(tp=2), 1, ("parallel.tp=2", "hf=qwen3_tied")),
+    "ep2_qwen3_moe": (dict(ep=2), 2, ("parallel.ep=2", "engine.replicas=2")),
+    "ep2_mixtral": (dict(ep=2), 1, ("parallel.ep=2", "model.make_tiny=mixtral")),
+    "dp2_dense": (dict(), 1, ("model.make_tiny=qwen2",)),
+}
+
+
+def owner(name: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, layers: int = 4, experts: int = 4) -> int:
+    """The trainer rank (of 2) that holds a Megatron tensor's layer or expert and must send it: the pipeline
+    stage of its (virtual) chunk, the expert rank of its expert, else rank 0 (TP leader, first DP replica)."""
+    layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if layer is None:
+        return pp - 1 if name.startswith(("decoder.final_layernorm.", "output_layer.")) else 0
+    expert = re.search(r"\.experts\.local_experts\.(\d+)\.", name)
+    if expert is not None and ep > 1:
+        return int(expert.group(1)) // (experts // ep)
+    return int(layer.group(1)) // (layers // (pp * vpp)) % pp
+
+
+def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
+    steps, plan = r["steps"], r["plan"]
+    assert [m["engine/version"] for m in steps] == [1.0, 2.0, 3.0] and r["versions"] == [3] * replicas
+    assert min(m["loss/grad_norm"] for m in steps) > 0 and min(r["stale"]) > 1e-3  # every sync had work to do
+    assert max(m["sync/logprob_gap"] for m in steps) <= 1e-4  # the audit after every sync
+    assert len(r["gaps"]) == replicas and max(r["gaps"]) <= 1e-4  # and each replica at the end
+    for name, source, _ in plan:
+        assert source == owner(name, **layout), name
+    own = [sorted(n for n, s, _ in plan if s == k) for k in range(2)]
+    expected = [sum(b for _, s, b in plan if s == k) for k in range(2)]
+    assert sum(expected) == steps[-1]["sync/bytes"] == steps[-1]["sync/sent_bytes"]
+    for k, x in enumerate(r["ranks"]):
+        assert x["senders"] == [j for j in range(2) if expected[j]], k  # exactly the ranks that own buckets
+        assert x["sent_by_rank"] == expected, k  # each sent the bytes of its own buckets, nothing else
+        assert x["wrote"] == own[k] and set(x["wrote"]) <= set(x["local"]), k  # nobody packs what it does not own
+        assert set(x["gathered"]) <= set(own[k]), k  # nor gathers it
+        if not expected[k]:
+            assert x["peak_extra"] == 0, k  # a rank that sends nothing holds no bucket and no gathered tensor
+    first, second = r["ranks"]
+    if layout.get("tp", 1) == 1:
+        assert first["gathered"] == second["gathered"] == first["gave"] == second["gave"] == []  # no TP: no gather
+    else:  # the per-tensor TP gather onto the leader, which sends: its peer only gives its shard of each
+        assert first["gathered"] and second["gave"] == first["gathered"] and second["gathered"] == first["gave"] == []
+    assert r["tied"] == tied
+    if tied:  # the head is the embedding: not sent again (at PP > 1 though the last stage holds a copy)
+        assert not any(n.startswith("output_layer.") for n, _, _ in plan)
+        if layout.get("pp", 1) > 1:
+            assert "output_layer.weight" in r["ranks"][-1]["local"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, name):
+    layout, replicas, overrides = LAYOUTS[name]
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/cluster_checks.py",
+                    "layout", str(tmp_path), *overrides], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    check_layout(r, layout, replicas, tied="tied" in name)

@@ -58,6 +58,18 @@ def test_a_failure_inside_the_replicas_restores_them_and_keeps_the_group_in_step
     assert result["unchanged_after_local_failure"]
 
 
+def test_resync_rollback_reaches_the_replicas_and_a_failed_load_serves_nothing_until_resynced(result):
+    """sync.rollback=resync: the replicas take no backup; a failure inside them leaves both refusing to
+    generate (never a mix served), and the next full sync brings both back to the trainer's weights."""
+    assert "sync.rollback=resync took no backup" in result["resync_error"]
+    assert "must be re-synced" in result["resync_error"] or "until it is re-synced" in result["resync_error"]
+    assert result["resync_unusable_versions"] == [-1, -1]
+    assert len(result["resync_refused"]) == 3 and all("refuses to generate" in r for r in result["resync_refused"])
+    assert result["resync_repaired"]["sync/backup_mib"] == 0.0  # no backup copy on the replicas
+    assert result["resync_versions"] == [result["after_local"]["engine/version"] + 1] * 2
+    assert result["resync_gap"] <= 1e-4
+
+
 @pytest.mark.slow
 def test_megarl_train_disaggregated_two_replicas_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=2",

@@ -34,6 +34,13 @@ def test_engine_error_at_engine_tp_world_recovers(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_error_on_one_rank_of_a_tp2_engine_is_every_ranks_and_recovers(tmp_path):
+    """Rank 0 alone raises before vLLM's step (whose TP all-reduce on CPU spins without a timeout: its peer would
+    wait there forever); the engine's ranks agree before entering vLLM's collectives, both recover."""
+    check_recovered(run(tmp_path, 2, "engine_error_one_rank@1"), tmp_path)
+
+
+@pytest.mark.slow
 def test_unrecoverable_engine_saves_a_checkpoint_and_stops(tmp_path):
     r = run(tmp_path, 1, "engine_error@1,engine_unrecoverable@1")
     for x in r["ranks"]:

@@ -143,3 +143,26 @@ def test_srun_direct_ranks_find_each_other_through_slurm(slurm, tmp_path):
     out = (run_dir / "job.log").read_text()
     assert state == "COMPLETED", out[-4000:]
     assert "megarl: 2 processes started by slurm, rendezvous 127.0.0.1:" in out and "step 2/2 |" in out
+
+
+@pytest.mark.slow
+def test_an_engine_fault_stop_requeues_the_job_a_bounded_number_of_times(slurm, tmp_path):
+    """The engine's recovery is refused in step 2 (a test hook, every time): megarl train saves a checkpoint and
+    exits 75 (torchrun: 1; rank 0 writes 75 to $MEGARL_EXIT_FILE); the script requeues once (MAX_FAULT_REQUEUES=1),
+    the requeued job resumes at step 1, meets the same fault, and then the job fails with exit code 75."""
+    run_dir = tmp_path / "run"
+    env = {**slurm, "MEGARL_TEST_FAULT": "engine_error@2,engine_unrecoverable@2", "MAX_FAULT_REQUEUES": "1"}
+    job = submit_tiny(env, run_dir)
+    state = wait_for(slurm, job, 900)
+    batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+    first, second = "".join(logs(run_dir, job, 0)), "".join(logs(run_dir, job, 1))
+    assert state == "FAILED" and job_field(slurm, job, "ExitCode") == "75:0", batch + second[-4000:]
+    assert job_field(slurm, job, "Restarts") == "1"
+    assert "could not be recovered in place" in first and "step 1: " in first and "checkpoint saved" in first
+    assert first.count("exitcode  : 75") == 2  # torchrun's report: megarl train exited 75 on both nodes
+    assert f"fault requeue 1/1; requeueing job {job}" in batch
+    assert "resumed from" in second and "at step 1" in second  # the requeued job continued from the checkpoint
+    assert "after 1 fault requeues (MAX_FAULT_REQUEUES=1): not requeueing" in batch
+    assert (run_dir / "logs" / f"{job}.0.exit").read_text() == "75\n"
+    assert (run_dir / "logs" / f"{job}.fault_requeues").read_text().strip() == "1"
+    assert steps_logged(run_dir) == [0, 1]  # step 2 never completed; nothing logged twice

@@ -15,8 +15,10 @@ Test hooks (environment variables, read once per process; nothing happens when t
   ``optimizer_step`` (inside ``train_step``, before the optimizer), ``checkpoint_write`` (after the
   model files of a run checkpoint, before its manifest).
 - ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
-  gradient), ``engine_error`` (the engine raises on its 3rd step) or ``engine_unrecoverable`` (under torchrun,
-  the in-place recovery after an engine error fails: the run stops with a checkpoint) during RL step STEP.
+  gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
+  only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
+  (under torchrun, the in-place recovery after an engine error fails: the run stops with a checkpoint) or
+  ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP.
 """
 
 from __future__ import annotations

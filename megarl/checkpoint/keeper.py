@@ -15,8 +15,10 @@ mid-phase, the controller is put back to that snapshot (its partial buffer as be
 the prompts drawn during the failed phase are re-queued, the engine is restarted (under torchrun:
 recovered in place, or refused → ``StopRun``; see ``VLLMEngine.restart``) and given the
 trainer's current weights, and the phase runs again. When the phase fails again after
-``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``). The snapshot is one pickle of the controller's state per
-step (milliseconds for the tiny runs; it grows with the partial buffer).
+``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``; ``megarl train`` exits
+``EXIT_REQUEUE``). The snapshot is one pickle of the controller's state per
+step (milliseconds for the tiny runs; it grows with the partial buffer). An evaluation goes through the same
+containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import pickle
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
@@ -45,6 +48,13 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+EXIT_REQUEUE = 75
+"""``megarl train``'s exit status when an engine fault stopped the run (``StopRun``: ``engine.max_restarts`` failures
+in a row, or a refused recovery) after saving a checkpoint: rerun (requeue) to resume in fresh processes.
+75 is sysexits.h's EX_TEMPFAIL; it is none of 1 (an error; torchrun's status when any worker fails), 2 (a config
+error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
+
+
 class StopRun(Exception):
     """The run cannot go on (too many engine restarts); the loop saves a checkpoint and stops."""
 
@@ -60,10 +70,12 @@ class RunKeeper:
         self.preemption = Preemption()
         self.bad = BadSteps(t.max_bad_steps)
         self.restarts = 0  # engine restarts over the run (faults/engine_restarts)
-        self.failing = 0  # engine failures since the last phase that completed
+        self.failing = 0  # engine failures since the last phase (or evaluation) that completed
+        self.evals_skipped = 0  # evaluations given up after engine.max_restarts restarts (faults/evals_skipped)
         self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, ...
         self.stopped = ""  # why the run stopped early ('' while it goes on)
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
+        self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.saved_at = -1
 
     def learners(self) -> list[tuple[str, object]]:
@@ -86,6 +98,7 @@ class RunKeeper:
         self.run = state["run"]
         self.bad.load_state_dict(self.run.get("bad_steps", {"in_a_row": 0, "total": 0}))
         self.restarts = self.run.get("engine_restarts", 0)
+        self.evals_skipped = self.run.get("evals_skipped", 0)
         step = state["step"]
         sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=step)  # the engine serves step's policy
         self.s.logger.resume_at(step)
@@ -97,7 +110,7 @@ class RunKeeper:
 
     def save(self, step: int) -> None:
         """A run checkpoint of ``step`` done steps (every rank calls it)."""
-        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts)
+        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts, evals_skipped=self.evals_skipped)
 
         def write(tmp):
             for name, learner in self.learners():
@@ -116,7 +129,8 @@ class RunKeeper:
             learner.last_nonfinite = ""
         if reason:
             self.stopped, self.error = reason, True
-        return {"faults/nonfinite_steps": float(self.bad.total), "faults/engine_restarts": float(self.restarts)}
+        return {"faults/nonfinite_steps": float(self.bad.total), "faults/engine_restarts": float(self.restarts),
+                "faults/evals_skipped": float(self.evals_skipped)}
 
     def end_of_step(self, step: int) -> bool:
         """Save when due, preempted or stopping; True when the loop must stop."""
@@ -131,7 +145,7 @@ class RunKeeper:
 
     def stop(self, step: int, reason: str) -> None:
         """Stop now (``StopRun``): save the state of ``step`` done steps."""
-        self.stopped, self.error = reason, True
+        self.stopped, self.error, self.requeue = reason, True, True
         self.save(step)
         self.say(f"step {step}: {reason}; checkpoint saved, stopping")
 
@@ -156,20 +170,53 @@ class RunKeeper:
                 drawn = list(c.next_prompt.recent)
                 c.load_state_dict(pickle.loads(snapshot))
                 c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
-                self.restarts += 1
-                self.failing += 1
-                where = traceback.format_exception_only(exc)[-1].strip()
-                print(f"rank {dist.get_rank()} step {version + 1}: engine error mid-phase ({where}); "
-                      f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued; "
-                      f"restart {self.failing}/{self.cfg.engine.max_restarts}", flush=True)
-                if self.failing > self.cfg.engine.max_restarts:
-                    raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
-                                  f"{self.cfg.engine.max_restarts}); last: {where}") from exc
-                try:
-                    self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
-                except EngineRestartRefused as refused:
-                    raise StopRun(str(refused)) from exc
-                self.preemption.install()
-                for engine in c.engines:
-                    engine.reset()
-                sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
+                self._recover(exc, f"step {version + 1}: engine error mid-phase",
+                              f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued", version)
+
+    def evaluate(self, fn, version: int) -> float:
+        """``fn()`` (the held-out evaluation, on engines serving ``version``) surviving engine errors as a phase
+        does: every rank agrees that it failed, the engines are restarted and given the trainer's weights, and it
+        runs again. When it still fails after ``engine.max_restarts`` restarts in a row (or the restart is
+        refused) the evaluation is skipped: NaN, logged, ``faults/evals_skipped``; the run goes on and the next
+        phase's engine error stops it with a checkpoint (the failures in a row carry over)."""
+        while True:
+            value, error = float("nan"), None
+            try:
+                value = fn()
+            except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
+                error = exc
+            flag = torch.tensor([0.0 if error is None else 1.0])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                self.failing = 0
+                return value
+            try:
+                self._recover(error or RuntimeError("the evaluation failed on another rank"),
+                              f"evaluation at version {version}: engine error", "the evaluation runs again", version)
+            except StopRun as stop:
+                self.evals_skipped += 1
+                self.say(f"evaluation at version {version} skipped (faults/evals_skipped {self.evals_skipped}): "
+                         f"{stop}")
+                return float("nan")
+
+    def _recover(self, exc: Exception, what: str, done: str, version: int) -> None:
+        """Count and log an engine error, then restart the engines and sync ``version``'s weights into them;
+        ``StopRun`` after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        c = self.s.controller
+        self.restarts += 1
+        self.failing += 1
+        where = traceback.format_exception_only(exc)[-1].strip()
+        print(f"rank {dist.get_rank()} {what} ({where}); {done}; restart {self.failing}/"
+              f"{self.cfg.engine.max_restarts}", flush=True)
+        if self.failing > self.cfg.engine.max_restarts:
+            raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
+                          f"{self.cfg.engine.max_restarts}); last: {where}") from exc
+        try:
+            self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
+        except EngineRestartRefused as refused:
+            raise StopRun(str(refused)) from exc
+        self.preemption.install()
+        for engine in c.engines:
+            engine.reset()
+        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)

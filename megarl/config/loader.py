@@ -197,6 +197,9 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if devices and not _cuda():
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
                           "leave it empty (replicas are plain processes on CPU)")
+    if cfg.sync.rollback not in ("copy", "resync"):
+        raise ConfigError(f"sync.rollback must be 'copy' (back up the engine's weights before each load) or "
+                          f"'resync' (no backup; a failed load makes the engine re-sync), got {cfg.sync.rollback!r}")
     if cfg.sync.timeout_s <= 0:
         raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {cfg.sync.timeout_s}")
     if e.placement == "disaggregated" and e.sleep_level:

@@ -283,6 +283,8 @@ class SyncConfig:
     """Disaggregated engines' weight transport: 'gloo' (CPU or GPU) or 'nccl' (CUDA on the trainer and the engines)."""
     timeout_s: float = 300.0
     """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
+    rollback: str = "copy"
+    """A load failing mid-way: 'copy' (engine backs up its weights first, ~1 model of host RAM; keeps serving the old version) or 'resync' (no backup; engine unusable until re-synced)."""
 
 
 @dataclass

@@ -6,8 +6,8 @@
       controller.run_phase ─▶ replicas       (no replica handles)
       (groups, metrics) ──broadcast_object──▶ the same (groups, metrics): it trains on them
       engine error ──────broadcast_object──▶ the same error: every rank's RunKeeper restarts + resyncs
-    sync: every rank walks the plan (TP all-gathers), and the rank that owns a bucket sends it
-          to the replicas itself (``own_buckets``): pipeline stages and expert ranks send their
+    sync: every rank walks the plan (TP gathers onto the sender), and the rank that owns a bucket
+          sends it to the replicas itself (``own_buckets``): pipeline stages and expert ranks send their
           own layers; nobody gathers the rest.
 
 With one trainer process every call here is the plain one (no collective).
@@ -64,7 +64,7 @@ def sender_socket(sends: bool):
 def own_buckets(sync):
     """A ``StreamingSync``'s buckets that this rank sends, filled in plan order (collective over TP groups).
 
-    Every rank walks every bucket so that the TP all-gathers of the owner's tensors happen; it
+    Every rank walks every bucket so that the TP gathers of the owner's tensors happen; it
     keeps only the buckets it owns — no broadcast inside the trainer, no rank holds another's."""
     from megarl.weight_sync.streaming import SyncStats
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.engines.weight_update import refuse_if_unusable
 from megarl.rollout.engine_api import SlotRequest, StepReport
 
 _SEED_STRIDE = 1_000_003
@@ -53,6 +54,7 @@ class ColocatedReplicas:
         return self.local.engine
 
     def submit(self, request: SlotRequest) -> None:
+        refuse_if_unusable(self.engine)  # every rank alike (a failed load marks every rank's engine)
         k = min(range(self.replicas), key=lambda r: (self.load[r], r))
         self.owner[request.request_id] = k
         self.load[k] += 1
@@ -103,10 +105,18 @@ class ColocatedReplicas:
     def generate(self, requests: list, seed: int) -> list:
         """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its
         engine, the results are exchanged, and every rank returns all of them in request order."""
-        share = requests[self.replica::self.replicas]
-        mine = self.engine.generate(share, seed=seed) if share else []
+        refuse_if_unusable(self.engine)  # every rank alike (a failed load marks every rank's engine)
+        share, mine, error = requests[self.replica::self.replicas], [], ""
+        try:
+            mine = self.engine.generate(share, seed=seed) if share else []
+        except Exception as exc:  # noqa: BLE001  (raised on every rank below, after the exchange, as in step)
+            error = f"replica {self.replica} (rank {self.rank}): {type(exc).__name__}: {exc}"
         every = [None] * self.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, (mine, error))
+        errors = [e for _, e in every if e]
+        if errors:
+            raise RuntimeError("colocated engine generation failed: " + "; ".join(errors))
+        every = [m for m, _ in every]
         out = [None] * len(requests)
         for k in range(self.replicas):
             out[k::self.replicas] = every[k * self.tp]

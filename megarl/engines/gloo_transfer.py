@@ -11,7 +11,8 @@ gloo (CPU) or NCCL (GPU, ``sync.transport: nccl``: the same wire format on CUDA 
   every worker of every replica joins every group (ranks 1..). A trainer at TP=2 has one
   sender (the TP leader gathers each tensor); at PP=2 or EP=2 each stage / expert rank sends
   its own layers over its own group, and nobody gathers the rest.
-- ``start_weight_update``: back up the model (``weight_update.snapshot``), begin vLLM's layerwise reload.
+- ``start_weight_update``: back up the model (``weight_update.snapshot``; not with ``sync.rollback:
+  resync``, set per update by ``megarl_set_rollback``), begin vLLM's layerwise reload.
 - ``receive_weights``: per bucket of the plan (names + shapes + the sender's group, sent once in
   ``update_info``), a one-element flag broadcast (1: a bucket follows; 0: that sender aborted
   and sends nothing more) then the bucket itself, whose HF views go to ``model.load_weights``.
@@ -20,7 +21,8 @@ gloo (CPU) or NCCL (GPU, ``sync.transport: nccl``: the same wire format on CUDA 
   leave the other TP workers' replies queued for the next call): each worker keeps it
   (``megarl_update_outcome``), and if any worker of a replica failed, every one of them finishes
   vLLM's layerwise state and restores its backup (``megarl_abandon_update``), so the replica
-  keeps serving the old weights on all of its workers, never a mix.
+  keeps serving the old weights on all of its workers, never a mix (with no backup the replica
+  marks itself unusable instead: ``replica_process``).
 - ``finish_weight_update``: finalize the reload, repack fused-MoE layers, drop the backup.
 
 The same wire format is spoken by ``GlooSender`` on the trainer side. A group's timeout
@@ -147,6 +149,7 @@ def _register() -> None:
         groups: list = []
         device = torch.device("cpu")
         backup = None
+        rollback = "copy"  # sync.rollback: 'copy' backs up before each update, 'resync' does not
         failure = ""  # why the last receive failed on this worker
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -159,7 +162,7 @@ def _register() -> None:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            self.backup = snapshot(self.model)
+            self.backup = snapshot(self.model) if self.rollback == "copy" else None
             initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
@@ -180,14 +183,16 @@ def _register() -> None:
             return self.failure
 
         def abandon(self) -> None:
-            """Put this worker's previous weights back (every worker of a replica does, if any failed)."""
+            """Put this worker's previous weights back (every worker of a replica does, if any failed); with
+            no backup (``rollback='resync'``) only end vLLM's layerwise state: the replica is then unusable."""
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             try:
                 finalize_layerwise_reload(self.model, self.model_config)  # no layer stays on the meta device
             except Exception:  # noqa: BLE001  (already failing: the restore is what matters)
                 pass
-            restore(self.backup)
+            if self.backup is not None:
+                restore(self.backup)
             self.backup, self.failure = None, ""
 
         def finish_weight_update(self) -> None:
@@ -210,6 +215,10 @@ class GlooWorkerExtension:
         """Receive buckets in our wire format and drop them (the bench's transport baseline); bytes received."""
         engine = self.weight_transfer_engine
         return receive(engine.groups, plan, sources, torch_dtype(dtype), engine.device, lambda i, views: None)
+
+    def megarl_set_rollback(self, mode: str) -> None:
+        """``sync.rollback`` for the next updates: 'copy' (back up first) or 'resync' (no backup)."""
+        self.weight_transfer_engine.rollback = mode
 
     def megarl_update_outcome(self) -> str:
         return self.weight_transfer_engine.outcome()

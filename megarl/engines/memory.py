@@ -24,6 +24,24 @@ def on_gpu() -> bool:
     return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
 
 
+def peak_rss_added(fn) -> int:
+    """Bytes of peak RSS while ``fn`` runs, above the RSS before it (Linux: ``clear_refs`` 5 resets the peak).
+
+    Run under a small ``MALLOC_MMAP_THRESHOLD_`` (65536; 4096 for a tiny model's small tensors) so that
+    every buffer above it is its own mapping and RSS sees it come and go (glibc's heap would keep freed
+    memory and hide new buffers)."""
+    import re
+    from pathlib import Path
+
+    def rss(key: str) -> int:
+        return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss("VmRSS")
+    fn()
+    return rss("VmHWM") - before
+
+
 def sleep_supported() -> bool:
     """vLLM offers sleep mode on this platform (not on CPU)."""
     try:

@@ -5,7 +5,9 @@ or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) 
 engine), generate (evaluation, the audit), init_transfer / update (vLLM's weight-transfer API
 with our ``megarl_gloo`` backend), recv_raw (the bench's transport baseline), close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
-any failed every worker restores its backup (``gloo_transfer``).
+any failed every worker restores its backup (``gloo_transfer``). With ``sync.rollback: resync``
+there is no backup: a failed update leaves the replica unusable (its version ``UNUSABLE``; step
+and generate answer ``EngineUnusable``, submits are dropped) until an update succeeds.
 """
 
 from __future__ import annotations
@@ -60,16 +62,20 @@ def serve(conn, spec: dict) -> None:
     from vllm.inputs import TokensPrompt
 
     from megarl.engines.vllm_engine import VLLMEngine, _sampled_logprobs
+    from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
 
     engine = llm.llm_engine
-    version, active = 0, set()
+    version, active, unusable = 0, set(), ""
     conn.send(("ready", None))
     while True:
         try:
             cmd, arg = conn.recv()
         except EOFError:  # the trainer is gone: end with it
             return
-        if cmd == "submit":
+        if unusable and cmd in ("submit", "step", "generate"):
+            if cmd != "submit":  # (a submit has no reply: the trainer's client refuses it first)
+                conn.send(EngineUnusable(f"engine replica refuses to generate: {unusable}"))
+        elif cmd == "submit":
             engine.add_request(arg.request_id, TokensPrompt(prompt_token_ids=arg.prompt_ids), _params(arg))
             active.add(arg.request_id)
         elif cmd == "abort":
@@ -101,26 +107,34 @@ def serve(conn, spec: dict) -> None:
             except Exception as exc:  # noqa: BLE001  (reported to the trainer)
                 conn.send(f"{type(exc).__name__}: {exc}")
         elif cmd == "update":
-            plan, sources, dtype, new_version = arg
+            plan, sources, dtype, new_version, rollback = arg
             if engine.has_unfinished_requests():
                 conn.send(("failed", "requests still in flight", version))
                 continue
+            started = False
             try:
                 start = time.perf_counter()
+                llm.collective_rpc("megarl_set_rollback", args=(rollback,))
+                started = True
                 llm.start_weight_update()
                 backup = llm.collective_rpc("megarl_backup_mib")[0]
                 llm.update_weights({"update_info": {"buckets": plan, "sources": sources, "dtype": dtype}})
                 failures = [f for f in llm.collective_rpc("megarl_update_outcome") if f]
                 if failures:  # every worker restores, also those that loaded: never a mix across TP ranks
                     llm.collective_rpc("megarl_abandon_update")
-                    conn.send(("failed", failures[0], version))
+                    if rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
+                        version, unusable = UNUSABLE, unusable_message(failures[0])
+                    conn.send(("failed", unusable or failures[0], version))
                     continue
                 llm.finish_weight_update(weight_version=str(new_version))
                 llm.reset_prefix_cache()
-                version = new_version
+                version, unusable = new_version, ""
                 conn.send(("ok", (backup, time.perf_counter() - start), version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
-                conn.send(("failed", f"{type(exc).__name__}: {exc}", version))
+                why = f"{type(exc).__name__}: {exc}"
+                if started and rollback != "copy":
+                    version, unusable = UNUSABLE, unusable_message(why)
+                conn.send(("failed", unusable or why, version))
         elif cmd == "recv_raw":
             conn.send(llm.collective_rpc("megarl_recv_raw", args=tuple(arg))[0])
         elif cmd == "close":

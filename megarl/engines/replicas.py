@@ -38,7 +38,7 @@ import torch
 from megarl.engines import cluster, nodes
 from megarl.engines.base import Completion, TrackedRequests
 from megarl.engines.replica_process import serve
-from megarl.engines.weight_update import WeightLoadError
+from megarl.engines.weight_update import UNUSABLE, EngineUnusable, WeightLoadError
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -58,13 +58,19 @@ class ReplicaClient(TrackedRequests):
         """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
         try:
             self.conn.send((cmd, arg))
-            return self.conn.recv() if reply else None
+            answer = self.conn.recv() if reply else None
         except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
             self.proc.join(1)
             raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
                              f"(exit code {self.proc.exitcode})") from exc
+        if isinstance(answer, EngineUnusable):  # its last update failed with no backup (sync.rollback=resync)
+            raise EngineUnusable(f"engine replica {self.index}: {answer}")
+        return answer
 
     def submit(self, request: SlotRequest) -> None:
+        if self.weight_version == UNUSABLE:
+            raise EngineUnusable(f"engine replica {self.index} refuses to generate: its last weight update failed "
+                                 "with no backup (sync.rollback=resync); it must be re-synced")
         self.call("submit", request, reply=False)
         self._active.add(request.request_id)
 
@@ -93,7 +99,8 @@ class EngineReplicas:
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
-                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", replica_nodes: int = 0) -> None:
+                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
+                 replica_nodes: int = 0) -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = cluster.rank_and_world()
         self.leader = self.rank == 0
@@ -107,6 +114,7 @@ class EngineReplicas:
                           start_timeout_s=start_timeout_s,
                           devices=[d.strip() for d in devices.split(",") if d.strip()])
         self.transport, self.timeout_s = transport, timeout_s
+        self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
         self.versions = [0] * replicas  # what each replica serves (known on every trainer rank)
         self.senders: list[int] | None = None  # the trainer ranks whose groups the replicas joined
         self.sender = None  # this rank's GlooSender, if it sends
@@ -242,9 +250,13 @@ class EngineReplicas:
         if self.leader:
             try:
                 out = ("ok", self.clients[replica].call("generate", (requests, seed)))
+            except EngineUnusable as exc:
+                out = ("unusable", str(exc))
             except Exception as exc:  # noqa: BLE001  (every rank raises it, none waits for an answer)
                 out = ("error", f"{type(exc).__name__}: {exc}")
         out = cluster.share(out)
+        if out[0] == "unusable":
+            raise EngineUnusable(out[1])
         if out[0] == "error":
             raise EngineDied(f"generation on engine replica {replica} failed: {out[1]}")
         return out[1]
@@ -282,7 +294,7 @@ class EngineReplicas:
         try:
             groups = [senders.index(s) for s in sources]
             for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
-                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version), reply=False)
+                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version, self.rollback), reply=False)
             if self.sender is not None:
                 sent = self.sender.send(buckets, [n for n, s in zip(sizes, sources) if s == self.rank], dtype)
             else:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.faults import injected, kill_point
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
-from megarl.engines.weight_update import repack_after_reload
+from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
 
@@ -44,6 +44,8 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
 
 class VLLMEngine:
     """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
+
+    unusable = ""  # why generation is refused ('' while usable): a load failed with no backup (sync.rollback=resync)
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
@@ -85,6 +87,8 @@ class VLLMEngine:
             self.llm = None
             gc.collect()
             self.llm = self._start()
+            if self.unusable:  # a fresh engine serves the model's own files (version 0) until the caller syncs
+                self.unusable, self.weight_version = "", 0
             return
         problem = ""
         try:
@@ -123,6 +127,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        refuse_if_unusable(self)
         torch.manual_seed(seed)  # same RNG state on every rank (see module docstring)
         prompts, params = [], []
         for r in requests:
@@ -197,6 +202,7 @@ class VLLMSlotEngine(TrackedRequests):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        refuse_if_unusable(self.engine)
         max_tokens, ignore_eos = request.max_tokens, False
         if self.length_of is not None:
             max_tokens = min(max_tokens, self.length_of(request.key) - request.generated)
@@ -214,11 +220,25 @@ class VLLMSlotEngine(TrackedRequests):
 
     def step(self) -> StepReport:
         kill_point("engine_step")
-        if injected("engine_error", nth=3):
-            raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
+        refuse_if_unusable(self.engine)  # every rank alike: a failed load marks every rank's engine
+        problem = ""
+        try:
+            if injected("engine_error", nth=3):
+                raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
+            if injected("engine_error_one_rank", nth=3) and dist.is_initialized() and dist.get_rank() == 0:
+                raise RuntimeError("engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)")
+        except RuntimeError as exc:
+            problem = str(exc)
+        self._agree(problem, "before vLLM's step")
         active = len(self._active)
         start = time.perf_counter()
-        outputs = self.engine.llm.llm_engine.step()
+        try:
+            outputs = self.engine.llm.llm_engine.step()
+        except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
+            if self._tp_group() is None:
+                raise
+            problem, outputs = f"{type(exc).__name__}: {exc}", []
+        self._agree(problem, "in vLLM's step")
         elapsed = time.perf_counter() - start
         events = []
         for out in outputs:
@@ -232,3 +252,32 @@ class VLLMSlotEngine(TrackedRequests):
                 self._active.discard(out.request_id)
             events.append(ev)
         return StepReport(events, elapsed, active)
+
+    def _agree(self, problem: str, where: str) -> None:
+        """Raise ``problem`` (this rank's error, '' for none) on every rank of this engine when any has one.
+
+        At engine TP > 1 every rank of the engine runs vLLM's step, whose TP collectives on CPU are vLLM's
+        shared-memory all-reduce: its barrier spins without a timeout (csrc/cpu/shm.cpp, ``wait_for_all``), so
+        a rank that raised alone would leave its peers spinning there forever. One flag all-reduce over the
+        engine's TP group (gloo) before the step and one after make such an error every rank's, raised at the
+        same point: the keeper then recovers the engine on every rank. An error raised by one rank between
+        vLLM's own collectives (inside the forward) cannot be caught here: see the README (faults)."""
+        group = self._tp_group()
+        if group is None:
+            if problem:
+                raise RuntimeError(problem)
+            return
+        flag = torch.tensor([1.0 if problem else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
+            raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")
+
+    def _tp_group(self):
+        """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
+        if self.engine._args["tensor_parallel_size"] <= 1 or not dist.is_initialized():
+            return None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().cpu_group

@@ -13,6 +13,12 @@ old weights.
 Cost: one copy of the engine's weights in host memory for the duration of a sync (the model's
 size in the engine's dtype; on a GPU engine this is host RAM, not device memory), plus one
 device-to-host copy of the weights per sync (a memcpy: ~0.05 s for the 193 MB tiny model here).
+
+``sync.rollback: resync`` opts out of that copy: nothing is backed up, and a load that fails
+mid-way leaves the model a mix, so the engine is marked unusable (``mark_unusable``: its
+version becomes ``UNUSABLE``, and generating on it raises ``EngineUnusable``) until a later sync
+loads it completely; the loop's engine-error path (``RunKeeper.run_phase``: restart or recover,
+then a full sync) does that at the next phase. Never a mix served, at no extra host memory.
 """
 
 from __future__ import annotations
@@ -22,9 +28,34 @@ from dataclasses import dataclass
 
 import torch
 
+UNUSABLE = -1  # the weight version of an engine whose load failed with no backup: it serves no version
+
 
 class WeightLoadError(RuntimeError):
-    """A sync failed mid-way; the engine was restored to the weights it had before."""
+    """A sync failed mid-way; the engine was restored to the weights it had before (``sync.rollback: copy``)
+    or is unusable until it is re-synced (``sync.rollback: resync``)."""
+
+
+class EngineUnusable(RuntimeError):
+    """Generation refused: the engine's last load failed with no backup (``sync.rollback: resync``)."""
+
+
+def unusable_message(why: str) -> str:
+    return (f"weight load failed mid-way ({why}); sync.rollback=resync took no backup, so the engine holds a mix "
+            "of two versions and is unusable until it is re-synced (the next phase restarts it and syncs the "
+            "whole model)")
+
+
+def mark_unusable(engine, why: str) -> None:
+    """The engine serves no version: its version is ``UNUSABLE`` and generating on it raises."""
+    engine.weight_version, engine.unusable = UNUSABLE, why
+
+
+def refuse_if_unusable(engine) -> None:
+    """Raise ``EngineUnusable`` when the engine's last load failed with no backup."""
+    why = getattr(engine, "unusable", "")
+    if why:
+        raise EngineUnusable(f"the engine refuses to generate: {why}")
 
 
 @dataclass
@@ -108,17 +139,19 @@ def repack_after_reload(model: torch.nn.Module) -> None:
 
 
 def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]],
-                    agree: Callable[[bool], bool] | None = None) -> int:
+                    agree: Callable[[bool], bool] | None = None, rollback: str = "copy") -> int:
     """Load ``weights`` into ``model`` completely, or leave it exactly as it was; returns the backup's bytes.
 
     ``agree(ok)`` (engine ranks of one model): True only if every rank loaded; a rank that
-    loaded while another failed restores too, so no rank serves a version the others do not."""
+    loaded while another failed restores too, so no rank serves a version the others do not.
+    ``rollback="resync"``: no backup (0 bytes); a failure raises ``WeightLoadError`` with the model
+    left a mix, on every rank of the model: the caller marks the engine unusable."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
-    saved = snapshot(model)
+    saved = snapshot(model) if rollback == "copy" else None
     error: BaseException | None = None
     try:
         with torch.no_grad():
@@ -134,8 +167,10 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
             pass
     everyone = agree(error is None) if agree is not None else error is None
     if error is None and everyone:
-        return saved.nbytes
-    restore(saved)
+        return saved.nbytes if saved is not None else 0
     why = f"{type(error).__name__}: {error}" if error is not None else "another engine rank failed to load"
+    if saved is None:
+        raise WeightLoadError(unusable_message(why)) from error
+    restore(saved)
     raise WeightLoadError(f"weight load failed mid-way ({why}); the engine was restored to its previous weights") \
         from error

@@ -18,7 +18,10 @@
 
 A failed sync is contained: the engine keeps serving the old version (never a mix), the
 failure is logged and counted (``sync/failures``), and the next sync streams the whole model
-again. ``engine/version`` is logged after every sync.
+again. ``engine/version`` is logged after every sync. With ``sync.rollback: resync`` (no backup
+copy) a failed load leaves the engine unusable instead: ``engine/version`` is ``UNUSABLE`` (-1),
+generating on it raises ``EngineUnusable``, and the next phase's engine-error path (restart or
+recover, then a full sync) or simply the next successful sync repairs it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megarl.engines.weight_update import WeightLoadError, load_or_restore
+from megarl.checkpoint.faults import injected
+from megarl.engines.weight_update import WeightLoadError, load_or_restore, mark_unusable
 from megarl.weight_sync.streaming import streaming_sync
 
 
@@ -65,15 +69,34 @@ def resume(engine) -> None:
     engine.paused = False
 
 
-def load(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes."""
+def load(engine, weights: Iterable[tuple[str, torch.Tensor]], rollback: str = "copy") -> int:
+    """STREAM+LOAD and REPACK on a colocated ``VLLMEngine``: all or nothing; returns the backup's bytes.
+
+    ``rollback="resync"``: no backup; a failed load marks the engine unusable (and raises), a
+    complete one makes it usable again."""
     from vllm.config import set_current_vllm_config
 
     from megarl.trainer import cpu_adapter
 
     worker = engine.worker
     with set_current_vllm_config(worker.vllm_config), cpu_adapter.suspended():  # vLLM asks for no CUDA here
-        return load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, _agree)
+        try:
+            backup = load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights,
+                                     _agree, rollback)
+        except WeightLoadError as exc:
+            if rollback != "copy":
+                mark_unusable(engine, str(exc))
+            raise
+    engine.unusable = ""
+    return backup
+
+
+def broken_half_way(weights: Iterable[tuple[str, torch.Tensor]], total: int):
+    """``weights`` raising after ``total // 2`` of its ``total`` tensors (the ``sync_error`` test hook)."""
+    for i, item in enumerate(weights):
+        if i >= total // 2:
+            raise ConnectionError("sync fault injected by MEGARL_TEST_FAULT (a test hook): the stream broke half-way")
+        yield item
 
 
 def _agree(ok: bool) -> bool:
@@ -123,9 +146,10 @@ class WeightSyncProtocol:
     """Runs the stages in ``ORDER`` on one colocated engine for one trainer; ``log`` gets one line per event."""
 
     def __init__(self, engine, trainer, bucket_mib: float, check_every: int = 0,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, rollback: str = "copy") -> None:
         self.engine, self.trainer, self.bucket_mib, self.check_every, self.log = (
             engine, trainer, bucket_mib, check_every, log)
+        self.rollback = rollback  # sync.rollback of a colocated engine (replicas get theirs at construction)
         self.failures = 0
         self.syncs = 0
         self.stages: list[Stage] = []  # the stages the last sync went through, in order
@@ -140,12 +164,14 @@ class WeightSyncProtocol:
         try:
             self.stages.append(Stage.STREAM_LOAD)
             stream = streaming_sync(self.trainer, engine, self.bucket_mib)
+            if weights is None and injected("sync_error"):
+                weights = broken_half_way(stream.weights(), sum(len(e.hf) for b in stream.buckets() for e in b))
             if remote:  # each replica loads, resets its prefix cache and bumps its version, or restores
                 metrics.update(engine.sync_stream(stream, version, weights))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
                 # zero_copy: on one rank, tensors that need no re-layout go to the engine as views
-                backup = load(engine, stream.weights(zero_copy=True) if weights is None else weights)
+                backup = load(engine, stream.weights(zero_copy=True) if weights is None else weights, self.rollback)
                 self.stages.append(Stage.RESET_CACHE)
                 engine.llm.reset_prefix_cache()
                 self.stages.append(Stage.BUMP)
@@ -155,8 +181,9 @@ class WeightSyncProtocol:
             metrics.update(stream.stats.metrics())
         except WeightLoadError as exc:
             self.failures += 1
-            self.log(f"weight sync to version {version} failed; engine still serves version "
-                     f"{serving_version(engine)}: {exc}")
+            now = (f"engine still serves version {serving_version(engine)}" if serving_version(engine) >= 0 else
+                   "engine unusable until re-synced")
+            self.log(f"weight sync to version {version} failed; {now}: {exc}")
         finally:
             self.stages.append(Stage.RESUME)
             resume(engine)
@@ -173,6 +200,7 @@ def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
     """The loop's entry point: this engine's protocol (kept on the engine), run as ``version``."""
     proto = getattr(engine, "sync_protocol", None)
     if proto is None or proto.trainer is not trainer:
-        proto = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every)
+        proto = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every,
+                                   rollback=sync_cfg.rollback)
         engine.sync_protocol = proto
     return proto.run(version)

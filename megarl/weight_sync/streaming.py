@@ -1,8 +1,9 @@
 """Streaming, resharded weight sync: the trainer's Megatron shards → HF-named buckets → the engines.
 
 No rank ever holds the whole model. Each tensor is sent by one rank — the TP leader of the
-lowest group that holds it (pipeline stages and expert ranks own disjoint layers) — after an
-all-gather over its own TP group only; it is cast to the engine's dtype and re-laid out into
+lowest group that holds it (pipeline stages and expert ranks own disjoint layers) — after a
+gather onto it over its own TP group only (a TP peer gives its shard and never holds the whole
+tensor); it is cast to the engine's dtype and re-laid out into
 HF tensors straight into a bucket (``megarl.native``: ``split_qkv`` / ``split_gate_up`` /
 ``pack``), and the bucket is broadcast to every rank whose engine needs it (all of them, for
 colocated engines). Every rank yields the bucket's HF (name, view) pairs to its engine, bucket
@@ -12,7 +13,7 @@ by bucket, layer by layer::
       embedding │ layer 0 │ layer 1 │ … │ final norm, output layer     (sorted; a bucket never
                                                                          spans two senders)
     per bucket, on its sender                         on every rank
-      TP all-gather ─▶ split / cast into bucket ─▶ broadcast ─▶ (hf name, view) … ─▶ engine
+      TP gather ───▶ split / cast into bucket ─▶ broadcast ─▶ (hf name, view) … ─▶ engine
 
 Peak extra memory on a rank: the bucket (``sync.bucket_mib``, or one tensor when larger) plus
 the largest gathered tensor — independent of the number of layers. In one process (nothing to
@@ -219,18 +220,19 @@ class StreamingSync:
     def _fill(self, e: Entry, out: torch.Tensor) -> int:
         """Write entry ``e``'s HF pieces into ``out`` (on its TP group; only the sender's copy is sent).
 
-        Returns the bytes of the temporary gather buffer."""
+        Returns the bytes of the temporary gather buffer (the sender's; a TP peer only gives its shard)."""
         loc = self._local[e.name]
         if self._leader[e.name] != e.source:
             return 0  # another replica (data-parallel rank) sends it
         t = loc.param.detach()
         extra = 0
-        if loc.dim is not None:
-            gathered = torch.empty((loc.tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather(list(gathered.chunk(loc.tp, dim=0)), t.contiguous(), group=loc.group)
-            extra = gathered.nbytes
+        if loc.dim is not None:  # gathered onto the sender only: a TP peer never holds the whole tensor
             if dist.get_rank() != e.source:
-                return extra  # a TP peer of the sender: it only helped gather
+                dist.gather(t.contiguous(), None, dst=e.source, group=loc.group)
+                return 0  # a TP peer of the sender: it only gave its shard
+            gathered = torch.empty((loc.tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.gather(t.contiguous(), list(gathered.chunk(loc.tp, dim=0)), dst=e.source, group=loc.group)
+            extra = gathered.nbytes
             if loc.dim == 1:  # shards side by side: [tp, rows, cols/tp] → [rows, tp, cols/tp]
                 rows = t.shape[0]
                 out.view(rows, loc.tp, -1).copy_(gathered.view(loc.tp, rows, -1).transpose(0, 1))

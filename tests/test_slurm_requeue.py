@@ -1,0 +1,84 @@
+"""slurm/train.sbatch's decision after the job step: requeue on preemption always, on an engine fault (megarl
+train's exit status 75, EXIT_REQUEUE) at most MAX_FAULT_REQUEUES times, otherwise exit with the run's status.
+The script's own functions, sourced by bash; the real requeue on a two-node Slurm is in tests/test_slurm.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from megarl.checkpoint.keeper import EXIT_REQUEUE
+
+
+def sbatch_functions(calls: str) -> list[str]:
+    script = f'source "{ROOT / "slurm" / "train.sbatch"}"\n{calls}'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_the_script_and_megarl_agree_on_the_requeue_status():
+    text = (ROOT / "slurm" / "train.sbatch").read_text()
+    assert f"EXIT_REQUEUE={EXIT_REQUEUE}" in text
+    assert EXIT_REQUEUE not in (0, 1, 2, 126, 127) and EXIT_REQUEUE < 128  # not an error, usage, shell or signal
+
+
+@pytest.mark.parametrize("status,stop,requeued,limit,expected", [
+    (0, 1, 0, 3, "requeue"),  # preempted (SIGUSR1): always, whatever the fault count
+    (0, 1, 9, 3, "requeue"),
+    (EXIT_REQUEUE, 0, 0, 3, "requeue"),  # an engine fault: requeued while under the bound
+    (EXIT_REQUEUE, 0, 2, 3, "requeue"),
+    (EXIT_REQUEUE, 0, 3, 3, "exit"),  # the bound reached: the job fails with 75
+    (EXIT_REQUEUE, 0, 0, 0, "exit"),  # MAX_FAULT_REQUEUES=0: never
+    (0, 0, 0, 3, "exit"),  # completed
+    (1, 0, 0, 3, "exit"),  # any other failure (non-finite steps, a crash): not requeued
+    (137, 0, 0, 3, "exit"),
+])
+def test_next_action(status, stop, requeued, limit, expected):
+    assert sbatch_functions(f"next_action {status} {stop} {requeued} {limit}") == [expected]
+
+
+def test_run_status_takes_megarls_status_over_torchruns(tmp_path):
+    written = tmp_path / "job.0.exit"
+    written.write_text(f"{EXIT_REQUEUE}\n")
+    garbage = tmp_path / "garbage.exit"
+    garbage.write_text("75; rm -rf /\n")
+    out = sbatch_functions(f"run_status 1 {written}; run_status 0 {written}; run_status 1 {tmp_path / 'none'}; "
+                           f"run_status 137 {garbage}")
+    # torchrun's 1 → megarl's 75; a clean srun stays 0; no file: srun's; only a number is believed
+    assert out == [str(EXIT_REQUEUE), "0", "1", "137"]
+
+
+def test_megarl_train_status_and_exit_file(tmp_path, monkeypatch):
+    from megarl.cli import _exit_status
+
+    path = tmp_path / "logs" / "7.0.exit"
+    monkeypatch.setenv("MEGARL_EXIT_FILE", str(path))
+    monkeypatch.setenv("RANK", "0")
+    assert _exit_status({"stopped": "engine failed 4 times in a row", "error": True, "requeue": True}) == EXIT_REQUEUE
+    assert path.read_text() == f"{EXIT_REQUEUE}\n"
+    assert _exit_status({"stopped": "2 non-finite steps in a row", "error": True, "requeue": False}) == 1
+    assert _exit_status({"stopped": "SIGUSR1 received", "error": False}) == 0
+    assert path.read_text() == "0\n"
+    monkeypatch.setenv("RANK", "1")  # only rank 0 writes
+    os.remove(path)
+    assert _exit_status({"error": True, "requeue": True}) == EXIT_REQUEUE and not path.exists()
+
+
+@pytest.mark.slow
+def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
+    """One process, engine.max_restarts=0: the injected engine error in step 1 stops the run with a checkpoint."""
+    exit_file = tmp_path / "logs" / "1.0.exit"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
+           "train.steps=2", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+           "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+           "engine.slots=4", "engine.kv_cache_gib=0.0625", "engine.max_restarts=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEGARL_TEST_FAULT": "engine_error@1",
+                               "MEGARL_EXIT_FILE": str(exit_file)})
+    assert proc.returncode == EXIT_REQUEUE, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "engine failed 1 times in a row (engine.max_restarts=0)" in proc.stderr
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir()
