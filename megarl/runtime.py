@@ -61,8 +61,8 @@ class Session:
     @property
     def generator(self):
         """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
-        face = self.controller.engines[0]
-        return face if isinstance(face, ColocatedReplicas) else self.engine
+        faces = self.controller.engines  # (none on the trainer ranks > 0 of disaggregated replicas)
+        return faces[0] if faces and isinstance(faces[0], ColocatedReplicas) else self.engine
 
 
 def ensure_model(cfg: RunConfig) -> None:
@@ -157,7 +157,8 @@ def build_engines(cfg: RunConfig):
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
-                              devices=e.replica_devices, rollback=cfg.sync.rollback)
+                              devices=e.replica_devices, rollback=cfg.sync.rollback,
+                              replica_nodes=e.replica_nodes)
     return replicas, replicas.clients
 
 

@@ -187,11 +187,13 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if cfg.sync.transport == "nccl" and not _cuda():
         raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
                           "is False here); use sync.transport=gloo")
+    _validate_replica_nodes(e)
     devices = [d for d in e.replica_devices.split(",") if d.strip()]
-    if e.placement == "disaggregated" and _cuda() and len(devices) != e.replicas * e.tensor_parallel_size:
+    per_node = e.replicas // max(1, e.replica_nodes) * e.tensor_parallel_size
+    if e.placement == "disaggregated" and _cuda() and len(devices) != per_node:
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
-                          f"engine.replicas × engine.tensor_parallel_size = {e.replicas * e.tensor_parallel_size} "
-                          "CUDA device ids of rank 0's node, apart from the trainer's (e.g. '4,5,6,7')")
+                          f"(engine.replicas / hosting nodes) × engine.tensor_parallel_size = {per_node} "
+                          "CUDA device ids of each hosting node, apart from the trainer's (e.g. '4,5,6,7')")
     if devices and not _cuda():
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
                           "leave it empty (replicas are plain processes on CPU)")
@@ -344,6 +346,19 @@ def transformer_engine_error() -> str | None:
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _validate_replica_nodes(e) -> None:
+    """``engine.replica_nodes`` on its own; against the job's node count at start (``engines.nodes.place``)."""
+    if e.replica_nodes < 0:
+        raise ConfigError(f"engine.replica_nodes must be >= 0 (0: the replicas on rank 0's node; N: on the job's "
+                          f"last N nodes), got {e.replica_nodes}")
+    if e.replica_nodes and e.placement != "disaggregated":
+        raise ConfigError(f"engine.replica_nodes={e.replica_nodes} places disaggregated replicas; set "
+                          "engine.placement=disaggregated or engine.replica_nodes=0")
+    if e.replica_nodes and e.replicas % e.replica_nodes:
+        raise ConfigError(f"engine.replica_nodes={e.replica_nodes} must divide engine.replicas={e.replicas} "
+                          "(the hosting nodes take equal shares)")
 
 
 def _validate_fp8(fp8: str) -> None:

@@ -130,7 +130,9 @@ class EngineConfig:
     replicas: int = 1
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
     replica_devices: str = ""
-    """Disaggregated on GPUs: CUDA device ids on rank 0's node for the replicas ('4,5,6,7': replicas × TP of them)."""
+    """Disaggregated on GPUs: CUDA device ids on each hosting node for its replicas ('4,5,6,7': replicas/node × TP of them)."""
+    replica_nodes: int = 0
+    """Disaggregated: the job's last N nodes host the replicas, engine.replicas / N each (0: all on rank 0's node)."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3

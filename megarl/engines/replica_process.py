@@ -1,7 +1,7 @@
 """One disaggregated engine replica's process: a vLLM ``LLM`` and the command loop the trainer drives over a pipe.
 
-``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0)
-and answers one command at a time: submit / abort / step (the SortedRL controller's slot
+``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0,
+or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) and answers one command at a time: submit / abort / step (the SortedRL controller's slot
 engine), generate (evaluation, the audit), init_transfer / update (vLLM's weight-transfer API
 with our ``megarl_gloo`` backend; its reply carries the update's phases and this process's CPU
 time; ``stage_only``: received and cut into views, nothing loaded — the bench's transfer-only figure),

@@ -3,7 +3,7 @@
 ::
 
     trainer rank 0 (leader)                           replica k (own process, own TP; ``serve``)
-      controller ──submit/abort/step (pipe)──────────▶ LLM.llm_engine.add_request / step
+      controller ──submit/abort/step (pipe, or TCP)──▶ LLM.llm_engine.add_request / step
       ReplicaClient k  ◀──token events + version──────
       sync: "update" (plan) to every replica ───────▶ LLM.start_weight_update → update_weights → finish
     every trainer sending rank s (rank 0 too)
@@ -20,6 +20,8 @@ each bucket is broadcast once to all replicas by the trainer rank that owns it
 backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engine error: every
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
 ``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
+With ``engine.replica_nodes`` the replicas run on other nodes, spawned there and linked back to
+rank 0 over TCP (``nodes``); starting and restarting them is then collective.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from __future__ import annotations
 import atexit
 import math
 import multiprocessing as mp
+import socket
 import threading
 import time
 
 import torch
 
-from megarl.engines import cluster
+from megarl.engines import cluster, nodes
 from megarl.engines.base import Completion, TrackedRequests
 from megarl.engines.replica_process import serve
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable, WeightLoadError
@@ -57,9 +60,9 @@ class ReplicaClient(TrackedRequests):
         try:
             self.conn.send((cmd, arg))
             answer = self.conn.recv() if reply else None
-        except (BrokenPipeError, EOFError, ConnectionResetError) as exc:
+        except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
             self.proc.join(1)
-            raise EngineDied(f"engine replica {self.index} (pid {self.proc.pid}) is not running "
+            raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
                              f"(exit code {self.proc.exitcode})") from exc
         if isinstance(answer, EngineUnusable):  # its last update failed with no backup (sync.rollback=resync)
             raise EngineUnusable(f"engine replica {self.index}: {answer}")
@@ -97,10 +100,16 @@ class EngineReplicas:
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
-                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy") -> None:
+                 transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
+                 replica_nodes: int = 0) -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = cluster.rank_and_world()
         self.leader = self.rank == 0
+        # who spawns which replica (engine.replica_nodes; collective): rank 0, or the hosting nodes' first ranks
+        self._node = nodes.node_index(self.rank)
+        spawners = nodes.place(replicas, replica_nodes, cluster.gather(self._node) if replica_nodes else [0])
+        self._hosted, self._remote = spawners.get(self.rank, []), any(r != 0 for r in spawners)
+        self._local: list = []  # the replica processes this rank spawned for rank 0 (another node's leader)
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
                           start_timeout_s=start_timeout_s,
@@ -113,43 +122,80 @@ class EngineReplicas:
         self.sent_by_rank: list[int] = []  # bytes each trainer rank sent in the last sync
         self.last_phases: list[dict] = []  # rank 0: each replica's phases of the last sync (seconds)
         atexit.register(self.close)
-        if self.leader:
+        if self.leader or self._remote:
             self._start()
 
     def restart(self) -> None:
         """End every replica and start them again (after an engine error); the caller then syncs the weights."""
         self.senders, self.sender = None, None  # the groups are rebuilt at the next sync
         self.versions = [0] * self._args["replicas"]
-        if self.leader:
+        if self.leader or self._remote:  # replicas on other nodes: every rank takes part, their leaders respawn
             self.close()
             self._start()
 
     def _start(self) -> None:
+        """Spawn this rank's replicas (rank 0: over pipes; another node's leader: linked to rank 0 over TCP);
+        rank 0 waits until every replica is ready. Collective when other nodes host replicas."""
         a = self._args
-        replicas, tensor_parallel_size, slots, start_timeout_s = a["replicas"], a["tp"], a["slots"], a["start_timeout_s"]
+        replicas, tp, start_timeout_s = a["replicas"], a["tp"], a["start_timeout_s"]
         ctx = mp.get_context("spawn")
+        rendezvous = None
+        if self._remote:  # rank 0's address and a per-run secret, shared over the trainer's process group
+            host = nodes.reachable_host(cluster.gather(socket.gethostname()))
+            rendezvous = nodes.Rendezvous(host) if self.leader else None
+            address = cluster.share(rendezvous and rendezvous.address)
+        links = {}
+        for j, k in enumerate(self._hosted):
+            spec = dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
+                        slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]))
+            if self.leader:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
+                links[k] = (parent, proc)
+            else:
+                proc = ctx.Process(target=nodes.serve_remote, args=(address, k, self._node, spec),
+                                   name=f"megarl-engine-{k}")
+                self._local.append(proc)
+            proc.start()
+        error = None
+        if self.leader:
+            try:
+                if rendezvous is not None:
+                    links.update(rendezvous.accept([k for k in range(replicas) if k not in links], start_timeout_s))
+                self._ready(links)
+            except Exception as exc:  # noqa: BLE001  (every rank raises it when other nodes host replicas)
+                error = f"{type(exc).__name__}: {exc}"
+        if self._remote:
+            error = cluster.share(error)
+        if error:  # end what this rank started (a replica whose link rank 0 drops ends itself)
+            for proc in [proc for _, proc in links.values()] + self._local:
+                proc.kill()
+            self._local = []
+            raise RuntimeError(error)
+
+    def _ready(self, links: dict) -> None:
+        """Rank 0: the replicas' handles over their new processes, once each said it is ready."""
+        start_timeout_s = self._args["start_timeout_s"]
         old = self.clients  # on a restart the controller keeps its handles: they get the new processes
         self.clients = []
-        for k in range(replicas):
-            parent, child = ctx.Pipe()
-            spec = dict(model=a["model"], tp=tensor_parallel_size, max_model_len=a["max_model_len"],
-                        kv_cache_gib=a["kv_cache_gib"], slots=slots, seed=a["seed"] + k,
-                        devices=",".join(a["devices"][k * tensor_parallel_size:(k + 1) * tensor_parallel_size]))
-            proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
-            proc.start()
+        for k in range(self._args["replicas"]):
+            conn, proc = links[k]
             if k < len(old):
                 c = old[k]
-                c.conn, c.proc, c.weight_version = parent, proc, 0
+                c.conn, c.proc, c.weight_version = conn, proc, 0
                 c.reset()
             else:
-                c = ReplicaClient(k, parent, proc, slots)
+                c = ReplicaClient(k, conn, proc, self._args["slots"])
             self.clients.append(c)
+            if isinstance(proc, nodes.RemoteProcess):
+                print(f"megarl: engine replica {k}: {nodes.where(proc)}", flush=True)
         for c in self.clients:
             if not c.conn.poll(start_timeout_s):
-                raise RuntimeError(f"engine replica {c.index} did not start within {start_timeout_s:.0f}s")
+                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) did not start within "
+                                   f"{start_timeout_s:.0f}s")
             status, detail = c.conn.recv()
             if status != "ready":
-                raise RuntimeError(f"engine replica {c.index} failed to start: {detail}")
+                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) failed to start: {detail}")
 
     def _connect(self, senders: list[int]) -> None:
         """Every sending rank opens a group that every worker of every replica joins (collective)."""
@@ -186,15 +232,15 @@ class EngineReplicas:
     def _reply(self, c: ReplicaClient, timeout_s: float | None = None):
         """Wait for replica ``c``'s reply, polling that it (and every other replica) is still alive."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while not c.conn.poll(0.2):
-            if why := self.dead():
-                raise EngineDied(why)
-            if time.monotonic() > deadline:
-                raise EngineDied(f"engine replica {c.index} did not answer within {self.timeout_s:.0f}s")
         try:
+            while not c.conn.poll(0.2):
+                if why := self.dead():
+                    raise EngineDied(why)
+                if time.monotonic() > deadline:
+                    raise EngineDied(f"engine replica {c.index} did not answer within {self.timeout_s:.0f}s")
             return c.conn.recv()
-        except (EOFError, ConnectionResetError) as exc:
-            raise EngineDied(f"engine replica {c.index} (pid {c.proc.pid}) died") from exc
+        except (EOFError, OSError) as exc:  # the pipe or link ended (a killed link is closed here)
+            raise EngineDied(f"engine replica {c.index} ({nodes.where(c.proc)}) died") from exc
 
     @property
     def weight_version(self) -> int:
@@ -317,7 +363,7 @@ class EngineReplicas:
         """'' while every replica process runs, else which one died."""
         for c in self.clients:
             if not c.proc.is_alive():
-                return f"engine replica {c.index} (pid {c.proc.pid}) died (exit code {c.proc.exitcode})"
+                return f"engine replica {c.index} ({nodes.where(c.proc)}) died (exit code {c.proc.exitcode})"
         return ""
 
     def broadcast_raw(self, buckets: list[torch.Tensor]) -> float:
@@ -342,9 +388,15 @@ class EngineReplicas:
                 except (BrokenPipeError, EOFError, OSError):
                     pass
                 c.proc.join(10)
-            if c.proc.is_alive():
+            if c.proc.is_alive() or isinstance(c.proc, nodes.RemoteProcess):  # (a link: closed either way)
                 c.proc.kill()
                 c.proc.join(5)
+        for proc in self._local:  # another node's leader: its own replica processes (told to close by rank 0)
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._local = []
 
 
 class _Watchdog:

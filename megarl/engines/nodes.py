@@ -1,0 +1,176 @@
+"""Disaggregated replicas on nodes other than rank 0's (``engine.replica_nodes``): where each one runs, and its link home.
+
+::
+
+    node 0: trainer rank 0 (leader) ── Listener (rank 0's host, a free port, a per-run authkey)
+              ▲  ▲        (address + authkey: broadcast over the trainer's process group)
+              │  └──────────────────────────────────────────────┐
+    node 1: its first trainer rank spawns replicas 0, 1 ──────── each: Client((host, port), authkey)
+              (joins/kills them at restart and exit)              → hello (index, pid, node, host name)
+                                                                  → serve(conn, spec): the same commands
+                                                                    as a replica on rank 0's node (a pipe)
+
+With ``engine.replica_nodes: N`` the job's last N nodes host the replicas, ``engine.replicas / N``
+each, spawned by the node's first trainer rank (its node-local leader); ``engine.replica_devices``
+then names each hosting node's devices. ``N = 0`` (the default): every replica on rank 0's node,
+spawned by rank 0 over pipes, as before. A node is torchrun's ``GROUP_RANK``; without torchrun,
+``rank // LOCAL_WORLD_SIZE`` (the launchers place ranks node by node).
+
+Liveness without a process handle: rank 0 sees a remote replica's death as the end of its
+connection (``RemoteProcess.is_alive`` peeks without reading), so a lost replica is the same
+contained ``EngineDied``; and a replica ends itself when rank 0 closes its connection
+(``RemoteProcess.kill``), even mid-broadcast. Restarts are collective: every trainer rank calls
+``EngineReplicas.restart``, the hosting leaders end and respawn their own processes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+
+from megarl.config.loader import ConfigError
+
+
+def node_index(rank: int) -> int:
+    """This trainer process's node in the job (torchrun's GROUP_RANK, else rank // LOCAL_WORLD_SIZE)."""
+    if os.environ.get("GROUP_RANK", "") != "":
+        return int(os.environ["GROUP_RANK"])
+    return rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def place(replicas: int, replica_nodes: int, nodes_of_ranks: list[int]) -> dict[int, list[int]]:
+    """trainer rank → the replica indices it spawns: rank 0 all of them (``replica_nodes=0``), else the first
+    rank of each of the job's last ``replica_nodes`` nodes ``replicas / replica_nodes`` of them, in node order."""
+    if replica_nodes == 0:
+        return {0: list(range(replicas))}
+    nodes = sorted(set(nodes_of_ranks))
+    if replica_nodes > len(nodes):
+        raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {len(nodes)} node(s) "
+                          f"({len(nodes_of_ranks)} trainer processes); valid: 0 (rank 0's node) to {len(nodes)}")
+    if replicas % replica_nodes:
+        raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
+                          "(the hosting nodes take equal shares)")
+    per = replicas // replica_nodes
+    leaders = [nodes_of_ranks.index(n) for n in nodes[len(nodes) - replica_nodes:]]
+    return {rank: list(range(i * per, (i + 1) * per)) for i, rank in enumerate(leaders)}
+
+
+def reachable_host(hosts: list[str]) -> str:
+    """The address other nodes reach this one at (loopback when every trainer rank is on one host)."""
+    return "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+
+
+class RemoteProcess:
+    """Rank 0's stand-in for a replica process another node spawned: alive while its connection is open."""
+
+    def __init__(self, conn, pid: int, node: int, host: str) -> None:
+        self.conn, self.pid, self.node, self.host = conn, pid, node, host
+        self.exitcode = None  # known to the hosting node only
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))  # to peek at the link without reading it
+        self._gone = False
+
+    def is_alive(self) -> bool:
+        if self._gone:
+            return False
+        try:
+            self._gone = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # b"": the end
+        except BlockingIOError:  # nothing to read: the link is open
+            return True
+        except OSError:
+            self._gone = True
+        return not self._gone
+
+    def kill(self) -> None:
+        """End the link; the replica ends itself when it sees that (``serve_remote``)."""
+        self._gone = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self.conn.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout``) until the link ends; the hosting node reaps the process itself."""
+        end = time.monotonic() + (timeout or 0.0)
+        while self.is_alive() and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def __repr__(self) -> str:
+        return f"pid {self.pid} on node {self.node} ({self.host})"
+
+
+def where(proc) -> str:
+    """A replica process for messages: its pid, and its node when another node spawned it."""
+    return repr(proc) if isinstance(proc, RemoteProcess) else f"pid {proc.pid}"
+
+
+class Rendezvous:
+    """Rank 0's listener for the replicas that other nodes spawn."""
+
+    def __init__(self, host: str) -> None:
+        self.authkey = secrets.token_bytes(32)
+        self.listener = Listener((host, 0), authkey=self.authkey)
+        self.address = (host, self.listener.address[1], self.authkey)
+
+    def accept(self, indices: list[int], timeout_s: float) -> dict[int, tuple]:
+        """replica index → (conn, RemoteProcess) for each of ``indices``, within ``timeout_s``; then closes."""
+        got: dict[int, tuple] = {}
+        stop = threading.Event()
+
+        def run() -> None:
+            while len(got) < len(indices) and not stop.is_set():
+                try:
+                    conn = self.listener.accept()
+                    index, pid, node, host = conn.recv()
+                except Exception:  # noqa: BLE001  (a stray or failed handshake, AuthenticationError included; our wake-up)
+                    continue
+                got[index] = (conn, RemoteProcess(conn, pid, node, host))
+
+        thread = threading.Thread(target=run, name="megarl-replica-rendezvous", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        stop.set()
+        if thread.is_alive():  # wake the blocked accept (closing the listener would not), then close it
+            try:
+                socket.create_connection(self.address[:2], timeout=5).close()
+            except OSError:
+                pass
+            thread.join(10)
+        self.listener.close()
+        missing = sorted(set(indices) - set(got))
+        if missing:
+            for _, proc in got.values():  # those that came end themselves
+                proc.kill()
+            raise RuntimeError(f"engine replicas {missing} (on other nodes) did not connect to trainer rank 0 at "
+                               f"{self.address[0]}:{self.address[1]} within {timeout_s:.0f}s")
+        return got
+
+
+def _follow_the_trainer(conn) -> None:
+    """End this process as soon as rank 0 closes the link (it may be blocked in a transfer group)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    while True:
+        try:
+            if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                os._exit(1)
+        except BlockingIOError:
+            pass
+        except OSError:
+            os._exit(1)
+        time.sleep(0.2)
+
+
+def serve_remote(address: tuple, index: int, node: int, spec: dict) -> None:
+    """A replica spawned on another node: connect to rank 0, say who it is, then serve like any replica."""
+    from megarl.engines.replica_process import serve
+
+    host, port, authkey = address
+    conn = Client((host, port), authkey=authkey)
+    conn.send((index, os.getpid(), node, os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
+    threading.Thread(target=_follow_the_trainer, args=(conn,), name="megarl-follow-trainer", daemon=True).start()
+    serve(conn, spec)
