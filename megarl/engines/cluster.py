@@ -102,7 +102,7 @@ class LeaderController(RolloutController):
                 raise
         payload = share(payload)
         if payload[0] == "error":
-            from megarl.engines.replicas import EngineDied
+            from megarl.engines.replica_client import EngineDied
 
             raise EngineDied(f"on trainer rank 0: {payload[1]}")
         return payload[1]

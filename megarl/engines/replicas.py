@@ -11,7 +11,7 @@
     rank 0                                     ◀──── ok (+ reset prefix cache, version bump) | failed
       the verdict ──all_gather_object──▶ every trainer rank (all raise, or none)
 
-Each replica is a ``SlotEngine`` (``ReplicaClient``); the SortedRL controller on rank 0 drives
+Each replica is a ``SlotEngine`` (``replica_client.ReplicaClient``); the SortedRL controller on rank 0 drives
 them all from one shared pull queue, and the other trainer ranks learn each phase's batch from
 it (``cluster.LeaderController``). Weights go through vLLM's weight-transfer API with our
 ``megarl_gloo`` backend (``gloo_transfer``; gloo on CPU, NCCL with ``sync.transport: nccl``):
@@ -30,65 +30,16 @@ import atexit
 import math
 import multiprocessing as mp
 import socket
-import threading
 import time
 
 import torch
 
 from megarl.engines import cluster, nodes
-from megarl.engines.base import Completion, TrackedRequests
+from megarl.engines.base import Completion
+from megarl.engines.replica_client import EngineDied, ReplicaClient, Watchdog
 from megarl.engines.replica_process import serve
-from megarl.engines.weight_update import UNUSABLE, EngineUnusable, WeightLoadError
-from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
+from megarl.engines.weight_update import EngineUnusable, WeightLoadError
 from megarl.trainer import cpu_adapter
-
-
-class EngineDied(RuntimeError):
-    """A replica process is gone; an engine error the loop's containment restarts the replicas for."""
-
-
-class ReplicaClient(TrackedRequests):
-    """The trainer's handle on one replica: a ``SlotEngine`` over a pipe."""
-
-    def __init__(self, index: int, conn, proc, slots: int) -> None:
-        self.index, self.conn, self.proc, self.slots = index, conn, proc, slots
-        self.weight_version = 0
-        super().__init__()
-
-    def call(self, cmd: str, arg=None, reply: bool = True):
-        """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
-        try:
-            self.conn.send((cmd, arg))
-            answer = self.conn.recv() if reply else None
-        except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
-            self.proc.join(1)
-            raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
-                             f"(exit code {self.proc.exitcode})") from exc
-        if isinstance(answer, EngineUnusable):  # its last update failed with no backup (sync.rollback=resync)
-            raise EngineUnusable(f"engine replica {self.index}: {answer}")
-        return answer
-
-    def submit(self, request: SlotRequest) -> None:
-        if self.weight_version == UNUSABLE:
-            raise EngineUnusable(f"engine replica {self.index} refuses to generate: its last weight update failed "
-                                 "with no backup (sync.rollback=resync); it must be re-synced")
-        self.call("submit", request, reply=False)
-        self._active.add(request.request_id)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        self.call("abort", request_ids, reply=False)
-
-    def step(self) -> StepReport:
-        active = len(self._active)
-        events, elapsed, version = self.call("step")
-        report = []
-        for rid, toks, lps, finished, reason in events:
-            ev = TokenEvent(rid, toks, lps, version=version)
-            if finished:
-                ev.finished, ev.finish_reason = True, reason
-                self._active.discard(rid)
-            report.append(ev)
-        return StepReport(report, elapsed, active)
 
 
 class EngineReplicas:
@@ -293,7 +244,7 @@ class EngineReplicas:
             raise WeightLoadError(f"weight update to version {version} failed ({exc}); every replica was ended: "
                                   "the next phase restarts them") from exc
         start, error, sent = time.perf_counter(), None, 0
-        watch = _Watchdog(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
+        watch = Watchdog(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
         try:
             groups = [senders.index(s) for s in sources]
             for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
@@ -397,28 +348,6 @@ class EngineReplicas:
                 proc.kill()
                 proc.join(5)
         self._local = []
-
-
-class _Watchdog:
-    """While a rank-0 sync runs: if a replica process dies, end every replica — their transfer group is
-    broken, and ending them makes every blocked send and receive fail at once instead of at the timeout."""
-
-    def __init__(self, replicas: EngineReplicas) -> None:
-        self.replicas, self.done, self.died = replicas, threading.Event(), ""
-        self.thread = threading.Thread(target=self._run, name="megarl-replica-watchdog", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.done.wait(0.1):
-            if why := self.replicas.dead():
-                self.died = why
-                self.replicas._end_all()
-                return
-
-    def stop(self) -> str:
-        self.done.set()
-        self.thread.join()
-        return self.died
 
 
 def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:
