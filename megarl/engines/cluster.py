@@ -51,11 +51,12 @@ def sender_socket(sends: bool):
     """This rank's transfer group's (host, port) and listening socket if it ``sends``, else None (collective):
     loopback when the whole run is on one host."""
     from megarl.engines.gloo_transfer import listen
+    from megarl.engines.nodes import reachable_host
 
-    hosts = set(gather(socket.gethostname()))
+    hosts = gather(socket.gethostname())
     if not sends:
         return None
-    host = "127.0.0.1" if len(hosts) == 1 else socket.gethostbyname(socket.gethostname())
+    host = reachable_host(hosts)
     sock = listen(host)
     return host, sock.getsockname()[1], sock
 
