@@ -9,6 +9,7 @@ then the same command with ``train.resume=auto`` finishing the run from the last
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from megarl.checkpoint import watchdog
 from megarl.checkpoint.keeper import EXIT_REQUEUE
 
 HUNG = textwrap.dedent("""
-    import sys, time
+    import multiprocessing, sys, time
     from megarl.checkpoint.watchdog import start, guard
 
     def wedged_collective():
@@ -34,7 +35,9 @@ HUNG = textwrap.dedent("""
             with guard("engine step"):
                 time.sleep(0.01)
     time.sleep(1.0)  # nothing guarded: nothing to fire on
-    print("returned in time", flush=True)
+    child = multiprocessing.Process(target=time.sleep, args=(600,))  # e.g. a checkpoint writer: killed with us
+    child.start()
+    print("returned in time; child", child.pid, flush=True)
     with guard("weight sync to version 3"):
         wedged_collective()
 """)
@@ -49,6 +52,16 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
     took = time.monotonic() - start
     assert proc.returncode == EXIT_REQUEUE, proc.stdout + proc.stderr
     assert "returned in time" in proc.stdout
+    child = int(proc.stdout.split("child")[1])
+    for _ in range(50):  # SIGKILLed by the watchdog (its pipes closed, or subprocess.run would still be waiting)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the watchdog left its child {child} running")
     assert "rank 3: weight sync to version 3 has not returned after" in proc.stderr
     assert "engine.hang_timeout_s=0.5" in proc.stderr and f"exiting {EXIT_REQUEUE}" in proc.stderr
     assert "(most recent call first)" in proc.stderr and "in wedged_collective" in proc.stderr  # the stack dump
@@ -90,10 +103,18 @@ def _train(tmp_path, *extra, env=None, timeout=900):
            f"model.path={tmp_path / 'model'}", "data.eval_size=2", "rollout.prompts_per_step=2",
            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "engine.slots=4", "engine.kv_cache_gib=0.0625",
            *extra]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    return proc, time.monotonic() - start
+    start, log = time.monotonic(), tmp_path / f"train.{time.time_ns()}.log"
+    with open(log, "w") as f:  # its own session: whatever it leaves behind is killed with it (as Slurm would)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return code, log.read_text(), time.monotonic() - start
 
 
 @pytest.mark.slow
@@ -101,16 +122,35 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     """One process: the engine's 3rd step of RL step 2 never returns. The watchdog ends the run (75, the exit file,
     the stack in the log) with step 1's checkpoint on disk; the same command with train.resume=auto finishes it."""
     exit_file = tmp_path / "run" / "logs" / "1.0.exit"
-    proc, took = _train(tmp_path, "engine.hang_timeout_s=20",
-                        env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == EXIT_REQUEUE, out[-6000:]
-    assert "rank 0: engine hang injected by MEGARL_TEST_FAULT" in proc.stdout
-    assert "megarl watchdog: rank 0: vLLM engine step (RL step 2) has not returned after" in proc.stderr
-    assert "in hang_forever" in proc.stderr and "in _step" in proc.stderr  # the hung thread's stack
+    code, out, took = _train(tmp_path, "engine.hang_timeout_s=20",
+                             env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
+    assert code == EXIT_REQUEUE, out[-6000:]
+    assert "rank 0: engine hang injected by MEGARL_TEST_FAULT" in out
+    assert "megarl watchdog: rank 0: vLLM engine step (RL step 2) has not returned after" in out
+    assert "in hang_forever" in out and "in _step" in out  # the hung thread's stack
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
-    resumed, _ = _train(tmp_path, "train.resume=auto")
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
-    assert "at step 1:" in resumed.stdout and (ckpts / "step_000003").is_dir()
+    code, out, _ = _train(tmp_path, "train.resume=auto")
+    assert code == 0, out[-6000:]
+    assert "at step 1:" in out and (ckpts / "step_000003").is_dir()
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_1_hung_ends_both_processes_with_75(tmp_path):
+    """2 processes, trainer TP 2, one engine at TP 2: rank 1's engine step never returns and rank 0 waits for it at
+    the step's agreement. The watchdog ends the blocked process(es) with 75, torchrun stops the rest (and reports 1),
+    the exit file says 75 although the hung rank is not rank 0, and step 1's checkpoint is on disk."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    code, out, took = _train(tmp_path, "--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2",
+                        "model.make_tiny=qwen2", "engine.max_model_len=64", "engine.kv_cache_gib=0.25",
+                        "data.max_digits=2", "optim.micro_batch_size=4", "engine.hang_timeout_s=20",
+                             env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)},
+                             timeout=600)
+    assert code != 0, out[-6000:]  # torchrun's 1 for a failed worker
+    assert "rank 1: engine hang injected by MEGARL_TEST_FAULT" in out, out[-6000:]
+    assert "megarl watchdog: rank 1: vLLM engine step (RL step 2) has not returned after" in out, out[-6000:]
+    assert "in hang_forever" in out
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+    assert took < 300, took

@@ -16,8 +16,8 @@ a few times per timeout; when the slot's deadline has passed it
 3. writes the requeue status to ``$MEGARL_EXIT_FILE`` when it is set — whichever rank fires, since
    the hung rank need not be rank 0 and torchrun reports 1 for any failed worker
    (``slurm/train.sbatch`` reads the file and requeues on 75 a bounded number of times);
-4. ends the process with ``os._exit(status)`` (no cleanup: the main thread is stuck), so torchrun
-   tears down the other ranks. The requeued job resumes from the last run checkpoint
+4. SIGKILLs its multiprocessing children and ends the process with ``os._exit(status)`` (no other
+   cleanup: the main thread is stuck), so torchrun tears down the other ranks. The requeued job resumes from the last run checkpoint
    (``train.resume=auto``).
 
 The timeout is ``engine.hang_timeout_s`` (0 disables). The thread needs the GIL to run: the calls
@@ -88,6 +88,7 @@ class Watchdog:
         path = os.environ.get("MEGARL_EXIT_FILE")
         if path:
             try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 tmp = f"{path}.rank{self.rank}.tmp"
                 with open(tmp, "w") as f:
                     f.write(f"{self.status}\n")
@@ -95,7 +96,20 @@ class Watchdog:
             except OSError as exc:
                 print(f"megarl watchdog: rank {self.rank}: could not write MEGARL_EXIT_FILE={path}: {exc}",
                       file=err, flush=True)
+        _end_children()
         os._exit(self.status)
+
+
+def _end_children() -> None:
+    """SIGKILL the processes this one started with multiprocessing (e.g. megatron's checkpoint-writer manager):
+    ``os._exit`` runs no cleanup, and an orphan would keep the job's output pipes open."""
+    import multiprocessing
+
+    try:
+        for child in multiprocessing.active_children():
+            child.kill()
+    except Exception:  # noqa: BLE001  (best effort: exiting matters more)
+        pass
 
 
 class _Guard:
