@@ -57,7 +57,8 @@ def make_deterministic() -> None:
 
 EXIT_REQUEUE = 75
 """``megarl train``'s exit status when an engine fault stopped the run (``StopRun``: ``engine.max_restarts`` failures
-in a row, or a refused recovery) after saving a checkpoint: rerun (requeue) to resume in fresh processes.
+in a row, or a refused recovery) after saving a checkpoint, or when the hang watchdog ended a blocked process
+(``watchdog.py``; the last run checkpoint stands): rerun (requeue) to resume in fresh processes.
 75 is sysexits.h's EX_TEMPFAIL; it is none of 1 (an error; torchrun's status when any worker fails), 2 (a config
 error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
 
