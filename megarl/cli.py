@@ -15,7 +15,9 @@ key, type or layout exits with status 2 and a message that names it.
 ``train`` exits 0 when the run completed or was preempted (checkpoint saved), 1 when a fault stopped it
 (e.g. non-finite steps), and 75 (``EXIT_REQUEUE``) when an engine fault stopped it with a checkpoint
 (rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
-``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it).
+``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it). A call that
+never returns ends its process with 75 after ``engine.hang_timeout_s``, that rank writing the file
+(``megarl/checkpoint/watchdog.py``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ Test hooks (environment variables, read once per process; nothing happens when t
   gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
   only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
   (under torchrun, the in-place recovery after an engine error fails: the run stops with a checkpoint) or
-  ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP.
+  ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP, or ``engine_hang`` (the engine's 3rd
+  step blocks forever on the last rank — rank 0 in one process — while its peers wait for it at the step's
+  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,19 @@ def set_step(step: int) -> None:
     """Tell the hooks which RL step (1-based) is running."""
     global _step
     _step = step
+
+
+def current_step() -> int:
+    """The RL step (1-based) the hooks think is running (0 before the first)."""
+    return _step
+
+
+def hang_forever() -> None:
+    """The ``engine_hang`` test hook: block like a wedged collective (sleeping, so the watchdog thread runs)."""
+    print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: engine hang injected by MEGARL_TEST_FAULT "
+          "(a test hook)", flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def _parse(var: str) -> list[tuple[str, int, int]]:

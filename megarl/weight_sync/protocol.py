@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megarl.checkpoint.faults import injected
+from megarl.checkpoint.watchdog import guard
 from megarl.engines.weight_update import WeightLoadError, load_or_restore, mark_unusable
 from megarl.weight_sync.streaming import streaming_sync
 
@@ -203,4 +204,5 @@ def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
         proto = WeightSyncProtocol(engine, trainer, sync_cfg.bucket_mib, sync_cfg.check_every,
                                    rollback=sync_cfg.rollback)
         engine.sync_protocol = proto
-    return proto.run(version)
+    with guard(f"weight sync to version {version}"):  # a wedged collective ends the process (exit 75)
+        return proto.run(version)

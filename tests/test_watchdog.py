@@ -1,0 +1,156 @@
+"""The hang watchdog (``megarl/checkpoint/watchdog.py``): a guarded call that never returns ends the process with
+exit 75 (requeue), its stack dumped and ``$MEGARL_EXIT_FILE`` written by whichever rank hung.
+
+Fast: the thread itself in a fresh interpreter (a real hang, a real ``os._exit``), the guard's slot, the config
+check. Slow: ``megarl train`` with a real hang injected into the vLLM engine's step (``MEGARL_TEST_FAULT=engine_hang``),
+then the same command with ``train.resume=auto`` finishing the run from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT
+from megarl.checkpoint import watchdog
+from megarl.checkpoint.keeper import EXIT_REQUEUE
+
+HUNG = textwrap.dedent("""
+    import multiprocessing, sys, time
+    from megarl.checkpoint.watchdog import start, guard
+
+    def wedged_collective():
+        while True:
+            time.sleep(3600)
+
+    start(timeout_s=float(sys.argv[1]), status=75, rank=3)
+    for i in range(20):  # calls that return in time never fire, nested ones included
+        with guard("evaluation"):
+            with guard("engine step"):
+                time.sleep(0.01)
+    time.sleep(1.0)  # nothing guarded: nothing to fire on
+    child = multiprocessing.Process(target=time.sleep, args=(600,))  # e.g. a checkpoint writer: killed with us
+    child.start()
+    print("returned in time; child", child.pid, flush=True)
+    with guard("weight sync to version 3"):
+        wedged_collective()
+""")
+
+
+def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_path):
+    exit_file = tmp_path / "logs" / "9.0.exit"
+    exit_file.parent.mkdir()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG, "0.5"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "MEGARL_EXIT_FILE": str(exit_file)})
+    took = time.monotonic() - start
+    assert proc.returncode == EXIT_REQUEUE, proc.stdout + proc.stderr
+    assert "returned in time" in proc.stdout
+    child = int(proc.stdout.split("child")[1])
+    for _ in range(50):  # SIGKILLed by the watchdog (its pipes closed, or subprocess.run would still be waiting)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the watchdog left its child {child} running")
+    assert "rank 3: weight sync to version 3 has not returned after" in proc.stderr
+    assert "engine.hang_timeout_s=0.5" in proc.stderr and f"exiting {EXIT_REQUEUE}" in proc.stderr
+    assert "(most recent call first)" in proc.stderr and "in wedged_collective" in proc.stderr  # the stack dump
+    assert "Current thread 0x" in proc.stderr and "\nThread 0x" in proc.stderr  # every thread's: watchdog + main
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"  # written by rank 3: any rank that hangs writes it
+    assert took < 30, took  # 1 s of calls + the 0.5 s deadline + interpreter start, on a loaded machine
+
+
+def test_the_guard_restores_the_enclosing_call_and_is_a_no_op_without_a_watchdog():
+    dog = watchdog.Watchdog(timeout_s=100, status=EXIT_REQUEUE)  # not started: the slot alone
+    with dog.guard("evaluation"):
+        outer = dog.slot
+        assert outer[0] == "evaluation" and outer[2] - outer[1] == 100
+        with dog.guard("engine step"):
+            assert dog.slot[0] == "engine step"
+        assert dog.slot is outer
+    assert dog.slot is None
+    off = watchdog.Watchdog(timeout_s=0, status=EXIT_REQUEUE).start()  # 0: off, no thread, nothing armed
+    with off.guard("engine step"):
+        assert off.slot is None and off._thread is None
+    with watchdog._Guard(None, "engine step"):  # no watchdog started in this process
+        pass
+    with pytest.raises(ValueError, match="timeout must be >= 0 seconds"):
+        watchdog.Watchdog(timeout_s=-1, status=EXIT_REQUEUE)
+
+
+def test_a_negative_hang_timeout_is_a_config_error():
+    from megarl.config import ConfigError, load_config, validate
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["engine.hang_timeout_s=-5"])
+    with pytest.raises(ConfigError, match=r"engine.hang_timeout_s must be >= 0 seconds \(0 turns the hang watchdog "
+                                          r"off\), got -5"):
+        validate(cfg, 1)
+
+
+def _train(tmp_path, *extra, env=None, timeout=900):
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
+           "train.steps=3", "train.save_every=1", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", "data.eval_size=2", "rollout.prompts_per_step=2",
+           "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "engine.slots=4", "engine.kv_cache_gib=0.0625",
+           *extra]
+    start, log = time.monotonic(), tmp_path / f"train.{time.time_ns()}.log"
+    with open(log, "w") as f:  # its own session: whatever it leaves behind is killed with it (as Slurm would)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return code, log.read_text(), time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
+    """One process: the engine's 3rd step of RL step 2 never returns. The watchdog ends the run (75, the exit file,
+    the stack in the log) with step 1's checkpoint on disk; the same command with train.resume=auto finishes it."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    code, out, took = _train(tmp_path, "engine.hang_timeout_s=20",
+                             env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
+    assert code == EXIT_REQUEUE, out[-6000:]
+    assert "rank 0: engine hang injected by MEGARL_TEST_FAULT" in out
+    assert "megarl watchdog: rank 0: vLLM engine step (RL step 2) has not returned after" in out
+    assert "in hang_forever" in out and "in _step" in out  # the hung thread's stack
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
+    code, out, _ = _train(tmp_path, "train.resume=auto")
+    assert code == 0, out[-6000:]
+    assert "at step 1:" in out and (ckpts / "step_000003").is_dir()
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_1_hung_ends_both_processes_with_75(tmp_path):
+    """2 processes, trainer TP 2, one engine at TP 2: rank 1's engine step never returns and rank 0 waits for it at
+    the step's agreement. The watchdog ends the blocked process(es) with 75, torchrun stops the rest (and reports 1),
+    the exit file says 75 although the hung rank is not rank 0, and step 1's checkpoint is on disk."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    code, out, took = _train(tmp_path, "--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2",
+                        "model.make_tiny=qwen2", "engine.max_model_len=64", "engine.kv_cache_gib=0.25",
+                        "data.max_digits=2", "optim.micro_batch_size=4", "engine.hang_timeout_s=20",
+                             env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)},
+                             timeout=600)
+    assert code != 0, out[-6000:]  # torchrun's 1 for a failed worker
+    assert "rank 1: engine hang injected by MEGARL_TEST_FAULT" in out, out[-6000:]
+    assert "megarl watchdog: rank 1: vLLM engine step (RL step 2) has not returned after" in out, out[-6000:]
+    assert "in hang_forever" in out
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+    assert took < 300, took
