@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from megarl.checkpoint.watchdog import guard
 from megarl.engines import nodes
 from megarl.engines.base import TrackedRequests
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable
@@ -33,8 +34,9 @@ class ReplicaClient(TrackedRequests):
     def call(self, cmd: str, arg=None, reply: bool = True):
         """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
         try:
-            self.conn.send((cmd, arg))
-            answer = self.conn.recv() if reply else None
+            with guard(f"engine replica {self.index}: {cmd}"):  # a replica that never answers → exit 75 (watchdog)
+                self.conn.send((cmd, arg))
+                answer = self.conn.recv() if reply else None
         except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
             self.proc.join(1)
             raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
