@@ -206,15 +206,8 @@ def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
             assert "output_layer.weight" in r["ranks"][-1]["local"]
 
 
-# EP=2×PP=2: the sync sends the right bytes (each rank's own buckets equal the checkpoint's tensors bit for bit),
-# but the trainer's own ``logprobs()`` at this layout with one microbatch per DP rank differs from one process's
-# (``tests/parallel_checks.py ep2_pp2_mbs8`` vs ``single_mbs8``: 0.89; loss and grad norm equal), so the audit fails
-_XFAIL = {"ep2_pp2_qwen3_moe": "trainer.logprobs at EP=2×PP=2 with one microbatch per DP rank is off (not the sync)"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_XFAIL[n])) if n in _XFAIL
-                                  else n for n in LAYOUTS])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, name):
     layout, replicas, overrides = LAYOUTS[name]
     r = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.get('world', 2)}",
