@@ -11,9 +11,10 @@ say). Rank 0 drives the replicas; each trainer rank sends the buckets of its own
 3. Each replica's logprobs equal the trainer's afterwards.
 Rank 0 prints one JSON line with every rank's results.
 
-    torchrun --nproc-per-node 2 tests/cluster_checks.py layout RUN_DIR [key=value ...] [hf=NAME]
+    torchrun --nproc-per-node N tests/cluster_checks.py layout RUN_DIR [key=value ...] [hf=NAME]
 
-One trainer layout (TP=2, PP=2×VPP=2, EP=2, DP=2) → disaggregated replicas: see ``layout``.
+One trainer layout (TP=2, PP=2×VPP=2, EP=2, DP=2 on 2 processes; TP=2×PP=2, EP=2×PP=2, EP=2×TP=2 on 4)
+→ disaggregated replicas (at any ``engine.tensor_parallel_size``): see ``layout``.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
 
 
 def layout(run_dir: str, *overrides: str) -> None:
-    """Two trainer processes at the layout the overrides give (TP=2, PP=2×VPP=2, EP=2, DP=2) → disaggregated
+    """The trainer processes at the layout the overrides give (e.g. TP=2, PP=2×VPP=2, EP=2, TP=2×PP=2) → disaggregated
     replicas: RL steps with the audit after every sync, the stale gap before the last sync, each replica's gap
     at the end, and what each trainer rank wrote into buckets of its own, TP-gathered and sent (``hf=NAME``: a
     model written by transformers, ``tests/hf_models.py``, e.g. ``hf=qwen3_tied`` with a tied LM head)."""

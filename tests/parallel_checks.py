@@ -34,6 +34,10 @@ LAYOUTS = {
     "dp2": dict(),
     "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
     "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
+    # four processes (torchrun --nproc-per-node 4): combined layouts (PP × DP)
+    "ep2_pp2": dict(ep=2, pp=2),
+    "ep2_pp2_mbs8": dict(ep=2, pp=2, micro_batch_size=8),
+    "ep2_tp2": dict(ep=2, tp=2, sequence_parallel=True),
 }
 
 

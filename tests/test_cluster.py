@@ -8,12 +8,14 @@
   equal the trainer's after every sync; a replica SIGKILLed mid-broadcast fails the sync without
   a hang, and the keeper restarts the replicas at the next phase.
 - Two trainer processes at TP=2 (dense Qwen2; a transformers-written Qwen3 with a tied LM head),
-  PP=2×VPP=2 (the tied Qwen3), EP=2 (Qwen3-MoE with two replicas; Mixtral) and DP=2 (dense) →
-  disaggregated replicas (``cluster_checks.py layout``, all ``slow``: each starts vLLM): after a
+  PP=2×VPP=2 (the tied Qwen3), EP=2 (Qwen3-MoE with two replicas; Mixtral) and DP=2 (dense), TP=2
+  into a replica at engine TP=2, and four at TP=2×PP=2 (dense), EP=2×PP=2 and EP=2×TP=2 (Qwen3-MoE)
+  → disaggregated replicas (``cluster_checks.py layout``, all ``slow``: each starts vLLM): after a
   warm-up and three RL steps every replica's logprobs equal the trainer's (fp32, ≤ 1e-4; each sync
   had work to do), and the senders are exactly the ranks that own the buckets: each rank sent the
   bytes of its own layers / experts, packed only those, and gathered nothing it does not send (at
-  TP=2 each tensor is gathered onto the TP leader, which sends; its peer only gives its shard).
+  TP=2 each tensor is gathered onto the TP leader, which sends; its peer only gives its shard; at
+  TP=2×PP=2 the senders are exactly the TP leaders of the two stages).
 - ``sync.transport: nccl``: refused without CUDA, before anything starts; over NCCL on a GPU.
 """
 
@@ -141,19 +143,33 @@ LAYOUTS = {
     "ep2_qwen3_moe": (dict(ep=2), 2, ("parallel.ep=2", "engine.replicas=2")),
     "ep2_mixtral": (dict(ep=2), 1, ("parallel.ep=2", "model.make_tiny=mixtral")),
     "dp2_dense": (dict(), 1, ("model.make_tiny=qwen2",)),
+    # a replica at engine TP=2 (two vLLM workers in the transfer group) fed by a trainer at TP=2
+    "tp2_dense_engine_tp2": (dict(tp=2), 1, ("parallel.tp=2", "model.make_tiny=qwen2", "engine.tensor_parallel_size=2")),
+    # combined layouts: four trainer processes
+    "tp2_pp2_dense": (dict(tp=2, pp=2, world=4), 1, ("parallel.tp=2", "parallel.pp=2", "model.make_tiny=qwen2")),
+    "ep2_pp2_qwen3_moe": (dict(ep=2, pp=2, world=4), 1, ("parallel.ep=2", "parallel.pp=2")),
+    # expert TP = 1: megatron's alltoall dispatcher at expert TP = 2 all-gathers uneven token counts, which gloo
+    # refuses ("ProcessGroupGloo::allgather: invalid tensor size")
+    "ep2_tp2_qwen3_moe": (dict(ep=2, tp=2, etp=1, world=4), 1,
+                          ("parallel.ep=2", "parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true")),
 }
 
 
-def owner(name: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, layers: int = 4, experts: int = 4) -> int:
-    """The trainer rank (of 2) that holds a Megatron tensor's layer or expert and must send it: the pipeline
-    stage of its (virtual) chunk, the expert rank of its expert, else rank 0 (TP leader, first DP replica)."""
+def owner(name: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, world: int = 2, etp: int = 0,
+          layers: int = 4, experts: int = 4) -> int:
+    """The trainer rank that holds a Megatron tensor's layer or expert and must send it: the TP leader (of the
+    first DP replica) of its (virtual) chunk's pipeline stage, offset by its expert rank × expert TP (0: = TP) for
+    an expert. Megatron's rank order is tp-dp-pp: a stage's ranks are ``[stage·world/pp, (stage+1)·world/pp)``."""
     layer = re.match(r"decoder\.layers\.(\d+)\.", name)
     if layer is None:
-        return pp - 1 if name.startswith(("decoder.final_layernorm.", "output_layer.")) else 0
+        stage = pp - 1 if name.startswith(("decoder.final_layernorm.", "output_layer.")) else 0
+    else:
+        stage = int(layer.group(1)) // (layers // (pp * vpp)) % pp
+    base = stage * (world // pp)
     expert = re.search(r"\.experts\.local_experts\.(\d+)\.", name)
     if expert is not None and ep > 1:
-        return int(expert.group(1)) // (experts // ep)
-    return int(layer.group(1)) // (layers // (pp * vpp)) % pp
+        return base + int(expert.group(1)) // (experts // ep) * (etp or tp)
+    return base
 
 
 def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
@@ -164,21 +180,25 @@ def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
     assert len(r["gaps"]) == replicas and max(r["gaps"]) <= 1e-4  # and each replica at the end
     for name, source, _ in plan:
         assert source == owner(name, **layout), name
-    own = [sorted(n for n, s, _ in plan if s == k) for k in range(2)]
-    expected = [sum(b for _, s, b in plan if s == k) for k in range(2)]
+    world, tp = layout.get("world", 2), layout.get("tp", 1)
+    assert len(r["ranks"]) == world
+    own = [sorted(n for n, s, _ in plan if s == k) for k in range(world)]
+    expected = [sum(b for _, s, b in plan if s == k) for k in range(world)]
     assert sum(expected) == steps[-1]["sync/bytes"] == steps[-1]["sync/sent_bytes"]
     for k, x in enumerate(r["ranks"]):
-        assert x["senders"] == [j for j in range(2) if expected[j]], k  # exactly the ranks that own buckets
+        assert x["senders"] == [j for j in range(world) if expected[j]], k  # exactly the ranks that own buckets
         assert x["sent_by_rank"] == expected, k  # each sent the bytes of its own buckets, nothing else
         assert x["wrote"] == own[k] and set(x["wrote"]) <= set(x["local"]), k  # nobody packs what it does not own
         assert set(x["gathered"]) <= set(own[k]), k  # nor gathers it
         if not expected[k]:
             assert x["peak_extra"] == 0, k  # a rank that sends nothing holds no bucket and no gathered tensor
-    first, second = r["ranks"]
-    if layout.get("tp", 1) == 1:
-        assert first["gathered"] == second["gathered"] == first["gave"] == second["gave"] == []  # no TP: no gather
-    else:  # the per-tensor TP gather onto the leader, which sends: its peer only gives its shard of each
-        assert first["gathered"] and second["gave"] == first["gathered"] and second["gathered"] == first["gave"] == []
+    for k, x in enumerate(r["ranks"]):
+        if tp == 1:
+            assert x["gathered"] == x["gave"] == [], k  # no TP: no gather
+        elif k % tp == 0:  # the per-tensor TP gather onto the leader, which sends
+            assert x["gave"] == [] and bool(x["gathered"]) == bool(expected[k]), k
+        else:  # its peer only gives its shard of each tensor its leader gathered
+            assert x["gathered"] == [] and x["gave"] == r["ranks"][k - k % tp]["gathered"], k
     assert r["tied"] == tied
     if tied:  # the head is the embedding: not sent again (at PP > 1 though the last stage holds a copy)
         assert not any(n.startswith("output_layer.") for n, _, _ in plan)
@@ -188,8 +208,9 @@ def check_layout(r: dict, layout: dict, replicas: int, tied: bool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_two_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, name):
+def test_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, name):
     layout, replicas, overrides = LAYOUTS[name]
-    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/cluster_checks.py",
+    r = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.get('world', 2)}",
+                    "tests/cluster_checks.py",
                     "layout", str(tmp_path), *overrides], timeout=1200, env={"OMP_NUM_THREADS": "1"})
     check_layout(r, layout, replicas, tied="tied" in name)

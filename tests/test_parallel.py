@@ -96,3 +96,16 @@ def test_router_losses_train_the_router_without_changing_the_logprobs(models, la
     assert routed["logprobs"] == plain["logprobs"]  # aux and z losses add gradients, not outputs
     router = [k for k in plain_w if k.endswith("mlp.router.weight")]
     assert router and max(float((routed_w[k] - plain_w[k]).abs().max()) for k in router) > 1e-6
+
+
+@pytest.mark.slow
+def test_pipeline_times_data_parallel_logprobs_keep_every_rank_rows(models):
+    """EP=2 × PP=2 on four processes (DP=2), one microbatch per DP rank padded for the pipeline: the logprobs
+    are every DP rank's rows, not the first rank's rows and its padding (equal to one process's)."""
+    paths, root = models
+    out = root / "qwen3_moe-ep2_pp2_mbs8"
+    run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "tests/parallel_checks.py",
+                "ep2_pp2_mbs8", str(paths["qwen3_moe"]), str(out)], env={"OMP_NUM_THREADS": "1"})
+    got = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
+    assert got[0]["world"] == 4 and got[0]["dp"] == 2 and got[0]["pp"] == 2
+    assert_same(run(models, "qwen3_moe", "single_mbs8"), got)

@@ -214,6 +214,8 @@ class PolicyTrainer:
             if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
                 from megatron.core import parallel_state as mpu
 
+                # without the rows ``_local`` padded for the pipeline schedule (else the next rank's rows are lost)
+                local = local[: len(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])]
                 parts: list = [None] * self.ps.dp
                 torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
                 local = torch.cat(parts, dim=0)
