@@ -16,3 +16,20 @@ def record_drawn(controller) -> set[int]:
 
     controller.next_prompt = counted
     return drawn
+
+
+def ended_or_killed(pid: int, wait_s: float = 5.0) -> bool:
+    """True if process ``pid`` ends within ``wait_s``; else SIGKILL it (nothing left behind) and return False."""
+    import os
+    import signal
+    import time
+
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    return False

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from check_helpers import ended_or_killed
 
 from megarl.rewards.base import resolve_reward
 from megarl.rewards.builtin import exact_reward, last_boxed, math_reward
@@ -135,14 +136,7 @@ def test_workers_exit_when_the_run_is_killed_mid_call(tmp_path):
     time.sleep(1)
     run.send_signal(signal.SIGKILL)
     run.wait()
-    for _ in range(50):
-        try:
-            os.kill(worker, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        os.kill(worker, signal.SIGKILL)
+    if not ended_or_killed(worker, 10.0):
         raise AssertionError("the hung reward worker outlived its killed parent")
 
 

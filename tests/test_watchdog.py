@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from check_helpers import ended_or_killed
 
 from conftest import ROOT
 from megarl.checkpoint import watchdog
@@ -53,14 +54,7 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
     assert proc.returncode == EXIT_REQUEUE, proc.stdout + proc.stderr
     assert "returned in time" in proc.stdout
     child = int(proc.stdout.split("child")[1])
-    for _ in range(50):  # SIGKILLed by the watchdog (its pipes closed, or subprocess.run would still be waiting)
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
+    if not ended_or_killed(child, 5.0):  # SIGKILLed by the watchdog (its pipes closed, or run() would still wait)
         pytest.fail(f"the watchdog left its child {child} running")
     assert "rank 3: weight sync to version 3 has not returned after" in proc.stderr
     assert "engine.hang_timeout_s=0.5" in proc.stderr and f"exiting {EXIT_REQUEUE}" in proc.stderr
