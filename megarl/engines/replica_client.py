@@ -4,7 +4,7 @@ The connection is a pipe for a replica spawned on rank 0's node, or a TCP link f
 another node (``nodes``); either way one command goes out and (for most) one answer comes back.
 A connection that breaks is ``EngineDied`` — an engine error the loop's containment restarts the
 replicas for — and an answer that is ``EngineUnusable`` (the replica's last update failed with no
-backup, ``sync.rollback: resync``) is raised here on the trainer. ``Watchdog`` ends every replica
+backup, ``sync.rollback: resync``) is raised here on the trainer. ``DeathWatch`` ends every replica
 as soon as one dies during a sync, so no blocked transfer waits for its timeout.
 """
 
@@ -68,13 +68,13 @@ class ReplicaClient(TrackedRequests):
         return StepReport(report, elapsed, active)
 
 
-class Watchdog:
+class DeathWatch:
     """While a rank-0 sync runs: if a replica process dies, end every replica — their transfer group is
     broken, and ending them makes every blocked send and receive fail at once instead of at the timeout."""
 
     def __init__(self, replicas) -> None:
         self.replicas, self.done, self.died = replicas, threading.Event(), ""
-        self.thread = threading.Thread(target=self._run, name="megarl-replica-watchdog", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="megarl-replica-deathwatch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from megarl.engines import cluster, nodes
 from megarl.engines.base import Completion
-from megarl.engines.replica_client import EngineDied, ReplicaClient, Watchdog
+from megarl.engines.replica_client import DeathWatch, EngineDied, ReplicaClient
 from megarl.engines.replica_process import serve
 from megarl.engines.weight_update import EngineUnusable, WeightLoadError
 from megarl.trainer import cpu_adapter
@@ -244,7 +244,7 @@ class EngineReplicas:
             raise WeightLoadError(f"weight update to version {version} failed ({exc}); every replica was ended: "
                                   "the next phase restarts them") from exc
         start, error, sent = time.perf_counter(), None, 0
-        watch = Watchdog(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
+        watch = DeathWatch(self) if self.leader else None  # a replica that dies mid-broadcast ends them all
         try:
             groups = [senders.index(s) for s in sources]
             for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
