@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.engines.cluster import any_rank
+
 _step = 0  # the RL step being run (1-based), for the test hooks
 _seen: collections.Counter = collections.Counter()
 
@@ -102,10 +104,7 @@ class Preemption:
 
     def due(self) -> bool:
         """Whether any rank got a signal (an all-reduce: call it on every rank at the same point)."""
-        flag = torch.tensor([1.0 if self.received else 0.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(bool(self.received))
 
 
 def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:

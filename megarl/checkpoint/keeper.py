@@ -40,6 +40,7 @@ from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
 from megarl.checkpoint.watchdog import start as start_watchdog
+from megarl.engines.cluster import any_rank
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
 
@@ -48,8 +49,6 @@ def make_deterministic() -> None:
     """``train.deterministic``: deterministic torch kernels (cuBLAS workspace, no atomics-based
     reductions) on GPU; call before anything runs a kernel. On CPU the run is already repeatable."""
     import os
-
-    import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -197,10 +196,7 @@ class RunKeeper:
                     value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
-            flag = torch.tensor([0.0 if error is None else 1.0])
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag.item():
+            if not any_rank(error is not None):
                 self.failing = 0
                 return value
             try:

@@ -38,6 +38,16 @@ def share(obj, src: int = 0):
     return box[0]
 
 
+def any_rank(flag: bool, group=None) -> bool:
+    """``flag`` of any rank of ``group`` (default: every trainer rank), on each of them: one all-reduce, so every
+    rank calls it at the same point; the plain ``flag`` with one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def gather(obj) -> list:
     """Every trainer rank's ``obj``, in rank order."""
     if rank_and_world()[1] == 1:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megarl.checkpoint.faults import current_step, hang_forever, injected, kill_point
 from megarl.checkpoint.watchdog import guard
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
+from megarl.engines.cluster import any_rank
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
@@ -274,9 +275,7 @@ class VLLMSlotEngine(TrackedRequests):
             if problem:
                 raise RuntimeError(problem)
             return
-        flag = torch.tensor([1.0 if problem else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item():
+        if any_rank(bool(problem), group):
             every = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
             raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")

@@ -34,6 +34,7 @@ import torch
 
 from megarl.checkpoint.faults import injected
 from megarl.checkpoint.watchdog import guard
+from megarl.engines.cluster import any_rank
 from megarl.engines.weight_update import WeightLoadError, load_or_restore, mark_unusable
 from megarl.weight_sync.streaming import streaming_sync
 
@@ -102,13 +103,7 @@ def broken_half_way(weights: Iterable[tuple[str, torch.Tensor]], total: int):
 
 def _agree(ok: bool) -> bool:
     """Every trainer rank (each holds an engine, or a TP shard of one) loaded: all or none keep the new weights."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    failed = torch.tensor([0 if ok else 1])
-    dist.all_reduce(failed)
-    return int(failed) == 0
+    return not any_rank(not ok)
 
 
 def logprob_gap(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> float:
