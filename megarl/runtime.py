@@ -102,7 +102,8 @@ def build_session(cfg: RunConfig) -> Session:
     else:
         engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
                             cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
-                            enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported())
+                            enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported(),
+                            peer_wait_s=cfg.engine.peer_wait_s)
         slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
     cpu_adapter.activate()
     from megatron.core import tensor_parallel

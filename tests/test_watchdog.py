@@ -96,6 +96,9 @@ def test_a_negative_hang_timeout_is_a_config_error():
     with pytest.raises(ConfigError, match=r"engine.hang_timeout_s must be >= 0 seconds \(0 turns the hang watchdog "
                                           r"off\), got -5"):
         validate(cfg, 1)
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["engine.peer_wait_s=0"])
+    with pytest.raises(ConfigError, match=r"engine.peer_wait_s must be > 0 seconds, got 0"):
+        validate(cfg, 1)
 
 
 class Ran(NamedTuple):
@@ -202,31 +205,46 @@ TP2 = ("--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2", "model.
 
 
 @pytest.mark.slow
-def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(tmp_path):
+@pytest.mark.parametrize("bound", ["peer_wait", "watchdog"])
+def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(tmp_path, bound):
     """2 processes, one colocated engine at TP 2: rank 1's model forward raises (the 3rd forward of RL step 2,
     ``forward_error_last_rank``) while rank 0 is inside its own forward, in vLLM's TP all-reduce, which nothing in
-    the process can interrupt. Measured outcome: the watchdog ends the run with 75 (in the exit file: torchrun itself
-    reports 1) about engine.hang_timeout_s after the fault, no process of the run is left, step 1's checkpoint is on
-    disk and the same command with train.resume=auto finishes the run from it."""
-    exit_file, timeout_s = tmp_path / "run" / "logs" / "1.0.exit", 30
+    the process can interrupt. ``peer_wait``: rank 1 waits engine.peer_wait_s for rank 0 at the step's agreement,
+    then exits 75; ``watchdog`` (peer_wait_s above the hang timeout): both blocked ranks' hang watchdogs exit 75.
+    Either way: 75 in the exit file (torchrun itself reports 1) within the bound + teardown slack, no process of the
+    run and none of its /dev/shm segments left, step 1's checkpoint on disk, and the same command with
+    train.resume=auto (what the requeued job runs) finishes the run from it."""
+    wait_s, hang_s = (10, 300) if bound == "peer_wait" else (300, 30)
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
     shm_before = set(os.listdir("/dev/shm"))
-    r = _train(tmp_path, *TP2, f"engine.hang_timeout_s={timeout_s}", mark="forward error injected", timeout=600,
+    r = _train(tmp_path, *TP2, f"engine.peer_wait_s={wait_s}", f"engine.hang_timeout_s={hang_s}", timeout=600,
+               mark="forward error injected",
                env={"MEGARL_TEST_FAULT": "forward_error_last_rank@2:3", "MEGARL_EXIT_FILE": str(exit_file)})
-    shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before)
-    fired = [line for line in r.out.splitlines() if line.startswith("megarl watchdog: rank ")]
-    print(f"code {r.code}, {r.took:.0f}s in all, {r.after_mark:.1f}s from the fault to the end; watchdog: {fired}; "
-          f"left in /dev/shm: {shm_left}")
+    port = r.out.split("rendezvous localhost:")[1].split()[0] if "rendezvous localhost:" in r.out else "?"
+    shm_left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.endswith((f"-{port}_0", f"-{port}_1")))
+    fired = [line for line in r.out.splitlines() if line.startswith(("megarl watchdog: rank ", "megarl: rank "))]
+    print(f"{bound}: code {r.code}, {r.took:.0f}s in all, {r.after_mark:.1f}s from the fault to the end; {fired}")
     assert "rank 1: forward error injected by MEGARL_TEST_FAULT at call 3 of RL step 2" in r.out, r.out[-6000:]
+    assert "rank 1: vLLM's step raised RuntimeError: forward fault injected" in r.out  # the cause, with its traceback
     assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
-    assert fired and all("vLLM engine step (RL step 2) has not returned after" in line for line in fired), r.out[-6000:]
-    assert "(most recent call first)" in r.out  # the blocked rank's stacks, in the run's log
+    if bound == "peer_wait":
+        assert fired == [f"megarl: rank 1: engine step failed in vLLM's step (RuntimeError: forward fault injected "
+                         f"by MEGARL_TEST_FAULT (a test hook)) and the engine's other ranks did not reach the "
+                         f"agreement within engine.peer_wait_s={wait_s}s (RuntimeError: Operation timed out!): they "
+                         f"are blocked inside vLLM's collectives; exiting {EXIT_REQUEUE} (requeue: the run resumes "
+                         f"from its last checkpoint)"], r.out[-6000:]
+    else:
+        assert fired and all(line.startswith("megarl watchdog: rank ") and "vLLM engine step (RL step 2) has not "
+                             "returned after" in line for line in fired), r.out[-6000:]
+        assert "(most recent call first)" in r.out  # the blocked rank's stacks, in the run's log
     assert "step 2: engine error" not in r.out  # never contained in-process: nothing reached the keeper's recovery
     assert r.left == [], r.left  # every process of the run ended (torchrun's workers, megatron's helpers)
-    assert shm_left == [], shm_left  # the TP all-reduce's /dev/shm segments too (the watchdog's on_fire)
-    assert timeout_s <= r.after_mark < timeout_s + 60, r.after_mark  # the watchdog's deadline + teardown slack
+    assert shm_left == [], shm_left  # the TP all-reduce's /dev/shm segments too (on_fire)
+    assert min(wait_s, hang_s) <= r.after_mark < min(wait_s, hang_s) + 60, r.after_mark  # + torchrun's teardown
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
-    r = _train(tmp_path, *TP2, "train.resume=auto", timeout=600)  # what the requeued Slurm job runs
-    assert r.code == 0 and r.left == [], r.out[-6000:]
-    assert "at step 1:" in r.out and (ckpts / "step_000003").is_dir(), r.out[-6000:]
+    if bound == "peer_wait":  # the resume after either is the same
+        r = _train(tmp_path, *TP2, "train.resume=auto", timeout=600)
+        assert r.code == 0 and r.left == [], r.out[-6000:]
+        assert "at step 1:" in r.out and (ckpts / "step_000003").is_dir(), r.out[-6000:]

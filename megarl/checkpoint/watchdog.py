@@ -77,34 +77,55 @@ class Watchdog:
 
     def fire(self, what: str, blocked_s: float) -> None:
         """Log, dump every thread's stack, write the exit file and end the process (never returns)."""
-        try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001  (a broken stdout must not keep the process alive)
-            pass
-        err = sys.stderr if _has_fd(sys.stderr) else sys.__stderr__
+        err = _flushed_stderr()
         print(f"megarl watchdog: rank {self.rank}: {what} has not returned after {blocked_s:.1f}s "
               f"(engine.hang_timeout_s={self.timeout_s:g}); stacks of every thread follow; exiting {self.status} "
               "(requeue: the run resumes from its last checkpoint)", file=err, flush=True)
         faulthandler.dump_traceback(file=err, all_threads=True)
         err.flush()
-        path = os.environ.get("MEGARL_EXIT_FILE")
-        if path:
-            try:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                tmp = f"{path}.rank{self.rank}.tmp"
-                with open(tmp, "w") as f:
-                    f.write(f"{self.status}\n")
-                os.replace(tmp, path)
-            except OSError as exc:
-                print(f"megarl watchdog: rank {self.rank}: could not write MEGARL_EXIT_FILE={path}: {exc}",
-                      file=err, flush=True)
-        for fn in _on_fire:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001  (best effort: exiting matters more)
-                print(f"megarl watchdog: rank {self.rank}: cleanup {fn.__name__} failed: {exc}", file=err, flush=True)
-        _end_children()
-        os._exit(self.status)
+        _write_status_and_exit(self.status, self.rank, err)
+
+
+def end_process(message: str, status: int = 75) -> None:
+    """End this process now as the watchdog does (``message`` logged, the exit file, the ``on_fire`` cleanups,
+    ``os._exit``), for a caller that knows it would block for good; the watchdog's status when one is started."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    status = _dog.status if _dog is not None else status
+    err = _flushed_stderr()
+    print(f"megarl: rank {rank}: {message}; exiting {status} (requeue: the run resumes from its last checkpoint)",
+          file=err, flush=True)
+    _write_status_and_exit(status, rank, err)
+
+
+def _flushed_stderr():
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001  (a broken stdout must not keep the process alive)
+        pass
+    return sys.stderr if _has_fd(sys.stderr) else sys.__stderr__
+
+
+def _write_status_and_exit(status: int, rank: int, err) -> None:
+    """Write ``status`` to ``$MEGARL_EXIT_FILE``, run the ``on_fire`` cleanups, end the children, ``os._exit``."""
+    path = os.environ.get("MEGARL_EXIT_FILE")
+    if path:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            tmp = f"{path}.rank{rank}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{status}\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            print(f"megarl watchdog: rank {rank}: could not write MEGARL_EXIT_FILE={path}: {exc}", file=err, flush=True)
+    for fn in _on_fire:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001  (best effort: exiting matters more)
+            print(f"megarl watchdog: rank {rank}: cleanup {fn.__name__} failed: {exc}", file=err, flush=True)
+    _end_children()
+    os._exit(status)
 
 
 def _end_children() -> None:

@@ -319,7 +319,7 @@ def _validate_algo(cfg: RunConfig) -> None:
 
 
 def _validate_train(cfg: RunConfig) -> None:
-    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``, ``engine.hang_timeout_s``)."""
+    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``, ``engine.hang_timeout_s``, ``engine.peer_wait_s``)."""
     t = cfg.train
     for key in ("save_every", "max_bad_steps"):
         if getattr(t, key) < 0:
@@ -331,6 +331,8 @@ def _validate_train(cfg: RunConfig) -> None:
     if cfg.engine.hang_timeout_s < 0:
         raise ConfigError(f"engine.hang_timeout_s must be >= 0 seconds (0 turns the hang watchdog off), "
                           f"got {cfg.engine.hang_timeout_s}")
+    if cfg.engine.peer_wait_s <= 0:
+        raise ConfigError(f"engine.peer_wait_s must be > 0 seconds, got {cfg.engine.peer_wait_s}")
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         raise ConfigError(f"train.resume={t.resume!r}: expected 'auto', 'never' or an existing checkpoint directory "
                           "(run_dir/checkpoints/step_N)")

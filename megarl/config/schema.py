@@ -139,6 +139,8 @@ class EngineConfig:
     """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
     hang_timeout_s: float = 1800.0
     """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process with exit 75 (requeue); 0 off."""
+    peer_wait_s: float = 60.0
+    """Colocated engine TP > 1: a rank whose engine step failed waits this long for the engine's other ranks, then exits 75 (they are stuck in vLLM's collectives)."""
 
 
 @dataclass

@@ -24,13 +24,15 @@ from __future__ import annotations
 import gc
 import os
 import time
+import traceback
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point
-from megarl.checkpoint.watchdog import guard, on_fire
+from megarl.checkpoint.watchdog import end_process, guard, on_fire
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.engines.cluster import any_rank
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
@@ -51,8 +53,9 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
-                 enable_sleep_mode: bool = False) -> None:
+                 enable_sleep_mode: bool = False, peer_wait_s: float = 60.0) -> None:
         set_cpu_engine_env(kv_cache_gib)
+        self.peer_wait_s = peer_wait_s  # engine.peer_wait_s (see VLLMSlotEngine._agree)
         self._args = dict(
             model=str(model_dir),
             dtype="float32",
@@ -268,6 +271,7 @@ class VLLMSlotEngine(TrackedRequests):
             if self._tp_group() is None:
                 raise
             problem, outputs = f"{type(exc).__name__}: {exc}", []
+            print(f"rank {dist.get_rank()}: vLLM's step raised {problem}\n{traceback.format_exc()}", end="", flush=True)
         self._agree(problem, "in vLLM's step")
         elapsed = time.perf_counter() - start
         events = []
@@ -290,14 +294,30 @@ class VLLMSlotEngine(TrackedRequests):
         shared-memory all-reduce: its barrier spins without a timeout (csrc/cpu/shm.cpp, ``wait_for_all``), so
         a rank that raised alone would leave its peers spinning there forever. One flag all-reduce over the
         engine's TP group (gloo) before the step and one after make such an error every rank's, raised at the
-        same point: the keeper then recovers the engine on every rank. An error raised by one rank between
-        vLLM's own collectives (inside the forward) cannot be caught here: see the README (faults)."""
+        same point: the keeper then recovers the engine on every rank.
+
+        An error raised by one rank between vLLM's own collectives (inside the forward) leaves its peers inside
+        the step, in a collective nothing can interrupt: they never reach this agreement. So a rank that has an
+        error waits here at most ``engine.peer_wait_s`` (peers that are not stuck come within the same engine
+        step, since the step's collectives keep them in lockstep) and past it ends its process with exit 75
+        (``end_process``: the exit file, the /dev/shm cleanup); torchrun then ends the stuck peers, and the
+        requeued run resumes from its last checkpoint. Without this the peers' hang watchdog
+        (``engine.hang_timeout_s``, 30 min by default) would be the bound."""
         group = self._tp_group()
         if group is None:
             if problem:
                 raise RuntimeError(problem)
             return
-        if any_rank(bool(problem), group):
+        if problem:
+            flag = torch.ones(1)  # this rank's vote (MAX: the engine failed); the same all-reduce as any_rank's
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(
+                    timeout=timedelta(seconds=self.engine.peer_wait_s))
+            except Exception as exc:  # noqa: BLE001  (gloo: "Operation timed out!"; or a peer gone)
+                end_process(f"engine step failed {where} ({problem}) and the engine's other ranks did not reach "
+                            f"the agreement within engine.peer_wait_s={self.engine.peer_wait_s:g}s "
+                            f"({type(exc).__name__}: {exc}): they are blocked inside vLLM's collectives")
+        if problem or any_rank(False, group):
             every = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
             raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")
