@@ -229,11 +229,11 @@ def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(t
     assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     if bound == "peer_wait":
-        assert fired == [f"megarl: rank 1: engine step failed in vLLM's step (RuntimeError: forward fault injected "
-                         f"by MEGARL_TEST_FAULT (a test hook)) and the engine's other ranks did not reach the "
-                         f"agreement within engine.peer_wait_s={wait_s}s (RuntimeError: Operation timed out!): they "
-                         f"are blocked inside vLLM's collectives; exiting {EXIT_REQUEUE} (requeue: the run resumes "
-                         f"from its last checkpoint)"], r.out[-6000:]
+        assert len(fired) == 1, r.out[-6000:]  # rank 1 alone; rank 0, stuck, is ended by torchrun
+        assert fired[0].startswith("megarl: rank 1: engine step failed in vLLM's step (RuntimeError: forward fault "
+                                   "injected by MEGARL_TEST_FAULT (a test hook)) and the engine's other ranks did not "
+                                   f"reach the agreement within engine.peer_wait_s={wait_s}s"), fired
+        assert fired[0].endswith(f"exiting {EXIT_REQUEUE} (requeue: the run resumes from its last checkpoint)"), fired
     else:
         assert fired and all(line.startswith("megarl watchdog: rank ") and "vLLM engine step (RL step 2) has not "
                              "returned after" in line for line in fired), r.out[-6000:]
