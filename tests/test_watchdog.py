@@ -204,6 +204,36 @@ TP2 = ("--nproc", "2", "parallel.tp=2", "engine.tensor_parallel_size=2", "model.
        "engine.max_model_len=64", "engine.kv_cache_gib=0.25", "data.max_digits=2", "optim.micro_batch_size=4")
 
 
+def _forward_fault(tmp_path, fault: str, what: str, wait_s: float, hang_s: float) -> tuple[Ran, list[str]]:
+    """``megarl train`` at engine TP 2 with ``fault`` (``forward_error_last_rank@STEP:N``): the outcome every
+    bound shares, checked; the run and the lines that ended it (peer wait or watchdogs) returned."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _train(tmp_path, *TP2, f"engine.peer_wait_s={wait_s}", f"engine.hang_timeout_s={hang_s}", timeout=600,
+               mark="forward error injected", env={"MEGARL_TEST_FAULT": fault, "MEGARL_EXIT_FILE": str(exit_file)})
+    port = r.out.split("rendezvous localhost:")[1].split()[0] if "rendezvous localhost:" in r.out else "?"
+    shm_left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.endswith((f"-{port}_0", f"-{port}_1")))
+    fired = [line for line in r.out.splitlines() if line.startswith(("megarl watchdog: rank ", "megarl: rank "))]
+    print(f"{fault}, peer_wait_s={wait_s}, hang_timeout_s={hang_s}: code {r.code}, {r.took:.0f}s in all, "
+          f"{r.after_mark:.1f}s from the fault to the end; {fired}")
+    step, _, nth = fault.partition("@")[2].partition(":")
+    assert f"rank 1: forward error injected by MEGARL_TEST_FAULT at call {nth} of RL step {step}" in r.out, r.out[-6000:]
+    assert f"rank 1: {what} raised RuntimeError: forward fault injected" in r.out  # the cause, with its traceback
+    assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert "engine error" not in r.out  # never contained in-process: nothing reached the keeper's recovery
+    assert r.left == [], r.left  # every process of the run ended (torchrun's workers, megatron's helpers)
+    assert shm_left == [], shm_left  # the TP all-reduce's /dev/shm segments too (on_fire)
+    assert min(wait_s, hang_s) <= r.after_mark < min(wait_s, hang_s) + 60, r.after_mark  # + torchrun's teardown
+    if wait_s < hang_s:
+        assert len(fired) == 1, r.out[-6000:]  # rank 1 alone; rank 0, stuck, is ended by torchrun
+        assert fired[0].startswith(f"megarl: rank 1: engine step failed in {what} (RuntimeError: forward fault "
+                                   "injected by MEGARL_TEST_FAULT (a test hook)) and the engine's other ranks did not "
+                                   f"reach the agreement within engine.peer_wait_s={wait_s}s"), fired
+        assert fired[0].endswith(f"exiting {EXIT_REQUEUE} (requeue: the run resumes from its last checkpoint)"), fired
+    return r, fired
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bound", ["peer_wait", "watchdog"])
 def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(tmp_path, bound):
@@ -215,36 +245,21 @@ def test_under_torchrun_rank_1_raising_inside_the_forward_exits_75_and_resumes(t
     run and none of its /dev/shm segments left, step 1's checkpoint on disk, and the same command with
     train.resume=auto (what the requeued job runs) finishes the run from it."""
     wait_s, hang_s = (10, 300) if bound == "peer_wait" else (300, 30)
-    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
-    shm_before = set(os.listdir("/dev/shm"))
-    r = _train(tmp_path, *TP2, f"engine.peer_wait_s={wait_s}", f"engine.hang_timeout_s={hang_s}", timeout=600,
-               mark="forward error injected",
-               env={"MEGARL_TEST_FAULT": "forward_error_last_rank@2:3", "MEGARL_EXIT_FILE": str(exit_file)})
-    port = r.out.split("rendezvous localhost:")[1].split()[0] if "rendezvous localhost:" in r.out else "?"
-    shm_left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.endswith((f"-{port}_0", f"-{port}_1")))
-    fired = [line for line in r.out.splitlines() if line.startswith(("megarl watchdog: rank ", "megarl: rank "))]
-    print(f"{bound}: code {r.code}, {r.took:.0f}s in all, {r.after_mark:.1f}s from the fault to the end; {fired}")
-    assert "rank 1: forward error injected by MEGARL_TEST_FAULT at call 3 of RL step 2" in r.out, r.out[-6000:]
-    assert "rank 1: vLLM's step raised RuntimeError: forward fault injected" in r.out  # the cause, with its traceback
-    assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
-    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
-    if bound == "peer_wait":
-        assert len(fired) == 1, r.out[-6000:]  # rank 1 alone; rank 0, stuck, is ended by torchrun
-        assert fired[0].startswith("megarl: rank 1: engine step failed in vLLM's step (RuntimeError: forward fault "
-                                   "injected by MEGARL_TEST_FAULT (a test hook)) and the engine's other ranks did not "
-                                   f"reach the agreement within engine.peer_wait_s={wait_s}s"), fired
-        assert fired[0].endswith(f"exiting {EXIT_REQUEUE} (requeue: the run resumes from its last checkpoint)"), fired
-    else:
+    r, fired = _forward_fault(tmp_path, "forward_error_last_rank@2:3", "vLLM's step", wait_s, hang_s)
+    if bound == "watchdog":
         assert fired and all(line.startswith("megarl watchdog: rank ") and "vLLM engine step (RL step 2) has not "
                              "returned after" in line for line in fired), r.out[-6000:]
         assert "(most recent call first)" in r.out  # the blocked rank's stacks, in the run's log
-    assert "step 2: engine error" not in r.out  # never contained in-process: nothing reached the keeper's recovery
-    assert r.left == [], r.left  # every process of the run ended (torchrun's workers, megatron's helpers)
-    assert shm_left == [], shm_left  # the TP all-reduce's /dev/shm segments too (on_fire)
-    assert min(wait_s, hang_s) <= r.after_mark < min(wait_s, hang_s) + 60, r.after_mark  # + torchrun's teardown
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
     if bound == "peer_wait":  # the resume after either is the same
         r = _train(tmp_path, *TP2, "train.resume=auto", timeout=600)
         assert r.code == 0 and r.left == [], r.out[-6000:]
         assert "at step 1:" in r.out and (ckpts / "step_000003").is_dir(), r.out[-6000:]
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_1_raising_inside_the_forward_of_an_evaluation_exits_75(tmp_path):
+    """The same fault in the batch generation of the evaluation before RL (RL step 0, its 1st forward): rank 1
+    waits engine.peer_wait_s at the generation's agreement, then exits 75; nothing left behind."""
+    _forward_fault(tmp_path, "forward_error_last_rank@0:1", "vLLM's generate", 10, 300)

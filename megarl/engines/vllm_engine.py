@@ -50,12 +50,14 @@ class VLLMEngine:
     """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
 
     unusable = ""  # why generation is refused ('' while usable): a load failed with no backup (sync.rollback=resync)
+    peer_wait_s = 60.0  # engine.peer_wait_s (see ``agree``)
+    _args: dict = {}  # LLM's arguments (empty on a shim around a replica process's own LLM)
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0) -> None:
         set_cpu_engine_env(kv_cache_gib)
-        self.peer_wait_s = peer_wait_s  # engine.peer_wait_s (see VLLMSlotEngine._agree)
+        self.peer_wait_s = peer_wait_s
         self._args = dict(
             model=str(model_dir),
             dtype="float32",
@@ -148,8 +150,23 @@ class VLLMEngine:
                     detokenize=False,
                 )
             )
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        problem, outputs, group = "", [], self.tp_group()
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
+            if group is None:
+                raise
+            problem = _logged(exc, "vLLM's generate")
+        agree(problem, group, self.peer_wait_s, "in vLLM's generate")
         return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def tp_group(self):
+        """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
+        if self._args.get("tensor_parallel_size", 1) <= 1 or not dist.is_initialized():
+            return None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().cpu_group
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
@@ -270,8 +287,7 @@ class VLLMSlotEngine(TrackedRequests):
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
             if self._tp_group() is None:
                 raise
-            problem, outputs = f"{type(exc).__name__}: {exc}", []
-            print(f"rank {dist.get_rank()}: vLLM's step raised {problem}\n{traceback.format_exc()}", end="", flush=True)
+            problem, outputs = _logged(exc, "vLLM's step"), []
         self._agree(problem, "in vLLM's step")
         elapsed = time.perf_counter() - start
         events = []
@@ -288,44 +304,50 @@ class VLLMSlotEngine(TrackedRequests):
         return StepReport(events, elapsed, active)
 
     def _agree(self, problem: str, where: str) -> None:
-        """Raise ``problem`` (this rank's error, '' for none) on every rank of this engine when any has one.
-
-        At engine TP > 1 every rank of the engine runs vLLM's step, whose TP collectives on CPU are vLLM's
-        shared-memory all-reduce: its barrier spins without a timeout (csrc/cpu/shm.cpp, ``wait_for_all``), so
-        a rank that raised alone would leave its peers spinning there forever. One flag all-reduce over the
-        engine's TP group (gloo) before the step and one after make such an error every rank's, raised at the
-        same point: the keeper then recovers the engine on every rank.
-
-        An error raised by one rank between vLLM's own collectives (inside the forward) leaves its peers inside
-        the step, in a collective nothing can interrupt: they never reach this agreement. So a rank that has an
-        error waits here at most ``engine.peer_wait_s`` (peers that are not stuck come within the same engine
-        step, since the step's collectives keep them in lockstep) and past it ends its process with exit 75
-        (``end_process``: the exit file, the /dev/shm cleanup); torchrun then ends the stuck peers, and the
-        requeued run resumes from its last checkpoint. Without this the peers' hang watchdog
-        (``engine.hang_timeout_s``, 30 min by default) would be the bound."""
-        group = self._tp_group()
-        if group is None:
-            if problem:
-                raise RuntimeError(problem)
-            return
-        if problem:
-            flag = torch.ones(1)  # this rank's vote (MAX: the engine failed); the same all-reduce as any_rank's
-            try:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(
-                    timeout=timedelta(seconds=self.engine.peer_wait_s))
-            except Exception as exc:  # noqa: BLE001  (gloo: "Operation timed out!"; or a peer gone)
-                end_process(f"engine step failed {where} ({problem}) and the engine's other ranks did not reach "
-                            f"the agreement within engine.peer_wait_s={self.engine.peer_wait_s:g}s "
-                            f"({type(exc).__name__}: {exc}): they are blocked inside vLLM's collectives")
-        if problem or any_rank(False, group):
-            every = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
-            raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")
+        agree(problem, self._tp_group(), self.engine.peer_wait_s, where)
 
     def _tp_group(self):
-        """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
-        if self.engine._args["tensor_parallel_size"] <= 1 or not dist.is_initialized():
-            return None
-        from vllm.distributed.parallel_state import get_tp_group
+        return self.engine.tp_group()
 
-        return get_tp_group().cpu_group
+
+def _logged(exc: Exception, what: str) -> str:
+    """``exc`` as one line, after logging it with its traceback on this rank (the cause of what follows)."""
+    problem = f"{type(exc).__name__}: {exc}"
+    print(f"rank {dist.get_rank()}: {what} raised {problem}\n{traceback.format_exc()}", end="", flush=True)
+    return problem
+
+
+def agree(problem: str, group, wait_s: float, where: str) -> None:
+    """Raise ``problem`` (this rank's error, '' for none) on every rank of an engine (``group``: its TP group, None
+    when the engine is this rank alone) when any has one; every rank of the engine calls it at the same point.
+
+    At engine TP > 1 every rank of the engine runs vLLM's step, whose TP collectives on CPU are vLLM's
+    shared-memory all-reduce: its barrier spins without a timeout (csrc/cpu/shm.cpp, ``wait_for_all``), so
+    a rank that raised alone would leave its peers spinning there forever. One flag all-reduce over the
+    engine's TP group (gloo) before each step and one after (and one after a batch generation) make such an
+    error every rank's, raised at the same point: the keeper then recovers the engine on every rank.
+
+    An error raised by one rank between vLLM's own collectives (inside the forward) leaves its peers inside
+    the step, in a collective nothing can interrupt: they never reach this agreement. So a rank that has an
+    error waits here at most ``wait_s`` (``engine.peer_wait_s``; peers that are not stuck come within the same
+    engine step, since the step's collectives keep them in lockstep) and past it ends its process with exit 75
+    (``end_process``: the exit file, the /dev/shm cleanup); torchrun then ends the stuck peers, and the
+    requeued run resumes from its last checkpoint. Without this the peers' hang watchdog
+    (``engine.hang_timeout_s``, 30 min by default) would be the bound."""
+    if group is None:
+        if problem:
+            raise RuntimeError(problem)
+        return
+    if problem:
+        flag = torch.ones(1)  # this rank's vote (MAX: the engine failed); the same all-reduce as any_rank's
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(
+                timeout=timedelta(seconds=wait_s))
+        except Exception as exc:  # noqa: BLE001  (gloo: "Operation timed out!"; or a peer gone)
+            end_process(f"engine step failed {where} ({problem}) and the engine's other ranks did not reach the "
+                        f"agreement within engine.peer_wait_s={wait_s:g}s ({type(exc).__name__}: {exc}): they "
+                        "are blocked inside vLLM's collectives")
+    if problem or any_rank(False, group):
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, f"rank {dist.get_rank()}: {problem}" if problem else "", group=group)
+        raise RuntimeError(f"engine step failed {where} ({'; '.join(p for p in every if p)})")
