@@ -6,7 +6,8 @@
 - **Non-finite steps**: ``PolicyTrainer.train_step`` skips the optimizer step when the loss or a
   gradient is not finite (weights and Adam state untouched); ``BadSteps`` counts them and stops the
   run after ``train.max_bad_steps`` in a row, naming the step and what was non-finite.
-- **Engine errors**: see ``megarl/checkpoint/recovery.py``.
+- **Engine errors**: see ``megarl/checkpoint/keeper.py`` (and ``agree`` in ``megarl/engines/vllm_engine.py`` at engine
+  TP > 1).
 
 Test hooks (environment variables, read once per process; nothing happens when they are unset):
 

