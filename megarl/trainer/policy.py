@@ -19,7 +19,7 @@ from megarl.config.schema import OptimConfig
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights
-from megarl.trainer.parallel import ParallelState
+from megarl.trainer.parallel import ParallelState, moe_dispatcher_for
 from megarl.types import TrainBatch
 from megarl.weight_sync.export import gather_hf_weights
 
@@ -63,6 +63,7 @@ class PolicyTrainer:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
+        moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
                                         moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
