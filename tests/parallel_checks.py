@@ -108,6 +108,9 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
 
     metrics = trainer.train_step(batch, loss)
     full = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    norms = [metrics["grad_norm"]] * ps.world_size  # every rank's (its clipping uses it): all must agree
+    if ps.world_size > 1:
+        dist.all_gather_object(norms, metrics["grad_norm"])
     os.makedirs(out_dir, exist_ok=True)
     if ps.rank == 0:
         torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))
@@ -116,7 +119,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
             json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"], "metrics": metrics,
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
-                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(parallel._SAID)}, f)
+                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(parallel._SAID), "grad_norms": norms}, f)
     dist.barrier()
 
 
