@@ -205,7 +205,8 @@ def layout(run_dir: str, *overrides: str) -> None:
         if rank == 0:
             plan = [(e.name, e.source, e.numel * sync.dtype.itemsize) for e in sync.plan()]
             print(json.dumps({"steps": steps, "stale": stale, "gaps": gaps, "versions": s.engine.versions,
-                              "plan": plan, "ranks": ranks, "tied": bool(s.trainer.hf_cfg.get("tie_word_embeddings"))}),
+                              "plan": plan, "ranks": ranks, "tied": bool(s.trainer.hf_cfg.get("tie_word_embeddings")),
+                              "dispatcher": s.trainer.tcfg.moe_token_dispatcher_type}),
                   flush=True)
     finally:
         s.engine.close()

@@ -38,6 +38,9 @@ LAYOUTS = {
     "ep2_pp2": dict(ep=2, pp=2),
     "ep2_pp2_mbs8": dict(ep=2, pp=2, micro_batch_size=8),
     "ep2_tp2": dict(ep=2, tp=2, sequence_parallel=True),
+    "ep2_tp2_etp1": dict(ep=2, tp=2, etp=1, sequence_parallel=True),
+    # expert TP 2 asking for alltoall: on gloo megarl runs the allgather dispatcher (trainer/parallel.py)
+    "ep2_tp2_etp2": dict(ep=2, tp=2, etp=2, sequence_parallel=True, moe_dispatcher="alltoall"),
 }
 
 
@@ -87,6 +90,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     from megarl.algo.losses import ppo_clip_loss, value_loss
     from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
+    from megarl.trainer import parallel
     from megarl.weight_sync.export import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
@@ -104,6 +108,9 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
 
     metrics = trainer.train_step(batch, loss)
     full = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], num_experts(cfg))
+    norms = [metrics["grad_norm"]] * ps.world_size  # every rank's (its clipping uses it): all must agree
+    if ps.world_size > 1:
+        dist.all_gather_object(norms, metrics["grad_norm"])
     os.makedirs(out_dir, exist_ok=True)
     if ps.rank == 0:
         torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))
@@ -111,7 +118,8 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"], "metrics": metrics,
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
-                       "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep}, f)
+                       "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
+                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(parallel._SAID), "grad_norms": norms}, f)
     dist.barrier()
 
 

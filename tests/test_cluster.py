@@ -148,10 +148,12 @@ LAYOUTS = {
     # combined layouts: four trainer processes
     "tp2_pp2_dense": (dict(tp=2, pp=2, world=4), 1, ("parallel.tp=2", "parallel.pp=2", "model.make_tiny=qwen2")),
     "ep2_pp2_qwen3_moe": (dict(ep=2, pp=2, world=4), 1, ("parallel.ep=2", "parallel.pp=2")),
-    # expert TP = 1: megatron's alltoall dispatcher at expert TP = 2 all-gathers uneven token counts, which gloo
-    # refuses ("ProcessGroupGloo::allgather: invalid tensor size")
     "ep2_tp2_qwen3_moe": (dict(ep=2, tp=2, etp=1, world=4), 1,
                           ("parallel.ep=2", "parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true")),
+    # expert TP = 2: the experts' shards gathered over the expert TP group; megatron's alltoall dispatcher
+    # all-gathers uneven token counts there, which gloo refuses, so the trainer runs allgather (trainer/parallel.py)
+    "ep2_tp2_etp2_qwen3_moe": (dict(ep=2, tp=2, etp=2, world=4), 1,
+                               ("parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true")),
 }
 
 
@@ -214,3 +216,10 @@ def test_trainer_processes_at_each_layout_feed_disaggregated_replicas(tmp_path, 
                     "tests/cluster_checks.py",
                     "layout", str(tmp_path), *overrides], timeout=1200, env={"OMP_NUM_THREADS": "1"})
     check_layout(r, layout, replicas, tied="tied" in name)
+    if layout.get("ep", 1) > 1:  # megarl's default alltoall, but allgather at expert TP > 1 on gloo
+        etp = layout.get("etp", layout.get("tp", 1))
+        assert r["dispatcher"] == ("allgather" if etp > 1 else "alltoall")
+        # expert TP > 1: each expert's shards gathered onto its expert-TP leader (only there); 1: never split
+        experts = {n for x in r["ranks"] for n in x["gathered"] if ".local_experts." in n}
+        assert experts == ({n for n, _, _ in r["plan"] if ".local_experts." in n} if etp > 1 else set())
+        assert bool(experts) == (etp > 1)

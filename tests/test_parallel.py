@@ -45,6 +45,7 @@ def assert_same(ref, got, moved_from=None):
     (r, rw), (g, gw) = ref, got
     assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert g["grad_norms"] == pytest.approx([r["grad_norm"]] * g["world"], rel=1e-5)  # every rank clips by it
     a, b, mask = torch.tensor(r["logprobs"]), torch.tensor(g["logprobs"]), torch.tensor(r["mask"])
     assert a.shape == b.shape
     assert ((a - b).abs() * mask).max() <= 1e-5 * (a.abs() * mask).max()
@@ -109,3 +110,47 @@ def test_pipeline_times_data_parallel_logprobs_keep_every_rank_rows(models):
     got = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
     assert got[0]["world"] == 4 and got[0]["dp"] == 2 and got[0]["pp"] == 2
     assert_same(run(models, "qwen3_moe", "single_mbs8"), got)
+
+
+@pytest.mark.slow
+def test_expert_tp2_on_gloo_runs_the_allgather_dispatcher_and_matches_expert_tp1(models):
+    """EP=2 × TP=2 (SP) on four processes, expert TP 2 asking for alltoall: megatron's alltoall all-gathers uneven
+    token counts over the expert TP group, which gloo refuses; megarl runs allgather instead, said once, and the
+    logprobs, loss, grad norm and stepped weights equal expert TP 1's and one process's."""
+    paths, root = models
+    got = {}
+    for layout in ("ep2_tp2_etp1", "ep2_tp2_etp2"):
+        out = root / f"qwen3_moe-{layout}"
+        run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "tests/parallel_checks.py",
+                    layout, str(paths["qwen3_moe"]), str(out)], env={"OMP_NUM_THREADS": "1"})
+        got[layout] = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
+    (one, one_w), (two, two_w) = got["ep2_tp2_etp1"], got["ep2_tp2_etp2"]
+    assert (one["world"], one["ep"], one["tp"], one["etp"], one["dispatcher"]) == (4, 2, 2, 1, "alltoall")
+    assert (two["world"], two["ep"], two["tp"], two["etp"], two["dispatcher"]) == (4, 2, 2, 2, "allgather")
+    assert one["said"] == [] and len(two["said"]) == 1 and "parallel.etp=2" in two["said"][0]  # one line, rank 0
+    assert_same((one, one_w), (two, two_w))  # logprobs, loss, every rank's grad norm, the weights after a step
+    single = run(models, "qwen3_moe", "single")
+    assert_same(single, (one, one_w))  # (the grad norm was 0.2% low at expert TP 1: count_expert_grads_once)
+    assert_same(single, (two, two_w))
+
+
+def test_moe_dispatcher_choice_on_gloo_and_nccl(monkeypatch):
+    """alltoall at EP > 1 × expert TP > 1 on gloo → allgather with one logged line (rank 0, once); kept on NCCL,
+    at expert TP 1, at EP 1, and whatever else was asked for."""
+    from dataclasses import replace
+
+    from megarl.trainer import parallel
+
+    monkeypatch.setattr(parallel, "_SAID", set())
+    ps = parallel.ParallelState(world_size=4, rank=1, tp=2, pp=1, ep=2, etp=2, dp=2, vpp=1, sequence_parallel=True,
+                                tp_rank=1, pp_rank=0, ep_rank=0, etp_rank=1, dp_rank=0)
+    said = []
+    assert parallel.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather" and said == []  # rank 1
+    ps = replace(ps, rank=0, tp_rank=0, etp_rank=0)
+    for _ in range(2):  # a second trainer (critic, reference) in the process: no second line
+        assert parallel.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather"
+    assert len(said) == 1 and "parallel.etp=2" in said[0] and "using 'allgather'" in said[0]
+    for p, backend, asked in [(ps, "nccl", "alltoall"), (replace(ps, etp=1), "gloo", "alltoall"),
+                              (replace(ps, ep=1), "gloo", "alltoall"), (ps, "gloo", "allgather")]:
+        assert parallel.moe_dispatcher_for(asked, p, backend, said.append) == asked, (p, backend)
+    assert len(said) == 1

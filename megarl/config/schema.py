@@ -42,7 +42,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp > 1)."""
     moe_dispatcher: str = "alltoall"
-    """MoE token dispatcher: 'alltoall' or 'allgather'."""
+    """MoE token dispatcher: 'alltoall' or 'allgather' (gloo at ep > 1 × etp > 1 runs 'allgather')."""
 
 
 @dataclass

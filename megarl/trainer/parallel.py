@@ -8,6 +8,7 @@ This is the one place that touches Megatron's parallel globals
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +98,25 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
     )
+
+
+_SAID: set[str] = set()
+
+
+def moe_dispatcher_for(requested: str, ps: ParallelState, backend: str = "",
+                       log: Callable[[str], None] = print) -> str:
+    """The MoE token dispatcher that can run here: megatron's ``alltoall`` at EP > 1 × expert TP > 1 all-gathers
+    uneven token counts over the expert TP group (``dispatch_postprocess``), which gloo refuses
+    ("ProcessGroupGloo::allgather: invalid tensor size"); there ``allgather`` runs instead (same logprobs and
+    step, measured: tests/test_parallel.py), said once on rank 0. ``flex`` needs DeepEP (GPU only).
+    ``backend`` '': the default group's."""
+    if not backend and dist.is_initialized():
+        backend = dist.get_backend()
+    if requested != "alltoall" or ps.ep == 1 or ps.etp == 1 or backend != "gloo":
+        return requested
+    line = (f"parallel.moe_dispatcher: 'alltoall' cannot run on gloo at parallel.ep={ps.ep} × parallel.etp={ps.etp} "
+            "(uneven all-gather over the expert TP group); using 'allgather' (same results)")
+    if ps.rank == 0 and line not in _SAID:
+        _SAID.add(line)
+        log(line)
+    return "allgather"

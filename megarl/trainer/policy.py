@@ -19,7 +19,7 @@ from megarl.config.schema import OptimConfig
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights
-from megarl.trainer.parallel import ParallelState
+from megarl.trainer.parallel import ParallelState, moe_dispatcher_for
 from megarl.types import TrainBatch
 from megarl.weight_sync.export import gather_hf_weights
 
@@ -44,6 +44,19 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
+def count_expert_grads_once(optimizer) -> None:
+    """Give megatron's expert optimizer the expert TP group to skip TP duplicates by, in the grad norm (and zero
+    count). megatron-core 0.16 gives every optimizer the dense TP group: at etp < tp an expert is whole on each
+    rank, and a dense TP rank > 0 then leaves its experts out (measured, grad norm vs one process: EP 2 × TP 2 ×
+    expert TP 1 0.2% low on every rank; TP 2 × expert TP 1 0.5% low on rank 1 only, so ranks clipped by
+    different factors). Counted once each over the expert TP group, the norm is one process's on every rank."""
+    from megatron.core import parallel_state as mpu
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.param_groups and all(g.get("is_expert_parallel") for g in opt.param_groups):
+            opt.tp_group = mpu.get_expert_tensor_parallel_group()
+
+
 class PolicyTrainer:
     """``head='lm'``: the policy (logprobs); ``head='value'``: a critic on the same backbone (values).
     ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty)."""
@@ -63,6 +76,7 @@ class PolicyTrainer:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
+        moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
                                         moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
@@ -112,6 +126,7 @@ class PolicyTrainer:
             ),
             self.chunks,
         )
+        count_expert_grads_once(self.optimizer)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
