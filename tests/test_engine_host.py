@@ -52,7 +52,13 @@ def test_config_key_names_itself_and_valid_values():
                                           r"engine.replica_nodes_dedicated=false"):
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated",
                                                     "engine.replica_nodes_dedicated=true"]), 1)
-    validate(load_config("configs/demo.yaml", DEDICATED), 1)
+    cfg = load_config("configs/demo.yaml", DEDICATED)
+    validate(cfg, 1)
+    from megarl.launch.plan import trainer_nodes  # megarl plan sizes the trainer on the other nodes
+
+    assert trainer_nodes(cfg, 3) == 2 and trainer_nodes(load_config("configs/demo.yaml", DEDICATED[:3]), 3) == 3
+    with pytest.raises(ConfigError, match=r"--nodes 1 leaves no trainer node .* valid: --nodes >= 2"):
+        trainer_nodes(cfg, 1)
 
 
 def test_launch_engine_nodes_query(capsys):
@@ -116,3 +122,61 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
                                            r"127.0.0.1:\d+ \(published in .*engine_hosts.json\) within 1s"):
         HostPool(path, 1, 1, "127.0.0.1", 1)
     assert time.monotonic() - start < 15 and not path.exists()
+
+
+@pytest.mark.slow
+def test_slurm_job_with_an_engine_only_node_trains_and_its_host_respawns_a_killed_replica(tmp_path):
+    """A real two-node Slurm (tests/slurm_cluster.sh) through slurm/train.sbatch: torchrun (1 trainer process)
+    on n1 only, a replica host on n2 with both replicas, the sync audit after every step; replica 1 is
+    SIGKILLed after the first step and the host respawns it at rank 0's word."""
+    import re
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    from test_slurm import steps_logged, submit_tiny, wait_for
+
+    cluster = tmp_path / "slurm"
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs"
+    spawned = re.compile(r"megarl: replica host on node 1 \(n2\): spawned replicas \{0: (\d+), 1: (\d+)\}")
+    try:
+        assert up.returncode == 0, up.stderr
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        job = submit_tiny(env, run_dir, *DEDICATED, "engine.kv_cache_gib=0.0625", "engine.slots=8",
+                          "sync.check_every=1", "train.steps=4")
+        host_log = logs / f"{job}.0.engines0.log"
+        first: list[str] = []
+
+        def kill_after_first_step() -> bool:  # (polled by wait_for) replica 1 dies mid-run, once
+            if not first and steps_logged(run_dir)[-1:] >= [1] and host_log.is_file():
+                if match := spawned.search(host_log.read_text()):
+                    first.extend(match.groups())
+                    os.kill(int(first[1]), signal.SIGKILL)
+            return False
+
+        state = wait_for(env, job, 1500, until=kill_after_first_step)
+        batch = (logs / f"{job}.batch.log").read_text()
+        node0 = (logs / f"{job}.0.node0.log").read_text()
+        host_out = host_log.read_text()
+        assert state == "COMPLETED", batch + node0[-4000:] + host_out[-3000:]
+    finally:
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    assert "1 trainer nodes × 1 + 1 engine-only nodes" in batch
+    assert not (logs / f"{job}.0.node1.log").exists()  # no trainer step on n2: torchrun ran on n1 alone
+    assert "megarl: replica host on node 1 (n2)" in host_out and "[default" not in host_out, host_out
+    placed = [line for line in node0.splitlines() if "megarl: engine replica" in line]
+    assert len(placed) == 4 and all(" on node 1 (n2)" in line for line in placed), node0[-3000:]  # start + restart
+    assert first, "replica 1 was never killed"
+    respawns = spawned.findall(host_out)
+    assert len(respawns) == 2 and not set(respawns[1]) & set(first), host_out  # new processes, by the same host
+    assert "trainer rank 0's link ended" in host_out  # and it ended with the run
+    assert "restart 1/" in node0, node0[-3000:]  # the keeper's containment restarted them
+    assert "step 4/4 |" in node0 and "eval after RL: pass@1" in node0
+    assert steps_logged(run_dir) == [0, 1, 2, 3, 4]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    assert len(gaps) >= 4 and max(gaps) <= 1e-4, gaps  # the engine node's replicas serve the trainer's weights

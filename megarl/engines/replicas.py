@@ -21,7 +21,8 @@ backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engin
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
 ``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
 With ``engine.replica_nodes`` the replicas run on other nodes, spawned there and linked back to
-rank 0 over TCP (``nodes``); starting and restarting them is then collective.
+rank 0 over TCP (``nodes``); starting and restarting them is then collective. Engine-only nodes
+(``engine.replica_nodes_dedicated``): their replica hosts spawn them at rank 0's word (``host``).
 """
 
 from __future__ import annotations
