@@ -213,7 +213,8 @@ def serve_host(conn, node: int, name: str) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
                 continue
             rendezvous, jobs = arg
-            ended = {k: p.exitcode for k, p in procs.items() if not p.is_alive()}
+            ended = {k: p.exitcode for k, p in procs.items() if not p.is_alive()}  # before rank 0's word
+            killed = sorted(set(procs) - set(ended))
             _end(procs)
             try:
                 for k, spec in jobs:
@@ -224,7 +225,8 @@ def serve_host(conn, node: int, name: str) -> None:
                 continue
             pids = {k: p.pid for k, p in procs.items()}
             print(f"megarl: replica host on node {node} ({name}): spawned replicas {pids} (index: pid)"
-                  + (f"; exit codes of the ones that had ended: {ended}" if ended else ""), flush=True)
+                  + (f"; the previous ones had exited with {ended}" if ended else "")
+                  + (f"; ended {killed} at rank 0's word" if killed else ""), flush=True)
             conn.send(("spawned", pids))
     finally:
         _end(procs)
