@@ -125,7 +125,8 @@ class HostPool:
                                f"the allocation's last {hosts} node(s)) did not connect to trainer rank 0 at "
                                f"{self.address[0]}:{self.address[1]} (published in {self.path}) within "
                                f"{timeout_s:.0f}s; each engine node runs `python -m megarl.engines.host --config FILE "
-                               "[key=value ...]` (slurm/train.sbatch starts it)")
+                               "[key=value ...]` (slurm/train.sbatch starts it)"
+                               + (f"; hosts that did link said nodes {sorted(n for _, n, _, _ in got)}" if got else ""))
         return sorted(got, key=lambda link: link[1])
 
     def where(self, i: int) -> str:
