@@ -153,13 +153,15 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
 
 def build_engines(cfg: RunConfig):
     """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
+    from megarl.engines.host import rendezvous_path
     from megarl.engines.replicas import EngineReplicas
 
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback,
-                              replica_nodes=e.replica_nodes)
+                              replica_nodes=e.replica_nodes, hosts_file=str(rendezvous_path(cfg.train.run_dir))
+                              if e.replica_nodes_dedicated else "")
     return replicas, replicas.clients
 
 

@@ -364,6 +364,10 @@ def _validate_replica_nodes(e) -> None:
     if e.replica_nodes and e.replicas % e.replica_nodes:
         raise ConfigError(f"engine.replica_nodes={e.replica_nodes} must divide engine.replicas={e.replicas} "
                           "(the hosting nodes take equal shares)")
+    if e.replica_nodes_dedicated and e.replica_nodes < 1:
+        raise ConfigError("engine.replica_nodes_dedicated=true gives the allocation's last engine.replica_nodes nodes "
+                          f"to the replicas alone, but engine.replica_nodes={e.replica_nodes}; valid: "
+                          "engine.replica_nodes >= 1 with it, or engine.replica_nodes_dedicated=false")
 
 
 def _validate_fp8(fp8: str) -> None:

@@ -133,6 +133,8 @@ class EngineConfig:
     """Disaggregated on GPUs: CUDA device ids on each hosting node for its replicas ('4,5,6,7': replicas/node × TP of them)."""
     replica_nodes: int = 0
     """Disaggregated: the job's last N nodes host the replicas, engine.replicas / N each (0: all on rank 0's node)."""
+    replica_nodes_dedicated: bool = False
+    """With engine.replica_nodes=N: those last N nodes run only replicas (a replica host each, no trainer rank; slurm/train.sbatch)."""
     sleep_level: int = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3

@@ -21,6 +21,8 @@ connection (``RemoteProcess.is_alive`` peeks without reading), so a lost replica
 contained ``EngineDied``; and a replica ends itself when rank 0 closes its connection
 (``RemoteProcess.kill``), even mid-broadcast. Restarts are collective: every trainer rank calls
 ``EngineReplicas.restart``, the hosting leaders end and respawn their own processes.
+With ``engine.replica_nodes_dedicated`` those nodes run no trainer rank: a replica host there
+(``host.py``) spawns them with ``serve_remote`` on rank 0's word, and rank 0 alone restarts them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engin
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
 ``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
 With ``engine.replica_nodes`` the replicas run on other nodes, spawned there and linked back to
-rank 0 over TCP (``nodes``); starting and restarting them is then collective.
+rank 0 over TCP (``nodes``); starting and restarting them is then collective. Engine-only nodes
+(``engine.replica_nodes_dedicated``): their replica hosts spawn them at rank 0's word (``host``).
 """
 
 from __future__ import annotations
@@ -52,14 +53,18 @@ class EngineReplicas:
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
-                 replica_nodes: int = 0) -> None:
+                 replica_nodes: int = 0, hosts_file: str = "") -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = cluster.rank_and_world()
         self.leader = self.rank == 0
         # who spawns which replica (engine.replica_nodes; collective): rank 0, or the hosting nodes' first ranks
         self._node = nodes.node_index(self.rank)
-        spawners = nodes.place(replicas, replica_nodes, cluster.gather(self._node) if replica_nodes else [0])
-        self._hosted, self._remote = spawners.get(self.rank, []), any(r != 0 for r in spawners)
+        # hosts_file (engine.replica_nodes_dedicated): no trainer rank spawns; rank 0 asks the engine nodes' hosts
+        self._dedicated, self._hosts_file, self._pool = bool(hosts_file), hosts_file, None
+        node_of_ranks = cluster.gather(self._node) if replica_nodes else [0]
+        spawners = {} if self._dedicated else nodes.place(replicas, replica_nodes, node_of_ranks)
+        self._hosted, self._remote = spawners.get(self.rank, []), self._dedicated or any(r != 0 for r in spawners)
+        self._host_nodes = (replica_nodes, max(node_of_ranks) + 1)  # (engine nodes, the first one's index)
         self._local: list = []  # the replica processes this rank spawned for rank 0 (another node's leader)
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
@@ -81,24 +86,24 @@ class EngineReplicas:
         self.senders, self.sender = None, None  # the groups are rebuilt at the next sync
         self.versions = [0] * self._args["replicas"]
         if self.leader or self._remote:  # replicas on other nodes: every rank takes part, their leaders respawn
-            self.close()
+            self.close(hosts=False)
             self._start()
 
     def _start(self) -> None:
         """Spawn this rank's replicas (rank 0: over pipes; another node's leader: linked to rank 0 over TCP);
         rank 0 waits until every replica is ready. Collective when other nodes host replicas."""
         a = self._args
-        replicas, tp, start_timeout_s = a["replicas"], a["tp"], a["start_timeout_s"]
+        replicas, start_timeout_s = a["replicas"], a["start_timeout_s"]
         ctx = mp.get_context("spawn")
         rendezvous = None
         if self._remote:  # rank 0's address and a per-run secret, shared over the trainer's process group
-            host = nodes.reachable_host(cluster.gather(socket.gethostname()))
+            host = (socket.gethostbyname(socket.gethostname()) if self._dedicated  # hosts are on other nodes
+                    else nodes.reachable_host(cluster.gather(socket.gethostname())))
             rendezvous = nodes.Rendezvous(host) if self.leader else None
             address = cluster.share(rendezvous and rendezvous.address)
         links = {}
         for j, k in enumerate(self._hosted):
-            spec = dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
-                        slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]))
+            spec = self._spec(k, j)
             if self.leader:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=serve, args=(child, spec), name=f"megarl-engine-{k}")
@@ -111,11 +116,15 @@ class EngineReplicas:
         error = None
         if self.leader:
             try:
+                if self._dedicated:  # every replica on the engine nodes, spawned by their hosts
+                    self._spawn_on_hosts(rendezvous)
                 if rendezvous is not None:
                     links.update(rendezvous.accept([k for k in range(replicas) if k not in links], start_timeout_s))
                 self._ready(links)
             except Exception as exc:  # noqa: BLE001  (every rank raises it when other nodes host replicas)
                 error = f"{type(exc).__name__}: {exc}"
+                if rendezvous is not None:
+                    rendezvous.listener.close()
         if self._remote:
             error = cluster.share(error)
         if error:  # end what this rank started (a replica whose link rank 0 drops ends itself)
@@ -123,6 +132,21 @@ class EngineReplicas:
                 proc.kill()
             self._local = []
             raise RuntimeError(error)
+
+    def _spec(self, k: int, j: int) -> dict:
+        """Replica ``k``'s spec, the ``j``-th replica of its node (its slice of ``engine.replica_devices``)."""
+        a, tp = self._args, self._args["tp"]
+        return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
+                    slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]))
+
+    def _spawn_on_hosts(self, rendezvous) -> None:
+        """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""
+        from megarl.engines.host import HostPool
+
+        (count, first), replicas = self._host_nodes, self._args["replicas"]
+        if self._pool is None:
+            self._pool = HostPool(self._hosts_file, count, first, rendezvous.address[0], self._args["start_timeout_s"])
+        self._pool.spawn(rendezvous.address, {k: self._spec(k, k % (replicas // count)) for k in range(replicas)})
 
     def _ready(self, links: dict) -> None:
         """Rank 0: the replicas' handles over their new processes, once each said it is ready."""
@@ -329,7 +353,8 @@ class EngineReplicas:
             self._reply(c)
         return time.perf_counter() - start
 
-    def close(self) -> None:
+    def close(self, hosts: bool = True) -> None:
+        """End the replicas (and, unless ``hosts`` is False, the links to the engine nodes' hosts)."""
         for c in self.clients:
             if c.proc.is_alive():
                 try:
@@ -348,6 +373,9 @@ class EngineReplicas:
                 proc.kill()
                 proc.join(5)
         self._local = []
+        if hosts and self._pool is not None:  # every host kills its replicas and exits 0
+            self._pool.close()
+            self._pool = None
 
 
 def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:

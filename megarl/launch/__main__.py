@@ -1,6 +1,9 @@
-"""``python -m megarl.launch run-dir [--config FILE] [key=value ...]``: print the run directory.
+"""``python -m megarl.launch run-dir|engine-nodes [--config FILE] [key=value ...]``: what a job script asks the config.
 
-The job scripts in ``slurm/`` use it to put their logs beside the run's checkpoints and metrics.
+``run-dir``: the run directory (the scripts in ``slurm/`` put their logs beside the run's checkpoints and
+metrics). ``engine-nodes``: how many of the allocation's last nodes run only engine replicas
+(``engine.replica_nodes`` with ``engine.replica_nodes_dedicated``, else 0): ``slurm/train.sbatch`` starts
+torchrun on the others and ``python -m megarl.engines.host`` on those.
 """
 
 from __future__ import annotations
@@ -9,16 +12,22 @@ import argparse
 import sys
 
 from megarl.config import ConfigError, load_config
+from megarl.config.loader import _validate_replica_nodes
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megarl.launch")
-    ap.add_argument("what", choices=["run-dir"])
+    ap.add_argument("what", choices=["run-dir", "engine-nodes"])
     ap.add_argument("--config")
     ap.add_argument("overrides", nargs="*")
     args, _ = ap.parse_known_intermixed_args(argv)  # other `megarl train` options (--nproc) are not ours
     try:
-        print(load_config(args.config, args.overrides).train.run_dir)
+        cfg = load_config(args.config, args.overrides)
+        if args.what == "engine-nodes":
+            _validate_replica_nodes(cfg.engine)
+            print(cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0)
+        else:
+            print(cfg.train.run_dir)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2

@@ -330,6 +330,15 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def trainer_nodes(cfg: RunConfig, nodes: int) -> int:
+    """The job's nodes that run trainer ranks: all but the engine-only ones (``engine.replica_nodes_dedicated``)."""
+    engine_only = cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0
+    if engine_only and nodes - engine_only < 1:
+        raise ConfigError(f"--nodes {nodes} leaves no trainer node beside engine.replica_nodes={engine_only} "
+                          f"engine-only nodes (engine.replica_nodes_dedicated=true); valid: --nodes >= {engine_only + 1}")
+    return nodes - engine_only
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megarl plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             hf = _model_config_for_validation(cfg)
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
-        res = plan(hf, cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision)
+        res = plan(hf, cfg, trainer_nodes(cfg, args.nodes), args.gpus_per_node, args.gpu_mem_gib, propose,
+                   args.precision)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 2
