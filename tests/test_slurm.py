@@ -159,7 +159,9 @@ def test_an_engine_fault_stop_requeues_the_job_a_bounded_number_of_times(slurm, 
     assert state == "FAILED" and job_field(slurm, job, "ExitCode") == "75:0", batch + second[-4000:]
     assert job_field(slurm, job, "Restarts") == "1"
     assert "could not be recovered in place" in first and "step 1: " in first and "checkpoint saved" in first
-    assert first.count("exitcode  : 75") == 2  # torchrun's report: megarl train exited 75 on both nodes
+    # torchrun's report: megarl train exited 75 (on the node that ended first; srun's --kill-on-bad-exit may end
+    # the other node's torchrun before it writes its own report) and never with another status
+    assert first.count("exitcode  : 75") >= 1 and "exitcode  : 1\n" not in first
     assert f"fault requeue 1/1; requeueing job {job}" in batch
     assert "resumed from" in second and "at step 1" in second  # the requeued job continued from the checkpoint
     assert "after 1 fault requeues (MAX_FAULT_REQUEUES=1): not requeueing" in batch
