@@ -59,6 +59,31 @@ def test_placement_spawners_and_errors_naming_the_key():
     validate(load_config("configs/demo.yaml", [*base, "engine.replica_nodes=2"]), 2)
 
 
+def test_the_address_other_nodes_reach_never_loopback_when_replicas_run_elsewhere(monkeypatch):
+    """Loopback only when every trainer rank is on one host and no replica runs on an engine-only node; else the
+    host's address, never a loopback one while a route exists (Debian maps the host name to 127.0.1.1), and
+    $MEGARL_NODE_ADDR where the cluster says which network."""
+    import socket
+
+    from megarl.engines.nodes import node_address, reachable_host
+
+    monkeypatch.delenv("MEGARL_NODE_ADDR", raising=False)
+    assert reachable_host(["n1", "n1"]) == "127.0.0.1"
+    addr = node_address()
+    assert reachable_host(["n1", "n2"]) == addr and reachable_host(["n1"], elsewhere=True) == addr
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a machine with a route: never loopback
+        try:
+            probe.connect(("10.254.254.254", 9))
+            routed = True
+        except OSError:
+            routed = False
+    assert not addr.startswith("127.") or not routed, addr
+    with socket.create_server((addr, 0)) as server:  # it is this host's own: rank 0 can listen on it
+        assert server.getsockname()[0] == addr
+    monkeypatch.setenv("MEGARL_NODE_ADDR", "10.1.2.3")
+    assert reachable_host(["n1"], elsewhere=True) == "10.1.2.3" and reachable_host(["n1", "n1"]) == "127.0.0.1"
+
+
 def _child(address, index: int, key: bytes | None = None) -> subprocess.Popen:
     host, port, authkey = address
     return subprocess.Popen([sys.executable, "-c", CHILD, host, str(port), (key or authkey).hex(), str(index)], cwd=ROOT,

@@ -57,16 +57,16 @@ def gather(obj) -> list:
     return out
 
 
-def sender_socket(sends: bool):
+def sender_socket(sends: bool, elsewhere: bool = False):
     """This rank's transfer group's (host, port) and listening socket if it ``sends``, else None (collective):
-    loopback when the whole run is on one host."""
+    loopback when the whole run is on one host (not when the replicas run ``elsewhere``, on engine-only nodes)."""
     from megarl.engines.gloo_transfer import listen
     from megarl.engines.nodes import reachable_host
 
     hosts = gather(socket.gethostname())
     if not sends:
         return None
-    host = reachable_host(hosts)
+    host = reachable_host(hosts, elsewhere)
     sock = listen(host)
     return host, sock.getsockname()[1], sock
 

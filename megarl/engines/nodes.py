@@ -61,9 +61,27 @@ def place(replicas: int, replica_nodes: int, nodes_of_ranks: list[int]) -> dict[
     return {rank: list(range(i * per, (i + 1) * per)) for i, rank in enumerate(leaders)}
 
 
-def reachable_host(hosts: list[str]) -> str:
-    """The address other nodes reach this one at (loopback when every trainer rank is on one host)."""
-    return "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+def reachable_host(hosts: list[str], elsewhere: bool = False) -> str:
+    """The address other nodes reach this one at: loopback when every trainer rank (``hosts``: their host
+    names) is on one host and no replica runs ``elsewhere`` (on engine-only nodes), else ``node_address()``."""
+    return "127.0.0.1" if len(set(hosts)) == 1 and not elsewhere else node_address()
+
+
+def node_address() -> str:
+    """This host's address for other nodes: ``$MEGARL_NODE_ADDR`` if set (a cluster with several networks),
+    else its name's address, unless that is loopback (Debian maps the host name to 127.0.1.1), then the
+    address of the interface that carries the default route."""
+    if os.environ.get("MEGARL_NODE_ADDR"):
+        return os.environ["MEGARL_NODE_ADDR"]
+    addr = socket.gethostbyname(socket.gethostname())
+    if not addr.startswith("127."):
+        return addr
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.254.254.254", 9))  # a UDP connect sends nothing: only the route is looked up
+            return probe.getsockname()[0]
+        except OSError:  # no route at all: one host is all there is
+            return addr
 
 
 class RemoteProcess:

@@ -97,8 +97,7 @@ class EngineReplicas:
         ctx = mp.get_context("spawn")
         rendezvous = None
         if self._remote:  # rank 0's address and a per-run secret, shared over the trainer's process group
-            host = (socket.gethostbyname(socket.gethostname()) if self._dedicated  # hosts are on other nodes
-                    else nodes.reachable_host(cluster.gather(socket.gethostname())))
+            host = nodes.reachable_host(cluster.gather(socket.gethostname()), elsewhere=self._dedicated)
             rendezvous = nodes.Rendezvous(host) if self.leader else None
             address = cluster.share(rendezvous and rendezvous.address)
         links = {}
@@ -183,7 +182,7 @@ class EngineReplicas:
             raise EngineDied(f"engine replicas {dead} are not running")
         tp, replicas = self._args["tp"], self._args["replicas"]
         world = 1 + replicas * tp
-        mine = cluster.sender_socket(self.rank in senders)
+        mine = cluster.sender_socket(self.rank in senders, elsewhere=self._dedicated)
         groups = [address for address in cluster.gather(mine and mine[:2]) if address is not None]
         self.sender, errors = None, []
         try:
