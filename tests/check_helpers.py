@@ -33,3 +33,13 @@ def ended_or_killed(pid: int, wait_s: float = 5.0) -> bool:
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     return False
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond()`` every 50 ms until it is true or ``timeout`` seconds passed; its last value."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.05)
+    return cond()

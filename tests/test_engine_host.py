@@ -20,6 +20,7 @@ import sys
 import time
 
 import pytest
+from check_helpers import wait_until
 
 from conftest import ROOT
 
@@ -34,13 +35,6 @@ def _gone(pid: int) -> bool:
         return True
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
         return f.read().split(")")[-1].split()[0] == "Z"
-
-
-def _wait(cond, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.05)
-    return cond()
 
 
 def test_config_key_names_itself_and_valid_values():
@@ -107,8 +101,8 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
         assert all(proc.is_alive() for _, proc in links.values())
         pool.close()  # rank 0 ends: the host kills its replicas and exits 0
         assert host.wait(30) == 0
-        assert _wait(lambda: all(_gone(pid) for pid in seen[2:]))
-        assert _wait(lambda: not any(proc.is_alive() for _, proc in links.values()))
+        assert wait_until(lambda: all(_gone(pid) for pid in seen[2:]), 20.0)
+        assert wait_until(lambda: not any(proc.is_alive() for _, proc in links.values()), 20.0)
         assert not path.exists()
     finally:
         if host.poll() is None:

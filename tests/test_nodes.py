@@ -20,6 +20,7 @@ import sys
 import time
 
 import pytest
+from check_helpers import wait_until
 
 from conftest import ROOT
 
@@ -90,13 +91,6 @@ def _child(address, index: int, key: bytes | None = None) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
 
 
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.05)
-    return cond()
-
-
 def test_remote_replica_links_handshake_liveness_and_ending():
     from megarl.engines.nodes import RemoteProcess, Rendezvous
 
@@ -114,7 +108,7 @@ def test_remote_replica_links_handshake_liveness_and_ending():
             assert conn.poll(10) and proc.is_alive()  # a reply waiting to be read is no sign of death
             assert conn.recv() == ("echo", ("step", k)) and proc.is_alive()
         os.kill(kids[0].pid, signal.SIGKILL)  # a replica dies: its link ends, seen without reading from it
-        assert _wait(lambda: not links[0][1].is_alive()) and "node 1 (n2)" in repr(links[0][1])
+        assert wait_until(lambda: not links[0][1].is_alive()) and "node 1 (n2)" in repr(links[0][1])
         with pytest.raises(EOFError):
             links[0][0].recv()
         links[1][1].kill()  # rank 0 drops a replica (it may be blocked in a transfer group): it ends itself
