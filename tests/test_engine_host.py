@@ -4,8 +4,9 @@ Default run (fast): a real replica host process (``python -m megarl.engines.host
 through the run directory's rendezvous file (a stale one removed first), links with the run's secret, spawns
 the replicas rank 0 names (real ``nodes.serve_remote`` processes that connect back to rank 0), respawns them
 over the same link, and kills them and exits 0 when rank 0's link ends; a host that never comes is a start
-timeout naming its node. Slow: a real two-node Slurm job (``slurm/train.sbatch``) with one trainer node and
-one engine-only node hosting two replicas, one of them killed mid-run and respawned by its host.
+timeout naming its node; a requeued job's host passes over the first attempt's rendezvous file. Slow: a real
+two-node Slurm job (``slurm/train.sbatch``) with one trainer node and one engine-only node hosting two replicas,
+one of them killed mid-run and respawned by its host; and that job preempted (SIGUSR1), requeued and continued.
 """
 
 from __future__ import annotations
