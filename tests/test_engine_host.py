@@ -4,8 +4,9 @@ Default run (fast): a real replica host process (``python -m megarl.engines.host
 through the run directory's rendezvous file (a stale one removed first), links with the run's secret, spawns
 the replicas rank 0 names (real ``nodes.serve_remote`` processes that connect back to rank 0), respawns them
 over the same link, and kills them and exits 0 when rank 0's link ends; a host that never comes is a start
-timeout naming its node. Slow: a real two-node Slurm job (``slurm/train.sbatch``) with one trainer node and
-one engine-only node hosting two replicas, one of them killed mid-run and respawned by its host.
+timeout naming its node; a requeued job's host passes over the first attempt's rendezvous file. Slow: a real
+two-node Slurm job (``slurm/train.sbatch``) with one trainer node and one engine-only node hosting two replicas,
+one of them killed mid-run and respawned by its host; and that job preempted (SIGUSR1), requeued and continued.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -118,6 +120,38 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
     assert time.monotonic() - start < 15 and not path.exists()
 
 
+def test_a_requeued_host_waits_for_its_own_restart_s_rendezvous(tmp_path, monkeypatch):
+    """Job 7 requeued (restart 1): the first attempt's file (tagged 7.0, its listener still taking connections,
+    as after a rank 0 killed before it could clean up) is not dialled; the host links once rank 0 of 7.1 publishes."""
+    from multiprocessing.connection import Listener
+
+    from megarl.engines.host import connect, publish, rendezvous_path
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    path = rendezvous_path(tmp_path)
+    with socket.socket() as old:
+        old.bind(("127.0.0.1", 0))
+        old.listen(1)
+        old.setblocking(False)
+        publish(path, ("127.0.0.1", old.getsockname()[1]), b"\0" * 32)  # the first attempt's
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        with pytest.raises(TimeoutError, match=r"engine_hosts.json is job 7.0's, not this job's \(7.1\)"):
+            connect(path, 1.0)
+        new = Listener(("127.0.0.1", 0), authkey=b"k" * 32)
+        publish(path, new.address, b"k" * 32)  # the requeued rank 0's
+        accepted = []
+        rank0 = threading.Thread(target=lambda: accepted.append(new.accept()), daemon=True)
+        rank0.start()
+        conn, linked = connect(path, 10.0)
+        rank0.join(10)
+        assert linked == f"127.0.0.1:{new.address[1]} (job 7.1)" and len(accepted) == 1
+        for c in (conn, *accepted, new):
+            c.close()
+        with pytest.raises(BlockingIOError):
+            old.accept()  # nobody dialled the stale rendezvous
+
+
 @pytest.mark.slow
 def test_slurm_job_with_an_engine_only_node_trains_and_its_host_respawns_a_killed_replica(tmp_path):
     """A real two-node Slurm (tests/slurm_cluster.sh) through slurm/train.sbatch: torchrun (1 trainer process)
@@ -178,3 +212,107 @@ def test_slurm_job_with_an_engine_only_node_trains_and_its_host_respawns_a_kille
     # the engine node's replicas serve the trainer's weights (a sync the kill broke has no audit: counted instead)
     assert len(gaps) >= 6 and max(gaps) <= 1e-4 and "sync/logprob_gap" in steps[8], rows
     assert steps[8]["engine/version"] == 8.0 and steps[8]["faults/engine_restarts"] >= 1, rows  # respawned, synced
+
+
+def _processes_naming(text: str) -> list[str]:
+    """`ps` lines (not this test's own) whose command line names ``text``: what a job left running."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if text in line and int(line.split()[0]) != os.getpid()]
+
+
+@pytest.mark.slow
+def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_links_to_the_new_rank_0(tmp_path):
+    """Preemption of a job with an engine-only node, on the real two-node Slurm: after step 1 the batch shell gets
+    SIGUSR1 the way README says (`scancel --batch --signal=USR1`); the trainers checkpoint and stop, the first
+    attempt's host ends with rank 0's link, the script requeues the job, and the requeued job's host links to the
+    requeued rank 0 (its rendezvous tagged JOB.1, not the first attempt's), respawns both replicas on n2, and the
+    run continues the step count to the end. Two trainer processes on n1 when the machine has 2 cores."""
+    import re
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    from test_slurm import DONE, job_field, steps_logged, submit_tiny, wait_for
+
+    trainers = 2 if (os.cpu_count() or 1) >= 2 else 1
+    cluster = tmp_path / "slurm"
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "SLURM_TEST_CPUS": str(trainers)})
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs"
+    hosts_file = run_dir / "engine_hosts.json"
+    spawned = re.compile(r"megarl: replica host on node 1 \(n2\): spawned replicas \{0: (\d+), 1: (\d+)\}")
+    steps, tags, stale = 8, {}, socket.socket()
+    try:
+        assert up.returncode == 0, up.stderr
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": str(trainers)}
+        job = submit_tiny(env, run_dir, *DEDICATED, "engine.kv_cache_gib=0.0625", "engine.slots=8",
+                          "sync.check_every=1", f"train.steps={steps}", "train.save_every=100")
+
+        def tag_seen() -> bool:  # the rendezvous files rank 0 published, by job tag
+            try:
+                info = json.loads(hosts_file.read_text())
+                tags[info["job"]] = f"{info['host']}:{info['port']}"
+            except (OSError, ValueError, KeyError):
+                pass
+            return False
+
+        wait_for(env, job, 900, until=lambda: tag_seen() or steps_logged(run_dir)[-1:] >= [1])
+        assert job_field(env, job, "JobState") == "RUNNING", "the job ended before it could be signalled"
+        host0 = (logs / f"{job}.0.engines0.log").read_text()
+        host0_pid = int(re.search(r"\(n2\), pid (\d+): waiting", host0).group(1))
+        first = [int(p) for p in spawned.search(host0).groups()]
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+        wait_for(env, job, 300, until=lambda: tag_seen() or job_field(env, job, "Restarts") == "1")
+        # the first attempt is over: its host and replicas exited, and its rank 0 removed its rendezvous file
+        first_left = [pid for pid in [host0_pid, *first] if not _gone(pid)]
+        assert not hosts_file.exists(), hosts_file.read_text()
+        # What a first attempt killed before it could clean up (SIGKILL at the time limit) leaves behind: its
+        # file, naming a listener that takes connections. The requeued job's host must wait for its own rank 0.
+        stale.bind(("127.0.0.1", 0))
+        stale.listen(8)
+        stale.setblocking(False)
+        fd = os.open(hosts_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (the new rank 0 takes ~20 s)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": "127.0.0.1", "port": stale.getsockname()[1], "authkey": "00" * 32,
+                       "job": f"{job}.0"}, f)
+        state = wait_for(env, job, 1500, until=lambda: tag_seen() or job_field(env, job, "JobState") in DONE)
+        batch = (logs / f"{job}.batch.log").read_text()
+        node0 = [(logs / f"{job}.{r}.node0.log").read_text() for r in (0, 1)]
+        host0, host1 = [(logs / f"{job}.{r}.engines0.log").read_text() for r in (0, 1)]
+        assert state == "COMPLETED", batch + node0[1][-4000:] + host1[-3000:]
+        second = [int(p) for p in spawned.search(host1).groups()]
+        host1_pid = int(re.search(r"\(n2\), pid (\d+): waiting", host1).group(1))
+        # nothing of either attempt left running (checked while Slurm is still up), no rendezvous file left behind
+        left = [pid for pid in [host1_pid, *second] if not _wait(lambda pid=pid: _gone(pid))]
+        ps_left = _processes_naming(str(run_dir))
+        with pytest.raises(BlockingIOError):
+            stale.accept()  # nobody dialled the stale rendezvous
+    finally:
+        stale.close()
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    assert first_left == [] and left == [] and ps_left == [], (first_left, left, ps_left)
+    assert not hosts_file.exists()
+    assert f"{trainers} processes started by torchrun" in node0[0] + node0[1]
+    assert "SIGUSR1" in batch and f"requeueing job {job}" in batch and f"job {job} restart 1:" in batch, batch
+    # the first attempt: checkpointed and stopped; its host ended with rank 0's link, its processes are gone
+    assert "checkpoint saved, stopping" in node0[0] and f"step {steps}/{steps} |" not in node0[0]
+    stopped_at = int(node0[0].split("checkpoint saved, stopping")[0].rsplit("step ", 1)[1].split(":")[0])
+    assert "trainer rank 0's link ended" in host0, host0
+    assert "still up" not in batch, batch  # the host step ended by itself, before the script requeued the job
+    # the requeued job: its host linked to the requeued rank 0 (rendezvous JOB.1), which placed the respawned replicas
+    assert tags.keys() == {f"{job}.0", f"{job}.1"} and tags[f"{job}.0"] != tags[f"{job}.1"], tags
+    assert f"linked to trainer rank 0 at {tags[f'{job}.1']} (job {job}.1)" in host1, (tags, host1)
+    assert host1.count("linked to trainer rank 0") == 1 and not set(second) & set(first)
+    placed = [line for line in node0[1].splitlines() if "megarl: engine replica" in line]
+    assert [int(re.search(r"engine replica \d+: pid (\d+) on node 1 \(n2\)", line).group(1)) for line in placed] \
+        == second, node0[1][-3000:]
+    assert f"at step {stopped_at}" in node0[1] and "resumed from" in node0[1]
+    assert f"step {steps}/{steps} |" in node0[1] and "eval after RL: pass@1" in node0[1]
+    assert "trainer rank 0's link ended" in host1, host1
+    assert steps_logged(run_dir) == list(range(steps + 1))  # one line per step, as if never stopped
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    assert len(gaps) >= steps - 1 and max(gaps) <= 1e-4, rows

@@ -165,13 +165,15 @@ class HostPool:
 
 
 def connect(path: Path, wait_s: float):
-    """The host's side: poll ``path`` for this job's rendezvous, connect with its secret (retrying a stale one)."""
+    """The host's side: poll ``path`` for this job's rendezvous, connect with its secret (retrying a stale one);
+    the link and whom it reached (address, job tag)."""
     deadline, last = time.monotonic() + wait_s, ""
     while True:
         try:
             info = json.loads(path.read_text())
             if not (info.get("job") and job_tag()) or info["job"] == job_tag():
-                return Client((info["host"], int(info["port"])), authkey=bytes.fromhex(info["authkey"]))
+                conn = Client((info["host"], int(info["port"])), authkey=bytes.fromhex(info["authkey"]))
+                return conn, f"{info['host']}:{info['port']}" + (f" (job {info['job']})" if info.get("job") else "")
             last = f"{path} is job {info['job']}'s, not this job's ({job_tag()})"
         except FileNotFoundError:
             last = f"{path} does not exist yet"
@@ -267,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     path = rendezvous_path(cfg.train.run_dir)
     print(f"megarl: replica host on node {node} ({name}), pid {os.getpid()}: waiting for trainer rank 0 in {path}",
           flush=True)
-    conn = connect(path, args.wait_s)
+    conn, rank0 = connect(path, args.wait_s)
     conn.send(("host", node, name, os.getpid()))
-    print(f"megarl: replica host on node {node} ({name}): linked to trainer rank 0", flush=True)
+    print(f"megarl: replica host on node {node} ({name}): linked to trainer rank 0 at {rank0}", flush=True)
     serve_host(conn, node, name)
     return 0
 
