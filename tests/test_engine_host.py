@@ -286,7 +286,7 @@ def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_link
         second = [int(p) for p in spawned.search(host1).groups()]
         host1_pid = int(re.search(r"\(n2\), pid (\d+): waiting", host1).group(1))
         # nothing of either attempt left running (checked while Slurm is still up), no rendezvous file left behind
-        left = [pid for pid in [host1_pid, *second] if not _wait(lambda pid=pid: _gone(pid))]
+        left = [pid for pid in [host1_pid, *second] if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
         ps_left = _processes_naming(str(run_dir))
         with pytest.raises(BlockingIOError):
             stale.accept()  # nobody dialled the stale rendezvous
