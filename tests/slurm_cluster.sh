@@ -2,12 +2,13 @@
 # A real two-node Slurm on this one machine, for the tests (Debian's slurm-wlm and munge).
 #
 #   tests/slurm_cluster.sh start DIR   # munged, slurmctld, slurmd n1 and n2; prints `export SLURM_CONF=...`
+#   SLURM_TEST_NODES=3 tests/slurm_cluster.sh start DIR   # a third node, n3 at 127.0.0.3 (2 to 9 nodes)
 #   tests/slurm_cluster.sh stop DIR    # stops exactly the daemons `start` recorded in DIR/pids
 #
 # Everything runs as ordinary processes (no systemd); ports are picked free; munge gets its own
 # key and socket, so nothing outside DIR (and one /tmp directory for munge) is touched.
-# Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2, 1 CPU each (SLURM_TEST_CPUS=N for more), so `sbatch -N 2`
-# spans both.
+# Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2 (nI at 127.0.0.I up to SLURM_TEST_NODES, default 2), 1 CPU
+# each (SLURM_TEST_CPUS=N for more), so `sbatch -N 2` spans two of them.
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
@@ -18,7 +19,14 @@ dir=$(realpath -m "$2")
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 
 start() {
-    mkdir -p "$dir"/state "$dir"/spool/n1 "$dir"/spool/n2 "$dir"/log
+    local count=${SLURM_TEST_NODES:-2} nodes=() i
+    if ! [[ $count =~ ^[2-9]$ ]]; then
+        echo "SLURM_TEST_NODES=$count: valid: 2 to 9 (nI at 127.0.0.I)" >&2
+        exit 2
+    fi
+    for i in $(seq "$count"); do nodes+=("n$i"); done
+    mkdir -p "$dir"/state "$dir"/log
+    for i in "${nodes[@]}"; do mkdir -p "$dir/spool/$i"; done
     # munged runs as the munge user and must reach its directory: keep it out of DIR's (0700) parents.
     local munge_dir
     munge_dir=$(mktemp -d /tmp/megarl-munge.XXXXXX)
@@ -31,9 +39,12 @@ start() {
     for _ in $(seq 50); do [[ -s $munge_dir/munged.pid ]] && break; sleep 0.1; done
     echo "munged $(cat "$munge_dir/munged.pid")" > "$dir/pids"
 
-    local ctld_port p1 p2 cpus
-    ctld_port=$(free_port); p1=$(free_port); p2=$(free_port)
+    local ctld_port cpus node_lines=""
+    ctld_port=$(free_port)
     cpus=${SLURM_TEST_CPUS:-1}
+    for i in $(seq "$count"); do
+        node_lines+="NodeName=n$i NodeHostname=localhost NodeAddr=127.0.0.$i Port=$(free_port) CPUs=$cpus RealMemory=4000 State=UNKNOWN"$'\n'
+    done
     cat > "$dir/slurm.conf" <<EOF
 ClusterName=megarltest
 SlurmctldHost=localhost
@@ -65,19 +76,17 @@ ReturnToService=2
 KillWait=5
 MinJobAge=300
 InactiveLimit=0
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$p1 CPUs=$cpus RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.2 Port=$p2 CPUs=$cpus RealMemory=4000 State=UNKNOWN
-PartitionName=main Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=main Nodes=$(IFS=,; echo "${nodes[*]}") Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF=$dir/slurm.conf
     setsid slurmctld -D -i -f "$SLURM_CONF" > "$dir/log/slurmctld.out" 2>&1 < /dev/null &
     echo "slurmctld $!" >> "$dir/pids"
-    for node in n1 n2; do
+    for node in "${nodes[@]}"; do
         setsid slurmd -D -N "$node" -f "$SLURM_CONF" > "$dir/log/slurmd.$node.out" 2>&1 < /dev/null &
         echo "slurmd $!" >> "$dir/pids"
     done
     for _ in $(seq 300); do
-        if [[ $(sinfo -h -o '%T %D' 2>/dev/null) == "idle 2" ]]; then
+        if [[ $(sinfo -h -o '%T %D' 2>/dev/null) == "idle $count" ]]; then
             echo "export SLURM_CONF=$SLURM_CONF"
             return 0
         fi

@@ -316,3 +316,84 @@ def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_link
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
     assert len(gaps) >= steps - 1 and max(gaps) <= 1e-4, rows
+
+
+def _processes_of_job(job: str) -> list[str]:
+    """`ps`-like lines of every process whose environment says it belongs to Slurm job ``job`` (whatever it
+    was spawned by: hosts, replicas, vLLM's TP workers)."""
+    left = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"SLURM_JOB_ID={job}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            left.append(f"{pid} {args[:200]}")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return [line for line in left if not _gone(int(line.split()[0]))]
+
+
+@pytest.mark.slow
+def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_each(tmp_path):
+    """Three nodes of the real test Slurm (``SLURM_TEST_NODES=3``: n3 at 127.0.0.3): torchrun (1 trainer process)
+    on n1 only, a replica host on each of n2 and n3 (``engine.replica_nodes=2``), ``engine.replicas=2`` at
+    ``engine.tensor_parallel_size=2``: host i spawns replica i (its share i·R/N … of host.py's rule), a TP-2
+    replica whose two vLLM workers both join the weight transfer; the audit after every sync; both hosts end
+    with the run and nothing of the job is left running."""
+    import re
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    from test_slurm import job_field, steps_logged, submit_tiny, wait_for
+
+    cluster = tmp_path / "slurm"
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "SLURM_TEST_NODES": "3"})
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs"
+    steps = 4
+    try:
+        assert up.returncode == 0, up.stderr
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        job = submit_tiny(env, run_dir, "engine.placement=disaggregated", "engine.replicas=2", "engine.replica_nodes=2",
+                          "engine.replica_nodes_dedicated=true", "engine.tensor_parallel_size=2",
+                          "engine.kv_cache_gib=0.0625", "engine.slots=8", "sync.check_every=1", f"train.steps={steps}",
+                          nodes=3)
+        state = wait_for(env, job, 1500)
+        batch = (logs / f"{job}.batch.log").read_text()
+        node0 = (logs / f"{job}.0.node0.log").read_text()
+        hosts = [(logs / f"{job}.0.engines{i}.log").read_text() for i in (0, 1)]
+        assert state == "COMPLETED", batch + node0[-4000:] + hosts[0][-2000:] + hosts[1][-2000:]
+        assert job_field(env, job, "NodeList") == "n[1-3]"
+        # nothing of the job left running (checked while Slurm is still up): hosts, replicas, their TP workers
+        host_pids = [int(re.search(r", pid (\d+): waiting", text).group(1)) for text in hosts]
+        spawned = [re.findall(r"spawned replicas \{([^}]*)\}", text) for text in hosts]
+        replica_pids = [int(p) for found in spawned for entry in found for p in re.findall(r"\d+: (\d+)", entry)]
+        left = [pid for pid in host_pids + replica_pids if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
+        job_left = [] if wait_until(lambda: not _processes_of_job(job), 20.0) else _processes_of_job(job)
+        ps_left = _processes_naming(str(run_dir))
+    finally:
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    assert left == [] and job_left == [] and ps_left == [], (left, job_left, ps_left)
+    assert "1 trainer nodes × 1 + 2 engine-only nodes" in batch, batch
+    assert not (logs / f"{job}.0.node1.log").exists() and not (logs / f"{job}.0.node2.log").exists()  # no trainer
+    assert len(list((logs / f"{job}.0").rglob("stdout.log"))) == 1  # torchrun started one trainer process, on n1
+    # host i (node 1 + i, n2 / n3) spawned exactly replica i, once (R/N = 1 each), and ended with rank 0's link
+    for i, text in enumerate(hosts):
+        assert f"megarl: replica host on node {1 + i} (n{2 + i}), pid {host_pids[i]}: waiting" in text, text
+        assert len(spawned[i]) == 1, text
+        assert re.fullmatch(rf"{i}: \d+", spawned[i][0]), text
+        assert "trainer rank 0's link ended" in text and "[default" not in text, text
+    placed = re.findall(r"megarl: engine replica (\d): pid (\d+) on node (\d) \((n\d)\)", node0)  # (no restart)
+    assert placed == [("0", str(replica_pids[0]), "1", "n2"), ("1", str(replica_pids[1]), "2", "n3")], node0[-3000:]
+    assert f"step {steps}/{steps} |" in node0 and "eval after RL: pass@1" in node0, node0[-3000:]
+    assert steps_logged(run_dir) == list(range(steps + 1))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    # both TP-2 replicas serve the trainer's weights after every sync
+    assert len(gaps) >= steps and max(gaps) <= 1e-4, rows

@@ -53,9 +53,9 @@ def wait_for(env, job: str, timeout: float, until=None) -> str:
     raise AssertionError(f"job {job} still {state} after {timeout} s")
 
 
-def submit_tiny(env, run_dir, *overrides) -> str:
+def submit_tiny(env, run_dir, *overrides, nodes: int = 2) -> str:
     proc = subprocess.run(["bash", "examples/tiny_cpu.sh", *overrides], capture_output=True, text=True, cwd=ROOT,
-                          env={**env, "NODES": "2", "RUN_DIR": str(run_dir)}, timeout=120)
+                          env={**env, "NODES": str(nodes), "RUN_DIR": str(run_dir)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "→ fits" in proc.stdout  # the example ran `megarl plan` before submitting
     return proc.stdout.strip().splitlines()[-1]
