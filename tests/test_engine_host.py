@@ -318,6 +318,20 @@ def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_link
     assert len(gaps) >= steps - 1 and max(gaps) <= 1e-4, rows
 
 
+def _children(pid: int) -> dict[int, str]:
+    """Process ``pid``'s children: pid → command line ({} once it is gone)."""
+    out = {}
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/cmdline", "rb") as g:
+                        out[int(child)] = g.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        pass
+    return out
+
+
 def _processes_of_job(job: str) -> list[str]:
     """`ps`-like lines of every process whose environment says it belongs to Slurm job ``job`` (whatever it
     was spawned by: hosts, replicas, vLLM's TP workers)."""
@@ -364,7 +378,16 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
                           "engine.replica_nodes_dedicated=true", "engine.tensor_parallel_size=2",
                           "engine.kv_cache_gib=0.0625", "engine.slots=8", "sync.check_every=1", f"train.steps={steps}",
                           nodes=3)
-        state = wait_for(env, job, 1500)
+        workers: dict[int, set] = {}  # replica pid → (child pid, command line) seen mid-run: vLLM's TP workers
+
+        def watch() -> bool:
+            for i in (0, 1):
+                log = logs / f"{job}.0.engines{i}.log"
+                for pid in re.findall(r"spawned replicas \{\d+: (\d+)\}", log.read_text() if log.exists() else ""):
+                    workers.setdefault(int(pid), set()).update(_children(int(pid)).items())
+            return False
+
+        state = wait_for(env, job, 1500, until=watch)
         batch = (logs / f"{job}.batch.log").read_text()
         node0 = (logs / f"{job}.0.node0.log").read_text()
         hosts = [(logs / f"{job}.0.engines{i}.log").read_text() for i in (0, 1)]
@@ -374,7 +397,8 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
         host_pids = [int(re.search(r", pid (\d+): waiting", text).group(1)) for text in hosts]
         spawned = [re.findall(r"spawned replicas \{([^}]*)\}", text) for text in hosts]
         replica_pids = [int(p) for found in spawned for entry in found for p in re.findall(r"\d+: (\d+)", entry)]
-        left = [pid for pid in host_pids + replica_pids if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
+        worker_pids = sorted({pid for children in workers.values() for pid, _ in children})
+        left = [pid for pid in host_pids + replica_pids + worker_pids if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
         job_left = [] if wait_until(lambda: not _processes_of_job(job), 20.0) else _processes_of_job(job)
         ps_left = _processes_naming(str(run_dir))
     finally:
@@ -389,6 +413,10 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
         assert len(spawned[i]) == 1, text
         assert re.fullmatch(rf"{i}: \d+", spawned[i][0]), text
         assert "trainer rank 0's link ended" in text and "[default" not in text, text
+    # each replica ran at TP 2: two vLLM worker processes (their titles), both in the weight transfer group
+    # (1 + R·TP ranks: a sync, and its audit, complete only if every worker of every replica joined)
+    for pid in replica_pids:
+        assert {"VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= {title for _, title in workers.get(pid, ())}, workers
     placed = re.findall(r"megarl: engine replica (\d): pid (\d+) on node (\d) \((n\d)\)", node0)  # (no restart)
     assert placed == [("0", str(replica_pids[0]), "1", "n2"), ("1", str(replica_pids[1]), "2", "n3")], node0[-3000:]
     assert f"step {steps}/{steps} |" in node0 and "eval after RL: pass@1" in node0, node0[-3000:]
