@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real two-node Slurm on this one machine, for the tests (Debian's slurm-wlm and munge).
+# A real two-node (or, with SLURM_TEST_NODES, larger) Slurm on this one machine, for the tests (Debian's slurm-wlm and munge).
 #
 #   tests/slurm_cluster.sh start DIR   # munged, slurmctld, slurmd n1 and n2; prints `export SLURM_CONF=...`
 #   SLURM_TEST_NODES=3 tests/slurm_cluster.sh start DIR   # a third node, n3 at 127.0.0.3 (2 to 9 nodes)

@@ -6,7 +6,8 @@ the replicas rank 0 names (real ``nodes.serve_remote`` processes that connect ba
 over the same link, and kills them and exits 0 when rank 0's link ends; a host that never comes is a start
 timeout naming its node; a requeued job's host passes over the first attempt's rendezvous file. Slow: a real
 two-node Slurm job (``slurm/train.sbatch``) with one trainer node and one engine-only node hosting two replicas,
-one of them killed mid-run and respawned by its host; and that job preempted (SIGUSR1), requeued and continued.
+one of them killed mid-run and respawned by its host; and that job preempted (SIGUSR1), requeued and continued;
+and a three-node job with two engine-only nodes, each hosting one replica at engine TP 2.
 """
 
 from __future__ import annotations
