@@ -353,6 +353,13 @@ def transformer_engine_error() -> str | None:
     return None
 
 
+def check_replica_share(replicas: int, replica_nodes: int) -> None:
+    """The hosting nodes take equal shares: ``engine.replica_nodes`` divides ``engine.replicas`` (0: no hosting nodes)."""
+    if replica_nodes and replicas % replica_nodes:
+        raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
+                          "(the hosting nodes take equal shares)")
+
+
 def _validate_replica_nodes(e) -> None:
     """``engine.replica_nodes`` on its own; against the job's node count at start (``engines.nodes.place``)."""
     if e.replica_nodes < 0:
@@ -361,9 +368,7 @@ def _validate_replica_nodes(e) -> None:
     if e.replica_nodes and e.placement != "disaggregated":
         raise ConfigError(f"engine.replica_nodes={e.replica_nodes} places disaggregated replicas; set "
                           "engine.placement=disaggregated or engine.replica_nodes=0")
-    if e.replica_nodes and e.replicas % e.replica_nodes:
-        raise ConfigError(f"engine.replica_nodes={e.replica_nodes} must divide engine.replicas={e.replicas} "
-                          "(the hosting nodes take equal shares)")
+    check_replica_share(e.replicas, e.replica_nodes)
     if e.replica_nodes_dedicated and e.replica_nodes < 1:
         raise ConfigError("engine.replica_nodes_dedicated=true gives the allocation's last engine.replica_nodes nodes "
                           f"to the replicas alone, but engine.replica_nodes={e.replica_nodes}; valid: "

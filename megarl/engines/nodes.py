@@ -34,7 +34,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Listener
 
-from megarl.config.loader import ConfigError
+from megarl.config.loader import ConfigError, check_replica_share
 
 
 def node_index(rank: int) -> int:
@@ -53,9 +53,7 @@ def place(replicas: int, replica_nodes: int, nodes_of_ranks: list[int]) -> dict[
     if replica_nodes > len(nodes):
         raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {len(nodes)} node(s) "
                           f"({len(nodes_of_ranks)} trainer processes); valid: 0 (rank 0's node) to {len(nodes)}")
-    if replicas % replica_nodes:
-        raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
-                          "(the hosting nodes take equal shares)")
+    check_replica_share(replicas, replica_nodes)
     per = replicas // replica_nodes
     leaders = [nodes_of_ranks.index(n) for n in nodes[len(nodes) - replica_nodes:]]
     return {rank: list(range(i * per, (i + 1) * per)) for i, rank in enumerate(leaders)}
