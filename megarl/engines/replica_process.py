@@ -66,6 +66,10 @@ def _params(req: SlotRequest):
                           detokenize=False, output_kind=RequestOutputKind.DELTA)
 
 
+class _WorkersFailed(Exception):
+    """A worker's load failed (its own message); every worker has already put its old weights back."""
+
+
 def serve(conn, spec: dict) -> None:
     """A replica's main loop: one command from the trainer at a time (see the module docstring)."""
     try:
@@ -141,18 +145,15 @@ def serve(conn, spec: dict) -> None:
                 failures = [f for f in llm.collective_rpc("megarl_update_outcome") if f]
                 if failures:  # every worker restores, also those that loaded: never a mix across TP ranks
                     llm.collective_rpc("megarl_abandon_update")
-                    if rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
-                        version, unusable = UNUSABLE, unusable_message(failures[0])
-                    conn.send(("failed", unusable or failures[0], version))
-                    continue
+                    raise _WorkersFailed(failures[0])
                 llm.finish_weight_update(weight_version=str(new_version))
                 llm.reset_prefix_cache()
                 version, unusable = new_version, ""
                 phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
                 conn.send(("ok", (backup, time.perf_counter() - start, phases), version))
             except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
-                why = f"{type(exc).__name__}: {exc}"
-                if started and rollback != "copy":
+                why = str(exc) if isinstance(exc, _WorkersFailed) else f"{type(exc).__name__}: {exc}"
+                if started and rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
                     version, unusable = UNUSABLE, unusable_message(why)
                 conn.send(("failed", unusable or why, version))
         elif cmd == "recv_raw":
