@@ -121,6 +121,9 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
                        "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(parallel._SAID), "grad_norms": norms}, f)
     dist.barrier()
+    # gloo's threads ended before the interpreter's teardown: once in a full suite run, a rank left to exit with
+    # them alive aborted ("terminate called without an active exception", SIGABRT) after writing its results
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
