@@ -28,11 +28,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
+
+from megarl.engines.nodes import accept_within
 
 RENDEZVOUS_FILE = "engine_hosts.json"
 
@@ -90,29 +91,11 @@ class HostPool:
             listener.close()
 
     def _accept(self, listener, hosts: int, timeout_s: float) -> list[tuple]:
-        got: list[tuple] = []
-        stop = threading.Event()
+        def greet(conn):
+            kind, node, name, pid = conn.recv()
+            return (conn, node, name, pid) if kind == "host" else None
 
-        def run() -> None:
-            while len(got) < hosts and not stop.is_set():
-                try:
-                    conn = listener.accept()
-                    kind, node, name, pid = conn.recv()
-                except Exception:  # noqa: BLE001  (a stray or failed handshake, AuthenticationError included; our wake-up)
-                    continue
-                if kind == "host":
-                    got.append((conn, node, name, pid))
-
-        thread = threading.Thread(target=run, name="megarl-host-rendezvous", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        stop.set()
-        if thread.is_alive():  # wake the blocked accept, then give up
-            try:
-                socket.create_connection(self.address, timeout=5).close()
-            except OSError:
-                pass
-            thread.join(10)
+        got = accept_within(listener, self.address, hosts, timeout_s, greet, "megarl-host-rendezvous")
         expected = list(range(self.first_node, self.first_node + hosts))
         missing = sorted(set(expected) - {node for _, node, _, _ in got})
         if missing or len(got) != hosts:

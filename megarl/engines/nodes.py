@@ -127,6 +127,38 @@ def where(proc) -> str:
     return repr(proc) if isinstance(proc, RemoteProcess) else f"pid {proc.pid}"
 
 
+def accept_within(listener, address: tuple, count: int, timeout_s: float, greet, name: str) -> list:
+    """Accept links on ``listener`` (listening at ``address``) until ``count`` of them greeted or ``timeout_s``
+    passed, then close it: what ``greet(conn)`` returned for each (None: a link to drop, not counted).
+
+    The accepting runs in a thread: a stray or failed handshake (``AuthenticationError`` included) is skipped,
+    and at the deadline a connection of our own wakes the blocked ``accept`` (closing the listener would not)."""
+    got: list = []
+    stop = threading.Event()
+
+    def run() -> None:
+        while len(got) < count and not stop.is_set():
+            try:
+                kept = greet(listener.accept())
+            except Exception:  # noqa: BLE001  (a stray or failed handshake; our wake-up)
+                continue
+            if kept is not None:
+                got.append(kept)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    stop.set()
+    if thread.is_alive():
+        try:
+            socket.create_connection(address, timeout=5).close()
+        except OSError:
+            pass
+        thread.join(10)
+    listener.close()
+    return got
+
+
 class Rendezvous:
     """Rank 0's listener for the replicas that other nodes spawn."""
 
@@ -137,29 +169,13 @@ class Rendezvous:
 
     def accept(self, indices: list[int], timeout_s: float) -> dict[int, tuple]:
         """replica index → (conn, RemoteProcess) for each of ``indices``, within ``timeout_s``; then closes."""
-        got: dict[int, tuple] = {}
-        stop = threading.Event()
 
-        def run() -> None:
-            while len(got) < len(indices) and not stop.is_set():
-                try:
-                    conn = self.listener.accept()
-                    index, pid, node, host = conn.recv()
-                except Exception:  # noqa: BLE001  (a stray or failed handshake, AuthenticationError included; our wake-up)
-                    continue
-                got[index] = (conn, RemoteProcess(conn, pid, node, host))
+        def greet(conn):
+            index, pid, node, host = conn.recv()
+            return index, (conn, RemoteProcess(conn, pid, node, host))
 
-        thread = threading.Thread(target=run, name="megarl-replica-rendezvous", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        stop.set()
-        if thread.is_alive():  # wake the blocked accept (closing the listener would not), then close it
-            try:
-                socket.create_connection(self.address[:2], timeout=5).close()
-            except OSError:
-                pass
-            thread.join(10)
-        self.listener.close()
+        got = dict(accept_within(self.listener, self.address[:2], len(indices), timeout_s, greet,
+                                 "megarl-replica-rendezvous"))
         missing = sorted(set(indices) - set(got))
         if missing:
             for _, proc in got.values():  # those that came end themselves
