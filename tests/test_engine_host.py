@@ -91,7 +91,7 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
         seen = []
         for _ in range(2):  # start, then a restart over the same host link
             rv = Rendezvous("127.0.0.1")
-            pids = pool.spawn(rv.address, {0: spec, 1: spec})
+            pids = pool.spawn(rv.address, [[(0, spec), (1, spec)]])
             links = rv.accept([0, 1], 60)
             for k, (_, proc) in links.items():
                 assert isinstance(proc, RemoteProcess) and (proc.pid, proc.node, proc.host) == (pids[k], 1, "n2")

@@ -116,13 +116,11 @@ class HostPool:
         _, node, name, pid = self.links[i]
         return f"replica host pid {pid} on node {node} ({name})"
 
-    def spawn(self, rendezvous: tuple, specs: dict[int, dict], timeout_s: float = 120.0) -> dict[int, int]:
-        """Every host ends its old replicas and spawns its share of ``specs`` (index → spec), which connect to
-        ``rendezvous`` (``nodes.Rendezvous.address``); replica index → pid."""
-        per = len(specs) // len(self.links)
+    def spawn(self, rendezvous: tuple, shares: list[list[tuple[int, dict]]], timeout_s: float = 120.0) -> dict[int, int]:
+        """Every host ends its old replicas and spawns its share (host i: ``shares[i]``, [(replica index, spec)]),
+        which connect to ``rendezvous`` (``nodes.Rendezvous.address``); replica index → pid."""
         pids: dict[int, int] = {}
-        for i, (conn, *_) in enumerate(self.links):
-            mine = [(k, specs[k]) for k in sorted(specs)[i * per:(i + 1) * per]]
+        for i, ((conn, *_), mine) in enumerate(zip(self.links, shares, strict=True)):
             try:
                 conn.send(("spawn", (rendezvous, mine)))
             except OSError as exc:

@@ -53,10 +53,15 @@ def place(replicas: int, replica_nodes: int, nodes_of_ranks: list[int]) -> dict[
     if replica_nodes > len(nodes):
         raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {len(nodes)} node(s) "
                           f"({len(nodes_of_ranks)} trainer processes); valid: 0 (rank 0's node) to {len(nodes)}")
-    check_replica_share(replicas, replica_nodes)
-    per = replicas // replica_nodes
     leaders = [nodes_of_ranks.index(n) for n in nodes[len(nodes) - replica_nodes:]]
-    return {rank: list(range(i * per, (i + 1) * per)) for i, rank in enumerate(leaders)}
+    return dict(zip(leaders, shares(replicas, replica_nodes)))
+
+
+def shares(replicas: int, hosting_nodes: int) -> list[list[int]]:
+    """The replica indices each hosting node runs, in node order: equal consecutive shares."""
+    check_replica_share(replicas, hosting_nodes)
+    per = replicas // hosting_nodes
+    return [list(range(i * per, (i + 1) * per)) for i in range(hosting_nodes)]
 
 
 def reachable_host(hosts: list[str], elsewhere: bool = False) -> str:

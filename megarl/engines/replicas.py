@@ -142,10 +142,11 @@ class EngineReplicas:
         """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""
         from megarl.engines.host import HostPool
 
-        (count, first), replicas = self._host_nodes, self._args["replicas"]
+        count, first = self._host_nodes
         if self._pool is None:
             self._pool = HostPool(self._hosts_file, count, first, rendezvous.address[0], self._args["start_timeout_s"])
-        self._pool.spawn(rendezvous.address, {k: self._spec(k, k % (replicas // count)) for k in range(replicas)})
+        self._pool.spawn(rendezvous.address, [[(k, self._spec(k, j)) for j, k in enumerate(share)]
+                                              for share in nodes.shares(self._args["replicas"], count)])
 
     def _ready(self, links: dict) -> None:
         """Rank 0: the replicas' handles over their new processes, once each said it is ready."""
