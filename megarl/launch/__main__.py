@@ -13,6 +13,7 @@ import sys
 
 from megarl.config import ConfigError, load_config
 from megarl.config.loader import _validate_replica_nodes
+from megarl.launch.plan import engine_only_nodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.what == "engine-nodes":
             _validate_replica_nodes(cfg.engine)
-            print(cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0)
+            print(engine_only_nodes(cfg))
         else:
             print(cfg.train.run_dir)
     except ConfigError as exc:

@@ -330,9 +330,14 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def engine_only_nodes(cfg: RunConfig) -> int:
+    """How many of the allocation's last nodes run only engine replicas (``engine.replica_nodes_dedicated``), else 0."""
+    return cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0
+
+
 def trainer_nodes(cfg: RunConfig, nodes: int) -> int:
     """The job's nodes that run trainer ranks: all but the engine-only ones (``engine.replica_nodes_dedicated``)."""
-    engine_only = cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0
+    engine_only = engine_only_nodes(cfg)
     if engine_only and nodes - engine_only < 1:
         raise ConfigError(f"--nodes {nodes} leaves no trainer node beside engine.replica_nodes={engine_only} "
                           f"engine-only nodes (engine.replica_nodes_dedicated=true); valid: --nodes >= {engine_only + 1}")
