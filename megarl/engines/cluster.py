@@ -16,6 +16,7 @@ With one trainer process every call here is the plain one (no collective).
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,13 +39,17 @@ def share(obj, src: int = 0):
     return box[0]
 
 
-def any_rank(flag: bool, group=None) -> bool:
+def any_rank(flag: bool, group=None, timeout_s: float | None = None) -> bool:
     """``flag`` of any rank of ``group`` (default: every trainer rank), on each of them: one all-reduce, so every
-    rank calls it at the same point; the plain ``flag`` with one process."""
+    rank calls it at the same point; the plain ``flag`` with one process. ``timeout_s``: raise when the other
+    ranks have not joined the all-reduce by then (gloo: "Operation timed out!")."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if timeout_s is None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
     return bool(t.item())
 
 

@@ -26,7 +26,6 @@ import os
 import time
 import traceback
 from collections.abc import Iterable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -285,7 +284,7 @@ class VLLMSlotEngine(TrackedRequests):
         try:
             outputs = self.engine.llm.llm_engine.step()
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
-            if self._tp_group() is None:
+            if self.engine.tp_group() is None:
                 raise
             problem, outputs = _logged(exc, "vLLM's step"), []
         self._agree(problem, "in vLLM's step")
@@ -304,10 +303,7 @@ class VLLMSlotEngine(TrackedRequests):
         return StepReport(events, elapsed, active)
 
     def _agree(self, problem: str, where: str) -> None:
-        agree(problem, self._tp_group(), self.engine.peer_wait_s, where)
-
-    def _tp_group(self):
-        return self.engine.tp_group()
+        agree(problem, self.engine.tp_group(), self.engine.peer_wait_s, where)
 
 
 def _logged(exc: Exception, what: str) -> str:
@@ -339,10 +335,8 @@ def agree(problem: str, group, wait_s: float, where: str) -> None:
             raise RuntimeError(problem)
         return
     if problem:
-        flag = torch.ones(1)  # this rank's vote (MAX: the engine failed); the same all-reduce as any_rank's
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True).wait(
-                timeout=timedelta(seconds=wait_s))
+            any_rank(True, group, timeout_s=wait_s)  # this rank's vote; its peers' any_rank below
         except Exception as exc:  # noqa: BLE001  (gloo: "Operation timed out!"; or a peer gone)
             end_process(f"engine step failed {where} ({problem}) and the engine's other ranks did not reach the "
                         f"agreement within engine.peer_wait_s={wait_s:g}s ({type(exc).__name__}: {exc}): they "
