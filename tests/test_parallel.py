@@ -28,13 +28,13 @@ def models(tmp_path_factory):
     return {f: make_tiny_model(root / f, TinyShape(family=f), seed=3) for f in ("qwen2", "qwen3_moe", "mixtral", "qwen2_moe")}, root
 
 
-def run(models, family, layout, head="lm"):
+def run(models, family, layout, head="lm", nproc=2):
     key = (family, layout, head)
     if key not in _RUNS:
         paths, root = models
         out = root / f"{family}-{layout}-{head}"
         launcher = [] if layout.startswith("single") else ["-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc-per-node=2"]
+                                                  f"--nproc-per-node={nproc}"]
         run_script([*launcher, "tests/parallel_checks.py", layout, str(paths[family]), str(out), head],
                    env={"OMP_NUM_THREADS": "1"})
         _RUNS[key] = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
@@ -103,11 +103,7 @@ def test_router_losses_train_the_router_without_changing_the_logprobs(models, la
 def test_pipeline_times_data_parallel_logprobs_keep_every_rank_rows(models):
     """EP=2 × PP=2 on four processes (DP=2), one microbatch per DP rank padded for the pipeline: the logprobs
     are every DP rank's rows, not the first rank's rows and its padding (equal to one process's)."""
-    paths, root = models
-    out = root / "qwen3_moe-ep2_pp2_mbs8"
-    run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "tests/parallel_checks.py",
-                "ep2_pp2_mbs8", str(paths["qwen3_moe"]), str(out)], env={"OMP_NUM_THREADS": "1"})
-    got = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
+    got = run(models, "qwen3_moe", "ep2_pp2_mbs8", nproc=4)
     assert got[0]["world"] == 4 and got[0]["dp"] == 2 and got[0]["pp"] == 2
     assert_same(run(models, "qwen3_moe", "single_mbs8"), got)
 
@@ -117,14 +113,7 @@ def test_expert_tp2_on_gloo_runs_the_allgather_dispatcher_and_matches_expert_tp1
     """EP=2 × TP=2 (SP) on four processes, expert TP 2 asking for alltoall: megatron's alltoall all-gathers uneven
     token counts over the expert TP group, which gloo refuses; megarl runs allgather instead, said once, and the
     logprobs, loss, grad norm and stepped weights equal expert TP 1's and one process's."""
-    paths, root = models
-    got = {}
-    for layout in ("ep2_tp2_etp1", "ep2_tp2_etp2"):
-        out = root / f"qwen3_moe-{layout}"
-        run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "tests/parallel_checks.py",
-                    layout, str(paths["qwen3_moe"]), str(out)], env={"OMP_NUM_THREADS": "1"})
-        got[layout] = (json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt"))
-    (one, one_w), (two, two_w) = got["ep2_tp2_etp1"], got["ep2_tp2_etp2"]
+    (one, one_w), (two, two_w) = (run(models, "qwen3_moe", layout, nproc=4) for layout in ("ep2_tp2_etp1", "ep2_tp2_etp2"))
     assert (one["world"], one["ep"], one["tp"], one["etp"], one["dispatcher"]) == (4, 2, 2, 1, "alltoall")
     assert (two["world"], two["ep"], two["tp"], two["etp"], two["dispatcher"]) == (4, 2, 2, 2, "allgather")
     assert one["said"] == [] and len(two["said"]) == 1 and "parallel.etp=2" in two["said"][0]  # one line, rank 0
