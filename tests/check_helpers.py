@@ -43,3 +43,22 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
     while not cond() and time.monotonic() < end:
         time.sleep(0.05)
     return cond()
+
+
+def processes_with_env(entry: str) -> list[str]:
+    """'pid command line' of every process whose environment holds ``entry`` ('KEY=value'), e.g. everything a
+    test's run started, whoever spawned it (a process that ended meanwhile, or is not ours to read, is skipped)."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry.encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {command[:200]}")
+        except OSError:
+            continue
+    return found

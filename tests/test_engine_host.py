@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from check_helpers import wait_until
+from check_helpers import processes_with_env, wait_until
 
 from conftest import ROOT
 
@@ -336,18 +336,7 @@ def _children(pid: int) -> dict[int, str]:
 def _processes_of_job(job: str) -> list[str]:
     """`ps`-like lines of every process whose environment says it belongs to Slurm job ``job`` (whatever it
     was spawned by: hosts, replicas, vLLM's TP workers)."""
-    left = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"SLURM_JOB_ID={job}".encode() not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().replace(b"\0", b" ").decode(errors="replace")
-            left.append(f"{pid} {args[:200]}")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return [line for line in left if not _gone(int(line.split()[0]))]
+    return [line for line in processes_with_env(f"SLURM_JOB_ID={job}") if not _gone(int(line.split()[0]))]
 
 
 @pytest.mark.slow

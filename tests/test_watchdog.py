@@ -17,7 +17,7 @@ import time
 from typing import NamedTuple
 
 import pytest
-from check_helpers import ended_or_killed
+from check_helpers import ended_or_killed, processes_with_env
 
 from conftest import ROOT
 from megarl.checkpoint import watchdog
@@ -143,19 +143,9 @@ def _train(tmp_path, *extra, env=None, timeout=900, mark="") -> Ran:
 def _still_running(tag: str, wait_s: float = 10.0) -> list[str]:
     """The processes whose environment carries ``MEGARL_TEST_RUN=tag`` that are still alive after ``wait_s``
     (a process being torn down gets that long), as 'pid command line'."""
-    needle, end = f"MEGARL_TEST_RUN={tag}".encode(), time.monotonic() + wait_s
+    end = time.monotonic() + wait_s
     while True:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
-                alive.append(f"{pid} {command[:200]}")
-            except OSError:  # ended meanwhile, or a zombie
-                continue
+        alive = processes_with_env(f"MEGARL_TEST_RUN={tag}")
         if not alive or time.monotonic() >= end:
             return alive
         time.sleep(0.5)
