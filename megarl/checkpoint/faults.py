@@ -38,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl.engines.cluster import any_rank
+from megarl.engines.cluster import any_rank, rank_and_world
 
 _step = 0  # the RL step being run (1-based), for the test hooks
 _seen: collections.Counter = collections.Counter()
@@ -57,7 +57,7 @@ def current_step() -> int:
 
 def hang_forever() -> None:
     """The ``engine_hang`` test hook: block like a wedged collective (sleeping, so the watchdog thread runs)."""
-    print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: engine hang injected by MEGARL_TEST_FAULT "
+    print(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT "
           "(a test hook)", flush=True)
     while True:
         time.sleep(3600)
@@ -67,7 +67,8 @@ def arm_forward_fault(model) -> None:
     """The ``forward_error_last_rank`` test hook: wrap ``model.forward`` (vLLM's model, after load) on the last
     rank so that it raises at the N-th call of the named RL step; nothing when the hook is not asked for."""
     wanted = [(step, nth) for name, step, nth in _parse("MEGARL_TEST_FAULT") if name == "forward_error_last_rank"]
-    if not wanted or (dist.is_initialized() and dist.get_rank() != dist.get_world_size() - 1):
+    rank, world = rank_and_world()
+    if not wanted or rank != world - 1:
         return
     inner, calls = model.forward, collections.Counter()
 
@@ -76,7 +77,7 @@ def arm_forward_fault(model) -> None:
             if step == _step:
                 calls[step] += 1
                 if calls[step] == nth:
-                    print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: forward error injected by "
+                    print(f"rank {rank_and_world()[0]}: forward error injected by "
                           f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)", flush=True)
                     raise RuntimeError("forward fault injected by MEGARL_TEST_FAULT (a test hook)")
         return inner(*args, **kwargs)

@@ -40,7 +40,7 @@ from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
 from megarl.checkpoint.watchdog import start as start_watchdog
-from megarl.engines.cluster import any_rank
+from megarl.engines.cluster import any_rank, rank_and_world
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
 
@@ -84,8 +84,7 @@ class RunKeeper:
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.saved_at = -1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank)  # a hung call → exit 75 (watchdog.py)
+        start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
 
     def learners(self) -> list[tuple[str, object]]:
         lr = self.s.learners

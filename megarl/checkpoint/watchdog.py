@@ -90,9 +90,9 @@ class Watchdog:
 def end_process(message: str, status: int = 75) -> None:
     """End this process now as the watchdog does (``message`` logged, the exit file, the ``on_fire`` cleanups,
     ``os._exit``), for a caller that knows it would block for good; the watchdog's status when one is started."""
-    import torch.distributed as dist
+    from megarl.engines.cluster import rank_and_world
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     status = _dog.status if _dog is not None else status
     err = _flushed_stderr()
     print(f"megarl: rank {rank}: {message}; exiting {status} (requeue: the run resumes from its last checkpoint)",
