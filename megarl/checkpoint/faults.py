@@ -55,6 +55,12 @@ def current_step() -> int:
     return _step
 
 
+def on_last_rank() -> bool:
+    """This process is the last rank (or the only process): where the one-rank fault hooks strike."""
+    rank, world = rank_and_world()
+    return rank == world - 1
+
+
 def hang_forever() -> None:
     """The ``engine_hang`` test hook: block like a wedged collective (sleeping, so the watchdog thread runs)."""
     print(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT "
@@ -67,8 +73,7 @@ def arm_forward_fault(model) -> None:
     """The ``forward_error_last_rank`` test hook: wrap ``model.forward`` (vLLM's model, after load) on the last
     rank so that it raises at the N-th call of the named RL step; nothing when the hook is not asked for."""
     wanted = [(step, nth) for name, step, nth in _parse("MEGARL_TEST_FAULT") if name == "forward_error_last_rank"]
-    rank, world = rank_and_world()
-    if not wanted or rank != world - 1:
+    if not wanted or not on_last_rank():
         return
     inner, calls = model.forward, collections.Counter()
 

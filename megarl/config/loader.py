@@ -187,7 +187,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if cfg.sync.transport == "nccl" and not _cuda():
         raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
                           "is False here); use sync.transport=gloo")
-    _validate_replica_nodes(e)
+    validate_replica_nodes(e)
     devices = [d for d in e.replica_devices.split(",") if d.strip()]
     per_node = e.replicas // max(1, e.replica_nodes) * e.tensor_parallel_size
     if e.placement == "disaggregated" and _cuda() and len(devices) != per_node:
@@ -360,7 +360,7 @@ def check_replica_share(replicas: int, replica_nodes: int) -> None:
                           "(the hosting nodes take equal shares)")
 
 
-def _validate_replica_nodes(e) -> None:
+def validate_replica_nodes(e) -> None:
     """``engine.replica_nodes`` on its own; against the job's node count at start (``engines.nodes.place``)."""
     if e.replica_nodes < 0:
         raise ConfigError(f"engine.replica_nodes must be >= 0 (0: the replicas on rank 0's node; N: on the job's "

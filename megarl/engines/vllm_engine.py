@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point
+from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
 from megarl.checkpoint.watchdog import end_process, guard, on_fire
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.engines.cluster import any_rank
@@ -276,7 +276,7 @@ class VLLMSlotEngine(TrackedRequests):
                 raise RuntimeError("engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)")
         except RuntimeError as exc:
             problem = str(exc)
-        if injected("engine_hang", nth=3) and (not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1):
+        if injected("engine_hang", nth=3) and on_last_rank():
             hang_forever()  # the last rank only: its peers block at the agreement below
         self._agree(problem, "before vLLM's step")
         active = len(self._active)

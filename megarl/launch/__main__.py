@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from megarl.config import ConfigError, load_config
-from megarl.config.loader import _validate_replica_nodes
+from megarl.config.loader import validate_replica_nodes
 from megarl.launch.plan import engine_only_nodes
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.what == "engine-nodes":
-            _validate_replica_nodes(cfg.engine)
+            validate_replica_nodes(cfg.engine)
             print(engine_only_nodes(cfg))
         else:
             print(cfg.train.run_dir)
