@@ -1,0 +1,238 @@
+"""Two real hosts on one machine: Linux network namespaces A and B joined by a veth pair.
+
+Every other multi-node test runs its "nodes" on one network stack, where a wrong address (loopback, Debian's
+127.0.1.1, the container's own eth0) still reaches the other side. Here A (10.233.0.1) and B (10.233.0.2)
+each have their own loopback, routes, host name (a UTS namespace) and /etc/hosts (``ip netns exec`` binds
+/etc/netns/NAME/hosts), so the only way between them is the veth: an address that is wrong across real hosts
+is wrong here too. Variants of the host name's entry: its own address ("own"), Debian's 127.0.1.1 ("debian"),
+none at all ("unresolvable").
+
+Default run (fast): ``nodes.node_address()`` and ``nodes.local_address_to`` inside A give A's veth address in
+every variant, and a listener on A's loopback is not reachable from B. Slow: a gloo weight-transfer group
+(``gloo_transfer.join_group``) between A and B with Debian host names; and a training run, torchrun in A and
+a replica host (``python -m megarl.engines.host --node 1``) in B with ``engine.replica_nodes_dedicated``, no
+``MEGARL_NODE_ADDR``: it completes, both replicas run in B's namespace, the weights cross the veth, the
+audit after every sync is <= 1e-4, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from check_helpers import wait_until
+
+from conftest import ROOT
+
+ADDR = {"a": "10.233.0.1", "b": "10.233.0.2"}
+HOSTS_LINE = {"own": "{addr} {name}\n", "debian": "127.0.1.1 {name}\n", "unresolvable": ""}
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+class TwoHosts:
+    """Namespaces ``<tag>a`` and ``<tag>b``, a veth pair between them, a host name and /etc/hosts each."""
+
+    def __init__(self, tag: str, variant: str) -> None:
+        self.ns = {side: f"{tag}{side}" for side in "ab"}
+        self.name = {side: f"{tag}-host{side}" for side in "ab"}
+        self.veth = {side: f"{tag}v{side}" for side in "ab"}
+        self.variant = variant
+
+    def up(self) -> None:
+        ns, veth = self.ns, self.veth
+        for side in "ab":
+            _ip("netns", "add", ns[side])
+        _ip("link", "add", veth["a"], "type", "veth", "peer", "name", veth["b"])
+        for side, other in (("a", "b"), ("b", "a")):
+            _ip("link", "set", veth[side], "netns", ns[side])
+            _ip("-n", ns[side], "addr", "add", f"{ADDR[side]}/24", "dev", veth[side])
+            _ip("-n", ns[side], "link", "set", veth[side], "up")
+            _ip("-n", ns[side], "link", "set", "lo", "up")
+            _ip("-n", ns[side], "route", "add", "default", "via", ADDR[other])
+        self.hosts(self.variant)
+
+    def hosts(self, variant: str) -> None:
+        """Write each namespace's /etc/hosts for ``variant`` (read at every ``ip netns exec``)."""
+        self.variant = variant
+        for side in "ab":
+            d = f"/etc/netns/{self.ns[side]}"
+            os.makedirs(d, exist_ok=True)
+            with open(f"{d}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n" + HOSTS_LINE[variant].format(addr=ADDR[side], name=self.name[side]))
+            with open(f"{d}/resolv.conf", "w") as f:  # no DNS server to wait for: a name not in hosts fails at once
+                f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+    def cmd(self, side: str, argv: list[str]) -> list[str]:
+        """``argv`` run on host ``side``: in its network namespace, under its own host name."""
+        return ["ip", "netns", "exec", self.ns[side], "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.name[side], *argv]
+
+    def pids(self, side: str) -> list[int]:
+        return [int(p) for p in _ip("netns", "pids", self.ns[side], check=False).stdout.split()]
+
+    def net_inode(self, side: str) -> int:
+        return os.stat(f"/run/netns/{self.ns[side]}").st_ino
+
+    def tx_bytes(self, side: str) -> int:
+        link = json.loads(_ip("-n", self.ns[side], "-s", "-j", "link", "show", self.veth[side]).stdout)[0]
+        return int(link["stats64"]["tx"]["bytes"])
+
+    def down(self) -> None:
+        """Kill what is left in the namespaces, delete the veth and both namespaces and their /etc/netns files."""
+        for side in "ab":
+            for pid in self.pids(side):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for side in "ab":
+            wait_until(lambda side=side: not self.pids(side), 10.0)
+            _ip("-n", self.ns[side], "link", "del", self.veth[side], check=False)
+            _ip("netns", "del", self.ns[side], check=False)
+            _ip("link", "del", self.veth[side], check=False)  # (gVisor keeps a moved veth's peer alive)
+            shutil.rmtree(f"/etc/netns/{self.ns[side]}", ignore_errors=True)
+        try:
+            os.rmdir("/etc/netns")  # only when no other namespace has files there
+        except OSError:
+            pass
+
+
+def _skip_reason() -> str:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs root on Linux (network namespaces)"
+    missing = [t for t in ("ip", "unshare") if not shutil.which(t)]
+    if missing:
+        return f"missing system tool: {', '.join(missing)} (iproute2, util-linux)"
+    return ""
+
+
+@pytest.fixture
+def two_hosts(request):
+    """Hosts A and B (``request.param``: the /etc/hosts variant, default "own"); always torn down."""
+    if why := _skip_reason():
+        pytest.skip(why)
+    hosts = TwoHosts(f"mr{os.getpid() % 100000}", getattr(request, "param", "own"))
+    try:
+        hosts.up()
+    except subprocess.CalledProcessError as exc:
+        hosts.down()
+        pytest.skip(f"network namespaces or veth pairs are not available here: {' '.join(exc.cmd)}: "
+                    f"{exc.stderr.strip()}")
+    try:
+        yield hosts
+    finally:
+        hosts.down()
+        left = [n for n in hosts.ns.values() if n in _ip("netns", "list", check=False).stdout.split()]
+        assert not left and not any(os.path.exists(f"/etc/netns/{n}") for n in hosts.ns.values()), left
+
+
+def _env() -> dict:
+    """This test's environment, without what would pick an address for the code under test."""
+    drop = ("MEGARL_NODE_ADDR", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM", "TORCHELASTIC"))}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+ADDRESSES = """
+import socket, sys
+from megarl.engines.nodes import local_address_to, node_address
+try:
+    named = socket.gethostbyname(socket.gethostname())
+except OSError:
+    named = "none"
+print(socket.gethostname(), named, node_address(), local_address_to(sys.argv[1]))
+"""
+
+LOOPBACK_ONLY = """
+import socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+DIAL = """
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5).close()
+    print("reached")
+except OSError as exc:
+    print("refused", exc)
+"""
+
+
+def test_the_published_address_is_the_veth_s_in_every_host_name_variant(two_hosts):
+    """Inside A, no MEGARL_NODE_ADDR: the address rank 0 publishes (``node_address``) and the one a process
+    binds to reach B (``local_address_to``) are A's veth address, whether A's host name resolves to it, to
+    Debian's 127.0.1.1 or to nothing; and B cannot reach a listener on A's loopback (the fixture's isolation)."""
+    seen = {}
+    for variant in HOSTS_LINE:
+        two_hosts.hosts(variant)
+        out = subprocess.run(two_hosts.cmd("a", [sys.executable, "-c", ADDRESSES, ADDR["b"]]), capture_output=True,
+                             text=True, timeout=60, cwd=ROOT, env=_env())
+        assert out.returncode == 0, out.stderr
+        seen[variant] = out.stdout.split()
+    name = two_hosts.name["a"]
+    assert seen == {"own": [name, ADDR["a"], ADDR["a"], ADDR["a"]],
+                    "debian": [name, "127.0.1.1", ADDR["a"], ADDR["a"]],
+                    "unresolvable": [name, "none", ADDR["a"], ADDR["a"]]}, seen
+    server = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-c", LOOPBACK_ONLY]), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        port = server.stdout.readline().strip()
+        dial = subprocess.run(two_hosts.cmd("b", [sys.executable, "-c", DIAL, port]), capture_output=True, text=True,
+                              timeout=60, env=_env())
+        assert dial.stdout.startswith("refused"), (port, dial.stdout, dial.stderr)
+    finally:
+        server.stdin.close()
+        server.wait(30)
+
+
+GROUP_SENDER = """
+import sys, torch
+from megarl.engines.gloo_transfer import join_group, listen
+from megarl.engines.nodes import node_address
+sock = listen(node_address())
+host, port = sock.getsockname()
+print(host, port, flush=True)
+group = join_group(host, port, 0, 2, "gloo", 60, listen_socket=sock)
+group.broadcast(torch.arange(1000, dtype=torch.float32), 0).wait()
+print("sent", flush=True)
+"""
+
+GROUP_RECEIVER = """
+import sys, torch
+from megarl.engines.gloo_transfer import join_group
+group = join_group(sys.argv[1], int(sys.argv[2]), 1, 2, "gloo", 60)
+got = torch.zeros(1000)
+group.broadcast(got, 0).wait()
+print("received", float(got.sum()), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("two_hosts", ["debian"], indirect=True)
+def test_a_weight_transfer_group_joins_across_the_veth_with_debian_host_names(two_hosts):
+    """A trainer sender in A and an engine worker in B, both host names at 127.0.1.1: the group's store is at
+    A's veth address and gloo's own links bind the veth addresses too (torch's default binds the host name's
+    127.0.1.1 and sends that to the peer, which then dials its own loopback and times out)."""
+    sender = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-c", GROUP_SENDER]), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
+    try:
+        host, port = sender.stdout.readline().split()
+        assert host == ADDR["a"]
+        out = subprocess.run(two_hosts.cmd("b", [sys.executable, "-c", GROUP_RECEIVER, host, port]),
+                             capture_output=True, text=True, timeout=240, cwd=ROOT, env=_env())
+        assert out.stdout.split() == ["received", str(float(sum(range(1000))))], out.stdout + out.stderr[-3000:]
+        assert sender.wait(60) == 0 and sender.stdout.read().split() == ["sent"], sender.stderr.read()[-3000:]
+    finally:
+        if sender.poll() is None:
+            os.killpg(sender.pid, signal.SIGKILL)
+            sender.wait()
