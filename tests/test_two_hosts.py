@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from check_helpers import wait_until
@@ -236,3 +237,75 @@ def test_a_weight_transfer_group_joins_across_the_veth_with_debian_host_names(tw
         if sender.poll() is None:
             os.killpg(sender.pid, signal.SIGKILL)
             sender.wait()
+
+
+def _metrics(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("two_hosts", ["own", "debian"], indirect=True)
+def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two_hosts, tmp_path):
+    """torchrun (1 trainer process; 2 where the machine has the cores) in A, a replica host in B
+    (``--node 1``: the first node after the trainer's one), ``engine.replica_nodes_dedicated``, no
+    MEGARL_NODE_ADDR: the host finds rank 0 at A's veth address through the run directory, both replicas
+    run in B's network namespace, every byte the syncs report went over the veth, the audit after every
+    sync is <= 1e-4, and when the run ends nothing is left running in either namespace."""
+    import re
+
+    run_dir, steps = tmp_path / "run", 3
+    trainers = 2 if (os.cpu_count() or 1) >= 2 else 1
+    overrides = ["model.path=" + str(run_dir / "model"), f"train.run_dir={run_dir}", "parallel.tp=1", "parallel.pp=1",
+                 "engine.placement=disaggregated", "engine.replicas=2", "engine.replica_nodes=1",
+                 "engine.replica_nodes_dedicated=true", "engine.kv_cache_gib=0.0625", "engine.slots=8",
+                 "sync.check_every=1", f"train.steps={steps}", "sync.timeout_s=120"]
+    config = ["--config", "configs/tiny_cpu.yaml"]
+    trainer_log, host_log = tmp_path / "trainer.log", tmp_path / "host.log"
+    host = subprocess.Popen(two_hosts.cmd("b", [sys.executable, "-m", "megarl.engines.host", *config, "--node", "1",
+                                                "--wait-s", "900", *overrides]),
+                            cwd=ROOT, env=_env(), stdout=open(host_log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    trainer = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nnodes=1", f"--nproc-per-node={trainers}", "-m", "megarl.cli",
+                                                   "train", *config, *overrides]),
+                               cwd=ROOT, env=_env(), stdout=open(trainer_log, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    placed = re.compile(r"megarl: engine replica (\d): pid (\d+) on node (\d+) \(([^)]*)\)")
+    namespaces: dict[int, int] = {}  # replica pid → the inode of its network namespace, seen while it ran
+    try:
+        deadline = time.monotonic() + 1500
+        while trainer.poll() is None and time.monotonic() < deadline:
+            for _, pid, _, _ in placed.findall(trainer_log.read_text()):
+                try:
+                    namespaces.setdefault(int(pid), os.stat(f"/proc/{pid}/ns/net").st_ino)
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        code = trainer.wait(max(1.0, deadline - time.monotonic()))
+        host_code = host.wait(60)
+        assert wait_until(lambda: not two_hosts.pids("a") and not two_hosts.pids("b"), 30.0), \
+            (two_hosts.pids("a"), two_hosts.pids("b"))  # nothing of the run left in either namespace
+        tx = two_hosts.tx_bytes("a")
+    finally:
+        for proc in (trainer, host):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out, host_out = trainer_log.read_text(), host_log.read_text()
+    assert code == 0 and host_code == 0, out[-5000:] + host_out[-3000:]
+    assert f"{trainers} processes started by torchrun" in out or trainers == 1, out[-3000:]
+    name_b = two_hosts.name["b"]
+    assert f"megarl: replica host on node 1 ({name_b})" in host_out, host_out
+    assert re.search(rf"linked to trainer rank 0 at {re.escape(ADDR['a'])}:\d+", host_out), host_out
+    assert "trainer rank 0's link ended" in host_out, host_out
+    where = placed.findall(out)
+    assert sorted(k for k, *_ in where) == ["0", "1"] and all(n == "1" and h == name_b for _, _, n, h in where), where
+    assert {int(p) for _, p, _, _ in where} <= set(namespaces), (where, namespaces)
+    assert set(namespaces.values()) == {two_hosts.net_inode("b")}, namespaces  # the replicas ran in B
+    assert f"step {steps}/{steps} |" in out and "eval after RL: pass@1" in out, out[-3000:]
+    rows = _metrics(run_dir)
+    gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
+    assert len(gaps) >= steps and max(gaps) <= 1e-4, rows  # B's replicas serve the trainer's weights
+    sent = sum(r.get("sync/bytes", 0) for r in rows)
+    assert sent > 0 and tx >= sent, (tx, sent)  # every byte of every sync went out of A by the veth
