@@ -309,3 +309,43 @@ def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two
     assert len(gaps) >= steps and max(gaps) <= 1e-4, rows  # B's replicas serve the trainer's weights
     sent = sum(r.get("sync/bytes", 0) for r in rows)
     assert sent > 0 and tx >= sent, (tx, sent)  # every byte of every sync went out of A by the veth
+
+
+DEDICATED = ["engine.placement=disaggregated", "engine.replicas=2", "engine.replica_nodes=1",
+             "engine.replica_nodes_dedicated=true"]
+
+
+def test_outside_slurm_the_host_s_node_index_is_asked_for_and_checked(tmp_path, monkeypatch, capsys):
+    """A non-Slurm launch (torchrun by hand on each machine): a host started without ``--node`` says what to
+    pass (exit 2, before waiting for anyone), and one started with a trainer node's index (0, where the engine
+    node is 1) is refused by rank 0 at once, naming the valid values."""
+    import threading
+
+    from megarl.engines.host import HostPool, connect, main, rendezvous_path
+
+    for key in [k for k in os.environ if k.startswith("SLURM")]:
+        monkeypatch.delenv(key)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["--config", "configs/tiny_cpu.yaml", *DEDICATED, f"train.run_dir={tmp_path}"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert "outside Slurm (no SLURM_JOB_NODELIST); pass --node N: the trainer's node count (torchrun's --nnodes) " \
+           "for the first engine-only node" in capsys.readouterr().err
+    path, links = rendezvous_path(tmp_path), []
+
+    def wrong_host() -> None:
+        conn, _ = connect(path, 30)
+        conn.send(("host", 0, "b", os.getpid()))
+        links.append(conn)
+
+    thread = threading.Thread(target=wrong_host, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"hosts that did link said nodes \[0\]; node\(s\) \[0\] are not engine-only "
+                                           r"nodes: valid --node values are 1..1 \(the trainer's 1 node\(s\) come first\)"):
+        HostPool(path, 1, 1, "127.0.0.1", 60)
+    assert time.monotonic() - start < 30
+    thread.join(10)
+    for conn in links:
+        conn.close()
