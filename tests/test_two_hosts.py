@@ -49,6 +49,7 @@ class TwoHosts:
 
     def up(self) -> None:
         ns, veth = self.ns, self.veth
+        self.down()  # what a killed earlier run of this pid left under these names
         for side in "ab":
             _ip("netns", "add", ns[side])
         _ip("link", "add", veth["a"], "type", "veth", "peer", "name", veth["b"])
@@ -59,6 +60,8 @@ class TwoHosts:
             _ip("-n", ns[side], "link", "set", "lo", "up")
             _ip("-n", ns[side], "route", "add", "default", "via", ADDR[other])
         self.hosts(self.variant)
+        for side in "ab":  # entering them works here (mounts in a new mount namespace, a UTS namespace)
+            subprocess.run(self.cmd(side, ["true"]), capture_output=True, text=True, timeout=30, check=True)
 
     def hosts(self, variant: str) -> None:
         """Write each namespace's /etc/hosts for ``variant`` (read at every ``ip netns exec``)."""
@@ -127,6 +130,9 @@ def two_hosts(request):
         hosts.down()
         pytest.skip(f"network namespaces or veth pairs are not available here: {' '.join(exc.cmd)}: "
                     f"{exc.stderr.strip()}")
+    except BaseException:
+        hosts.down()
+        raise
     try:
         yield hosts
     finally:
