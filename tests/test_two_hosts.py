@@ -32,6 +32,7 @@ from conftest import ROOT
 
 ADDR = {"a": "10.233.0.1", "b": "10.233.0.2"}
 HOSTS_LINE = {"own": "{addr} {name}\n", "debian": "127.0.1.1 {name}\n", "unresolvable": ""}
+OTHER_NET = "10.234.0.1"  # "multihomed": A's second network (its default route, its name), which B cannot reach
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,6 +46,7 @@ class TwoHosts:
         self.ns = {side: f"{tag}{side}" for side in "ab"}
         self.name = {side: f"{tag}-host{side}" for side in "ab"}
         self.veth = {side: f"{tag}v{side}" for side in "ab"}
+        self.other = (f"{tag}ma", f"{tag}mb")  # "multihomed": A's second veth, both ends in A
         self.variant = variant
 
     def up(self) -> None:
@@ -58,7 +60,15 @@ class TwoHosts:
             _ip("-n", ns[side], "addr", "add", f"{ADDR[side]}/24", "dev", veth[side])
             _ip("-n", ns[side], "link", "set", veth[side], "up")
             _ip("-n", ns[side], "link", "set", "lo", "up")
-            _ip("-n", ns[side], "route", "add", "default", "via", ADDR[other])
+            if self.variant != "multihomed":
+                _ip("-n", ns[side], "route", "add", "default", "via", ADDR[other])
+        if self.variant == "multihomed":  # A's default route and host name on the other network; B only on the veth
+            _ip("link", "add", self.other[0], "type", "veth", "peer", "name", self.other[1])
+            for end in self.other:
+                _ip("link", "set", end, "netns", ns["a"])
+                _ip("-n", ns["a"], "link", "set", end, "up")
+            _ip("-n", ns["a"], "addr", "add", f"{OTHER_NET}/24", "dev", self.other[0])
+            _ip("-n", ns["a"], "route", "add", "default", "via", "10.234.0.254")
         self.hosts(self.variant)
         for side in "ab":  # entering them works here (mounts in a new mount namespace, a UTS namespace)
             subprocess.run(self.cmd(side, ["true"]), capture_output=True, text=True, timeout=30, check=True)
@@ -70,7 +80,9 @@ class TwoHosts:
             d = f"/etc/netns/{self.ns[side]}"
             os.makedirs(d, exist_ok=True)
             with open(f"{d}/hosts", "w") as f:
-                f.write("127.0.0.1 localhost\n" + HOSTS_LINE[variant].format(addr=ADDR[side], name=self.name[side]))
+                own = OTHER_NET if variant == "multihomed" and side == "a" else ADDR[side]
+                f.write("127.0.0.1 localhost\n" + HOSTS_LINE.get(variant, HOSTS_LINE["own"]).format(
+                    addr=own, name=self.name[side]))
             with open(f"{d}/resolv.conf", "w") as f:  # no DNS server to wait for: a name not in hosts fails at once
                 f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
@@ -99,10 +111,13 @@ class TwoHosts:
                     pass
         for side in "ab":
             wait_until(lambda side=side: not self.pids(side), 10.0)
-            _ip("-n", self.ns[side], "link", "del", self.veth[side], check=False)
+            for link in (self.veth[side], *(self.other if side == "a" else ())):
+                _ip("-n", self.ns[side], "link", "del", link, check=False)
             _ip("netns", "del", self.ns[side], check=False)
             _ip("link", "del", self.veth[side], check=False)  # (gVisor keeps a moved veth's peer alive)
             shutil.rmtree(f"/etc/netns/{self.ns[side]}", ignore_errors=True)
+        for end in self.other:
+            _ip("link", "del", end, check=False)
         try:
             os.rmdir("/etc/netns")  # only when no other namespace has files there
         except OSError:
@@ -225,13 +240,20 @@ print("received", float(got.sum()), flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("two_hosts", ["debian"], indirect=True)
-def test_a_weight_transfer_group_joins_across_the_veth_with_debian_host_names(two_hosts):
-    """A trainer sender in A and an engine worker in B, both host names at 127.0.1.1: the group's store is at
-    A's veth address and gloo's own links bind the veth addresses too (torch's default binds the host name's
-    127.0.1.1 and sends that to the peer, which then dials its own loopback and times out)."""
+@pytest.mark.parametrize("two_hosts, node_addr", [("debian", ""), ("multihomed", ADDR["a"])], indirect=["two_hosts"])
+def test_a_weight_transfer_group_joins_across_the_veth(two_hosts, node_addr):
+    """A trainer sender in A and an engine worker in B. "debian": both host names at 127.0.1.1; "multihomed": A's
+    host name and default route on a second network B has no route to, and ``MEGARL_NODE_ADDR`` (as the README
+    says) on A only. The group's store is at A's veth address and gloo's own links bind the veth addresses too
+    (torch's default binds the host name's address — 127.0.1.1, or the other network — and sends it to the peer,
+    which then cannot reach it)."""
+    if node_addr:  # without it A publishes its host name's address, on the network B has no route to
+        out = subprocess.run(two_hosts.cmd("a", [sys.executable, "-c", ADDRESSES, ADDR["b"]]), capture_output=True,
+                             text=True, timeout=60, cwd=ROOT, env=_env())
+        assert out.stdout.split()[1:] == [OTHER_NET, OTHER_NET, ADDR["a"]], out.stdout + out.stderr
+    env = {**_env(), **({"MEGARL_NODE_ADDR": node_addr} if node_addr else {})}
     sender = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-c", GROUP_SENDER]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
     try:
         host, port = sender.stdout.readline().split()
         assert host == ADDR["a"]
