@@ -5,14 +5,16 @@ Every other multi-node test runs its "nodes" on one network stack, where a wrong
 each have their own loopback, routes, host name (a UTS namespace) and /etc/hosts (``ip netns exec`` binds
 /etc/netns/NAME/hosts), so the only way between them is the veth: an address that is wrong across real hosts
 is wrong here too. Variants of the host name's entry: its own address ("own"), Debian's 127.0.1.1 ("debian"),
-none at all ("unresolvable").
+none at all ("unresolvable"), and each host's name and default route on a second network of its own that the
+other cannot reach ("multihomed", where the trainer's host sets ``MEGARL_NODE_ADDR`` as the README says).
 
 Default run (fast): ``nodes.node_address()`` and ``nodes.local_address_to`` inside A give A's veth address in
-every variant, and a listener on A's loopback is not reachable from B. Slow: a gloo weight-transfer group
-(``gloo_transfer.join_group``) between A and B with Debian host names; and a training run, torchrun in A and
-a replica host (``python -m megarl.engines.host --node 1``) in B with ``engine.replica_nodes_dedicated``, no
-``MEGARL_NODE_ADDR``: it completes, both replicas run in B's namespace, the weights cross the veth, the
-audit after every sync is <= 1e-4, and nothing is left running.
+every single-network variant, a listener on A's loopback is not reachable from B, and a host started outside
+Slurm is told which ``--node`` to pass. Slow: a gloo weight-transfer group (``gloo_transfer.join_group``)
+between A and B ("debian", "multihomed"); and a training run, torchrun in A and a replica host
+(``python -m megarl.engines.host --node 1``) in B with ``engine.replica_nodes_dedicated`` ("own", "debian": no
+``MEGARL_NODE_ADDR``; "multihomed"): it completes, both replicas run in B's namespace, the weights cross the
+veth, the audit after every sync is <= 1e-4, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from conftest import ROOT
 
 ADDR = {"a": "10.233.0.1", "b": "10.233.0.2"}
 HOSTS_LINE = {"own": "{addr} {name}\n", "debian": "127.0.1.1 {name}\n", "unresolvable": ""}
-OTHER_NET = "10.234.0.1"  # "multihomed": A's second network (its default route, its name), which B cannot reach
+# "multihomed": each host's second network (its default route, its host name's address), which the other cannot reach
+OTHER_NET = {"a": "10.234.0.1", "b": "10.235.0.2"}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -46,7 +49,7 @@ class TwoHosts:
         self.ns = {side: f"{tag}{side}" for side in "ab"}
         self.name = {side: f"{tag}-host{side}" for side in "ab"}
         self.veth = {side: f"{tag}v{side}" for side in "ab"}
-        self.other = (f"{tag}ma", f"{tag}mb")  # "multihomed": A's second veth, both ends in A
+        self.other = {side: (f"{tag}m{side}", f"{tag}n{side}") for side in "ab"}  # "multihomed": a 2nd veth in each
         self.variant = variant
 
     def up(self) -> None:
@@ -62,13 +65,13 @@ class TwoHosts:
             _ip("-n", ns[side], "link", "set", "lo", "up")
             if self.variant != "multihomed":
                 _ip("-n", ns[side], "route", "add", "default", "via", ADDR[other])
-        if self.variant == "multihomed":  # A's default route and host name on the other network; B only on the veth
-            _ip("link", "add", self.other[0], "type", "veth", "peer", "name", self.other[1])
-            for end in self.other:
-                _ip("link", "set", end, "netns", ns["a"])
-                _ip("-n", ns["a"], "link", "set", end, "up")
-            _ip("-n", ns["a"], "addr", "add", f"{OTHER_NET}/24", "dev", self.other[0])
-            _ip("-n", ns["a"], "route", "add", "default", "via", "10.234.0.254")
+        for side in "ab" if self.variant == "multihomed" else "":  # default route and host name on the other net
+            _ip("link", "add", self.other[side][0], "type", "veth", "peer", "name", self.other[side][1])
+            for end in self.other[side]:
+                _ip("link", "set", end, "netns", ns[side])
+                _ip("-n", ns[side], "link", "set", end, "up")
+            _ip("-n", ns[side], "addr", "add", f"{OTHER_NET[side]}/24", "dev", self.other[side][0])
+            _ip("-n", ns[side], "route", "add", "default", "via", OTHER_NET[side].rsplit(".", 1)[0] + ".254")
         self.hosts(self.variant)
         for side in "ab":  # entering them works here (mounts in a new mount namespace, a UTS namespace)
             subprocess.run(self.cmd(side, ["true"]), capture_output=True, text=True, timeout=30, check=True)
@@ -80,7 +83,7 @@ class TwoHosts:
             d = f"/etc/netns/{self.ns[side]}"
             os.makedirs(d, exist_ok=True)
             with open(f"{d}/hosts", "w") as f:
-                own = OTHER_NET if variant == "multihomed" and side == "a" else ADDR[side]
+                own = OTHER_NET[side] if variant == "multihomed" else ADDR[side]
                 f.write("127.0.0.1 localhost\n" + HOSTS_LINE.get(variant, HOSTS_LINE["own"]).format(
                     addr=own, name=self.name[side]))
             with open(f"{d}/resolv.conf", "w") as f:  # no DNS server to wait for: a name not in hosts fails at once
@@ -111,12 +114,12 @@ class TwoHosts:
                     pass
         for side in "ab":
             wait_until(lambda side=side: not self.pids(side), 10.0)
-            for link in (self.veth[side], *(self.other if side == "a" else ())):
+            for link in (self.veth[side], *self.other[side]):
                 _ip("-n", self.ns[side], "link", "del", link, check=False)
             _ip("netns", "del", self.ns[side], check=False)
             _ip("link", "del", self.veth[side], check=False)  # (gVisor keeps a moved veth's peer alive)
             shutil.rmtree(f"/etc/netns/{self.ns[side]}", ignore_errors=True)
-        for end in self.other:
+        for end in (*self.other["a"], *self.other["b"]):
             _ip("link", "del", end, check=False)
         try:
             os.rmdir("/etc/netns")  # only when no other namespace has files there
@@ -242,15 +245,15 @@ print("received", float(got.sum()), flush=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("two_hosts, node_addr", [("debian", ""), ("multihomed", ADDR["a"])], indirect=["two_hosts"])
 def test_a_weight_transfer_group_joins_across_the_veth(two_hosts, node_addr):
-    """A trainer sender in A and an engine worker in B. "debian": both host names at 127.0.1.1; "multihomed": A's
-    host name and default route on a second network B has no route to, and ``MEGARL_NODE_ADDR`` (as the README
-    says) on A only. The group's store is at A's veth address and gloo's own links bind the veth addresses too
+    """A trainer sender in A and an engine worker in B. "debian": both host names at 127.0.1.1; "multihomed": each
+    host's name and default route on a second network of its own that the other has no route to, and
+    ``MEGARL_NODE_ADDR`` (as the README says) on the trainer's host A only. The group's store is at A's veth address and gloo's own links bind the veth addresses too
     (torch's default binds the host name's address — 127.0.1.1, or the other network — and sends it to the peer,
     which then cannot reach it)."""
     if node_addr:  # without it A publishes its host name's address, on the network B has no route to
         out = subprocess.run(two_hosts.cmd("a", [sys.executable, "-c", ADDRESSES, ADDR["b"]]), capture_output=True,
                              text=True, timeout=60, cwd=ROOT, env=_env())
-        assert out.stdout.split()[1:] == [OTHER_NET, OTHER_NET, ADDR["a"]], out.stdout + out.stderr
+        assert out.stdout.split()[1:] == [OTHER_NET["a"], OTHER_NET["a"], ADDR["a"]], out.stdout + out.stderr
     env = {**_env(), **({"MEGARL_NODE_ADDR": node_addr} if node_addr else {})}
     sender = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-c", GROUP_SENDER]), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
@@ -273,11 +276,13 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("two_hosts", ["own", "debian"], indirect=True)
-def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two_hosts, tmp_path):
+@pytest.mark.parametrize("two_hosts, node_addr", [("own", ""), ("debian", ""), ("multihomed", ADDR["a"])],
+                         indirect=["two_hosts"])
+def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two_hosts, node_addr, tmp_path):
     """torchrun (1 trainer process; 2 where the machine has the cores) in A, a replica host in B
     (``--node 1``: the first node after the trainer's one), ``engine.replica_nodes_dedicated``, no
-    MEGARL_NODE_ADDR: the host finds rank 0 at A's veth address through the run directory, both replicas
+    MEGARL_NODE_ADDR (but on A where it is multi-homed): the host finds rank 0 at A's veth address through
+    the run directory, both replicas
     run in B's network namespace, every byte the syncs report went over the veth, the audit after every
     sync is <= 1e-4, and when the run ends nothing is left running in either namespace."""
     import re
@@ -297,7 +302,8 @@ def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two
     trainer = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    "--nnodes=1", f"--nproc-per-node={trainers}", "-m", "megarl.cli",
                                                    "train", *config, *overrides]),
-                               cwd=ROOT, env=_env(), stdout=open(trainer_log, "w"), stderr=subprocess.STDOUT,
+                               cwd=ROOT, env={**_env(), **({"MEGARL_NODE_ADDR": node_addr} if node_addr else {})},
+                               stdout=open(trainer_log, "w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
     placed = re.compile(r"megarl: engine replica (\d): pid (\d+) on node (\d+) \(([^)]*)\)")
     namespaces: dict[int, int] = {}  # replica pid → the inode of its network namespace, seen while it ran
