@@ -72,8 +72,8 @@ def reachable_host(hosts: list[str], elsewhere: bool = False) -> str:
 
 def node_address() -> str:
     """This host's address for other nodes: ``$MEGARL_NODE_ADDR`` if set (a cluster with several networks),
-    else its name's address, unless that is loopback (Debian maps the host name to 127.0.1.1), then the
-    address of the interface that carries the default route."""
+    else its name's address, unless that is loopback (Debian maps the host name to 127.0.1.1) or the name does
+    not resolve, then the address of the interface that carries the default route."""
     if os.environ.get("MEGARL_NODE_ADDR"):
         return os.environ["MEGARL_NODE_ADDR"]
     try:
