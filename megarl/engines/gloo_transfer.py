@@ -32,6 +32,7 @@ The same wire format is spoken by ``GlooSender`` on the trainer side. A group's 
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -63,8 +64,43 @@ def join_group(host: str, port: int, rank: int, world_size: int, backend: str = 
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     timeout = timedelta(seconds=timeout_s) if timeout_s > 0 else None
+    if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):  # (the user's interface choice wins)
+        return _gloo_group(host, port, rank, world_size, timeout, listen_socket)
     return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend=backend,
                                                           timeout=timeout, listen_socket=listen_socket)
+
+
+def _gloo_group(host: str, port: int, rank: int, world_size: int, timeout, listen_socket):
+    """vLLM's stateless gloo group, with its gloo device bound to the address this process reaches ``host``
+    from (``host`` itself on rank 0, which serves the store there). torch's default device binds the host
+    name's address: 127.0.1.1 on Debian, loopback where the name does not resolve, maybe another network on
+    a multi-homed node — advertised to the other ranks, who then dial their own host (tests/test_two_hosts.py)."""
+    from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo
+    from torch.distributed.distributed_c10d import _get_default_timeout
+    from torch.distributed.rendezvous import rendezvous
+    from vllm.distributed.utils import create_tcp_store, get_tcp_uri
+
+    from megarl.engines.nodes import local_address_to
+
+    timeout = timeout or _get_default_timeout("gloo")
+    init_method = get_tcp_uri(host, port)
+    if listen_socket is not None:
+        store = create_tcp_store(host, port, listen_socket=listen_socket, world_size=world_size, is_master=True,
+                                 timeout=timeout, multi_tenant=True)
+    else:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix = PrefixStore(init_method, store)
+    options = ProcessGroupGloo._Options()
+    options._timeout, options._threads = timeout, 2
+    options._devices = [ProcessGroupGloo.create_device(hostname=host if listen_socket is not None
+                                                        else local_address_to(host))]
+    gloo = ProcessGroupGloo(prefix, rank, world_size, options)
+    group = ProcessGroup(prefix, rank, world_size)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    gloo._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    return group
 
 
 def _post(group, numel: int, dtype: torch.dtype, device):

@@ -104,12 +104,16 @@ class HostPool:
             self.path.unlink(missing_ok=True)
             names = allocation_nodes()
             named = ", ".join(f"{n} ({names[n]})" if n < len(names) else str(n) for n in missing)
+            strays = sorted({n for _, n, _, _ in got} - set(expected))
             raise RuntimeError(f"engine replica host(s) of node(s) {named or expected} (engine.replica_nodes_dedicated: "
                                f"the allocation's last {hosts} node(s)) did not connect to trainer rank 0 at "
                                f"{self.address[0]}:{self.address[1]} (published in {self.path}) within "
                                f"{timeout_s:.0f}s; each engine node runs `python -m megarl.engines.host --config FILE "
                                "[key=value ...]` (slurm/train.sbatch starts it)"
-                               + (f"; hosts that did link said nodes {sorted(n for _, n, _, _ in got)}" if got else ""))
+                               + (f"; hosts that did link said nodes {sorted(n for _, n, _, _ in got)}" if got else "")
+                               + (f"; node(s) {strays} are not engine-only nodes: valid --node values are "
+                                  f"{expected[0]}..{expected[-1]} (the trainer's {self.first_node} node(s) come first)"
+                                  if strays else ""))
         return sorted(got, key=lambda link: link[1])
 
     def where(self, i: int) -> str:
@@ -219,6 +223,10 @@ def serve_host(conn, node: int, name: str) -> None:
 def node_of(name: str) -> int:
     """This node's index in the Slurm allocation (its position in ``SLURM_JOB_NODELIST``)."""
     names = allocation_nodes()
+    if not names:  # outside Slurm (torchrun on each machine by hand): the user numbers the nodes
+        raise RuntimeError("cannot tell this node's index outside Slurm (no SLURM_JOB_NODELIST); pass --node N: "
+                           "the trainer's node count (torchrun's --nnodes) for the first engine-only node, +1 for "
+                           "each further one")
     if name not in names:
         raise RuntimeError(f"cannot tell this node's index: {name!r} is not in SLURM_JOB_NODELIST "
                            f"{os.environ.get('SLURM_JOB_NODELIST', '')!r}; pass --node N")
@@ -246,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (scancel, or the batch script's kill): end replicas
     name = host_name()
-    node = args.node if args.node is not None else node_of(name)
+    try:
+        node = args.node if args.node is not None else node_of(name)
+    except RuntimeError as exc:
+        print(f"megarl: replica host on {name}: {exc}", file=sys.stderr)
+        return 2
     path = rendezvous_path(cfg.train.run_dir)
     print(f"megarl: replica host on node {node} ({name}), pid {os.getpid()}: waiting for trainer rank 0 in {path}",
           flush=True)

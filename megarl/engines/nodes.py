@@ -72,19 +72,28 @@ def reachable_host(hosts: list[str], elsewhere: bool = False) -> str:
 
 def node_address() -> str:
     """This host's address for other nodes: ``$MEGARL_NODE_ADDR`` if set (a cluster with several networks),
-    else its name's address, unless that is loopback (Debian maps the host name to 127.0.1.1), then the
-    address of the interface that carries the default route."""
+    else its name's address, unless that is loopback (Debian maps the host name to 127.0.1.1) or the name does
+    not resolve, then the address of the interface that carries the default route."""
     if os.environ.get("MEGARL_NODE_ADDR"):
         return os.environ["MEGARL_NODE_ADDR"]
-    addr = socket.gethostbyname(socket.gethostname())
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:  # a host name that resolves nowhere (no /etc/hosts line, no DNS): the route decides
+        addr = "127.0.0.1"
     if not addr.startswith("127."):
         return addr
+    return local_address_to("10.254.254.254", fallback=addr)
+
+
+def local_address_to(host: str, fallback: str = "127.0.0.1") -> str:
+    """The address of this host's interface that the route to ``host`` leaves by (``fallback`` with no route):
+    what a process that dials ``host`` must bind and advertise, e.g. its gloo device (``gloo_transfer``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            probe.connect(("10.254.254.254", 9))  # a UDP connect sends nothing: only the route is looked up
+            probe.connect((host, 9))  # a UDP connect sends nothing: only the route is looked up
             return probe.getsockname()[0]
         except OSError:  # no route at all: one host is all there is
-            return addr
+            return fallback
 
 
 class RemoteProcess:
