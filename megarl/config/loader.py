@@ -283,6 +283,13 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers} and {r.timeout_s}")
     if r.format_coef and ":" in r.fn:
         raise ConfigError("reward.format_coef applies to the built-in rewards; fold the format term into your function")
+    if ":" in r.fn:  # the module imports as every rank will import it (working directory, PYTHONPATH)
+        from megarl.rewards.base import import_reward_fn
+
+        try:
+            import_reward_fn(r.fn)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.eval.samples < 1 or cfg.eval.temperature <= 0:
         raise ConfigError(f"eval.samples must be >= 1 and eval.temperature > 0, got {cfg.eval.samples}, "
                           f"{cfg.eval.temperature}")

@@ -78,7 +78,20 @@ class ArrowRows:
         return f"{self.path}:{self.label} {i}", self.table.slice(i, 1).to_pylist()[0]
 
     def columns(self) -> set[str]:
-        return set(self.table.column_names)
+        """Every column and, through struct columns, every dotted field (``reward_model.ground_truth``)."""
+        import pyarrow as pa
+
+        out: set[str] = set()
+
+        def walk(prefix: str, typ) -> None:
+            out.add(prefix)
+            if pa.types.is_struct(typ):
+                for f in typ:
+                    walk(f"{prefix}.{f.name}", f.type)
+
+        for f in self.table.schema:
+            walk(f.name, f.type)
+        return out
 
 
 def _parquet(path: Path) -> ArrowRows:
@@ -158,7 +171,8 @@ class RowStore:
         return self.parts[part].row(i - self.starts[part])
 
     def has_key(self, key: str) -> bool:
-        """Whether any row has ``key`` (a schema lookup for Arrow files, a scan for jsonl)."""
+        """Whether any row has ``key``, a column or a dotted path into nested fields (a schema lookup for Arrow
+        files, a scan for jsonl)."""
         for part in self.parts:
             cols = part.columns()
             if cols is not None:
@@ -167,6 +181,47 @@ class RowStore:
                 continue
             for j in range(len(part)):
                 _, value = part.row(j)
-                if isinstance(value, dict) and key in value:
+                if isinstance(value, dict) and get_field(value, key) is not MISSING:
                     return True
         return False
+
+    def column_names(self, rows: int = 100) -> list[str]:
+        """The columns (and dotted fields of nested ones) that exist: the schema of Arrow files, the keys of the
+        first ``rows`` rows of jsonl files; for error messages."""
+        names: set[str] = set()
+        for part in self.parts:
+            cols = part.columns()
+            if cols is None:
+                cols = set()
+                for j in range(min(rows, len(part))):
+                    _, value = part.row(j)
+                    if isinstance(value, dict):
+                        cols |= set(dotted_fields(value))
+            names |= cols
+        return sorted(names)
+
+
+MISSING = object()
+
+
+def get_field(row: dict, key: str):
+    """``row[key]``, else the nested field a dotted ``key`` names (``reward_model.ground_truth``); MISSING if none."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def dotted_fields(row: dict, prefix: str = "", depth: int = 2) -> list[str]:
+    """The keys of ``row`` and, ``depth`` levels down, the dotted keys of its nested mappings."""
+    out = []
+    for k, v in row.items():
+        name = f"{prefix}{k}"
+        out.append(name)
+        if isinstance(v, dict) and depth > 1:
+            out += dotted_fields(v, name + ".", depth - 1)
+    return out

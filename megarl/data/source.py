@@ -24,7 +24,7 @@ import numpy as np
 
 from megarl.data import encode
 from megarl.data.chat import PromptError
-from megarl.data.readers import BadRow, RowStore
+from megarl.data.readers import MISSING, BadRow, RowStore, get_field
 
 log = logging.getLogger(__name__)
 LOG_FIRST_BAD = 5
@@ -47,16 +47,42 @@ class DataError(ValueError):
 
 
 def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) -> tuple[object, str, dict]:
-    """``(prompt, answer, extras)`` of a row, or DataError naming where and which field is wrong."""
+    """``(prompt, answer, extras)`` of a row, or DataError naming where and which field is wrong.
+
+    A key may be a column or a dotted path into nested (struct) fields, such as verl's
+    ``reward_model.ground_truth``. ``answer_key`` equal to ``prompt_key`` reads a conversation (TRL's ``messages``):
+    the prompt is every message before the last assistant turn and the answer is that turn's content.
+    ``extras`` are the row's other top-level columns (a nested answer's column stays in them)."""
     if isinstance(row, BadRow):
         raise DataError(f"{where}: {row.why}")
-    if row.get(prompt_key) is None:
+    prompt = get_field(row, prompt_key)
+    if prompt is MISSING or prompt is None:
         raise DataError(f"{where}: field {prompt_key!r} (data.prompt_key) is missing or null")
-    answer = row.get(answer_key)
-    if answer is None or isinstance(answer, (dict, list)):
-        raise DataError(f"{where}: field {answer_key!r} (data.answer_key) must be a string or number, got {answer!r:.60}")
+    if answer_key == prompt_key:
+        prompt, answer = split_conversation(prompt, where, prompt_key)
+    else:
+        answer = get_field(row, answer_key)
+    if answer is MISSING or answer is None or isinstance(answer, (dict, list)):
+        shown = None if answer is MISSING else answer
+        hint = (f"; name one of its fields with a dotted key, e.g. {answer_key + '.' + next(iter(answer))!r}"
+                if isinstance(answer, dict) and answer else "")
+        raise DataError(f"{where}: field {answer_key!r} (data.answer_key) must be a string or number, got "
+                        f"{shown!r:.60}{hint}")
     extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return row[prompt_key], str(answer), extras
+    return prompt, str(answer), extras
+
+
+def split_conversation(messages, where: str, key: str) -> tuple[list, str]:
+    """A conversation → (the messages before its last assistant turn, that turn's content)."""
+    last = -1
+    if isinstance(messages, (list, tuple)):
+        last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+                   default=-1)
+    if last < 1:
+        raise DataError(f"{where}: field {key!r} (data.prompt_key = data.answer_key: a conversation whose last "
+                        "assistant turn is the answer) must be a list of messages with an assistant turn after at "
+                        f"least one other message, got {messages!r:.80}")
+    return list(messages[:last]), messages[last].get("content")
 
 
 class DatasetSource:
@@ -76,7 +102,7 @@ class DatasetSource:
                 if on_bad_row == "error":
                     check_rows(s, prompt_key, answer_key, render)
         self.epoch, self.pos, self.served = 0, 0, 0
-        self.bad_rows, self.too_long = 0, 0
+        self.bad_rows, self.too_long, self.last_refusal = 0, 0, ""
         self._logged: set[str] = set()
         self._order = self._order_of(0)
 
@@ -95,18 +121,23 @@ class DatasetSource:
             if self.on_bad_row == "error":
                 raise DataError(msg) from None
             self.bad_rows += 1
+            self.last_refusal = msg
             if len(self._logged) < LOG_FIRST_BAD and where not in self._logged:
                 self._logged.add(where)
                 log.warning("data: skipping bad row %s (data.on_bad_row=skip)", msg)
             return None
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             self.too_long += 1
+            self.last_refusal = (f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens}")
             return None
         return Prompt(index, ids, text, answer, extras, key=text)
 
     def next(self) -> Prompt:
-        """The next usable prompt of the epoch walk; an epoch with none is an error (nothing to train on)."""
-        for _ in range(len(self.store) + 1):
+        """The next usable prompt of the epoch walk; a walk over every row that finds none is an error (nothing to
+        train on; the counts in its message are of that walk alone)."""
+        bad, too_long = self.bad_rows, self.too_long
+        for _ in range(len(self.store)):
             if self.pos >= len(self._order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._order = self._order_of(self.epoch)
@@ -116,8 +147,9 @@ class DatasetSource:
             if item is not None:
                 self.served += 1
                 return item
-        raise DataError(f"data.path={self.store.spec!r}: no usable row in a whole epoch "
-                        f"({self.bad_rows} bad, {self.too_long} longer than {self.max_prompt_tokens} tokens)")
+        raise DataError(f"data.path={self.store.spec!r}: none of its {len(self.store)} rows is usable "
+                        f"({self.bad_rows - bad} bad, {self.too_long - too_long} longer than data.max_prompt_tokens="
+                        f"{self.max_prompt_tokens}); last refused: {self.last_refusal}")
 
     def eval_prompts(self) -> list[Prompt]:
         """The first ``eval_size`` usable rows of ``eval_path`` (all when 0), in file order."""
@@ -150,10 +182,12 @@ class DatasetSource:
 
 
 def check_keys(store: RowStore, prompt_key: str, answer_key: str, key: str = "data.path") -> None:
-    for name, k in ((f"{key.split('.')[0]}.prompt_key", prompt_key), (f"{key.split('.')[0]}.answer_key", answer_key)):
+    section = key.split(".")[0]
+    for name, k in ((f"{section}.prompt_key", prompt_key), (f"{section}.answer_key", answer_key)):
         if not store.has_key(k):
             raise DataError(f"{key}={store.spec!r}: no row has the key {k!r} ({name}); set {name} to the column "
-                            "that holds it")
+                            f"that holds it (a dotted key reads a nested field); the rows have: "
+                            f"{', '.join(store.column_names()) or 'no columns'}")
 
 
 def check_rows(store: RowStore, prompt_key: str, answer_key: str, render: Callable | None = None) -> None:
@@ -227,3 +261,73 @@ def check_data(d) -> None:
         check_keys(store, d.prompt_key, d.answer_key, key)
         if d.on_bad_row == "error":
             check_rows(store, d.prompt_key, d.answer_key, lambda p: as_messages(p, d.system_prompt))
+
+
+SAMPLE_ROWS = 256
+"""Rows ``check_usable`` reads before launch (spread evenly over a larger dataset); the run counts the rest."""
+
+
+def check_usable(store: RowStore, key: str, prompt_key: str, answer_key: str, render: Callable,
+                 max_prompt_tokens: int = 0) -> dict:
+    """At least one of ``SAMPLE_ROWS`` rows (all rows of a smaller dataset) parses, renders and fits
+    ``max_prompt_tokens``; else DataError naming the file, the key, how many rows were read and why they were
+    refused. Returns the first usable row's extra columns (what the reward function will be given)."""
+    n = len(store)
+    rows = range(n) if n <= SAMPLE_ROWS else np.linspace(0, n - 1, SAMPLE_ROWS).round().astype(int).tolist()
+    bad, long_, first_bad, shortest = 0, 0, "", None
+    for i in rows:
+        where, row = store.row(int(i))
+        try:
+            prompt, _, extras = parse_row(row, where, prompt_key, answer_key)
+            _, ids = render(prompt)
+        except (DataError, PromptError) as exc:
+            bad += 1
+            first_bad = first_bad or (str(exc) if isinstance(exc, DataError) else f"{where}: field {prompt_key!r} {exc}")
+            continue
+        if max_prompt_tokens and ids is not None and len(ids) > max_prompt_tokens:
+            long_ += 1
+            shortest = len(ids) if shortest is None else min(shortest, len(ids))
+            continue
+        return extras
+    read = f"all {n} rows" if n <= SAMPLE_ROWS else f"{len(rows)} rows spread over its {n}"
+    why = []
+    if bad:
+        why.append(f"{bad} bad (first: {first_bad})")
+    if long_:
+        why.append(f"{long_} longer than data.max_prompt_tokens={max_prompt_tokens} tokens (the shortest has "
+                   f"{shortest}; raise data.max_prompt_tokens, or engine.max_model_len - rollout.max_new_tokens when "
+                   "it is 0)")
+    raise DataError(f"{key}={store.spec!r}: no usable row: read {read}, refused every one: {'; '.join(why)} "
+                    f"(data.prompt_key={prompt_key!r}, data.answer_key={answer_key!r})")
+
+
+def _length_renderer(cfg) -> Callable:
+    """``render(prompt) -> (text, ids)`` with the model's own tokenizer when it is on disk (the run's rendering, so
+    the length check is exact); without one (``model.make_tiny`` not made yet) the messages only, ids None."""
+    from pathlib import Path
+
+    from megarl.data.chat import PromptRenderer, as_messages
+
+    d = cfg.data
+    model = Path(cfg.model.path)
+    if (model / "tokenizer_config.json").is_file() or (model / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        return PromptRenderer(AutoTokenizer.from_pretrained(str(model)), d.chat_template, d.system_prompt)
+    return lambda p: (as_messages(p, d.system_prompt), None)
+
+
+def check_run_data(cfg) -> None:
+    """Before launch, after ``check_data``: the dataset (and eval set) has a usable row in a bounded sample
+    (``check_usable``, with the run's prompt-length limit), and ``reward.fn`` accepts the keyword arguments the
+    run will pass it (the first usable row's other columns). Raises DataError / ValueError naming the key."""
+    from megarl.rewards.base import check_reward_call
+
+    d, extras = cfg.data, {}
+    if d.path:
+        render = _length_renderer(cfg)
+        limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+        for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):
+            if spec:
+                extras = check_usable(RowStore(spec, key), key, d.prompt_key, d.answer_key, render, limit)
+    check_reward_call(cfg.reward.fn, extras)

@@ -10,6 +10,10 @@ path ``package.module:function``. Functions run in the sandboxed pool (``pool.py
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,7 +25,7 @@ class RewardFn(Protocol):
 
 
 def load_reward_fn(path: str) -> Callable[..., float | dict]:
-    """``'pkg.module:function'`` → the function; a clear error names what is missing."""
+    """``'pkg.module:function'`` → the function; a clear error names what is missing and where it was looked for."""
     if ":" not in path:
         raise ValueError(f"reward function {path!r}: expected a built-in ({', '.join(BUILTINS)}) "
                          "or 'package.module:function'")
@@ -29,11 +33,52 @@ def load_reward_fn(path: str) -> Callable[..., float | dict]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({exc})") from None
+        raise ValueError(f"reward.fn={path!r}: cannot import {module_name!r} ({exc}); every rank imports it from "
+                         f"its working directory (here {os.getcwd()}) or PYTHONPATH: run from the directory that "
+                         "holds the package, or add that directory to PYTHONPATH") from None
+    except Exception as exc:  # noqa: BLE001  (the user's module raised while being imported)
+        tb = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ValueError(f"reward.fn={path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
+                         f"({tb.filename}:{tb.lineno})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {path!r}: {module_name} has no callable {attr!r}")
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(f"reward.fn={path!r}: {module_name} ({getattr(module, '__file__', '?')}) has no callable "
+                         f"{attr!r}; it has: {', '.join(names) or 'none'}")
     return fn
+
+
+def import_reward_fn(path: str) -> Callable[..., float | dict]:
+    """``load_reward_fn`` as a rank resolves it: the working directory is on the path (the reward workers and the
+    torchrun ranks run ``python -m``, which puts it first), then PYTHONPATH."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return load_reward_fn(path)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def check_reward_call(spec: str, extras: dict) -> None:
+    """Before launch: a user's ``reward.fn`` imports and accepts ``fn(response, answer, **extras)`` (``extras``:
+    a usable row's other columns); ValueError naming ``reward.fn`` otherwise. Built-ins take any extras."""
+    if not spec or spec in BUILTINS:
+        return
+    fn = import_reward_fn(spec)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: the run will tell
+        return
+    try:
+        sig.bind("response", "answer", **extras)
+    except TypeError as exc:
+        raise ValueError(f"reward.fn={spec!r}: def {getattr(fn, '__name__', '?')}{sig} cannot be called as "
+                         f"fn(response, answer, **row_extras) with this dataset's other columns "
+                         f"({', '.join(extras) or 'none'}): {exc}; accept them, e.g. "
+                         "def score(response, answer, **row_extras)") from None
 
 
 def resolve_reward(spec: str, format_coef: float = 0.0) -> Callable[..., float | dict]:
