@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _load_checked(args.config, args.overrides, world, per_node)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
-            raise ConfigError("megarl eval needs data.eval_path (the held-out prompts) when data.path is set")
+            from megarl.evaluation import NO_EVAL_PATH
+
+            raise ConfigError(NO_EVAL_PATH)
         if args.command == "eval" and args.checkpoint:
             from megarl.evaluation import resolve_checkpoint
 

@@ -15,6 +15,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+NO_EVAL_PATH = "megarl eval needs data.eval_path (the held-out prompts) when data.path is set"
+"""Why a dataset run has nothing to evaluate on: ``megarl eval`` refuses with it, ``megarl train`` says it once."""
+
 
 def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
     """``('hf', dir)`` or ``('dist', dir)`` for what ``--checkpoint`` names; a clear error otherwise."""

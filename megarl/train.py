@@ -24,6 +24,7 @@ from megarl.checkpoint.hf_export import export_policy
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
 from megarl.engines.memory import handover
+from megarl.evaluation import NO_EVAL_PATH
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
 from megarl.runtime import Session, build_session
 from megarl.trainer.lr_schedule import lr_at
@@ -84,10 +85,12 @@ def run(cfg: RunConfig) -> dict:
             supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
                               cfg.warmup.lr, log=say)
             sync_weights(s.engine, s.trainer, cfg.sync, version=0)
-        keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
-        s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
-    before = keeper.run["pass_at_1_before"]
-    say(f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts")
+        if s.eval_prompts:
+            keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
+            s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
+    before = keeper.run.get("pass_at_1_before", float("nan"))
+    say(f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts" if s.eval_prompts
+        else f"evaluation skipped: {NO_EVAL_PATH}")
     start = time.time()
     s.logger.reset_clock()
     for step in range(steps, cfg.train.steps):
@@ -103,7 +106,7 @@ def run(cfg: RunConfig) -> dict:
             break
         metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
-        if cfg.train.eval_every and steps % cfg.train.eval_every == 0:
+        if cfg.train.eval_every and s.eval_prompts and steps % cfg.train.eval_every == 0:
             metrics["eval/pass_at_1"] = keeper.evaluate(lambda: evaluate(s), steps)
         metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
@@ -118,10 +121,11 @@ def run(cfg: RunConfig) -> dict:
         return {**result, "pass_at_1_after": float("nan")}
     keeper.finish(steps)
     export_policy(s, steps, final=True)  # run_dir/hf/step_N
-    after = keeper.evaluate(lambda: evaluate(s), steps)
-    s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
+    after = keeper.evaluate(lambda: evaluate(s), steps) if s.eval_prompts else float("nan")
+    if s.eval_prompts:
+        s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
+        say(f"eval after RL: pass@1 {after:.3f}")
     s.logger.close()
-    say(f"eval after RL: pass@1 {after:.3f}")
     return {**result, "pass_at_1_after": after}
 
 

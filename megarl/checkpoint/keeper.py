@@ -41,6 +41,7 @@ from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
 from megarl.checkpoint.watchdog import start as start_watchdog
+from megarl.data.source import DataError
 from megarl.engines.cluster import any_rank, rank_and_world
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights
@@ -84,6 +85,7 @@ class RunKeeper:
         self.stopped = ""  # why the run stopped early ('' while it goes on)
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
+        self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
         self.saved_at = -1
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
 
@@ -155,7 +157,7 @@ class RunKeeper:
 
     def stop(self, step: int, reason: str) -> None:
         """Stop now (``StopRun``): save the state of ``step`` done steps."""
-        self.stopped, self.error, self.requeue = reason, True, True
+        self.stopped, self.error, self.requeue = reason, True, not self.fatal
         self.save(step)
         self.say(f"step {step}: {reason}; checkpoint saved, stopping")
 
@@ -169,6 +171,7 @@ class RunKeeper:
         """``controller.run_phase``, surviving engine errors (see the module docstring)."""
         c = self.s.controller
         set_step(version + 1)  # the test hooks' step (1-based)
+        self._check_rewards()
         while True:
             snapshot = pickle.dumps(c.state_dict())
             c.next_prompt.mark()
@@ -176,12 +179,26 @@ class RunKeeper:
                 result = c.run_phase(version=version)
                 self.failing = 0
                 return result
-            except Exception as exc:  # the engine failed mid-phase
+            except Exception as exc:  # the engine failed mid-phase (or the data: no usable row)
                 drawn = list(c.next_prompt.recent)
                 c.load_state_dict(pickle.loads(snapshot))
                 c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
+                if isinstance(exc, DataError):  # not the engine's fault: no restart, no requeue (exit 1)
+                    self.fatal = True
+                    raise StopRun(f"data error (not an engine fault, not requeued): {exc}") from exc
                 self._recover(exc, f"step {version + 1}: engine error mid-phase",
                               f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued", version)
+
+    def _check_rewards(self) -> None:
+        """``StopRun`` (not requeued) when every reward call failed in ``reward.max_failed_steps`` steps in a row
+        (counted on the scoring rank; every rank agrees)."""
+        limit = self.cfg.reward.max_failed_steps
+        failing = getattr(self.s.rewards, "failing_steps", None)
+        if limit and failing is not None and any_rank(failing() >= limit):
+            self.fatal = True
+            raise StopRun(f"every reward call failed in the last {limit} steps (reward.max_failed_steps); "
+                          f"reward.fn={self.cfg.reward.fn or self.cfg.data.task!r}: the first failure's traceback "
+                          "is logged above")
 
     def evaluate(self, fn, version: int) -> float:
         """``fn()`` (the held-out evaluation, on engines serving ``version``) surviving engine errors as a phase

@@ -281,6 +281,8 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.fn {r.fn!r} is not known; valid: 'math', 'exact', 'addition' or 'package.module:function'")
     if r.workers < 1 or r.timeout_s <= 0:
         raise ConfigError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers} and {r.timeout_s}")
+    if r.max_failed_steps < 0:
+        raise ConfigError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {r.max_failed_steps}")
     if r.format_coef and ":" in r.fn:
         raise ConfigError("reward.format_coef applies to the built-in rewards; fold the format term into your function")
     if ":" in r.fn:  # the module imports as every rank will import it (working directory, PYTHONPATH)

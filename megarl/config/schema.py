@@ -311,6 +311,8 @@ class RewardConfig:
     """Seconds one reward call may take before its worker is killed and the call scores ``on_error``."""
     on_error: float = 0.0
     """Reward given to a call that raised, timed out or returned something that is not a number."""
+    max_failed_steps: int = 3
+    """Stop the run (exit 1, not requeued) after this many steps in a row in which every reward call failed (0: never)."""
 
 
 @dataclass

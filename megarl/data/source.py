@@ -64,7 +64,7 @@ def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) 
         answer = get_field(row, answer_key)
     if answer is MISSING or answer is None or isinstance(answer, (dict, list)):
         shown = None if answer is MISSING else answer
-        hint = (f"; name one of its fields with a dotted key, e.g. {answer_key + '.' + next(iter(answer))!r}"
+        hint = (f"; name one of its fields with a dotted key: {', '.join(repr(f'{answer_key}.{k}') for k in answer)}"
                 if isinstance(answer, dict) and answer else "")
         raise DataError(f"{where}: field {answer_key!r} (data.answer_key) must be a string or number, got "
                         f"{shown!r:.60}{hint}")

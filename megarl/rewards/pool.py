@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
@@ -74,7 +75,7 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
                 raise ValueError("the reward is NaN")
             conn.send((idx, True, score, extra))
         except Exception as exc:  # a user reward must not crash the worker or the run
-            conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:300], None))
+            conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:]))
 
 
 class _Worker:
@@ -114,6 +115,8 @@ class RewardPool:
         self.errors = self.timeouts = self.calls = 0
         self._step = {"errors": 0, "timeouts": 0}
         self._extras: dict[str, list[float]] = {}
+        self._window, self._last_failed = [0, 0], 0  # training calls and failed ones since the last failing_steps()
+        self.failed_in_a_row, self.traceback_logged = 0, False
         self._wait_ready(start_timeout_s)
 
     def _start(self) -> _Worker:
@@ -138,8 +141,12 @@ class RewardPool:
                 w.ready = True
 
     def score(self, items) -> list[float]:
-        """One score per item, in order; failures score ``on_error`` and are counted, never raised."""
-        return self.score_detailed(items)[0]
+        """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
+        loop's call: its calls and failures also feed ``failing_steps``; an evaluation's do not.)"""
+        scores = self.score_detailed(items)[0]
+        self._window[0] += len(scores)
+        self._window[1] += self._last_failed
+        return scores
 
     def score_detailed(self, items) -> tuple[list[float], list[dict]]:
         """Scores and, per item, the extra values its function returned (``{}`` for a plain float)."""
@@ -179,6 +186,7 @@ class RewardPool:
                     scores[idx], extras[idx] = value, extra
                 else:
                     scores[idx], errors, last_error = self.on_error, errors + 1, value
+                    self._log_traceback(extra)
             now = time.time()
             for i, w in enumerate(self._workers):
                 if w.task and w.task[1] <= now:
@@ -193,12 +201,29 @@ class RewardPool:
         self._count(len(scores), errors, timeouts, extras)
         return [float(s) for s in scores], extras
 
+    def _log_traceback(self, text: str | None) -> None:
+        """The first failed call's full traceback (file and line in the reward's own code), once per pool."""
+        if text and not self.traceback_logged:
+            self.traceback_logged = True
+            log.error("reward: a call of reward.fn=%r failed; its traceback (shown once; later failures are counted "
+                      "in reward/errors):\n%s", self.spec, text.rstrip())
+
+    def failing_steps(self) -> int:
+        """Steps in a row in which every training reward call failed or timed out (a step: the calls between two
+        calls of this, which the loop makes before each step's phase; it stops at ``reward.max_failed_steps``)."""
+        calls, failed = self._window
+        if calls:
+            self.failed_in_a_row = self.failed_in_a_row + 1 if failed == calls else 0
+        self._window = [0, 0]
+        return self.failed_in_a_row
+
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
         self._workers[i] = self._start()
 
     def _count(self, n: int, errors: int, timeouts: int, extras: list[dict]) -> None:
         self.calls += n
+        self._last_failed = errors + timeouts
         self.errors += errors
         self.timeouts += timeouts
         self._step["errors"] += errors
