@@ -15,6 +15,9 @@ Test hooks (environment variables, read once per process; nothing happens when t
   named point is reached during RL step STEP (1-based). Points: ``engine_step`` (generation),
   ``optimizer_step`` (inside ``train_step``, before the optimizer), ``checkpoint_write`` (after the
   model files of a run checkpoint, before its manifest).
+- ``MEGARL_TEST_SLOW_STOP=SECONDS`` — a checkpoint saved after this process received a preemption signal sleeps
+  SECONDS at ``checkpoint_write`` (its model files written, its manifest not yet): a checkpoint that takes longer
+  than Slurm's GraceTime, so that the SIGKILL lands mid-save (``tests/test_slurm.py``).
 - ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
   gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
   only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
@@ -42,6 +45,7 @@ from megarl.engines.cluster import any_rank, rank_and_world
 
 _step = 0  # the RL step being run (1-based), for the test hooks
 _seen: collections.Counter = collections.Counter()
+_signalled = ""  # the preemption signal this process received ('' none), for MEGARL_TEST_SLOW_STOP
 
 
 def set_step(step: int) -> None:
@@ -101,6 +105,11 @@ def kill_point(point: str) -> None:
             _seen[(point, step)] += 1
             if _seen[(point, step)] == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
+    delay = os.environ.get("MEGARL_TEST_SLOW_STOP")
+    if point == "checkpoint_write" and delay and _signalled:
+        print(f"rank {rank_and_world()[0]}: checkpoint after {_signalled} slowed by {delay} s "
+              "(MEGARL_TEST_SLOW_STOP, a test hook)", flush=True)
+        time.sleep(float(delay))
 
 
 def injected(kind: str, nth: int = 1) -> bool:
@@ -127,7 +136,8 @@ class Preemption:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        global _signalled
+        self.received = _signalled = signal.Signals(signum).name
 
     def due(self) -> bool:
         """Whether any rank got a signal (an all-reduce: call it on every rank at the same point)."""
