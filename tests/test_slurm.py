@@ -5,6 +5,7 @@ preempted by Slurm itself (PreemptMode=REQUEUE) with a GraceTime long enough for
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -198,7 +199,8 @@ def set_grace(env, seconds: int) -> None:
 
 def last_step(log: str) -> int:
     """The last ``step N/M |`` progress line of a log."""
-    return int(log.rsplit("|", 1)[0].rsplit("\nstep ", 1)[1].split("/")[0]) if "\nstep " in log else 0
+    found = re.findall(r"step (\d+)/\d+ \|", log)
+    return int(found[-1]) if found else 0
 
 
 @pytest.mark.slow

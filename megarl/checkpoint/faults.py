@@ -2,7 +2,11 @@
 
 - **Preemption**: SIGTERM and SIGUSR1 (what Slurm sends before it kills or requeues a job) set a
   flag; the loop checks it at the next safe point (between steps, every rank agreeing through one
-  all-reduce), saves a run checkpoint and exits 0.
+  all-reduce), saves a run checkpoint and exits 0. Slurm signals *every* process of the job step, so the
+  processes a trainer starts must not die of it (megatron's checkpoint writer keeps a spawned Manager process
+  from the first save on; a dead one fails the preemption's save): the main thread blocks both signals, which
+  every process it starts afterwards inherits (blocked, they never arrive there), and a thread of ours takes
+  them with ``sigwait`` (the Python handlers stay for a signal delivered to another thread).
 - **Non-finite steps**: ``PolicyTrainer.train_step`` skips the optimizer step when the loss or a
   gradient is not finite (weights and Adam state untouched); ``BadSteps`` counts them and stops the
   run after ``train.max_bad_steps`` in a row, naming the step and what was non-finite.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -126,6 +131,9 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+    _waiter: threading.Thread | None = None  # one per process: takes the signals the main thread blocks
+    _current: Preemption | None = None  # the instance the waiter reports to (the latest installed)
+
     def __init__(self) -> None:
         self.received: str = ""
         self.install()
@@ -134,6 +142,18 @@ class Preemption:
         """(Re)install the handlers (after anything that may have set its own, e.g. an engine restart)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)  # inherited by what this thread starts
+            if Preemption._waiter is None:
+                Preemption._waiter = threading.Thread(target=Preemption._wait, daemon=True, name="megarl-preemption")
+                Preemption._waiter.start()
+        Preemption._current = self
+
+    @staticmethod
+    def _wait() -> None:
+        while True:
+            signum = signal.sigwait(Preemption.SIGNALS)
+            Preemption._current._handle(signum, None)
 
     def _handle(self, signum, frame) -> None:
         global _signalled
