@@ -207,13 +207,14 @@ def last_step(log: str) -> int:
 def test_slurm_preemption_with_ample_grace_checkpoints_once_and_slurms_requeue_continues_the_steps(preemptible,
                                                                                                  tmp_path):
     """Slurm preempts the job for a higher-tier one: SIGTERM to every step process (not the batch shell). The
-    trainers finish their step, save one checkpoint and exit 0 well within GraceTime (torchrun and the reward
-    workers ignore the signal); Slurm would mark a job that ended by itself COMPLETED, so the batch script sees
+    trainers finish their step, save one checkpoint and exit 0 well within GraceTime (torchrun, the reward
+    workers and megatron's checkpoint writer ignore the signal); Slurm would mark a job that ended by itself COMPLETED, so the batch script sees
     the preemption (PreemptTime) and requeues once; the high job runs; the requeued job resumes and completes."""
     env, run_dir, steps = preemptible, tmp_path / "run", 40
     set_grace(env, 60)
-    job = submit_tiny(env, run_dir, f"train.steps={steps}", "train.save_every=100")
-    wait_for(env, job, 600, until=lambda: len(steps_logged(run_dir)) >= 3)
+    job = submit_tiny(env, run_dir, f"train.steps={steps}", "train.save_every=3")
+    # after a periodic save: megatron's checkpoint writer then has a process of its own, which must survive too
+    wait_for(env, job, 600, until=lambda: len(steps_logged(run_dir)) >= 5)
     high = preempt(env, tmp_path, job)
     wait_for(env, job, 180, until=lambda: job_field(env, job, "Restarts") == "1")
     assert wait_for(env, high, 300) == "COMPLETED" and "high ran" in (tmp_path / "high.log").read_text()
