@@ -5,6 +5,7 @@ The script's own functions, sourced by bash; the real requeue on a two-node Slur
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +112,21 @@ def test_the_preemption_signals_reach_the_trainer_and_not_the_processes_it_start
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["SIGTERM", "None"]  # the trainer got it; its child is still running
+
+
+def test_reward_workers_live_through_the_preemption_signals():
+    """The reward workers get Slurm's SIGTERM too (every process of the step): they block it and score on."""
+    import signal
+
+    from megarl.rewards.pool import RewardPool
+
+    pool = RewardPool("exact", workers=2)
+    try:
+        for w in pool._workers:
+            w.proc.send_signal(signal.SIGTERM)
+            w.proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert all(w.alive() for w in pool._workers)
+        assert pool.score([("3", "3"), ("4", "5")]) == [1.0, 0.0] and pool.errors == 0
+    finally:
+        pool.close()
