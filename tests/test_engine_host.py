@@ -415,3 +415,51 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
     gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
     # both TP-2 replicas serve the trainer's weights after every sync
     assert len(gaps) >= steps and max(gaps) <= 1e-4, rows
+
+
+def test_a_linked_host_and_its_replicas_serve_on_through_slurms_preemption_sigterm(tmp_path):
+    """Slurm's preemption SIGTERM reaches every process of the job, the replica host and its replicas too: linked,
+    the host logs it and serves on (trainer rank 0 checkpoints first, then ends the link, which ends the host with 0);
+    the replicas inherited the signal blocked. An unlinked host still exits 143 on SIGTERM (the script's kill)."""
+    from megarl.engines.host import HostPool, rendezvous_path
+    from megarl.engines.nodes import Rendezvous
+
+    run = tmp_path / "run"
+    run.mkdir()
+    path = rendezvous_path(run)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    cmd = [sys.executable, "-m", "megarl.engines.host", "--config", "configs/demo.yaml", "--node", "1", *DEDICATED,
+           f"train.run_dir={run}"]
+    env = {**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"}
+    host = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    spec = dict(model=str(tmp_path / "no-model"), tp=1, max_model_len=64, kv_cache_gib=0.0625, slots=2, seed=0,
+                devices="")
+    try:
+        pool = HostPool(path, 1, 1, "127.0.0.1", 60)
+        rv = Rendezvous("127.0.0.1")
+        pids = pool.spawn(rv.address, [[(0, spec)]])
+        links = rv.accept([0], 60)
+        for pid in [host.pid, *pids.values()]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert host.poll() is None and not any(_gone(pid) for pid in pids.values())
+        assert all(proc.is_alive() for _, proc in links.values())
+        pool.close()  # rank 0 saved its checkpoint and ends: the host ends its replicas and exits 0
+        assert host.wait(30) == 0
+        assert wait_until(lambda: all(_gone(pid) for pid in pids.values()), 20.0)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+    assert "SIGTERM while linked to trainer rank 0" in host.stdout.read()
+    out = tmp_path / "waiting.log"
+    with open(out, "w") as f:
+        waiting = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert wait_until(lambda: "waiting for trainer rank 0" in out.read_text(), 60.0), out.read_text()
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(30) == 143
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait(30)

@@ -86,32 +86,37 @@ def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
 
 
 PREEMPTED_TRAINER = """
-import subprocess, sys, time, signal
+import multiprocessing as mp, os, signal, subprocess, sys, time
 from megarl.checkpoint.faults import Preemption
-p = Preemption()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # started after: inherits the block
-time.sleep(0.5)
-child.send_signal(signal.SIGTERM)  # what Slurm does to every process of the job step
-signal.raise_signal(signal.SIGUSR1)  # to this thread (blocked here): the waiter thread takes it
-import os; os.kill(os.getpid(), signal.SIGTERM)
-for _ in range(100):
-    if p.received == "SIGTERM":
-        break
-    time.sleep(0.05)
-time.sleep(0.5)
-print(p.received, child.poll())
-child.kill()
+if __name__ == "__main__":
+    p = Preemption()
+    writer = mp.get_context("spawn").Manager()  # what megatron's checkpoint writer starts at the first save
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(1.0)
+    for pid in (child.pid, writer._process.pid):
+        os.kill(pid, signal.SIGTERM)  # what Slurm does to every process of the job step
+    signal.raise_signal(signal.SIGUSR1)  # to this thread (blocked here): the waiter thread takes it
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100):
+        if p.received == "SIGTERM":
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    print(p.received, child.poll(), writer._process.is_alive())
+    child.kill()
 """
 
 
-def test_the_preemption_signals_reach_the_trainer_and_not_the_processes_it_starts():
+def test_the_preemption_signals_reach_the_trainer_and_not_the_processes_it_starts(tmp_path):
     """Slurm's preemption SIGTERM goes to every process of the step: a trainer's children (megatron's checkpoint
     writer Manager, reward workers) must survive it, and the trainer still sees every signal (megarl/checkpoint/
     faults.py Preemption: blocked in the main thread, inherited blocked by children, taken by a sigwait thread)."""
-    proc = subprocess.run([sys.executable, "-c", PREEMPTED_TRAINER], capture_output=True, text=True, timeout=120,
+    script = tmp_path / "trainer.py"  # a file: multiprocessing's spawn re-imports the main module
+    script.write_text(PREEMPTED_TRAINER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["SIGTERM", "None"]  # the trainer got it; its child is still running
+    assert proc.stdout.split() == ["SIGTERM", "None", "True"]  # the trainer got it; its children still run
 
 
 def test_reward_workers_live_through_the_preemption_signals():

@@ -143,6 +143,11 @@ class Preemption:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         if threading.current_thread() is threading.main_thread():
+            # multiprocessing's resource tracker, at its first start, unblocks SIGTERM in the thread that started
+            # it: started first, so that the block below holds for every process this thread starts later
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
             signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)  # inherited by what this thread starts
             if Preemption._waiter is None:
                 Preemption._waiter = threading.Thread(target=Preemption._wait, daemon=True, name="megarl-preemption")
