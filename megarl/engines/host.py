@@ -179,14 +179,19 @@ def _end(procs: dict, grace_s: float = 10.0) -> None:
 
 PREEMPTION = (signal.SIGTERM, signal.SIGUSR1)  # Slurm sends them to every process of the job; rank 0 acts on them
 _linked = False  # serving trainer rank 0 (SIGTERM then waits for its link to end)
+_noticed = False  # the SIGTERM was logged once
 
 
 def _on_sigterm(signum, frame) -> None:
     """Unlinked (scancel, the batch script's kill): exit 143, ending the replicas. Linked: Slurm's preemption
     notice (or scancel) reached every process of the job; trainer rank 0 saves its checkpoint first and then ends
     the link, which ends this host (killed rank 0 → the link ends too)."""
+    global _noticed
     if not _linked:
         sys.exit(143)
+    if _noticed:  # Slurm repeats it (at the end of GraceTime, then before its SIGKILL)
+        return
+    _noticed = True
     print("megarl: replica host: SIGTERM while linked to trainer rank 0: serving on until rank 0 (which checkpoints "
           "first) ends its link", flush=True)
 
