@@ -87,15 +87,15 @@ def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
 
 PREEMPTED_TRAINER = """
 import multiprocessing as mp, os, signal, subprocess, sys, time
-from megarl.checkpoint.faults import Preemption
-if __name__ == "__main__":
+if __name__ == "__main__":  # (multiprocessing's spawn re-imports this file: no torch there)
+    from megarl.checkpoint.faults import Preemption
     p = Preemption()
     writer = mp.get_context("spawn").Manager()  # what megatron's checkpoint writer starts at the first save
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     time.sleep(1.0)
     for pid in (child.pid, writer._process.pid):
         os.kill(pid, signal.SIGTERM)  # what Slurm does to every process of the job step
-    signal.raise_signal(signal.SIGUSR1)  # to this thread (blocked here): the waiter thread takes it
+    os.kill(os.getpid(), signal.SIGUSR1)  # blocked in the main thread: the waiter thread takes them
     os.kill(os.getpid(), signal.SIGTERM)
     for _ in range(100):
         if p.received == "SIGTERM":
