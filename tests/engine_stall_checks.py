@@ -60,6 +60,12 @@ def main(workdir: str) -> None:
     record["rank_after_restart"] = dist.get_rank() if dist.is_initialized() else None
     outs = engine.generate([GenerationRequest([5, 6, 7, 8], n=1, max_tokens=4, greedy=True) for _ in range(4)], seed=0)
     record["restart_generates"] = sum(len(cs) for cs in outs)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from megarl.config.loader import cpu_attention_head_sizes
+
+    record["head_sizes_read"] = list(cpu_attention_head_sizes())
+    record["head_sizes_asked"] = list(CPUAttentionBackend.get_supported_head_sizes())
     print(json.dumps(record), flush=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, run_script
 from megarl.cli import main as cli_main
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.loader import _cuda, check_engine_head_size, check_local_engine_memory
+from megarl.config.loader import _cuda, check_engine_head_size, check_local_engine_memory, cpu_attention_head_sizes
 from megarl.models.tiny import TinyShape, hf_config
 from megarl.rollout.controller import STALL_STEPS, ControllerConfig, EngineStalled, PromptItem, RolloutController
 from megarl.rollout.engine_api import StepReport
@@ -113,9 +113,7 @@ HD16 = hf_config(TinyShape(family="qwen2", hidden_size=64, num_layers=2), eos_id
 def test_head_size_the_cpu_engine_cannot_run_is_refused_by_validate_and_plan(tmp_path, capsys):
     import json
 
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    sizes = list(cpu_attention_head_sizes())  # = vLLM's CPUAttentionBackend.get_supported_head_sizes() (slow test)
     assert 16 not in sizes and 32 in sizes
     cfg = load_config(None, [f"model.path={tmp_path}/hd16"])
     with pytest.raises(ConfigError) as err:
@@ -206,3 +204,4 @@ def test_real_vllm_failed_generation_leaves_no_request_and_restart_keeps_the_def
     assert r["held_after_failed_generate"] == 0
     assert r["phase_error"].startswith("RuntimeError: Unsupported CPU attention configuration")  # not a spin
     assert r["rank_after_restart"] == 0 and r["restart_generates"] == 4
+    assert r["head_sizes_read"] == r["head_sizes_asked"]  # the config check's reading = vLLM's own answer

