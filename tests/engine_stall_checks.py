@@ -5,10 +5,12 @@
 The fresh-user trial's spin: a model with head size 16 (vLLM's CPU attention cannot run it) fails every
 generation; its batch of 16 requests stayed in vLLM's scheduler holding all 8 slots, so the next phase's requests
 waited behind it while every engine step scheduled nothing (no token, no error). Here the failed generation's
-requests are gone, so the phase's first step raises the real error. Then the engine is restarted in one process
-(onto a model it can run) with the failed engine still referenced by the error, as the keeper holds it; dropping
-that reference used to run vLLM's teardown, which destroys torch's default process group (the trainer's).
-Prints one JSON line.
+requests are gone, so the phase's first step raises the real error (before the fix: the controller's no-progress
+guard, EngineStalled). Then the engine is restarted in one process (onto a model it can run) with the failed
+engine still referenced by the error, as the keeper holds it, twice: after that failure and after the trial's
+max_model_len failure (a prompt vLLM refuses before any step). Dropping the old engine used to run vLLM's
+teardown, which destroys torch's default process group (the trainer's): measured, after the second restart
+``dist.is_initialized()`` was False and the keeper's next log line crashed. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def main(workdir: str) -> None:
     record["rank_after_restart"] = dist.get_rank() if dist.is_initialized() else None
     outs = engine.generate([GenerationRequest([5, 6, 7, 8], n=1, max_tokens=4, greedy=True) for _ in range(4)], seed=0)
     record["restart_generates"] = sum(len(cs) for cs in outs)
+    try:  # the trial's max_model_len=8: vLLM refuses the prompt before any step (VLLMValidationError)
+        engine.generate([GenerationRequest(list(range(5, 85)), n=1, max_tokens=4, greedy=True)], seed=0)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+        record["long_prompt_error"] = type(exc).__name__
+    engine.restart()
+    del error
+    gc.collect()
+    record["rank_after_second_restart"] = dist.get_rank() if dist.is_initialized() else None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from megarl.config.loader import cpu_attention_head_sizes

@@ -204,4 +204,5 @@ def test_real_vllm_failed_generation_leaves_no_request_and_restart_keeps_the_def
     assert r["held_after_failed_generate"] == 0
     assert r["phase_error"].startswith("RuntimeError: Unsupported CPU attention configuration")  # not a spin
     assert r["rank_after_restart"] == 0 and r["restart_generates"] == 4
+    assert r["long_prompt_error"] == "VLLMValidationError" and r["rank_after_second_restart"] == 0  # group kept
     assert r["head_sizes_read"] == r["head_sizes_asked"]  # the config check's reading = vLLM's own answer
