@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.worker and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
         cfg = _load_checked(args.config, args.overrides, world, per_node)
-        check_local_engine_memory(cfg)  # this machine's memory: here, not in validate (megarl plan sizes others)
+        check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             raise ConfigError("megarl eval needs data.eval_path (the held-out prompts) when data.path is set")
         if args.command == "eval" and args.checkpoint:

@@ -81,7 +81,10 @@ def test_cli_refuses_bad_values_and_nproc_before_launch(tmp_path, capsys):
                                                                "must be >= 1"),
                           (["--nproc", "-2"], "--nproc -2"),
                           (["engine.max_model_len=24", "data.max_prompt_tokens=32", "rollout.max_new_tokens=12"],
-                           "engine.max_model_len=24 < data.max_prompt_tokens (32)")]:
+                           "engine.max_model_len=24 < data.max_prompt_tokens (32)"),
+                          *([(["engine.kv_cache_gib=100000"], "engine.kv_cache_gib=100000 (100000 GiB asked of "
+                                                              "vLLM's CPU engine) is more than the ")]
+                            if not _cuda() else [])]:
         assert cli_main(["train", *tiny_args(tmp_path), *args]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
@@ -102,6 +105,9 @@ def test_kv_cache_larger_than_this_machines_memory_is_a_config_error():
     assert 0 < suggested <= available
     check_local_engine_memory(load_config(None, [f"engine.kv_cache_gib={suggested}"]))
     check_local_engine_memory(load_config(None, ["engine.kv_cache_gib=0.25"]))  # asks vLLM for 1 GiB
+    many = int(available) + 2  # colocated: one engine (1 GiB at least) per process launched here
+    with pytest.raises(ConfigError, match=rf"engine.kv_cache_gib=0.25 \({many} engine processes × 1 GiB = {many} GiB\)"):
+        check_local_engine_memory(load_config(None, ["engine.kv_cache_gib=0.25"]), many)
 
 
 # ---- item 1: a head size vLLM's CPU engine cannot run; a phase that cannot progress -------------------------

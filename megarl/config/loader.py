@@ -434,25 +434,32 @@ def _validate_engine_sizes(cfg: RunConfig) -> None:
         raise ConfigError(f"engine.kv_cache_gib must be > 0, got {e.kv_cache_gib}")
 
 
-def check_local_engine_memory(cfg: RunConfig) -> None:
+def check_local_engine_memory(cfg: RunConfig, local_processes: int = 1) -> None:
     """``engine.kv_cache_gib`` against the memory available on this machine, for vLLM's CPU engine (``megarl
-    train``/``eval`` before launching; not ``megarl plan``, which sizes other machines). On GPUs vLLM sizes its KV
-    cache from GPU memory: not checked."""
+    train``/``eval`` before launching ``local_processes`` processes here; not ``megarl plan``, which sizes other
+    machines). On GPUs vLLM sizes its KV cache from GPU memory: not checked."""
     e = cfg.engine
     if _cuda():
         return
     import psutil
 
-    # what the engine asks vLLM for: colocated, VLLM_CPU_KVCACHE_SPACE (whole GiB, at least 1; vllm_engine.py);
-    # replica processes, kv_cache_memory_bytes (replica_process.py). vLLM compares it with the available memory.
-    asked = e.kv_cache_gib if e.placement == "disaggregated" else max(1, int(round(e.kv_cache_gib)))
+    # What each engine process asks vLLM for: colocated, VLLM_CPU_KVCACHE_SPACE (whole GiB, at least 1;
+    # vllm_engine.py), one engine worker per rank; replica processes, kv_cache_memory_bytes (replica_process.py),
+    # replicas × engine TP of them on rank 0's node (engine.replica_nodes=0). vLLM compares each with the memory
+    # available when it starts; they start together.
+    if e.placement == "disaggregated":
+        asked, engines = e.kv_cache_gib, (e.replicas * e.tensor_parallel_size if not e.replica_nodes else 1)
+    else:
+        asked, engines = max(1, int(round(e.kv_cache_gib))), max(1, local_processes)
     available = psutil.virtual_memory().available / 2**30
-    if asked > available:
-        suggest = max(0.25, int(available / 2 * 4) / 4)
+    if asked * engines > available:
+        suggest = max(0.25, int(available / 2 / engines * 4) / 4)
+        each = f"{engines} engine processes × {asked:g} GiB = {asked * engines:g} GiB" if engines > 1 else \
+            f"{asked:g} GiB asked of vLLM's CPU engine"
         raise ConfigError(
-            f"engine.kv_cache_gib={e.kv_cache_gib:g} ({asked:g} GiB asked of vLLM's CPU engine) is more than the "
-            f"{available:.1f} GiB of memory available on this machine; set engine.kv_cache_gib={suggest:g} or less "
-            "(each engine process holds its own KV cache, beside the model and the trainer)")
+            f"engine.kv_cache_gib={e.kv_cache_gib:g} ({each}) is more than the {available:.1f} GiB of memory "
+            f"available on this machine; set engine.kv_cache_gib={suggest:g} or less (each engine process holds "
+            "its own KV cache, beside the model and the trainer; a colocated engine takes whole GiB, at least 1)")
 
 
 @functools.cache
