@@ -2,7 +2,8 @@
 (exit 2, naming the key, the value and what would be valid), or contained instead of spinning or crashing.
 
 Slow: the real vLLM reproduction of the silent spin (a failed generation's requests left holding the engine's
-slots) and of the lost default process group after a restart (tests/engine_stall_checks.py, ~1 min here)."""
+slots) and of the lost default process group after a restart (tests/engine_stall_checks.py, ~1 min here), and a
+real ``megarl train`` whose engine stalls (the engine_stall test hook), contained by the keeper (~30 s here)."""
 
 from __future__ import annotations
 
@@ -212,3 +213,31 @@ def test_real_vllm_failed_generation_leaves_no_request_and_restart_keeps_the_def
     assert r["rank_after_restart"] == 0 and r["restart_generates"] == 4
     assert r["long_prompt_error"] == "VLLMValidationError" and r["rank_after_second_restart"] == 0  # group kept
     assert r["head_sizes_read"] == r["head_sizes_asked"]  # the config check's reading = vLLM's own answer
+
+
+@pytest.mark.slow
+def test_a_stalled_engine_in_a_real_run_is_contained_by_the_keeper(tmp_path):
+    """``megarl train`` with the engine_stall test hook (vllm_engine.py: from the 3rd engine step of RL step 2 every
+    step schedules nothing, as vLLM did with its slots held): the phase ends with EngineStalled, the keeper
+    restarts the engine and reruns the phase, and the run completes (it spun silently before)."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
+           "train.steps=3", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2", "data.eval_size=2", "data.max_digits=2",
+           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "engine.slots=4",
+           "engine.kv_cache_gib=0.25", "engine.max_model_len=64", "optim.micro_batch_size=4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEGARL_TEST_FAULT": "engine_stall@2"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert re.search(r"rank 0 step 2: engine error mid-phase \(megarl\.rollout\.controller\.EngineStalled: engine 0 "
+                     rf"made no progress: {STALL_STEPS} steps in a row produced no token while \d+ of its requests "
+                     r"were outstanding\); .*restart 1/3", out), out[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "faults/engine_restarts" in r}
+    assert steps[1]["faults/engine_restarts"] == 0 and steps[3]["faults/engine_restarts"] == 1

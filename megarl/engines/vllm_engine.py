@@ -282,7 +282,12 @@ class VLLMSlotEngine(TrackedRequests):
     def __init__(self, engine: VLLMEngine, slots: int, length_of=None) -> None:
         """``length_of(key)``, for benchmarks only: each sample's full length, generated with ignore_eos."""
         self.engine, self.slots, self.length_of = engine, slots, length_of
+        self.stalled = False  # the engine_stall test hook: steps schedule nothing until the engine is reset
         super().__init__()
+
+    def reset(self) -> None:
+        self.stalled = False
+        super().reset()
 
     def submit(self, request: SlotRequest) -> None:
         from vllm import SamplingParams
@@ -324,6 +329,9 @@ class VLLMSlotEngine(TrackedRequests):
             hang_forever()  # the last rank only: its peers block at the agreement below
         self._agree(problem, "before vLLM's step")
         active = len(self._active)
+        self.stalled = self.stalled or injected("engine_stall", nth=3)
+        if self.stalled:  # a test hook: what vLLM did with its slots held by a failed call's requests
+            return StepReport([], 0.0, active)
         start = time.perf_counter()
         try:
             outputs = self.engine.llm.llm_engine.step()
