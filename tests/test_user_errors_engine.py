@@ -134,7 +134,7 @@ def test_head_size_the_cpu_engine_cannot_run_is_refused_by_validate_and_plan(tmp
     from megarl.launch.plan import main as plan_main
 
     assert plan_main(["--model", str(tmp_path / "hd16"), "--nodes", "1", "--gpus-per-node", "1"]) == 2
-    assert "attention head size 16" in capsys.readouterr().err
+    assert f"megarl plan: {tmp_path}/hd16/config.json: attention head size 16" in capsys.readouterr().err
     validate(cfg, 1, hf_config(TinyShape(family="qwen2", hidden_size=64, num_heads=2, num_kv_heads=2,
                                          num_layers=2), eos_id=1, pad_id=0))
 
