@@ -79,16 +79,17 @@ from megarl.types import Group, SampleStatus
 
 __all__ = ["LONG_WAIT", "MODES", "STALL_STEPS", "ControllerConfig", "EngineStalled", "PromptItem", "RolloutController"]
 MODES = ("sync", "on_policy", "partial")
+_DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
 STALL_STEPS = 1000
 """Steps in a row of one engine that has requests outstanding yet produces no token: the engine is stuck
-(``EngineStalled``). A working engine emits a token within a few steps (vLLM's chunked prefill gives its oldest
-request a chunk every step); a stuck one returns each step at once, scheduling nothing, so a phase would spin
-forever, past the hang watchdog (every step returns) and past a preemption signal (read between RL steps)."""
+(``EngineStalled``). A working engine emits a token within a few steps (a long prompt's chunked prefill takes
+max_model_len / the scheduler's token budget of them); a stuck one returns each step at once, scheduling
+nothing, so a phase would spin forever, past the hang watchdog (every step returns) and past a preemption
+signal (read between RL steps)."""
 
 
 class EngineStalled(RuntimeError):
     """An engine made no progress for ``STALL_STEPS`` steps in a row: an engine error (the keeper contains it)."""
-_DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
 
 
 @dataclass
