@@ -28,7 +28,9 @@ Test hooks (environment variables, read once per process; nothing happens when t
   (under torchrun, the in-place recovery after an engine error fails: the run stops with a checkpoint) or
   ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP, or ``engine_hang`` (the engine's 3rd
   step blocks forever on the last rank — rank 0 in one process — while its peers wait for it at the step's
-  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75).
+  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75), or ``engine_stall``
+  (from the engine's 3rd step of RL step STEP every step schedules nothing until the engine is reset: the
+  controller's no-progress guard must raise ``EngineStalled``, contained by the keeper).
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
