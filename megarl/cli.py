@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
+from megarl.config.loader import check_local_engine_memory
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     world = launch.world_size if args.worker else args.nproc
     per_node = launch.local_world_size if args.worker else args.nproc
     try:
+        if not args.worker and args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
         cfg = _load_checked(args.config, args.overrides, world, per_node)
+        check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             from megarl.evaluation import NO_EVAL_PATH
 

@@ -9,6 +9,9 @@
 # key and socket, so nothing outside DIR (and one /tmp directory for munge) is touched.
 # Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2 (nI at 127.0.0.I up to SLURM_TEST_NODES, default 2), 1 CPU
 # each (SLURM_TEST_CPUS=N for more), so `sbatch -N 2` spans two of them.
+# SLURM_TEST_PREEMPT=GRACE_SECONDS: Slurm's own preemption (PreemptType=preempt/partition_prio,
+# PreemptMode=REQUEUE): `main` (the default) gets PriorityTier=1 and GraceTime=GRACE_SECONDS, and a `high`
+# partition on the same nodes (PriorityTier=2) preempts its jobs. Unset: one partition, no preemption.
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
@@ -25,6 +28,16 @@ start() {
         exit 2
     fi
     for i in $(seq "$count"); do nodes+=("n$i"); done
+    local grace=${SLURM_TEST_PREEMPT:-} preempt="" main_extra="" high_line=""
+    if [[ -n $grace ]]; then
+        if ! [[ $grace =~ ^[0-9]+$ ]]; then
+            echo "SLURM_TEST_PREEMPT=$grace: valid: a GraceTime in seconds (0 or more)" >&2
+            exit 2
+        fi
+        preempt=$'PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\n'
+        main_extra=" PriorityTier=1 GraceTime=$grace"
+        high_line=$'\n'"PartitionName=high Nodes=$(IFS=,; echo "${nodes[*]}") PriorityTier=2 MaxTime=INFINITE State=UP"
+    fi
     mkdir -p "$dir"/state "$dir"/log
     for i in "${nodes[@]}"; do mkdir -p "$dir/spool/$i"; done
     # munged runs as the munge user and must reach its directory: keep it out of DIR's (0700) parents.
@@ -76,7 +89,7 @@ ReturnToService=2
 KillWait=5
 MinJobAge=300
 InactiveLimit=0
-${node_lines}PartitionName=main Nodes=$(IFS=,; echo "${nodes[*]}") Default=YES MaxTime=INFINITE State=UP
+${preempt}${node_lines}PartitionName=main Nodes=$(IFS=,; echo "${nodes[*]}") Default=YES MaxTime=INFINITE State=UP${main_extra}${high_line}
 EOF
     export SLURM_CONF=$dir/slurm.conf
     setsid slurmctld -D -i -f "$SLURM_CONF" > "$dir/log/slurmctld.out" 2>&1 < /dev/null &
@@ -86,7 +99,7 @@ EOF
         echo "slurmd $!" >> "$dir/pids"
     done
     for _ in $(seq 300); do
-        if [[ $(sinfo -h -o '%T %D' 2>/dev/null) == "idle $count" ]]; then
+        if [[ $(sinfo -h -p main -o '%T %D' 2>/dev/null) == "idle $count" ]]; then
             echo "export SLURM_CONF=$SLURM_CONF"
             return 0
         fi

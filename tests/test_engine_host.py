@@ -415,3 +415,125 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
     gaps = [r["sync/logprob_gap"] for r in rows if "sync/logprob_gap" in r]
     # both TP-2 replicas serve the trainer's weights after every sync
     assert len(gaps) >= steps and max(gaps) <= 1e-4, rows
+
+
+def test_a_linked_host_and_its_replicas_serve_on_through_slurms_preemption_sigterm(tmp_path):
+    """Slurm's preemption SIGTERM reaches every process of the job, the replica host and its replicas too: linked,
+    the host logs it and serves on (trainer rank 0 checkpoints first, then ends the link, which ends the host with 0);
+    the replicas inherited the signal blocked. An unlinked host still exits 143 on SIGTERM (the script's kill)."""
+    from megarl.engines.host import HostPool, rendezvous_path
+    from megarl.engines.nodes import Rendezvous
+
+    run = tmp_path / "run"
+    run.mkdir()
+    path = rendezvous_path(run)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    cmd = [sys.executable, "-m", "megarl.engines.host", "--config", "configs/demo.yaml", "--node", "1", *DEDICATED,
+           f"train.run_dir={run}"]
+    env = {**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"}
+    host = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    spec = dict(model=str(tmp_path / "no-model"), tp=1, max_model_len=64, kv_cache_gib=0.0625, slots=2, seed=0,
+                devices="")
+    try:
+        pool = HostPool(path, 1, 1, "127.0.0.1", 60)
+        rv = Rendezvous("127.0.0.1")
+        pids = pool.spawn(rv.address, [[(0, spec)]])
+        links = rv.accept([0], 60)
+        for pid in [host.pid, *pids.values()]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert host.poll() is None and not any(_gone(pid) for pid in pids.values())
+        assert all(proc.is_alive() for _, proc in links.values())
+        pool.close()  # rank 0 saved its checkpoint and ends: the host ends its replicas and exits 0
+        assert host.wait(30) == 0
+        assert wait_until(lambda: all(_gone(pid) for pid in pids.values()), 20.0)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+    assert "SIGTERM while linked to trainer rank 0" in host.stdout.read()
+    out = tmp_path / "waiting.log"
+    with open(out, "w") as f:
+        waiting = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert wait_until(lambda: "waiting for trainer rank 0" in out.read_text(), 60.0), out.read_text()
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(30) == 143
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait(30)
+
+
+@pytest.mark.slow
+def test_slurm_preemption_killing_a_job_with_an_engine_only_node_mid_save_leaves_nothing_that_traps_the_requeue(
+        tmp_path):
+    """Slurm's own preemption (PreemptMode=REQUEUE, GraceTime 1 s) of a job with an engine-only node, its
+    checkpoint slowed past the grace (MEGARL_TEST_SLOW_STOP): the SIGTERM reaches the host and its replicas too,
+    and the linked host serves on; then Slurm SIGKILLs everything mid-save and requeues the job itself. The
+    SIGKILLed rank 0 leaves its rendezvous file (tagged JOB.0) behind: the requeued host must link to the requeued
+    rank 0 (JOB.1), nothing of the first attempt may be left, and the run resumes from the last periodic checkpoint."""
+    import re
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    from test_slurm import job_field, last_step, preempt, steps_logged, submit_tiny, wait_for
+
+    cluster = tmp_path / "slurm"
+    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "SLURM_TEST_PREEMPT": "1"})
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs"
+    hosts_file = run_dir / "engine_hosts.json"
+    spawned = re.compile(r"megarl: replica host on node 1 \(n2\): spawned replicas \{0: (\d+), 1: (\d+)\}")
+    steps, tags = 12, {}
+
+    def tag_seen() -> bool:  # the rendezvous files rank 0 published, by job tag
+        try:
+            info = json.loads(hosts_file.read_text())
+            tags[info["job"]] = f"{info['host']}:{info['port']}"
+        except (OSError, ValueError, KeyError):
+            pass
+        return False
+
+    try:
+        assert up.returncode == 0, up.stderr
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MEGARL_TEST_SLOW_STOP": "90"}
+        job = submit_tiny(env, run_dir, *DEDICATED, "engine.kv_cache_gib=0.0625", "engine.slots=8",
+                          f"train.steps={steps}", "train.save_every=3")
+        wait_for(env, job, 900, until=lambda: tag_seen() or len(steps_logged(run_dir)) >= 5)  # saved at step 3
+        host0 = (logs / f"{job}.0.engines0.log").read_text()
+        host0_pid = int(re.search(r"\(n2\), pid (\d+): waiting", host0).group(1))
+        first = [int(p) for p in spawned.search(host0).groups()]
+        preempt(env, tmp_path, job)
+        wait_for(env, job, 300, until=lambda: tag_seen() or job_field(env, job, "Restarts") == "1")
+        first_left = [pid for pid in [host0_pid, *first] if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
+        state = wait_for(env, job, 1500, until=lambda: tag_seen() or job_field(env, job, "JobState") in
+                         ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+        batch = (logs / f"{job}.batch.log").read_text()
+        node0 = [(logs / f"{job}.{r}.node0.log").read_text() for r in (0, 1)]
+        host0, host1 = [(logs / f"{job}.{r}.engines0.log").read_text() for r in (0, 1)]
+        assert state == "COMPLETED" and job_field(env, job, "Restarts") == "1", batch + node0[1][-4000:] + host1[-3000:]
+        second = [int(p) for p in spawned.search(host1).groups()]
+        host1_pid = int(re.search(r"\(n2\), pid (\d+): waiting", host1).group(1))
+        left = [pid for pid in [host1_pid, *second] if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
+        ps_left = _processes_naming(str(run_dir))
+    finally:
+        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    assert first_left == [] and left == [] and ps_left == [], (first_left, left, ps_left)
+    # the first attempt: the notice reached the linked host, which served on; the save was cut by the SIGKILL
+    assert "SIGTERM while linked to trainer rank 0" in host0 and "link ended" not in host0, host0
+    assert "slowed by 90 s" in node0[0] and "checkpoint saved, stopping" not in node0[0]
+    assert "requeueing" not in batch and f"job {job} restart 1:" in batch, batch  # Slurm requeued it
+    # the requeued host passed over the killed rank 0's rendezvous (JOB.0) and linked to the requeued one's
+    assert tags.keys() == {f"{job}.0", f"{job}.1"}, tags
+    assert f"linked to trainer rank 0 at {tags[f'{job}.1']} (job {job}.1)" in host1, (tags, host1)
+    assert host1.count("linked to trainer rank 0") == 1 and not set(second) & set(first)
+    ran_to = last_step(node0[0])
+    resumed = (ran_to - 1) // 3 * 3  # the last periodic checkpoint before the one being written
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resumed:06d}'} at step {resumed}" in node0[1], node0[1]
+    assert f"step {steps}/{steps} |" in node0[1] and "trainer rank 0's link ended" in host1
+    assert steps_logged(run_dir) == list(range(steps + 1))

@@ -1,9 +1,11 @@
 """slurm/train.sbatch on a real two-node Slurm (tests/slurm_cluster.sh: Debian's slurm-wlm and munge as
 plain processes on this machine): the tiny config across 2 nodes × 1 task through examples/tiny_cpu.sh,
-and a job signalled mid-run that checkpoints, requeues itself and resumes where it stopped."""
+a job signalled mid-run that checkpoints, requeues itself and resumes where it stopped, and (slow) jobs
+preempted by Slurm itself (PreemptMode=REQUEUE) with a GraceTime long enough for a checkpoint, and too short."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,17 +22,28 @@ pytestmark = pytest.mark.skipif(
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def _cluster(tmp_path_factory, **env):
     cluster = tmp_path_factory.mktemp("slurm")
     script = str(ROOT / "tests" / "slurm_cluster.sh")
-    proc = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
     try:
         assert proc.returncode == 0, proc.stderr
         yield {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHON": sys.executable,
                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     finally:
         subprocess.run([script, "stop", str(cluster)], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    yield from _cluster(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def preemptible(tmp_path_factory):
+    """Jobs in the default partition `main` are preempted (REQUEUE) by jobs in `high`; each test sets GraceTime."""
+    yield from _cluster(tmp_path_factory, SLURM_TEST_PREEMPT="60")
 
 
 def job_field(env, job: str, field: str) -> str:
@@ -168,3 +181,86 @@ def test_an_engine_fault_stop_requeues_the_job_a_bounded_number_of_times(slurm, 
     assert (run_dir / "logs" / f"{job}.0.exit").read_text() == "75\n"
     assert (run_dir / "logs" / f"{job}.fault_requeues").read_text().strip() == "1"
     assert steps_logged(run_dir) == [0, 1]  # step 2 never completed; nothing logged twice
+
+
+def preempt(env, tmp_path, job: str, nodes: int = 2) -> str:
+    """Submit a short job to the `high` partition on all the nodes: Slurm preempts ``job`` for it."""
+    assert job_field(env, job, "JobState") == "RUNNING", "the job ended before it could be preempted"
+    return subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", str(nodes), "-o", str(tmp_path / "high.log"),
+                           "--wrap", "echo high ran; sleep 2"], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
+
+
+def set_grace(env, seconds: int) -> None:
+    subprocess.run(["scontrol", "update", "PartitionName=main", f"GraceTime={seconds}"], env=env, check=True)
+    assert f"GraceTime={seconds}" in subprocess.run(["scontrol", "show", "partition", "main"], capture_output=True,
+                                                    text=True, env=env).stdout
+
+
+def last_step(log: str) -> int:
+    """The last ``step N/M |`` progress line of a log."""
+    found = re.findall(r"step (\d+)/\d+ \|", log)
+    return int(found[-1]) if found else 0
+
+
+@pytest.mark.slow
+def test_slurm_preemption_with_ample_grace_checkpoints_once_and_slurms_requeue_continues_the_steps(preemptible,
+                                                                                                 tmp_path):
+    """Slurm preempts the job for a higher-tier one: SIGTERM to every step process (not the batch shell). The
+    trainers finish their step, save one checkpoint and exit 0 well within GraceTime (torchrun, the reward
+    workers and megatron's checkpoint writer ignore the signal); Slurm would mark a job that ended by itself COMPLETED, so the batch script sees
+    the preemption (PreemptTime) and requeues once; the high job runs; the requeued job resumes and completes."""
+    env, run_dir, steps = preemptible, tmp_path / "run", 40
+    set_grace(env, 60)
+    job = submit_tiny(env, run_dir, f"train.steps={steps}", "train.save_every=3")
+    # after a periodic save: megatron's checkpoint writer then has a process of its own, which must survive too
+    wait_for(env, job, 600, until=lambda: len(steps_logged(run_dir)) >= 5)
+    high = preempt(env, tmp_path, job)
+    wait_for(env, job, 180, until=lambda: job_field(env, job, "Restarts") == "1")
+    assert wait_for(env, high, 300) == "COMPLETED" and "high ran" in (tmp_path / "high.log").read_text()
+    state = wait_for(env, job, 600)
+    batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+    first, second = "".join(logs(run_dir, job, 0)), "".join(logs(run_dir, job, 1))
+    assert state == "COMPLETED" and job_field(env, job, "Restarts") == "1", batch + second[-4000:]
+    assert f"Slurm preempted job {job} (SIGTERM)" in batch and batch.count(f"requeueing job {job}") == 1
+    assert "SIGUSR1" not in batch and "fault" not in batch and not (run_dir / "logs" / f"{job}.fault_requeues").exists()
+    # the trainers: one checkpoint at the step they were at, saved on every rank; torchrun never ended them
+    assert first.count("SIGTERM received; checkpoint saved, stopping") == 1, first[-4000:]
+    stopped_at = last_step(first)
+    assert f"step {stopped_at}: SIGTERM received; checkpoint saved, stopping" in first and stopped_at < steps
+    assert "death signal" not in first and "Closing process" not in first
+    assert (run_dir / "logs" / f"{job}.0.exit").read_text() == "0\n"
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:06d}'} at step {stopped_at}" in second
+    assert f"step {stopped_at + 1}/{steps} |" in second and f"step {stopped_at}/{steps} |" not in second
+    assert steps_logged(run_dir) == list(range(0, steps + 1))  # one line per step, as if never preempted
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("reward/errors", 0) == 0 and r.get("faults/engine_restarts", 0) == 0 for r in records)
+
+
+@pytest.mark.slow
+def test_slurm_preemption_with_too_short_grace_resumes_from_the_last_complete_periodic_checkpoint(preemptible,
+                                                                                                tmp_path):
+    """GraceTime 1 s and a checkpoint slowed to 90 s (MEGARL_TEST_SLOW_STOP): Slurm SIGKILLs the job mid-save and
+    requeues it itself (the batch script never gets to requeue). The requeued job resumes from the last periodic
+    checkpoint (train.save_every=5), not the half-written one; the steps after it run again, and metrics.jsonl
+    keeps one line per step (the killed attempt's lines past the checkpoint are dropped on resume, and said so)."""
+    env, run_dir, steps = {**preemptible, "MEGARL_TEST_SLOW_STOP": "90"}, tmp_path / "run", 40
+    set_grace(env, 1)
+    job = submit_tiny(env, run_dir, f"train.steps={steps}", "train.save_every=5")
+    wait_for(env, job, 600, until=lambda: len(steps_logged(run_dir)) >= 7)
+    high = preempt(env, tmp_path, job)
+    wait_for(env, job, 180, until=lambda: job_field(env, job, "Restarts") == "1")
+    assert wait_for(env, high, 300) == "COMPLETED"
+    state = wait_for(env, job, 600)
+    batch = (run_dir / "logs" / f"{job}.batch.log").read_text()
+    first, second = "".join(logs(run_dir, job, 0)), "".join(logs(run_dir, job, 1))
+    assert state == "COMPLETED" and job_field(env, job, "Restarts") == "1", batch + second[-4000:]
+    assert "slowed by 90 s" in first and "checkpoint saved, stopping" not in first  # killed mid-save
+    assert "requeueing" not in batch and "restart 1" in batch  # Slurm requeued it, not the script
+    ran_to = last_step(first)
+    resumed = (ran_to - 1) // 5 * 5  # the last periodic checkpoint before the one being written
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resumed:06d}'} at step {resumed}" in second, second
+    assert f"metrics.jsonl: {ran_to - resumed} lines past step {resumed} dropped" in second
+    assert f"step {resumed + 1}/{steps} |" in first and f"step {resumed + 1}/{steps} |" in second  # run again
+    assert steps_logged(run_dir) == list(range(0, steps + 1))
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # the half-written one was cleared by a later save

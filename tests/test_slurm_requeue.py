@@ -5,6 +5,7 @@ The script's own functions, sourced by bash; the real requeue on a two-node Slur
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,3 +83,55 @@ def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
     assert "engine failed 1 times in a row (engine.max_restarts=0)" in proc.stderr
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir()
+
+
+PREEMPTED_TRAINER = """
+import multiprocessing as mp, os, signal, subprocess, sys, time
+if __name__ == "__main__":  # (multiprocessing's spawn re-imports this file: no torch there)
+    from megarl.checkpoint.faults import Preemption
+    p = Preemption()
+    writer = mp.get_context("spawn").Manager()  # what megatron's checkpoint writer starts at the first save
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(1.0)
+    for pid in (child.pid, writer._process.pid):
+        os.kill(pid, signal.SIGTERM)  # what Slurm does to every process of the job step
+    os.kill(os.getpid(), signal.SIGUSR1)  # blocked in the main thread: the waiter thread takes them
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100):
+        if p.received == "SIGTERM":
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    print(p.received, child.poll(), writer._process.is_alive())
+    child.kill()
+"""
+
+
+def test_the_preemption_signals_reach_the_trainer_and_not_the_processes_it_starts(tmp_path):
+    """Slurm's preemption SIGTERM goes to every process of the step: a trainer's children (megatron's checkpoint
+    writer Manager, reward workers) must survive it, and the trainer still sees every signal (megarl/checkpoint/
+    faults.py Preemption: blocked in the main thread, inherited blocked by children, taken by a sigwait thread)."""
+    script = tmp_path / "trainer.py"  # a file: multiprocessing's spawn re-imports the main module
+    script.write_text(PREEMPTED_TRAINER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["SIGTERM", "None", "True"]  # the trainer got it; its children still run
+
+
+def test_reward_workers_live_through_the_preemption_signals():
+    """The reward workers get Slurm's SIGTERM too (every process of the step): they block it and score on."""
+    import signal
+
+    from megarl.rewards.pool import RewardPool
+
+    pool = RewardPool("exact", workers=2)
+    try:
+        for w in pool._workers:
+            w.proc.send_signal(signal.SIGTERM)
+            w.proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert all(w.alive() for w in pool._workers)
+        assert pool.score([("3", "3"), ("4", "5")]) == [1.0, 0.0] and pool.errors == 0
+    finally:
+        pool.close()

@@ -2,7 +2,11 @@
 
 - **Preemption**: SIGTERM and SIGUSR1 (what Slurm sends before it kills or requeues a job) set a
   flag; the loop checks it at the next safe point (between steps, every rank agreeing through one
-  all-reduce), saves a run checkpoint and exits 0.
+  all-reduce), saves a run checkpoint and exits 0. Slurm signals *every* process of the job step, so the
+  processes a trainer starts must not die of it (megatron's checkpoint writer keeps a spawned Manager process
+  from the first save on; a dead one fails the preemption's save): the main thread blocks both signals, which
+  every process it starts afterwards inherits (blocked, they never arrive there), and a thread of ours takes
+  them with ``sigwait`` (the Python handlers stay for a signal delivered to another thread).
 - **Non-finite steps**: ``PolicyTrainer.train_step`` skips the optimizer step when the loss or a
   gradient is not finite (weights and Adam state untouched); ``BadSteps`` counts them and stops the
   run after ``train.max_bad_steps`` in a row, naming the step and what was non-finite.
@@ -15,13 +19,18 @@ Test hooks (environment variables, read once per process; nothing happens when t
   named point is reached during RL step STEP (1-based). Points: ``engine_step`` (generation),
   ``optimizer_step`` (inside ``train_step``, before the optimizer), ``checkpoint_write`` (after the
   model files of a run checkpoint, before its manifest).
+- ``MEGARL_TEST_SLOW_STOP=SECONDS`` — a checkpoint saved after this process received a preemption signal sleeps
+  SECONDS at ``checkpoint_write`` (its model files written, its manifest not yet): a checkpoint that takes longer
+  than Slurm's GraceTime, so that the SIGKILL lands mid-save (``tests/test_slurm.py``).
 - ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
   gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
   only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
   (under torchrun, the in-place recovery after an engine error fails: the run stops with a checkpoint) or
   ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP, or ``engine_hang`` (the engine's 3rd
   step blocks forever on the last rank — rank 0 in one process — while its peers wait for it at the step's
-  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75).
+  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75), or ``engine_stall``
+  (from the engine's 3rd step of RL step STEP every step schedules nothing until the engine is reset: the
+  controller's no-progress guard must raise ``EngineStalled``, contained by the keeper).
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
@@ -33,6 +42,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -42,6 +52,7 @@ from megarl.engines.cluster import any_rank, rank_and_world
 
 _step = 0  # the RL step being run (1-based), for the test hooks
 _seen: collections.Counter = collections.Counter()
+_signalled = ""  # the preemption signal this process received ('' none), for MEGARL_TEST_SLOW_STOP
 
 
 def set_step(step: int) -> None:
@@ -106,6 +117,11 @@ def kill_point(point: str) -> None:
             _seen[(point, step)] += 1
             if _seen[(point, step)] == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
+    delay = os.environ.get("MEGARL_TEST_SLOW_STOP")
+    if point == "checkpoint_write" and delay and _signalled:
+        print(f"rank {rank_and_world()[0]}: checkpoint after {_signalled} slowed by {delay} s "
+              "(MEGARL_TEST_SLOW_STOP, a test hook)", flush=True)
+        time.sleep(float(delay))
 
 
 def injected(kind: str, nth: int = 1) -> bool:
@@ -122,6 +138,9 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+    _waiter: threading.Thread | None = None  # one per process: takes the signals the main thread blocks
+    _current: Preemption | None = None  # the instance the waiter reports to (the latest installed)
+
     def __init__(self) -> None:
         self.received: str = ""
         self.install()
@@ -130,9 +149,27 @@ class Preemption:
         """(Re)install the handlers (after anything that may have set its own, e.g. an engine restart)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            # multiprocessing's resource tracker, at its first start, unblocks SIGTERM in the thread that started
+            # it: started first, so that the block below holds for every process this thread starts later
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)  # inherited by what this thread starts
+            if Preemption._waiter is None:
+                Preemption._waiter = threading.Thread(target=Preemption._wait, daemon=True, name="megarl-preemption")
+                Preemption._waiter.start()
+        Preemption._current = self
+
+    @staticmethod
+    def _wait() -> None:
+        while True:
+            signum = signal.sigwait(Preemption.SIGNALS)
+            Preemption._current._handle(signum, None)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        global _signalled
+        self.received = _signalled = signal.Signals(signum).name
 
     def due(self) -> bool:
         """Whether any rank got a signal (an all-reduce: call it on every rank at the same point)."""

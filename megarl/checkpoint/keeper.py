@@ -232,7 +232,7 @@ class RunKeeper:
         self.restarts += 1
         self.failing += 1
         where = traceback.format_exception_only(exc)[-1].strip()
-        print(f"rank {dist.get_rank()} {what} ({where}); {done}; restart {self.failing}/"
+        print(f"rank {rank_and_world()[0]} {what} ({where}); {done}; restart {self.failing}/"
               f"{self.cfg.engine.max_restarts}", flush=True)
         if self.failing > self.cfg.engine.max_restarts:
             raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="

@@ -181,6 +181,25 @@ def _end(procs: dict, grace_s: float = 10.0) -> None:
     procs.clear()
 
 
+PREEMPTION = (signal.SIGTERM, signal.SIGUSR1)  # Slurm sends them to every process of the job; rank 0 acts on them
+_linked = False  # serving trainer rank 0 (SIGTERM then waits for its link to end)
+_noticed = False  # the SIGTERM was logged once
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Unlinked (scancel, the batch script's kill): exit 143, ending the replicas. Linked: Slurm's preemption
+    notice (or scancel) reached every process of the job; trainer rank 0 saves its checkpoint first and then ends
+    the link, which ends this host (killed rank 0 → the link ends too)."""
+    global _noticed
+    if not _linked:
+        sys.exit(143)
+    if _noticed:  # Slurm repeats it (at the end of GraceTime, then before its SIGKILL)
+        return
+    _noticed = True
+    print("megarl: replica host: SIGTERM while linked to trainer rank 0: serving on until rank 0 (which checkpoints "
+          "first) ends its link", flush=True)
+
+
 def serve_host(conn, node: int, name: str) -> None:
     """Spawn and end replicas as rank 0 says, until its link ends; then end them all."""
     import multiprocessing as mp
@@ -207,7 +226,12 @@ def serve_host(conn, node: int, name: str) -> None:
             try:
                 for k, spec in jobs:
                     procs[k] = ctx.Process(target=serve_remote, args=(rendezvous, k, node, spec), name=f"megarl-engine-{k}")
-                    procs[k].start()
+                    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in PREEMPTION}  # the replica
+                    try:  # inherits them ignored (a block is not inherited for sure: multiprocessing may lift it)
+                        procs[k].start()
+                    finally:
+                        for sig, handler in handlers.items():
+                            signal.signal(sig, handler)
             except Exception as exc:  # noqa: BLE001  (reported to rank 0, which names this host)
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 continue
@@ -252,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print("megarl: config error: a replica host serves engine.replica_nodes_dedicated=true runs; this config "
               "has engine.replica_nodes_dedicated=false (its replicas are spawned by trainer ranks)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (scancel, or the batch script's kill): end replicas
+    global _linked
+    signal.signal(signal.SIGTERM, _on_sigterm)
     name = host_name()
     try:
         node = args.node if args.node is not None else node_of(name)
@@ -264,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     conn, rank0 = connect(path, args.wait_s)
     conn.send(("host", node, name, os.getpid()))
+    _linked = True
     print(f"megarl: replica host on node {node} ({name}): linked to trainer rank 0 at {rank0}", flush=True)
     serve_host(conn, node, name)
     return 0

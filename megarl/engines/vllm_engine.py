@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
 from megarl.checkpoint.watchdog import end_process, guard, on_fire
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
-from megarl.engines.cluster import any_rank
+from megarl.engines.cluster import any_rank, rank_and_world
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
@@ -91,7 +91,9 @@ class VLLMEngine:
         (``recover``), every rank agreeing; when any rank's recovery fails, ``EngineRestartRefused``: the run
         must save and stop, and the same command resumes it in fresh processes."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            self.llm = None
+            old, self.llm = self.llm, None
+            _shut_down_keeping_default_group(old)
+            del old
             gc.collect()
             self.llm = self._start()
             if self.unusable:  # a fresh engine serves the model's own files (version 0) until the caller syncs
@@ -126,6 +128,20 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset (KV blocks still in use)")
 
+    def drop_held_requests(self) -> None:
+        """Abort every request vLLM still holds after a ``generate`` that raised. vLLM leaves that batch in its
+        scheduler (already scheduled, never updated): it keeps its slots and KV blocks, and the next phase's
+        requests then wait behind it while each engine step schedules nothing and returns no token (the
+        fresh-user trial's silent spin after an evaluation gave up on a failing engine)."""
+        try:
+            engine = self.llm.llm_engine
+            held = list(engine.output_processor.request_states)
+            if held:
+                engine.abort_request(held, internal=True)  # the output processor's keys are vLLM's internal ids
+        except Exception as exc:  # noqa: BLE001  (the original error is the one to raise; this one is logged)
+            print(f"rank {rank_and_world()[0]}: aborting the failed generation's requests raised "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+
     @property
     def worker(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker
@@ -153,6 +169,7 @@ class VLLMEngine:
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
+            self.drop_held_requests()
             if group is None:
                 raise
             problem = _logged(exc, "vLLM's generate")
@@ -171,6 +188,33 @@ class VLLMEngine:
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         repack_after_reload(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
+
+
+def _shut_down_keeping_default_group(llm) -> None:
+    """Shut an in-process ``LLM`` down now, but leave torch's default process group alone.
+
+    vLLM's in-process engine core shuts down when its client is collected (a ``weakref.finalize``), and its
+    teardown (``cleanup_dist_env_and_memory``) ends with ``torch.distributed.destroy_process_group()``: the group
+    megatron's trainer runs on in this very process. Collected whenever the last reference goes (a traceback
+    can hold it past the new engine's start), the old engine destroyed the group under the trainer and the new
+    engine: ``dist.get_rank()`` then failed ("Default process group has not been initialized", the fresh-user
+    trial, item 4). So the core is shut down here, its finalizer detached (``InprocClient.shutdown``), with
+    ``destroy_process_group`` of the default group a no-op for that call; vLLM's own subgroups are destroyed as before."""
+    if llm is None:
+        return
+    destroy = dist.destroy_process_group
+
+    def keep_default(group=None) -> None:  # vLLM's own subgroups still go
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = keep_default
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001  (a half-dead engine: the new one is what matters)
+        print(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        dist.destroy_process_group = destroy
 
 
 class EngineRestartRefused(RuntimeError):
@@ -238,7 +282,12 @@ class VLLMSlotEngine(TrackedRequests):
     def __init__(self, engine: VLLMEngine, slots: int, length_of=None) -> None:
         """``length_of(key)``, for benchmarks only: each sample's full length, generated with ignore_eos."""
         self.engine, self.slots, self.length_of = engine, slots, length_of
+        self.stalled = False  # the engine_stall test hook: steps schedule nothing until the engine is reset
         super().__init__()
+
+    def reset(self) -> None:
+        self.stalled = False
+        super().reset()
 
     def submit(self, request: SlotRequest) -> None:
         from vllm import SamplingParams
@@ -280,6 +329,9 @@ class VLLMSlotEngine(TrackedRequests):
             hang_forever()  # the last rank only: its peers block at the agreement below
         self._agree(problem, "before vLLM's step")
         active = len(self._active)
+        self.stalled = self.stalled or injected("engine_stall", nth=3)
+        if self.stalled:  # a test hook: what vLLM did with its slots held by a failed call's requests
+            return StepReport([], 0.0, active)
         start = time.perf_counter()
         try:
             outputs = self.engine.llm.llm_engine.step()

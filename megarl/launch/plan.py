@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.model:
             hf = read_model(args.model)
+            model = Path(args.model)  # the model the checks name (e.g. a head size vLLM cannot run)
+            cfg.model.path = str(model.parent if model.is_file() else model)
         else:
             from megarl.cli import _model_config_for_validation
 

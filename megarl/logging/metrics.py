@@ -81,7 +81,11 @@ class MetricsLogger:
 
         self.jsonl.close()
         path = self.run_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(path) if r["step"] <= step and not r.get("final")]
+        records = read_metrics(path)
+        kept = [r for r in records if r["step"] <= step and not r.get("final")]
+        dropped = sum(1 for r in records if r["step"] > step and not r.get("final"))
+        if dropped and step >= 0:  # steps an earlier attempt logged after its last checkpoint: they run again
+            print(f"metrics.jsonl: {dropped} lines past step {step} dropped (those steps run again)", flush=True)
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.jsonl = open(path, "a")
         self.writer.close()  # TensorBoard hides the dropped steps' events on purge_step

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +49,9 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
     """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
     from megarl.rewards.base import resolve_reward
 
+    # Slurm's preemption signals reach every process of the job step: the trainer acts on them and ends us itself
+    # (blocked before any thread starts: a thread inherits the block, none is left for the signal to kill us through)
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
         fn = resolve_reward(spec, format_coef)

@@ -77,9 +77,19 @@ from megarl.rollout.engine_api import SlotEngine, SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.types import Group, SampleStatus
 
-__all__ = ["LONG_WAIT", "MODES", "ControllerConfig", "PromptItem", "RolloutController"]
+__all__ = ["LONG_WAIT", "MODES", "STALL_STEPS", "ControllerConfig", "EngineStalled", "PromptItem", "RolloutController"]
 MODES = ("sync", "on_policy", "partial")
 _DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
+STALL_STEPS = 1000
+"""Steps in a row of one engine that has requests outstanding yet produces no token: the engine is stuck
+(``EngineStalled``). A working engine emits a token within a few steps (a long prompt's chunked prefill takes
+max_model_len / the scheduler's token budget of them); a stuck one returns each step at once, scheduling
+nothing, so a phase would spin forever, past the hang watchdog (every step returns) and past a preemption
+signal (read between RL steps)."""
+
+
+class EngineStalled(RuntimeError):
+    """An engine made no progress for ``STALL_STEPS`` steps in a row: an engine error (the keeper contains it)."""
 
 
 @dataclass
@@ -226,9 +236,14 @@ class RolloutController(PromptBuffer):
         if fill:
             admit_for_free_slots()
         dispatch()
+        stalled = [0] * len(self.engines)  # each engine's steps in a row without a token
         while running and not done():
             k = min((k for k in range(len(self.engines)) if self.engines[k].num_active()), key=lambda k: times[k])
             report: StepReport = self.engines[k].step()
+            stalled[k] = 0 if any(ev.token_ids or ev.finished for ev in report.events) else stalled[k] + 1
+            if stalled[k] >= STALL_STEPS:
+                raise EngineStalled(f"engine {k} made no progress: {STALL_STEPS} steps in a row produced no token "
+                                    f"while {self.engines[k].num_active()} of its requests were outstanding")
             times[k] += report.elapsed
             m.slot_time_busy += report.active * report.elapsed
             live, slot_time = self.live, self.slot_time
