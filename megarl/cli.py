@@ -47,10 +47,14 @@ def _model_config_for_validation(cfg) -> dict | None:
     raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
 
 
-def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0):
+def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = ""):
     cfg = load_config(config, overrides)
     hf = _model_config_for_validation(cfg)
     validate(cfg, nproc, hf)
+    if command in ("train", "demo"):
+        from megarl.config.loader import validate_resume_model
+
+        validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
     if per_node and nproc % per_node == 0:  # the job's shape is known: the plan's layout checks too
         from megarl.launch.plan import check_layout
 
@@ -83,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.launch.plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] in (["train"], ["demo"], ["eval"]) and any(a in ("-h", "--help") for a in argv[1:]):
+        print(_command_help(argv[0]))
+        return 0
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train", "demo", "eval", "plan"],
                         help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint; "
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.worker and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
-        cfg = _load_checked(args.config, args.overrides, world, per_node)
+        cfg = _load_checked(args.config, args.overrides, world, per_node, args.command)
         check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             from megarl.evaluation import NO_EVAL_PATH
@@ -113,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval" and args.checkpoint:
             from megarl.evaluation import resolve_checkpoint
 
-            resolve_checkpoint(args.checkpoint)
+            kind, path = resolve_checkpoint(args.checkpoint)
+            if kind == "dist":  # loaded into model.path's model: it must be that model (checkpoint/identity.py)
+                from megarl.checkpoint.identity import check_same_model
+
+                check_same_model(path, _model_config_for_validation(cfg), f"model.path={cfg.model.path}")
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -142,6 +153,32 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1, 75)
         print(f"megarl: stopped at step {result['steps']}: {result['stopped']}", file=sys.stderr, flush=True)
     return _exit_status(result)
+
+
+_COMMANDS = {
+    "train": ("run RL post-training with a config (README 'Configuration' lists every key)",
+              "megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2 train.steps=5"),
+    "demo": ("the tiny CPU demo (configs/demo.yaml unless --config is given)", "megarl demo train.steps=20"),
+    "eval": ("pass@k of model.path, or of --checkpoint loaded into model.path's model, on the held-out prompts "
+             "(data.eval_path, or the built-in task's); writes eval.output (default run_dir/eval.json)",
+             "megarl eval --config examples/math/config.yaml --checkpoint runs/math"),
+}
+
+
+def _command_help(command: str) -> str:
+    """``megarl train|demo|eval --help``: that command's own usage and options."""
+    what, example = _COMMANDS[command]
+    p = argparse.ArgumentParser(prog=f"megarl {command}", description=f"{what}.\n\n  e.g. {example}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="The config is loaded and validated before any process starts; a bad key, "
+                                       "type or layout exits 2 naming it.")
+    p.add_argument("--config", help="YAML config file" + (" (default configs/demo.yaml)" if command == "demo" else ""))
+    p.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (default 1)")
+    if command == "eval":
+        p.add_argument("--checkpoint", help="an HF model dir, a dist checkpoint, a run's step dir or a run dir "
+                                            "(a dist checkpoint must hold model.path's architecture)")
+    p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides, e.g. optim.lr=3e-5")
+    return p.format_help()
 
 
 def _exit_status(result: dict) -> int:

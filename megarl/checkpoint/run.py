@@ -16,6 +16,10 @@ renamed; only then does ``latest`` move. A crash at any point leaves the previou
 ``latest`` intact (a stale ``*.tmp`` is removed by the next save). On resume the newest checkpoint
 is verified against its manifest; a missing manifest or a file of the wrong size or hash makes it
 unusable, and the previous one is used with a warning that names the problem.
+
+A fresh run (``train.resume=never``, or ``auto`` with nothing to resume) in a directory an earlier
+run used first moves that run's ``checkpoints/`` and ``hf/`` (and a copy of its ``metrics.jsonl``)
+to ``run_dir/previous_run_<UTC time>/``: nothing of it is rotated away or mixed with the new run.
 """
 
 from __future__ import annotations
@@ -166,6 +170,71 @@ class RunCheckpoints:
         return None
 
 
+def step_dir_problem(path: str | Path) -> str:
+    """'' when ``path`` looks like a run checkpoint step dir (``run_dir/checkpoints/step_N`` with
+    ``policy/``), else what it is instead and what to pass (``train.resume=PATH`` before launch)."""
+    p = Path(path)
+    want = "expected a run checkpoint step dir (run_dir/checkpoints/step_N, holding policy/ and manifest.json)"
+    if not p.is_dir():
+        return f"{want}; {p} is not a directory"
+    if p.name in ("policy", "critic", "reference") and (p / "metadata.json").is_file() and (p.parent / "policy").is_dir():
+        return f"expected a run checkpoint step dir ({p.parent}), got its {p.name}/ subdir"
+    if (p / "checkpoints").is_dir():
+        steps = RunCheckpoints(p).steps()
+        newest = f"{p / 'checkpoints' / step_name(steps[0])}" if steps else "run_dir/checkpoints/step_N"
+        return (f"{want}, got a run dir; pass {newest}, or train.run_dir={p} train.resume=auto "
+                "to continue that run")
+    if (p / "metadata.json").is_file():
+        return (f"{want}; {p} is a megatron dist checkpoint of the weights alone (no run state): convert it "
+                "(tools/convert_checkpoint.py mcore-to-hf) and start from it with model.path")
+    if not (p / "policy").is_dir():
+        return f"{want}; {p} has no policy/ subdir"
+    return ""
+
+
+def resume_candidate(resume: str, run_dir: str | Path) -> Path | None:
+    """The step dir ``train.resume`` would continue from, looked up without verifying (for checks
+    before launch): the path itself, or for 'auto' the one ``latest`` names (else the newest)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return Path(resume)
+    ckpts = RunCheckpoints(run_dir)
+    pointer = ckpts.root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if _STEP.match(named) and (ckpts.root / named).is_dir():
+        return ckpts.root / named
+    steps = ckpts.steps()
+    return ckpts.root / step_name(steps[0]) if steps else None
+
+
+SET_ASIDE = ("checkpoints", "hf")
+"""What an earlier run left in a run dir that a fresh run would mix with its own (rotation, exports)."""
+
+
+def set_aside_previous_run(run_dir: str | Path) -> Path | None:
+    """A fresh run in a directory an earlier run used: move that run's ``checkpoints/`` and ``hf/``
+    (and a copy of its ``metrics.jsonl``, which the new run empties) to ``run_dir/previous_run_<UTC time>/``,
+    so that nothing of it is rotated away or taken for the new run's. Returns that directory, or None."""
+    import time
+
+    run_dir = Path(run_dir)
+    found = [run_dir / name for name in SET_ASIDE if (run_dir / name).is_dir() and any((run_dir / name).iterdir())]
+    metrics = run_dir / "metrics.jsonl"
+    if not found and not (metrics.is_file() and metrics.stat().st_size):
+        return None
+    dest = run_dir / time.strftime("previous_run_%Y%m%d-%H%M%S", time.gmtime())
+    while dest.exists():
+        dest = dest.with_name(dest.name + "_")
+    dest.mkdir()
+    for path in found:
+        os.replace(path, dest / path.name)
+    if metrics.is_file() and metrics.stat().st_size:
+        shutil.copy2(metrics, dest / metrics.name)
+    _fsync(run_dir)
+    return dest
+
+
 def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:
     """The checkpoint this run continues from (every rank gets rank 0's answer), or None to start fresh.
 
@@ -181,8 +250,13 @@ def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:
                 answer[1] = (f"train.resume=auto: no checkpoint in {ckpts.root} verifies (see the warnings); "
                              "remove them or set train.resume=never to start fresh")
         elif resume != "never":
-            problem = verify(Path(resume))
+            problem = step_dir_problem(resume) or verify(Path(resume))
             answer = [None, f"train.resume={resume}: {problem}"] if problem else [Path(resume), ""]
+        if answer[0] is None and not answer[1] and resume in ("auto", "never"):
+            moved = set_aside_previous_run(run_dir)  # a fresh run: the earlier one's files are kept, apart
+            if moved is not None:
+                print(f"train.resume={resume}: starting fresh in {run_dir}; the earlier run's "
+                      f"{', '.join(p.name for p in sorted(moved.iterdir()))} set aside in {moved}", flush=True)
     dist.broadcast_object_list(answer, src=0)
     if answer[1]:
         raise RuntimeError(answer[1])

@@ -34,8 +34,35 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _yaml(text: str):
-    return yaml.load(text, Loader=_Loader)
+def _yaml(text: str, source: str = ""):
+    """Parse ``text``; a key given twice in one mapping is an error naming ``source``, the line and the key."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _no_duplicate_keys(node, source or "YAML")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _no_duplicate_keys(node, source: str, prefix: str = "") -> None:
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_duplicate_keys(item, source, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key, value in node.value:
+        name = str(key.value) if isinstance(key, yaml.ScalarNode) else ""
+        if name and name != "<<":
+            line = key.start_mark.line + 1
+            if name in seen:
+                raise ConfigError(f"{source} line {line}: duplicate key '{prefix}{name}' (first given on line "
+                                  f"{seen[name]}); keep one")
+            seen[name] = line
+        _no_duplicate_keys(value, source, f"{prefix}{name}.")
 
 
 class ConfigError(ValueError):
@@ -79,7 +106,7 @@ def parse_override(text: str) -> dict:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key part in {key!r}")
     try:
-        value = _yaml(raw) if raw != "" else ""
+        value = _yaml(raw, f"override {text!r}") if raw != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
     for part in reversed(key.split(".")):
@@ -96,7 +123,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = _yaml(path.read_text()) or {}
+            data = _yaml(path.read_text(), str(path)) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     layers = ([(data, str(path))] if data is not None else []) + [
@@ -269,6 +296,25 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
     check_engine_head_size(hf, f"{cfg.model.path}/config.json")
 
 
+def validate_resume_model(cfg: RunConfig, hf: dict) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from holds ``model.path``'s
+    architecture (``checkpoint/identity.py``); ConfigError naming both models otherwise."""
+    from megarl.checkpoint.identity import ModelMismatch, check_same_model
+    from megarl.checkpoint.run import resume_candidate
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return  # nothing to resume, or an incomplete save (the resume itself warns and takes the previous one)
+    try:
+        check_same_model(step / "policy", hf, f"model.path={cfg.model.path}")
+    except ModelMismatch as exc:
+        auto = cfg.train.resume == "auto"
+        raise ConfigError(f"train.resume={cfg.train.resume}{f' in train.run_dir={cfg.train.run_dir}' if auto else ''}: "
+                          f"{exc}{' (train.resume=never starts afresh, setting that run aside)' if auto else ''}") from None
+    except (OSError, EOFError, RuntimeError):
+        return  # an unreadable checkpoint: the resume verifies it and names the problem
+
+
 def _validate_data_reward_eval(cfg: RunConfig) -> None:
     """data.*, reward.*, eval.* values (the dataset files themselves: ``megarl.data.source.check_data``)."""
     d, r = cfg.data, cfg.reward
@@ -351,6 +397,11 @@ def _validate_train(cfg: RunConfig) -> None:
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         raise ConfigError(f"train.resume={t.resume!r}: expected 'auto', 'never' or an existing checkpoint directory "
                           "(run_dir/checkpoints/step_N)")
+    if t.resume not in ("auto", "never"):
+        from megarl.checkpoint.run import step_dir_problem
+
+        if problem := step_dir_problem(t.resume):
+            raise ConfigError(f"train.resume={t.resume}: {problem}")
     if t.deterministic and t.time_limit_s:
         raise ConfigError(f"train.deterministic=true needs train.time_limit_s=0 (got {t.time_limit_s}): a wall-clock "
                           "limit stops runs at different steps")

@@ -1,0 +1,127 @@
+"""Which model a checkpoint holds, so that one of another model is refused before anything loads.
+
+A megatron dist checkpoint (a run's ``step_N/policy`` or a converted one) names its tensors and
+their global shapes in its metadata, whatever layout saved it; those shapes give the model's
+architecture (``from_tensors``): hidden size, layers, attention and KV widths, vocabulary,
+experts, qkv biases, a separate output layer (untied embeddings), qk norms. The same is computed
+from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_same_model``). What
+the checkpoint records of its source names it in the error: a run's ``config.json``
+(``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``.
+Only the architecture is compared, never paths (a copy of the model elsewhere is the same model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megarl.models.hf_config import num_experts
+
+LEARNERS = ("policy", "critic", "reference")
+_QKV = "decoder.layers.self_attention.linear_qkv"
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+class ModelMismatch(ValueError):
+    """A checkpoint of another model than the one it would be loaded into."""
+
+
+def from_hf_config(cfg: dict) -> dict:
+    """The architecture an HF config defines, in the terms a dist checkpoint's tensors show."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return {"hidden size": hidden, "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"],
+            "attention width (heads × head_dim)": heads * head_dim,
+            "KV width (kv heads × head_dim)": cfg["num_key_value_heads"] * head_dim,
+            "experts": num_experts(cfg), "qkv biases": cfg.get("model_type") in ("qwen2", "qwen2_moe"),
+            "tied embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "qk norm": cfg.get("model_type") in ("qwen3", "qwen3_moe")}
+
+
+def from_tensors(shapes: dict[str, tuple]) -> dict:
+    """The same architecture read from a dist checkpoint's model tensors (name → global shape)."""
+    vocab, hidden = shapes["embedding.word_embeddings.weight"]
+    proj = shapes.get("decoder.layers.self_attention.linear_proj.weight")
+    qkv = shapes.get(f"{_QKV}.weight")
+    out = {"hidden size": hidden, "vocab": vocab}
+    if proj is not None and qkv is not None:
+        out.update({"layers": qkv[0], "attention width (heads × head_dim)": proj[-1],
+                    "KV width (kv heads × head_dim)": (qkv[1] - proj[-1]) // 2})
+    router = shapes.get("decoder.layers.mlp.router.weight")
+    out.update({"experts": router[1] if router is not None else 0, "qkv biases": f"{_QKV}.bias" in shapes,
+                "tied embeddings": "output_layer.weight" not in shapes,
+                "qk norm": "decoder.layers.self_attention.q_layernorm.weight" in shapes})
+    return out
+
+
+def model_tensor_shapes(ckpt: str | Path) -> dict[str, tuple]:
+    """Name → global shape of the model tensors of the dist checkpoint ``ckpt`` (optimizer state left out)."""
+    from megarl.checkpoint.convert import saved_tensors
+
+    return {k: tuple(v.size) for k, v in saved_tensors(ckpt).items() if k.startswith(_MODEL_PREFIXES)}
+
+
+def run_dir_of(ckpt: Path) -> Path | None:
+    """The run directory of a run checkpoint (``run/checkpoints/step_N[/policy]``), else None."""
+    step = ckpt.parent if ckpt.name in LEARNERS else ckpt
+    return step.parent.parent if step.parent.name == "checkpoints" else None
+
+
+def recorded_source(ckpt: str | Path) -> tuple[str, Path | None]:
+    """What the checkpoint records of the model it came from: (words for the error, that HF dir or None)."""
+    ckpt = Path(ckpt)
+    run = run_dir_of(ckpt)
+    if run is not None and (run / "config.json").is_file():
+        try:
+            path = json.loads((run / "config.json").read_text())["model"]["path"]
+        except (ValueError, KeyError, TypeError):
+            return f"its run's {run / 'config.json'} is unreadable", None
+        where = Path(path)
+        return (f"it was saved by the run {run}, which started from model.path={path} "
+                f"(recorded in {run / 'config.json'})", where if (where / "config.json").is_file() else None)
+    conversion = ckpt / "megarl_conversion.json"
+    if conversion.is_file():
+        try:
+            source = json.loads(conversion.read_text()).get("from_hf", "?")
+        except ValueError:
+            source = "?"
+        hf = ckpt / "hf"
+        return (f"it was converted from {source} (recorded in {conversion})",
+                hf if (hf / "config.json").is_file() else None)
+    return "it records no source model", None
+
+
+def _word(value) -> str:
+    return "yes" if value is True else "no" if value is False else str(value)
+
+
+def describe(arch: dict) -> str:
+    return ", ".join(f"{k} {_word(v)}" for k, v in arch.items())
+
+
+def check_same_model(ckpt: str | Path, hf_cfg: dict, model_name: str) -> None:
+    """Raise ``ModelMismatch`` naming both models when the dist checkpoint ``ckpt`` does not hold the
+    architecture of ``hf_cfg`` (called ``model_name`` in the message: 'model.path=DIR', '--hf-config DIR')."""
+    ckpt = Path(ckpt)
+    want = from_hf_config(hf_cfg)
+    shapes = model_tensor_shapes(ckpt)
+    if "embedding.word_embeddings.weight" not in shapes:
+        raise ModelMismatch(f"{ckpt}: the dist checkpoint holds no embedding.word_embeddings.weight; "
+                            "not a megarl/megatron GPT model checkpoint")
+    have = from_tensors(shapes)
+    source, source_dir = recorded_source(ckpt)
+    recorded = None
+    if source_dir is not None:
+        try:
+            recorded = from_hf_config(json.loads((source_dir / "config.json").read_text()))
+        except (ValueError, KeyError):
+            recorded = None
+    diffs = [k for k in have if have[k] != want[k]]
+    if not diffs and recorded is not None:  # what the tensors cannot show (e.g. heads vs head_dim)
+        diffs, have = [k for k in want if recorded[k] != want[k]], recorded
+    if diffs:
+        differ = "; ".join(f"{k}: checkpoint {_word(have[k])}, model {_word(want[k])}" for k in diffs)
+        raise ModelMismatch(
+            f"{ckpt} holds another model than {model_name} ({differ}); {source}. "
+            f"The checkpoint's model: {describe(have)}. Use the model the checkpoint was saved from "
+            f"({source_dir or 'see above'}), or another checkpoint")
