@@ -2,9 +2,19 @@
 # Sourced by the example launch scripts: check the layout with `megarl plan`, then submit
 # slurm/train.sbatch with the same arguments. The caller sets NODES, GPUS_PER_NODE,
 # GPU_MEM_GIB, RUN_DIR, PLAN_MODEL (array), SBATCH_ARGS (array) and ARGS (array: the flags).
+#   -h, --help    print the script's usage (its header comment) and stop (nothing is submitted)
 #   PLAN_ONLY=1   print the plan and stop (nothing is submitted)
 #   PYTHON        the interpreter with megarl installed (default: python3)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# --help / -h anywhere among the script's arguments (sourcing keeps them): its header comment, then exit
+for arg in "$@"; do
+    if [[ $arg == -h || $arg == --help ]]; then
+        sed -n '2,/^[^#]/{/^#/!d;/shellcheck/d;s/^# \{0,1\}//;p}' "$0"
+        echo "(PLAN_ONLY=1 prints the plan alone; any key=value is passed on to megarl train)"
+        exit 0
+    fi
+done
 PYTHON=${PYTHON:-python3}
 export PYTHON GPUS_PER_NODE
 

@@ -3,9 +3,10 @@
 
     # HF → megatron (checked for the layout you will train at; loads at any layout)
     python tools/convert_checkpoint.py hf-to-mcore --hf /models/Qwen2.5-32B --out ckpt/q32b --tp 8 --pp 2
-    # a run's checkpoint (any layout it was saved at) or a converted one → HF
-    python tools/convert_checkpoint.py mcore-to-hf --ckpt runs/x/ckpt/step_100 --out hf/x \
-        --hf-config /models/Qwen2.5-32B --dtype bf16
+    # a run's checkpoint (any layout it was saved at; its step dir, or the run dir for the latest) → HF
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt runs/x/checkpoints/step_000100 --out hf/x --dtype bf16
+    # (--hf-config DIR: the model's config and tokenizer; default: a converted checkpoint's hf/, or the
+    #  model.path a run's config.json records; a checkpoint of another model is refused, naming both)
     # print the plan (tensors, shapes, dtypes, target files, bytes), write nothing
     python tools/convert_checkpoint.py hf-to-mcore --hf /models/Qwen3-30B-A3B --out ckpt/a3b --ep 8 --dry-run
 
@@ -29,9 +30,10 @@ def parse(argv):
         a.add_argument(f"--{flag}", type=int, default=1, help=f"training layout to check ({flag.upper()})")
     a.add_argument("--etp", type=int, default=0, help="expert tensor parallel (0: = tp)")
     b = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint → HF safetensors directory")
-    b.add_argument("--ckpt", required=True, help="dist checkpoint directory (has metadata.json)")
+    b.add_argument("--ckpt", required=True, help="dist checkpoint directory (has metadata.json), a run's "
+                   "checkpoint step dir (run_dir/checkpoints/step_N: its policy/) or a run dir (its latest)")
     b.add_argument("--hf-config", default=None, help="HF directory with config.json and tokenizer "
-                   "(default: CKPT/hf, written by hf-to-mcore)")
+                   "(default: CKPT/hf, written by hf-to-mcore, or the model.path of the run's config.json)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output safetensors file")
     for p in (a, b):
         p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")

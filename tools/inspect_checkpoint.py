@@ -2,7 +2,7 @@
 """List a checkpoint's tensors (HF safetensors directory or megatron dist checkpoint) and sum it up.
 
     python tools/inspect_checkpoint.py /models/Qwen3-30B-A3B
-    python tools/inspect_checkpoint.py runs/x/ckpt/step_100 --hf-config /models/Qwen3-30B-A3B --summary
+    python tools/inspect_checkpoint.py runs/x/checkpoints/step_000100 --hf-config /models/Qwen3-30B-A3B --summary
 
 Prints name, shape and dtype of each tensor (reading headers and metadata only, no weights),
 then the total size, the parameter count (total, and active per token for MoE: the routed
@@ -44,12 +44,17 @@ def count(shape) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="HF directory or megatron dist checkpoint directory")
+    parser.add_argument("path", help="HF directory, megatron dist checkpoint directory, "
+                        "a run's checkpoint step dir or a run dir (their policy)")
     parser.add_argument("--hf-config", default=None, help="config.json directory (for active parameters of MoE)")
     parser.add_argument("--summary", action="store_true", help="only the summary, not every tensor")
     args = parser.parse_args(argv)
     path = Path(args.path)
     try:
+        if not (path / "metadata.json").is_file() and not (path / "config.json").is_file():
+            from megarl.checkpoint.convert import dist_checkpoint_dir
+
+            path = dist_checkpoint_dir(path)  # a run's step dir or run dir: its policy
         kind, tensors = tensors_of(path)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f"inspect_checkpoint: error: {exc}", file=sys.stderr)
@@ -67,7 +72,8 @@ def main(argv=None) -> int:
     cfg = json.loads((cfg_dir / "config.json").read_text()) if (cfg_dir / "config.json").is_file() else {}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     active = total - expert + (expert * cfg["num_experts_per_tok"] // experts if experts else 0)
-    print(f"{kind} checkpoint {path}: {len(model)} tensors, {size / 2**30:.3f} GiB, {total:,} parameters"
+    counted = "megatron tensors (layers stacked)" if kind == "mcore" else "HF tensors"
+    print(f"{kind} checkpoint {path}: {len(model)} {counted}, {size / 2**30:.3f} GiB, {total:,} parameters"
           + (f", {active:,} active per token ({cfg['num_experts_per_tok']} of {experts} experts)" if experts else ""))
     if kind == "mcore":
         qkv = [k for k in tensors if k.endswith("linear_qkv.weight")]

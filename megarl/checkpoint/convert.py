@@ -250,7 +250,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(tmp, out)
-    log(f"wrote {out}: {summary['tensors']} tensors, {total} bytes")
+    log(f"wrote {out}: {summary['tensors']} megatron tensors (layers stacked), {total} bytes")
     return summary
 
 
@@ -333,19 +333,42 @@ def _region_planner():
     return RegionPlanner
 
 
+def dist_checkpoint_dir(path: Path, log: Callable[[str], None] = print) -> Path:
+    """The dist checkpoint ``path`` names: itself, a run's step dir's ``policy/``, or a run dir's latest one's."""
+    if (path / "metadata.json").is_file():
+        return path
+    latest = path / "checkpoints" / "latest"
+    step = path / "checkpoints" / latest.read_text().strip() if latest.is_file() else path
+    if (step / "policy" / "metadata.json").is_file():
+        log(f"--ckpt: {step / 'policy'} (the policy of the run checkpoint {step})")
+        return step / "policy"
+    raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json), a run checkpoint step dir "
+                            "(run_dir/checkpoints/step_N with policy/) or a run dir (checkpoints/latest)")
+
+
 def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
                 dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30, dry_run: bool = False,
                 log: Callable[[str], None] = print) -> dict:
     """Convert a megatron dist checkpoint (converted, or a run's at any layout) into HF safetensors."""
-    ckpt, out = Path(ckpt), Path(out)
+    from megarl.checkpoint.identity import check_same_model, model_tensor_shapes, recorded_source
+
+    ckpt, out = dist_checkpoint_dir(Path(ckpt), log), Path(out)
     if not dry_run:
         _check_out(out)
-    if not (ckpt / "metadata.json").is_file():
-        raise FileNotFoundError(f"{ckpt} is not a megatron dist checkpoint (no metadata.json)")
-    hf_config = Path(hf_config) if hf_config else ckpt / "hf"
+    if hf_config:
+        hf_config = Path(hf_config)
+    elif (ckpt / "hf" / "config.json").is_file():  # a converted checkpoint carries its model's files
+        hf_config = ckpt / "hf"
+    else:  # a run's checkpoint: the model its run started from, as the run's config.json records it
+        source, hf_config = recorded_source(ckpt)
+        if hf_config is None:
+            raise FileNotFoundError(f"{ckpt} carries no hf/config.json and {source} that exists here: pass "
+                                    "--hf-config DIR (the HF model the run started from: its config and tokenizer)")
+        log(f"--hf-config: {hf_config} ({source})")
     if not (hf_config / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config DIR (the HF model the run started from)")
     cfg = read_hf_config(hf_config)
+    check_same_model(ckpt, cfg, f"--hf-config {hf_config}")  # names both models (ValueError)
     saved = saved_tensors(ckpt)
     raw = _tensor_entries(skeleton(cfg).sharded_state_dict())
     for st in _shard_list(raw):
@@ -355,6 +378,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         if tuple(have.size) != tuple(st.global_shape):
             raise ValueError(f"{ckpt}: {st.key} has shape {tuple(have.size)}; {hf_config}/config.json "
                              f"implies {tuple(st.global_shape)}")
+    dropped = sorted(set(model_tensor_shapes(ckpt)) - {st.key for st in _shard_list(raw)})
+    if dropped:
+        raise ValueError(f"{ckpt}: {len(dropped)} tensor(s) have no place in the model of {hf_config}/config.json "
+                         f"and would be dropped: {', '.join(dropped)} (is it the model of this checkpoint?)")
     stored = {name: saved[e.key].properties.dtype for name, e in raw.items()}
     meta = {name: torch.empty(e.data.shape, dtype=dtype or stored[name], device="meta") for name, e in raw.items()}
     groups = sorted({group_of(n) for n in raw}, key=lambda g: (g == GLOBAL, g))  # layers, then the rest
@@ -393,7 +420,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(tmp, out)
-    log(f"wrote {out}: {len(plan)} tensors, {writer.total} bytes in {len(writer.files)} file(s)")
+    log(f"wrote {out}: {len(plan)} HF tensors, {writer.total} bytes in {len(writer.files)} file(s)")
     return summary
 
 

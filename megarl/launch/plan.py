@@ -306,11 +306,24 @@ ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer",
         ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
 
 
+def params(n: float) -> str:
+    """A parameter count in the unit that shows it: '32.76 B' (billions), '3.05 M', '131.78 K', '512'."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def gib(x: float, width: int = 0) -> str:
+    """GiB with two decimals, or in MiB (so marked) when that would show 0.00 (tiny models)."""
+    return f"{x:>{width}.2f}" if x == 0 or abs(x) >= 0.005 else f"{x * 1024:>{width}.2f} MiB"
+
+
 def format_table(res: dict) -> str:
     lay, mem = res["layout"], res["memory_gib_per_gpu"]
     lines = [
-        f"model   {res['model_type']}: {res['params_total'] / 1e9:.2f} B parameters, "
-        f"{res['params_active'] / 1e9:.2f} B active per token",
+        f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
+        f"{params(res['params_active'])} active per token",
         f"job     {res['nodes']} nodes × {res['gpus_per_node']} GPUs of {res['gpu_mem_gib']:g} GiB, "
         f"precision {res['precision']}",
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · EP {lay['ep']} · ETP {lay['etp']} · "
@@ -319,13 +332,13 @@ def format_table(res: dict) -> str:
         f"{'   [proposed]' if res['proposed'] else ''}",
         "memory per GPU (GiB)",
     ]
-    notes = {"optimizer": f"without the distributed optimizer: {res['optimizer_without_distributed']:.2f}",
-             "activations": f"no recompute; full recompute: {res['activations_full_recompute']:.2f}",
+    notes = {"optimizer": f"without the distributed optimizer: {gib(res['optimizer_without_distributed'])}",
+             "activations": f"no recompute; full recompute: {gib(res['activations_full_recompute'])}",
              "kv_cache": f"{res['kv_cache_sequences']} sequences at engine.max_model_len"}
     for key, label in ROWS:
-        lines.append(f"  {label:<22}{mem[key]:>9.2f}   {notes.get(key, '')}".rstrip())
+        lines.append(f"  {label:<22}{gib(mem[key], 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<22}{mem['total']:>9.2f}   of {res['gpu_mem_gib']:g} → {verdict}")
+    lines.append(f"  {'total':<22}{gib(mem['total'], 9)}   of {res['gpu_mem_gib']:g} → {verdict}")
     lines.append("settings  " + " ".join(res["overrides"]))
     return "\n".join(lines)
 
