@@ -250,7 +250,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(tmp, out)
-    log(f"wrote {out}: {summary['tensors']} megatron tensors (layers stacked), {total} bytes")
+    log(f"wrote {out}: {summary['tensors']} megatron tensors, {total} bytes")
     return summary
 
 
