@@ -76,6 +76,9 @@ def test_the_same_model_passes_and_a_policy_subdir_is_not_a_step_dir(models):
     check_same_model(m["conv"], qwen2, "qwen2")
     with pytest.raises(ModelMismatch, match="qkv biases: checkpoint yes, model no"):
         check_same_model(m["conv"], llama, "llama")
+    halved = {**qwen2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}  # the same tensor shapes
+    with pytest.raises(ModelMismatch, match="attention heads: checkpoint 4, model 8"):  # told by the recorded config
+        check_same_model(m["conv"], halved, "halved")
     validate_resume_model(load_config(None, [f"model.path={m['qwen2']}", f"train.run_dir={m['run']}"]), qwen2)
     with pytest.raises(ConfigError, match="tied embeddings: checkpoint no, model yes"):
         validate_resume_model(load_config(None, [f"train.resume={m['step']}"]), llama)

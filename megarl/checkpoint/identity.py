@@ -38,6 +38,11 @@ def from_hf_config(cfg: dict) -> dict:
             "qk norm": cfg.get("model_type") in ("qwen3", "qwen3_moe")}
 
 
+def _with_heads(cfg: dict) -> dict:
+    """``from_hf_config`` plus the head counts, which a config records and tensor shapes do not."""
+    return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"]}
+
+
 def from_tensors(shapes: dict[str, tuple]) -> dict:
     """The same architecture read from a dist checkpoint's model tensors (name → global shape)."""
     vocab, hidden = shapes["embedding.word_embeddings.weight"]
@@ -113,11 +118,12 @@ def check_same_model(ckpt: str | Path, hf_cfg: dict, model_name: str) -> None:
     recorded = None
     if source_dir is not None:
         try:
-            recorded = from_hf_config(json.loads((source_dir / "config.json").read_text()))
+            recorded = _with_heads(json.loads((source_dir / "config.json").read_text()))
         except (ValueError, KeyError):
             recorded = None
     diffs = [k for k in have if have[k] != want[k]]
-    if not diffs and recorded is not None:  # what the tensors cannot show (e.g. heads vs head_dim)
+    if not diffs and recorded is not None:  # what the tensors cannot show: heads × head_dim split otherwise
+        want = _with_heads(hf_cfg)
         diffs, have = [k for k in want if recorded[k] != want[k]], recorded
     if diffs:
         differ = "; ".join(f"{k}: checkpoint {_word(have[k])}, model {_word(want[k])}" for k in diffs)
