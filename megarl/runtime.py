@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
+from megarl.checkpoint.run import start_run_dir
 from megarl.config import RunConfig, to_dict, validate
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
@@ -114,6 +115,7 @@ def build_session(cfg: RunConfig) -> Session:
     run_dir = Path(cfg.train.run_dir)
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        start_run_dir(cfg.train.resume, run_dir)  # resume=never: the earlier run's files set aside first
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
     feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward

@@ -105,5 +105,6 @@ def test_a_fresh_run_sets_the_earlier_one_aside(tmp_path):
     assert out["resumed"] == "None" and len(out["aside"]) == 1
     assert out["steps"] == [3, 2] and out["hf"] == ["step_3"]
     assert out["prev_steps"] == [7, 6] and out["prev_hf"] == ["step_6", "step_7"] and out["prev_weights"] == "old"
-    assert out["prev_metrics"] == '{"step": 7}\n'
+    assert out["prev_metrics"] == '{"step": 7}\n' and '"old"' in out["prev_config"] and out["prev_tb"] == ["events.old"]
+    assert out["left"] == sorted(["checkpoints", "config.json", "hf", *out["aside"]])
     assert out["auto_nothing"] == "None"

@@ -18,8 +18,10 @@ is verified against its manifest; a missing manifest or a file of the wrong size
 unusable, and the previous one is used with a warning that names the problem.
 
 A fresh run (``train.resume=never``, or ``auto`` with nothing to resume) in a directory an earlier
-run used first moves that run's ``checkpoints/`` and ``hf/`` (and a copy of its ``metrics.jsonl``)
-to ``run_dir/previous_run_<UTC time>/``: nothing of it is rotated away or mixed with the new run.
+run used first moves that run's ``checkpoints/`` and ``hf/`` (with ``never``, before the new run
+writes anything, its ``config.json``, ``metrics.jsonl`` and ``tb/`` too: ``start_run_dir``; with
+``auto``, a copy of its ``metrics.jsonl``) to ``run_dir/previous_run_<UTC time>/``: nothing of it
+is rotated away or mixed with the new run.
 """
 
 from __future__ import annotations
@@ -212,10 +214,12 @@ SET_ASIDE = ("checkpoints", "hf")
 """What an earlier run left in a run dir that a fresh run would mix with its own (rotation, exports)."""
 
 
-def set_aside_previous_run(run_dir: str | Path) -> Path | None:
+def set_aside_previous_run(run_dir: str | Path, before_logging: bool = False) -> Path | None:
     """A fresh run in a directory an earlier run used: move that run's ``checkpoints/`` and ``hf/``
     (and a copy of its ``metrics.jsonl``, which the new run empties) to ``run_dir/previous_run_<UTC time>/``,
-    so that nothing of it is rotated away or taken for the new run's. Returns that directory, or None."""
+    so that nothing of it is rotated away or taken for the new run's. ``before_logging`` (the new run
+    has not yet written its ``config.json`` nor opened ``metrics.jsonl`` and ``tb/``): those move too.
+    Returns that directory, or None."""
     import time
 
     run_dir = Path(run_dir)
@@ -227,12 +231,28 @@ def set_aside_previous_run(run_dir: str | Path) -> Path | None:
     while dest.exists():
         dest = dest.with_name(dest.name + "_")
     dest.mkdir()
+    if before_logging:
+        found += [p for p in (run_dir / "config.json", run_dir / "tb", metrics) if p.exists()]
     for path in found:
         os.replace(path, dest / path.name)
     if metrics.is_file() and metrics.stat().st_size:
         shutil.copy2(metrics, dest / metrics.name)
     _fsync(run_dir)
     return dest
+
+
+def start_run_dir(resume: str, run_dir: str | Path) -> None:
+    """Rank 0, before a run writes its ``config.json`` and opens its logs: with ``train.resume=never``
+    the earlier run's files, its config, metrics and TensorBoard events included, are set aside
+    (``set_aside_previous_run``), and the log says where."""
+    if resume == "never":
+        _say_set_aside(resume, run_dir, set_aside_previous_run(run_dir, before_logging=True))
+
+
+def _say_set_aside(resume: str, run_dir: str | Path, moved: Path | None) -> None:
+    if moved is not None:
+        print(f"train.resume={resume}: starting fresh in {run_dir}; the earlier run's "
+              f"{', '.join(p.name for p in sorted(moved.iterdir()))} set aside in {moved}", flush=True)
 
 
 def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:
@@ -253,10 +273,8 @@ def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:
             problem = step_dir_problem(resume) or verify(Path(resume))
             answer = [None, f"train.resume={resume}: {problem}"] if problem else [Path(resume), ""]
         if answer[0] is None and not answer[1] and resume in ("auto", "never"):
-            moved = set_aside_previous_run(run_dir)  # a fresh run: the earlier one's files are kept, apart
-            if moved is not None:
-                print(f"train.resume={resume}: starting fresh in {run_dir}; the earlier run's "
-                      f"{', '.join(p.name for p in sorted(moved.iterdir()))} set aside in {moved}", flush=True)
+            # a fresh run: the earlier one's files are kept, apart (with never: done already, start_run_dir)
+            _say_set_aside(resume, run_dir, set_aside_previous_run(run_dir))
     dist.broadcast_object_list(answer, src=0)
     if answer[1]:
         raise RuntimeError(answer[1])
