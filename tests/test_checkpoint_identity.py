@@ -108,3 +108,19 @@ def test_a_fresh_run_sets_the_earlier_one_aside(tmp_path):
     assert out["prev_metrics"] == '{"step": 7}\n' and '"old"' in out["prev_config"] and out["prev_tb"] == ["events.old"]
     assert out["left"] == sorted(["checkpoints", "config.json", "hf", *out["aside"]])
     assert out["auto_nothing"] == "None"
+
+
+@pytest.mark.slow
+def test_mcore_to_hf_refuses_tensors_the_config_has_no_place_for(tmp_path):
+    """Same architecture as far as the identity check sees, but the config drops Qwen2-MoE's shared
+    expert: its tensors would be left out of the HF output, so the conversion refuses, naming them."""
+    model = make_hf_model(tmp_path / "model", "qwen2_moe", seed=1)
+    convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt")
+    shutil.copytree(model, tmp_path / "noshared")
+    cfg = json.loads((model / "config.json").read_text())
+    (tmp_path / "noshared" / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 0}))
+    proc = convert("mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--hf-config", tmp_path / "noshared", "--out",
+                   tmp_path / "out", check=False)  # in its own process: the check comes after megatron's skeleton
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "would be dropped" in proc.stderr and "decoder.layers.mlp.shared_experts.linear_fc1.weight" in proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
