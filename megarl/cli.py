@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.loader import check_local_engine_memory
+from megarl.config.limits import check_local_engine_memory
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 

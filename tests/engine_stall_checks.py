@@ -73,7 +73,7 @@ def main(workdir: str) -> None:
     record["rank_after_second_restart"] = dist.get_rank() if dist.is_initialized() else None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from megarl.config.loader import cpu_attention_head_sizes
+    from megarl.config.limits import cpu_attention_head_sizes
 
     record["head_sizes_read"] = list(cpu_attention_head_sizes())
     record["head_sizes_asked"] = list(CPUAttentionBackend.get_supported_head_sizes())

@@ -59,6 +59,7 @@ SLOW += [("mistral", "pp2")]
 SLOW += [(f, lay) for f in ("qwen3_moe", "mixtral", "qwen2_moe")
          for lay in ("single", "tp2_sp", "pp2", "tp2_sp_pp2", "pp2_vpp2", "ep2_alltoall")]
 SLOW.remove(("qwen3_moe", "ep2_alltoall"))
+SLOW += [("qwen2_yarn", "tp2")]  # YaRN RoPE: its tables are built while the converter's model is on meta
 
 
 def round_trip(tmp_path, family, layout):
@@ -237,3 +238,15 @@ def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
     assert back == original and {d for d, _, _ in back.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
     assert (tmp_path / "back" / "tokenizer.json").is_file() and (tmp_path / "back" / "generation_config.json").is_file()
+
+
+def test_yarn_rope_tables_are_built_on_cpu_under_the_converters_meta_device(tmp_path):
+    """hf-to-mcore builds the model under ``torch.device("meta")``; YaRN's frequencies mixed a meta arange with
+    megatron's CPU ramp and the conversion of any YaRN model failed ("not on the expected device meta")."""
+    from megarl.trainer.model import yarn_rope
+
+    cfg = json.loads((make_hf_model(tmp_path / "yarn", "qwen2_yarn", seed=1) / "config.json").read_text())
+    expected, factor = yarn_rope(cfg)
+    with torch.device("meta"):
+        inv_freq, factor_meta = yarn_rope(cfg)
+    assert inv_freq.device.type == "cpu" and torch.equal(inv_freq, expected) and factor_meta == factor

@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT, run_script
 from megarl.cli import main as cli_main
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.loader import _cuda, check_engine_head_size, check_local_engine_memory, cpu_attention_head_sizes
+from megarl.config.limits import check_engine_head_size, check_local_engine_memory, cpu_attention_head_sizes
+from megarl.config.limits import cuda_available as _cuda
 from megarl.models.tiny import TinyShape, hf_config
 from megarl.rollout.controller import STALL_STEPS, ControllerConfig, EngineStalled, PromptItem, RolloutController
 from megarl.rollout.engine_api import StepReport

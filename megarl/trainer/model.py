@@ -207,7 +207,7 @@ def yarn_rope(cfg: dict) -> tuple[torch.Tensor, float]:
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     base, original = rope["rope_theta"], rope["original_max_position_embeddings"]
     factor = float(rope.get("factor") or cfg["max_position_embeddings"] / original)
-    extra = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)  # (also under meta)
     low, high = _yarn_find_correction_range(rope.get("beta_fast") or 32, rope.get("beta_slow") or 1, dim, base,
                                             original, rope.get("truncate", True))
     keep = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device="cpu")
