@@ -153,21 +153,43 @@ def test_a_requeued_host_waits_for_its_own_restart_s_rendezvous(tmp_path, monkey
             old.accept()  # nobody dialled the stale rendezvous
 
 
+def _start_slurm(tmp_path, **env: str):
+    """A real Slurm for one test (``tests/slurm_cluster.sh`` in ``tmp_path/slurm``; ``SLURM_TEST_*`` settings in
+    ``env``): (its directory, the script, the start's result), or a skip where its tools are missing."""
+    import shutil
+
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
+    cluster, script = tmp_path / "slurm", str(ROOT / "tests" / "slurm_cluster.sh")
+    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, **env})
+    return cluster, script, up
+
+
+def _tag_recorder(hosts_file, tags: dict):
+    """A poll for ``wait_for``'s ``until``: records each rendezvous file rank 0 publishes (job tag → host:port);
+    always False (it only watches)."""
+    def tag_seen() -> bool:
+        try:
+            info = json.loads(hosts_file.read_text())
+            tags[info["job"]] = f"{info['host']}:{info['port']}"
+        except (OSError, ValueError, KeyError):
+            pass
+        return False
+
+    return tag_seen
+
+
 @pytest.mark.slow
 def test_slurm_job_with_an_engine_only_node_trains_and_its_host_respawns_a_killed_replica(tmp_path):
     """A real two-node Slurm (tests/slurm_cluster.sh) through slurm/train.sbatch: torchrun (1 trainer process)
     on n1 only, a replica host on n2 with both replicas, the sync audit after every step; replica 1 is
     SIGKILLed after the first step and the host respawns it at rank 0's word."""
     import re
-    import shutil
 
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
-        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
     from test_slurm import DONE, job_field, steps_logged, submit_tiny, wait_for
 
-    cluster = tmp_path / "slurm"
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
-    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    cluster, script, up = _start_slurm(tmp_path)
     run_dir = tmp_path / "run"
     logs = run_dir / "logs"
     spawned = re.compile(r"megarl: replica host on node 1 \(n2\): spawned replicas \{0: (\d+), 1: (\d+)\}")
@@ -229,17 +251,11 @@ def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_link
     requeued rank 0 (its rendezvous tagged JOB.1, not the first attempt's), respawns both replicas on n2, and the
     run continues the step count to the end. Two trainer processes on n1 when the machine has 2 cores."""
     import re
-    import shutil
 
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
-        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
     from test_slurm import DONE, job_field, steps_logged, submit_tiny, wait_for
 
     trainers = 2 if (os.cpu_count() or 1) >= 2 else 1
-    cluster = tmp_path / "slurm"
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
-    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "SLURM_TEST_CPUS": str(trainers)})
+    cluster, script, up = _start_slurm(tmp_path, SLURM_TEST_CPUS=str(trainers))
     run_dir = tmp_path / "run"
     logs = run_dir / "logs"
     hosts_file = run_dir / "engine_hosts.json"
@@ -252,13 +268,7 @@ def test_a_preempted_job_with_an_engine_only_node_requeues_and_the_new_host_link
         job = submit_tiny(env, run_dir, *DEDICATED, "engine.kv_cache_gib=0.0625", "engine.slots=8",
                           "sync.check_every=1", f"train.steps={steps}", "train.save_every=100")
 
-        def tag_seen() -> bool:  # the rendezvous files rank 0 published, by job tag
-            try:
-                info = json.loads(hosts_file.read_text())
-                tags[info["job"]] = f"{info['host']}:{info['port']}"
-            except (OSError, ValueError, KeyError):
-                pass
-            return False
+        tag_seen = _tag_recorder(hosts_file, tags)
 
         wait_for(env, job, 900, until=lambda: tag_seen() or steps_logged(run_dir)[-1:] >= [1])
         assert job_field(env, job, "JobState") == "RUNNING", "the job ended before it could be signalled"
@@ -347,16 +357,10 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
     replica whose two vLLM workers both join the weight transfer; the audit after every sync; both hosts end
     with the run and nothing of the job is left running."""
     import re
-    import shutil
 
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
-        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
     from test_slurm import job_field, steps_logged, submit_tiny, wait_for
 
-    cluster = tmp_path / "slurm"
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
-    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "SLURM_TEST_NODES": "3"})
+    cluster, script, up = _start_slurm(tmp_path, SLURM_TEST_NODES="3")
     run_dir = tmp_path / "run"
     logs = run_dir / "logs"
     steps = 4
@@ -474,29 +478,17 @@ def test_slurm_preemption_killing_a_job_with_an_engine_only_node_mid_save_leaves
     SIGKILLed rank 0 leaves its rendezvous file (tagged JOB.0) behind: the requeued host must link to the requeued
     rank 0 (JOB.1), nothing of the first attempt may be left, and the run resumes from the last periodic checkpoint."""
     import re
-    import shutil
 
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
-        pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
     from test_slurm import job_field, last_step, preempt, steps_logged, submit_tiny, wait_for
 
-    cluster = tmp_path / "slurm"
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
-    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "SLURM_TEST_PREEMPT": "1"})
+    cluster, script, up = _start_slurm(tmp_path, SLURM_TEST_PREEMPT="1")
     run_dir = tmp_path / "run"
     logs = run_dir / "logs"
     hosts_file = run_dir / "engine_hosts.json"
     spawned = re.compile(r"megarl: replica host on node 1 \(n2\): spawned replicas \{0: (\d+), 1: (\d+)\}")
     steps, tags = 12, {}
 
-    def tag_seen() -> bool:  # the rendezvous files rank 0 published, by job tag
-        try:
-            info = json.loads(hosts_file.read_text())
-            tags[info["job"]] = f"{info['host']}:{info['port']}"
-        except (OSError, ValueError, KeyError):
-            pass
-        return False
+    tag_seen = _tag_recorder(hosts_file, tags)
 
     try:
         assert up.returncode == 0, up.stderr
