@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from megarl.checkpoint.faults import Preemption
 from megarl.checkpoint.hf_export import export_policy
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
@@ -76,9 +77,10 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
 def run(cfg: RunConfig) -> dict:
     if cfg.train.deterministic:
         make_deterministic()
+    preemption = Preemption()  # before the session (minutes at scale): a signal while it starts is kept
     s = build_session(cfg)
     say = print if s.is_main else (lambda *a, **k: None)
-    keeper = RunKeeper(s)
+    keeper = RunKeeper(s, preemption)
     steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
     if not steps:
         if cfg.warmup.steps:

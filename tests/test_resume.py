@@ -170,6 +170,29 @@ def test_sigusr1_saves_exits_0_and_the_next_start_resumes(baseline, tmp_path):
     _check_same_as_baseline(baseline, run)
 
 
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the_run_after_its_first_step(tmp_path):
+    """Slurm's preemption can land while the session is still being built (minutes for a large model): SIGTERM to
+    every process of the run (its process group, as Slurm signals a job step) while vLLM loads the model. The
+    handlers ``train.run`` installs before the session keep it (before: the default action ended the run, nothing
+    saved); the run saves after its first step and exits 0, and what the session started survived to end cleanly."""
+    run = tmp_path / "run"
+    proc = _start(tmp_path / "model", run, "warmup.steps=2", out=subprocess.PIPE)
+    lines, sent = [], False
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if not sent and "Loading safetensors checkpoint shards" in line:
+                os.killpg(proc.pid, signal.SIGTERM)
+                sent = True
+        assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
+    finally:
+        _reap(proc)
+    out = "".join(lines)
+    assert sent and "step 1: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
+    assert RunCheckpoints(run).steps()[0] == 1 and "eval after RL" not in out
+
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(baseline, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(baseline[1], run)

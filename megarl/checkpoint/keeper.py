@@ -69,14 +69,17 @@ class StopRun(Exception):
 
 
 class RunKeeper:
-    def __init__(self, s) -> None:
+    def __init__(self, s, preemption: Preemption | None = None) -> None:
+        """``preemption``: the handlers ``train.run`` installed before building the session (a signal during the
+        start is kept, and the processes the session starts inherit the block; see ``faults.Preemption``)."""
         self.s, self.cfg = s, s.cfg
         t = s.cfg.train
         self.say = print if s.is_main else (lambda *a, **k: None)
         if not isinstance(s.controller.next_prompt, IndexedSource):
             s.controller.next_prompt = IndexedSource(s.controller.next_prompt)
         self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
-        self.preemption = Preemption()
+        self.preemption = preemption or Preemption()
+        self.preemption.install()  # again: the engine's start may have set handlers of its own
         self.bad = BadSteps(t.max_bad_steps)
         self.restarts = 0  # engine restarts over the run (faults/engine_restarts)
         self.failing = 0  # engine failures since the last phase (or evaluation) that completed
