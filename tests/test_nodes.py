@@ -47,7 +47,7 @@ def test_placement_spawners_and_errors_naming_the_key():
     assert place(4, 2, [0, 0, 1, 1]) == {0: [0, 1], 2: [2, 3]}
     assert place(3, 3, [0, 1, 2]) == {0: [0], 1: [1], 2: [2]}
     with pytest.raises(ConfigError, match=r"engine.replica_nodes=3: the job has 2 node\(s\) \(4 trainer processes\); "
-                                          r"valid: 0 \(rank 0's node\) to 2"):
+                                          r"valid: \[0, 1, 2\] \(0: rank 0's node"):
         place(2, 3, [0, 0, 1, 1])
     base = ["engine.placement=disaggregated", "engine.replicas=2"]
     with pytest.raises(ConfigError, match=r"engine.replica_nodes=3 must divide engine.replicas=2"):

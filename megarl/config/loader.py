@@ -164,7 +164,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"parallel.moe_dispatcher must be 'alltoall' or 'allgather', got {p.moe_dispatcher!r}")
     etp = p.etp or p.tp
     if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
-        raise ConfigError(f"parallel.ep × parallel.etp = {p.ep * etp} must divide tp×dp = {dp * p.tp}")
+        raise ConfigError(expert_layout_error(p, dp, num_experts(hf_config) if hf_config else 0))
     if cfg.engine.placement == "colocated" and (cfg.engine.tensor_parallel_size < 1 or
                                                 world_size % cfg.engine.tensor_parallel_size):
         raise ConfigError(  # world/TP colocated replicas (megarl/engines/colocated.py); TP = world: one engine
@@ -413,6 +413,35 @@ def check_replica_share(replicas: int, replica_nodes: int) -> None:
     if replica_nodes and replicas % replica_nodes:
         raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
                           "(the hosting nodes take equal shares)")
+
+
+def expert_layout_error(p, dp: int, experts: int = 0) -> str:
+    """Why ``parallel.ep × parallel.etp`` does not divide tp×dp: etp's default (0 → tp) spelled out, the valid ep
+    values (dividing tp×dp/etp and the expert count) and, when etp defaulted, those with ``parallel.etp=1``."""
+    etp, group = p.etp or p.tp, dp * p.tp
+
+    def valid(e: int) -> list[int]:
+        return [d for d in _divisors(group // e) if not experts or experts % d == 0] if group % e == 0 else []
+
+    implicit = f" (parallel.etp=0 → parallel.tp={p.tp})" if not p.etp and p.tp > 1 else ""
+    of = f" and the {experts} experts" if experts else ""
+    msg = (f"parallel.ep={p.ep} × parallel.etp={etp}{implicit} = {p.ep * etp} must divide tp×dp = {group}; "
+           f"valid ep (dividing tp×dp / etp{of}): {valid(etp) or 'none with this etp'}")
+    if etp > 1:
+        msg += f" (or set parallel.etp=1: valid ep {valid(1)})"
+    return msg
+
+
+def check_replica_nodes_fit(replicas: int, replica_nodes: int, trainer_nodes: int, trainer_processes: int = 0) -> None:
+    """``engine.replica_nodes`` (replicas spawned by trainer ranks, not ``replica_nodes_dedicated``) against the job's
+    trainer nodes, known before launch: Slurm's node count, ``--nproc`` on one machine, torchrun's world / local world."""
+    if replica_nodes <= trainer_nodes:
+        return
+    procs = f" ({trainer_processes} trainer processes)" if trainer_processes else ""
+    valid = [0] + [d for d in _divisors(replicas) if d <= trainer_nodes]
+    raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {trainer_nodes} node(s){procs}; "
+                      f"valid: {valid} (0: rank 0's node; N: the job's last N nodes, dividing engine.replicas="
+                      f"{replicas}), or ask for more nodes")
 
 
 def validate_replica_nodes(e) -> None:

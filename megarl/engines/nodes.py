@@ -34,7 +34,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Listener
 
-from megarl.config.loader import ConfigError, check_replica_share
+from megarl.config.loader import check_replica_nodes_fit, check_replica_share
 
 
 def node_index(rank: int) -> int:
@@ -50,9 +50,9 @@ def place(replicas: int, replica_nodes: int, nodes_of_ranks: list[int]) -> dict[
     if replica_nodes == 0:
         return {0: list(range(replicas))}
     nodes = sorted(set(nodes_of_ranks))
-    if replica_nodes > len(nodes):
-        raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {len(nodes)} node(s) "
-                          f"({len(nodes_of_ranks)} trainer processes); valid: 0 (rank 0's node) to {len(nodes)}")
+    # megarl train checks this before launch from the job's shape (config.loader.check_replica_nodes_fit, called by
+    # launch.plan.check_layout); here on the nodes the ranks really landed on
+    check_replica_nodes_fit(replicas, replica_nodes, len(nodes), len(nodes_of_ranks))
     leaders = [nodes_of_ranks.index(n) for n in nodes[len(nodes) - replica_nodes:]]
     return dict(zip(leaders, shares(replicas, replica_nodes)))
 

@@ -1,9 +1,10 @@
-"""``python -m megarl.launch run-dir|engine-nodes [--config FILE] [key=value ...]``: what a job script asks the config.
+"""``python -m megarl.launch run-dir|engine-nodes [--nodes N] [--config FILE] [key=value ...]``: what a job script asks the config.
 
 ``run-dir``: the run directory (the scripts in ``slurm/`` put their logs beside the run's checkpoints and
 metrics). ``engine-nodes``: how many of the allocation's last nodes run only engine replicas
 (``engine.replica_nodes`` with ``engine.replica_nodes_dedicated``, else 0): ``slurm/train.sbatch`` starts
-torchrun on the others and ``python -m megarl.engines.host`` on those.
+torchrun on the others and ``python -m megarl.engines.host`` on those. With ``--nodes N`` (the job's node count) it
+also refuses ``engine.replica_nodes`` that the job's nodes cannot hold (a one-line config error, exit 2), before srun.
 """
 
 from __future__ import annotations
@@ -12,20 +13,25 @@ import argparse
 import sys
 
 from megarl.config import ConfigError, load_config
-from megarl.config.loader import validate_replica_nodes
-from megarl.launch.plan import engine_only_nodes
+from megarl.config.loader import check_replica_nodes_fit, validate_replica_nodes
+from megarl.launch.plan import engine_only_nodes, trainer_nodes
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megarl.launch")
     ap.add_argument("what", choices=["run-dir", "engine-nodes"])
     ap.add_argument("--config")
+    ap.add_argument("--nodes", type=int, default=0, help="the job's node count (engine-nodes checks against it)")
     ap.add_argument("overrides", nargs="*")
     args, _ = ap.parse_known_intermixed_args(argv)  # other `megarl train` options (--nproc) are not ours
     try:
         cfg = load_config(args.config, args.overrides)
         if args.what == "engine-nodes":
             validate_replica_nodes(cfg.engine)
+            if args.nodes:
+                trainer_nodes(cfg, args.nodes)  # engine-only nodes leave at least one trainer node
+                if not cfg.engine.replica_nodes_dedicated:
+                    check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, args.nodes)
             print(engine_only_nodes(cfg))
         else:
             print(cfg.train.run_dir)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
+from megarl.config.loader import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
 from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, is_moe_layer, num_experts
 
@@ -150,6 +151,8 @@ def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int) -> No
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     validate(cfg, nodes * gpus_per_node, hf)
+    if not cfg.engine.replica_nodes_dedicated:  # replicas spawned on the last N of these nodes (engines/nodes.place)
+        check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, nodes, nodes * gpus_per_node)
     tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
     if gpus_per_node % tp:
         valid = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
