@@ -4,7 +4,8 @@
 # GPU_MEM_GIB, RUN_DIR, PLAN_MODEL (array), SBATCH_ARGS (array) and ARGS (array: the flags).
 #   -h, --help    print the script's usage (its header comment) and stop (nothing is submitted)
 #   PLAN_ONLY=1   print the plan and stop (nothing is submitted)
-#   PYTHON        the interpreter with megarl installed (default: python3)
+#   PYTHON        the interpreter with megarl installed (default: the repository's .venv/bin/python, as `make`
+#                 installs it, else python3)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 # --help / -h anywhere among the script's arguments (sourcing keeps them): its header comment, then exit
@@ -15,13 +16,24 @@ for arg in "$@"; do
         exit 0
     fi
 done
-PYTHON=${PYTHON:-python3}
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python3
+    if [[ -x $ROOT/.venv/bin/python ]]; then
+        PYTHON=$ROOT/.venv/bin/python
+    fi
+fi
 export PYTHON GPUS_PER_NODE
 
 submit() {
     local status=0
     "$PYTHON" -m megarl.cli plan --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" --gpu-mem-gib "$GPU_MEM_GIB" \
         "${PLAN_MODEL[@]}" "${ARGS[@]}" || status=$?
+    if ((status == 1)) && ! "$PYTHON" -c 'import megarl.launch.plan, torch' 2>/dev/null; then
+        # exit 1 is also Python's for a crash: an interpreter that cannot import megarl did not plan anything
+        echo "could not run megarl plan with PYTHON=$PYTHON (it cannot import megarl or torch); set" \
+            "PYTHON=/path/to/.venv/bin/python (the interpreter megarl is installed in): nothing submitted" >&2
+        exit 1
+    fi
     if ((status != 0)); then
         echo "megarl plan refused this layout (exit $status): nothing submitted" >&2
         exit "$status"

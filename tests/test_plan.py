@@ -184,3 +184,76 @@ def test_each_example_validates_its_layout_with_plan(script):
     bad = subprocess.run(["bash", f"examples/{script}", "parallel.tp=3"], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PLAN_ONLY": "0"}, timeout=60)
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr and "nothing submitted" in bad.stderr
+
+
+def test_expert_layout_errors_spell_out_etps_default_the_experts_and_valid_values(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN3_30B_A3B))
+    job = ["--model", str(model), "--nodes", "2", "--gpus-per-node", "8"]
+    assert main([*job, "parallel.tp=2", "parallel.ep=16", "parallel.sequence_parallel=true"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.ep=16 × parallel.etp=2 (parallel.etp=0 → parallel.tp=2) = 32 must divide tp×dp = 16" in err, err
+    assert "the 128 experts): [1, 2, 4, 8] (or set parallel.etp=1: valid ep [1, 2, 4, 8, 16])" in err, err
+    assert main([*job, "parallel.ep=5"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.ep=5 × parallel.etp=1 = 5" in err and "the 128 experts): [1, 2, 4, 8, 16]" in err, err
+    assert "parallel.etp=0" not in err and "or set parallel.etp=1" not in err
+    assert main([*job, "parallel.tp=2", "parallel.ep=16", "parallel.etp=1", "parallel.sequence_parallel=true"]) != 2
+    assert "settings  parallel.tp=2" in capsys.readouterr().out  # the layout is planned (fitting or not)
+
+
+def test_replica_nodes_beyond_the_jobs_nodes_are_refused_by_plan_and_the_batch_scripts_check(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN3_30B_A3B))
+    disagg = ["engine.placement=disaggregated", "engine.replicas=4"]
+    assert main(["--model", str(model), "--nodes", "2", *disagg, "engine.replica_nodes=4"]) == 2
+    err = capsys.readouterr().err
+    assert "engine.replica_nodes=4: the job has 2 node(s) (16 trainer processes); valid: [0, 1, 2]" in err, err
+    launch = [sys.executable, "-m", "megarl.launch", "engine-nodes", *disagg]
+    bad = subprocess.run([*launch, "--nodes", "2", "engine.replica_nodes=4"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("megarl: config error: engine.replica_nodes=4: the job has "
+                                                         "2 node(s); valid: [0, 1, 2]"), bad.stderr
+    assert len(bad.stderr.splitlines()) == 1 and not bad.stdout
+    ok = subprocess.run([*launch, "--nodes", "3", "engine.replica_nodes=2", "engine.replica_nodes_dedicated=true"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == "2", ok.stderr
+    none_left = subprocess.run([*launch, "--nodes", "2", "engine.replica_nodes=2",
+                                "engine.replica_nodes_dedicated=true"], capture_output=True, text=True, cwd=ROOT,
+                               timeout=60)
+    assert none_left.returncode == 2 and "valid: --nodes >= 3" in none_left.stderr
+
+
+def test_train_refuses_replica_nodes_beyond_its_one_node_before_launching(tmp_path, capsys, monkeypatch):
+    import megarl.cli
+
+    def launched(args):
+        raise AssertionError("torchrun was launched")  # would exec torchrun in place of this test process
+
+    monkeypatch.setattr(megarl.cli, "_launch_torchrun", launched)
+    cli_main = megarl.cli.main
+    rc = cli_main(["train", "--config", "configs/tiny_cpu.yaml", "--nproc", "2", "engine.placement=disaggregated",
+                   "engine.replicas=2", "engine.replica_nodes=2", f"model.path={tmp_path / 'model'}",
+                   f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.strip() == ("megarl: config error: engine.replica_nodes=2: the job has 1 node(s) (2 trainer "
+                           "processes); valid: [0, 1] (0: rank 0's node; N: the job's last N nodes, dividing "
+                           "engine.replicas=2), or ask for more nodes")
+    assert not (tmp_path / "model").exists() and not (tmp_path / "run").exists()  # nothing was launched
+
+
+def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path):
+    """Python's exit 1 for an import error is not megarl plan's "does not fit": the script names PYTHON."""
+    bare = tmp_path / "bare-python"  # the real interpreter without site-packages or the repository on its path
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    bare.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(bare), "PLAN_ONLY": "1"}
+    proc = subprocess.run(["bash", "examples/qwen3-30b-a3b.sh"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=60)
+    assert proc.returncode == 1 and "refused this layout" not in proc.stderr, proc.stderr
+    assert f"could not run megarl plan with PYTHON={bare}" in proc.stderr and "set PYTHON=" in proc.stderr
+    defaulted = subprocess.run(["bash", "-c", "source examples/common.sh; echo \"$PYTHON\""], capture_output=True,
+                               text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    venv = ROOT / ".venv" / "bin" / "python"
+    assert defaulted.stdout.strip() == (str(venv) if venv.exists() else "python3")
