@@ -257,3 +257,32 @@ def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path
                                text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
     venv = ROOT / ".venv" / "bin" / "python"
     assert defaulted.stdout.strip() == (str(venv) if venv.exists() else "python3")
+
+
+def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN25_32B))
+    run = ["optim.micro_batch_size=1", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024"]
+    assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
+    out = capsys.readouterr().out
+    assert "sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out and "defaults" not in out
+    assert ("no layout of 1 nodes × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
+            "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
+    assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *run]) == 0  # as it said
+    assert "no layout" not in capsys.readouterr().out
+    assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "141"]) == 1
+    out = capsys.readouterr().out  # without --config: the tiny demo's sizes, said so
+    assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "the schema defaults" in out
+    assert "None fits with --precision bf16 or up to --nodes 16 either" in out, out
+
+
+def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("megarl plan --model"))
+    args = usage.split("megarl plan ", 1)[1].replace("[--gpu-mem-gib 80]", "").split()
+    assert main(args) in (0, 1)  # planned (fits or not), not refused; run from the repository root
+    assert "megarl plan:" not in capsys.readouterr().err
+    assert main(["--model", "Qwen/Qwen2.5-32B"]) == 2
+    assert "nothing is downloaded" in capsys.readouterr().err

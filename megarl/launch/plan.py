@@ -1,7 +1,13 @@
 """``megarl plan``: parameter counts from an HF config alone, memory per GPU of a layout, a proposal.
 
-    megarl plan --model Qwen/Qwen3-30B-A3B --nodes 2 --gpus-per-node 8 [--gpu-mem-gib 80]
+    megarl plan --model examples/models/qwen3-30b-a3b.json --nodes 2 --gpus-per-node 8 [--gpu-mem-gib 80]
                 [--config FILE] [key=value ...] [--json]
+
+``--model`` is a local checkpoint directory or ``config.json`` (nothing is downloaded; ``examples/models/`` holds
+the shapes of the example models). Memory is sized at the config's sequence length and batch
+(``engine.max_model_len``, ``optim.micro_batch_size``, ``engine.slots``, the rollout's sequences): without
+``--config`` and those keys, the schema defaults, i.e. the tiny CPU demo's 256-token sequences; give yours with
+``--config FILE`` or ``key=value``. When no layout fits, the closest is shown and the plan says what would fit.
 
 Parameters (from ``config.json``; no weights): embedding (+ the output head unless tied),
 per layer attention (q, k, v, o with Qwen2's qkv biases, Qwen3's q/k norms) and two norms,
@@ -273,8 +279,33 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                    "engine_replicas": lay.world // lay.engine_tp},
         "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gib": gpu_mem_gib, "precision": precision,
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
-        "overrides": lay.overrides(),
+        "overrides": lay.overrides(), "sized_at": sizing(cfg),
     }
+
+
+SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",
+               "rollout.samples_per_prompt")
+"""The settings activations and the KV cache are sized at (the plan prints them)."""
+
+
+def sizing(cfg: RunConfig) -> dict:
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SIZING_KEYS}
+
+
+def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+                   precision: str) -> list[str]:
+    """When no layout fits: the changes of the job that would (bf16, more nodes), each checked by a plan."""
+    hints = []
+    if precision == "fp32" and plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, True, "bf16")["fits"]:
+        hints.append("--precision bf16 (megatron's mixed precision; megarl builds fp32 today)")
+    for more in (2, 4, 8, 16):
+        try:
+            if plan(hf, cfg, nodes * more, gpus_per_node, gpu_mem_gib, True, precision)["fits"]:
+                hints.append(f"--nodes {nodes * more} (× {gpus_per_node} GPUs)")
+                break
+        except ConfigError:
+            continue
+    return hints
 
 
 def _explicit(config: str | None, overrides: list[str]) -> set[str]:
@@ -293,7 +324,8 @@ def read_model(path: str) -> dict:
     """An HF config from a checkpoint directory or a ``config.json`` file."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
-        raise ConfigError(f"--model {path}: no such config.json or checkpoint directory")
+        raise ConfigError(f"--model {path}: no such config.json or checkpoint directory (a local path: nothing is "
+                          "downloaded; e.g. the directory a hub model was saved to, or examples/models/*.json)")
     try:
         hf = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
@@ -342,6 +374,14 @@ def format_table(res: dict) -> str:
         lines.append(f"  {label:<22}{gib(mem[key], 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
     lines.append(f"  {'total':<22}{gib(mem['total'], 9)}   of {res['gpu_mem_gib']:g} → {verdict}")
+    lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
+                 + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
+    if res["proposed"] and not res["fits"]:
+        lines.append(f"no layout of {res['nodes']} nodes × {res['gpus_per_node']} GPUs fits in "
+                     f"{res['gpu_mem_gib']:g} GiB per GPU at these sizes; the one shown is the closest. "
+                     + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
+                        f"None fits with --precision bf16 or up to --nodes {16 * res['nodes']} either; try")
+                     + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
     lines.append("settings  " + " ".join(res["overrides"]))
     return "\n".join(lines)
 
@@ -385,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
             hf = _model_config_for_validation(cfg)
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
-        res = plan(hf, cfg, trainer_nodes(cfg, args.nodes), args.gpus_per_node, args.gpu_mem_gib, propose,
-                   args.precision)
+        nodes = trainer_nodes(cfg, args.nodes)
+        res = plan(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision)
+        if not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
+            res["sizing_note"] = ("the schema defaults, the tiny CPU demo's; give your run's with --config FILE "
+                                  "or key=value")
+        if propose and not res["fits"]:
+            res["would_fit"] = what_would_fit(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, args.precision)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 2
