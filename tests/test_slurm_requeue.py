@@ -135,3 +135,29 @@ def test_reward_workers_live_through_the_preemption_signals():
         assert pool.score([("3", "3"), ("4", "5")]) == [1.0, 0.0] and pool.errors == 0
     finally:
         pool.close()
+
+
+def test_the_batch_script_names_rank_0s_node_log(tmp_path):
+    """torchrun's c10d rendezvous put rank 0 on srun task 1 (as seen on the two-node test Slurm after a requeue):
+    the file with rank 0's lines is node1's, whatever node0's holds."""
+    (tmp_path / "7.1.node0.log").write_text("[default0]:[rank1]:W1201 warnings of rank 1\n")
+    (tmp_path / "7.1.node1.log").write_text("[default0]:megarl: 2 processes started by torchrun, rendezvous a:1\n"
+                                            "[default0]:step 1/40 | reward/mean 0\n")
+    (tmp_path / "7.0.node0.log").write_text("[default0]:step 1/40 | reward/mean 0\n")  # started, then no banner
+    found = sbatch_functions(f'rank0_log "{tmp_path}" 7 1; rank0_log "{tmp_path}" 7 0; rank0_log "{tmp_path}" 7 2')
+    assert found[:2] == [str(tmp_path / "7.1.node1.log"), str(tmp_path / "7.0.node0.log")]
+    assert found[2:4] == ["none", "of"]  # restart 2 wrote no log: said so, not an empty path
+
+
+def test_replica_nodes_beyond_the_allocation_stop_the_batch_script_before_srun(tmp_path):
+    """The job's node count (SLURM_NNODES) is known to the batch script: a config error there, one line, exit 2."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "SLURM_NNODES": "2", "SLURM_JOB_ID": "4",
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "slurm/train.sbatch", "--config", "configs/tiny_cpu.yaml",
+                           f"train.run_dir={tmp_path / 'run'}", "engine.placement=disaggregated", "engine.replicas=4",
+                           "engine.replica_nodes=4"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == ["megarl: config error: engine.replica_nodes=4: the job has 2 node(s); valid: "
+                                        "[0, 1, 2] (0: rank 0's node; N: the job's last N nodes, dividing "
+                                        "engine.replicas=4), or ask for more nodes"]
+    assert not (tmp_path / "run").exists()  # nothing started, no log directory made
