@@ -109,9 +109,12 @@ def test_override_value_is_parsed_as_yaml():
 def test_moe_tensor_parallel_needs_sequence_parallel_and_a_fitting_etp():
     with pytest.raises(ConfigError, match="needs parallel.sequence_parallel=true"):
         validate(load_config(None, ["parallel.tp=2"]), 2, MOE)
-    with pytest.raises(ConfigError, match=r"parallel.ep × parallel.etp = 4 must divide tp×dp = 2"):
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 × parallel.etp=2 = 4 must divide tp×dp = 2; valid ep .*: "
+                                          r"\[1\] \(or set parallel.etp=1: valid ep \[1, 2\]\)"):
         validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2",
                                     "parallel.ep=2"]), 2, MOE)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 × parallel.etp=2 \(parallel.etp=0 → parallel.tp=2\) = 4"):
+        validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]), 2, MOE)
     validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"]), 2, MOE)
     validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]), 2, MOE)
 
