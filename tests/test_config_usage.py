@@ -51,7 +51,8 @@ def test_train_and_eval_help_show_their_own_options(capsys):
 def test_plan_shows_a_tiny_models_size(tmp_path, capsys):
     import json
 
-    from megarl.launch.plan import gib, main, params
+    from megarl.launch.plan import main
+    from megarl.launch.plan_table import gib, params
     from megarl.models.tiny import TinyShape, hf_config
 
     assert params(131_776) == "131.78 K" and params(32.76e9) == "32.76 B" and params(3.05e6) == "3.05 M"

@@ -48,6 +48,7 @@ from pathlib import Path
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.loader import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
+from megarl.launch.plan_table import format_table
 from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, is_moe_layer, num_experts
 
 GIB = 1024**3
@@ -334,56 +335,6 @@ def read_model(path: str) -> dict:
         raise ConfigError(f"--model {file}: model_type {hf.get('model_type')!r} is not supported; "
                           f"valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return hf
-
-
-ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
-        ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
-        ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
-
-
-def params(n: float) -> str:
-    """A parameter count in the unit that shows it: '32.76 B' (billions), '3.05 M', '131.78 K', '512'."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f}"
-
-
-def gib(x: float, width: int = 0) -> str:
-    """GiB with two decimals, or in MiB (so marked) when that would show 0.00 (tiny models)."""
-    return f"{x:>{width}.2f}" if x == 0 or abs(x) >= 0.005 else f"{x * 1024:>{width}.2f} MiB"
-
-
-def format_table(res: dict) -> str:
-    lay, mem = res["layout"], res["memory_gib_per_gpu"]
-    lines = [
-        f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
-        f"{params(res['params_active'])} active per token",
-        f"job     {res['nodes']} nodes × {res['gpus_per_node']} GPUs of {res['gpu_mem_gib']:g} GiB, "
-        f"precision {res['precision']}",
-        f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · EP {lay['ep']} · ETP {lay['etp']} · "
-        f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
-        f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
-        f"{'   [proposed]' if res['proposed'] else ''}",
-        "memory per GPU (GiB)",
-    ]
-    notes = {"optimizer": f"without the distributed optimizer: {gib(res['optimizer_without_distributed'])}",
-             "activations": f"no recompute; full recompute: {gib(res['activations_full_recompute'])}",
-             "kv_cache": f"{res['kv_cache_sequences']} sequences at engine.max_model_len"}
-    for key, label in ROWS:
-        lines.append(f"  {label:<22}{gib(mem[key], 9)}   {notes.get(key, '')}".rstrip())
-    verdict = "fits" if res["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<22}{gib(mem['total'], 9)}   of {res['gpu_mem_gib']:g} → {verdict}")
-    lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
-                 + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
-    if res["proposed"] and not res["fits"]:
-        lines.append(f"no layout of {res['nodes']} nodes × {res['gpus_per_node']} GPUs fits in "
-                     f"{res['gpu_mem_gib']:g} GiB per GPU at these sizes; the one shown is the closest. "
-                     + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
-                        f"None fits with --precision bf16 or up to --nodes {16 * res['nodes']} either; try")
-                     + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
-    lines.append("settings  " + " ".join(res["overrides"]))
-    return "\n".join(lines)
 
 
 def engine_only_nodes(cfg: RunConfig) -> int:
