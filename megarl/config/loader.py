@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.layouts import divisors, expert_layout_error, validate_replica_nodes
 from megarl.config.limits import check_engine_head_size, check_engine_sizes, check_ranges, cuda_available
 from megarl.config.presets import PRESETS
 from megarl.config.schema import TINY_FAMILIES, RunConfig
@@ -140,8 +141,6 @@ def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
@@ -155,7 +154,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     if world_size % (p.tp * p.pp):
         raise ConfigError(
             f"parallel.tp × parallel.pp = {p.tp}×{p.pp} must divide the world size {world_size}; "
-            f"valid tp×pp products: {_divisors(world_size)}"
+            f"valid tp×pp products: {divisors(world_size)}"
         )
     dp = world_size // (p.tp * p.pp)
     if p.sequence_parallel and p.tp == 1:
@@ -169,7 +168,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
                                                 world_size % cfg.engine.tensor_parallel_size):
         raise ConfigError(  # world/TP colocated replicas (megarl/engines/colocated.py); TP = world: one engine
             f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} must divide the world size {world_size} "
-            f"(colocated placement: world/TP engine replicas); valid: {_divisors(world_size)}"
+            f"(colocated placement: world/TP engine replicas); valid: {divisors(world_size)}"
         )
     r = cfg.rollout
     if r.samples_per_prompt < 2:
@@ -253,24 +252,24 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
     heads, kv, layers = hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"]
     experts = num_experts(hf)
     if heads % p.tp or kv % p.tp:
-        valid = [d for d in _divisors(kv) if heads % d == 0]
+        valid = [d for d in divisors(kv) if heads % d == 0]
         raise ConfigError(
             f"parallel.tp={p.tp} must divide attention heads ({heads}) and KV heads ({kv}); valid: {valid}"
         )
     if layers % p.pp:
-        raise ConfigError(f"parallel.pp={p.pp} must divide the number of layers ({layers}); valid: {_divisors(layers)}")
+        raise ConfigError(f"parallel.pp={p.pp} must divide the number of layers ({layers}); valid: {divisors(layers)}")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline ranks)")
     if layers % (p.pp * p.vpp):
         raise ConfigError(f"parallel.vpp={p.vpp}: pp × vpp = {p.pp * p.vpp} must divide the number of layers "
-                          f"({layers}); valid vpp: {_divisors(layers // p.pp)}")
+                          f"({layers}); valid vpp: {divisors(layers // p.pp)}")
     if p.ep > 1 and not experts:
         raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; {cfg.model.path} is dense")
     if experts and p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
                           "(megatron-core refuses MoE + TP without it)")
     if experts and experts % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide the number of experts ({experts}); valid: {_divisors(experts)}")
+        raise ConfigError(f"parallel.ep={p.ep} must divide the number of experts ({experts}); valid: {divisors(experts)}")
     if hf["vocab_size"] % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the vocabulary size ({hf['vocab_size']})")
     if cfg.engine.max_model_len > hf.get("max_position_embeddings", cfg.engine.max_model_len):
@@ -406,57 +405,6 @@ def transformer_engine_error() -> str | None:
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-def check_replica_share(replicas: int, replica_nodes: int) -> None:
-    """The hosting nodes take equal shares: ``engine.replica_nodes`` divides ``engine.replicas`` (0: no hosting nodes)."""
-    if replica_nodes and replicas % replica_nodes:
-        raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
-                          "(the hosting nodes take equal shares)")
-
-
-def expert_layout_error(p, dp: int, experts: int = 0) -> str:
-    """Why ``parallel.ep × parallel.etp`` does not divide tp×dp: etp's default (0 → tp) spelled out, the valid ep
-    values (dividing tp×dp/etp and the expert count) and, when etp defaulted, those with ``parallel.etp=1``."""
-    etp, group = p.etp or p.tp, dp * p.tp
-
-    def valid(e: int) -> list[int]:
-        return [d for d in _divisors(group // e) if not experts or experts % d == 0] if group % e == 0 else []
-
-    implicit = f" (parallel.etp=0 → parallel.tp={p.tp})" if not p.etp and p.tp > 1 else ""
-    of = f" and the {experts} experts" if experts else ""
-    msg = (f"parallel.ep={p.ep} × parallel.etp={etp}{implicit} = {p.ep * etp} must divide tp×dp = {group}; "
-           f"valid ep (dividing tp×dp / etp{of}): {valid(etp) or 'none with this etp'}")
-    if etp > 1:
-        msg += f" (or set parallel.etp=1: valid ep {valid(1)})"
-    return msg
-
-
-def check_replica_nodes_fit(replicas: int, replica_nodes: int, trainer_nodes: int, trainer_processes: int = 0) -> None:
-    """``engine.replica_nodes`` (replicas spawned by trainer ranks, not ``replica_nodes_dedicated``) against the job's
-    trainer nodes, known before launch: Slurm's node count, ``--nproc`` on one machine, torchrun's world / local world."""
-    if replica_nodes <= trainer_nodes:
-        return
-    procs = f" ({trainer_processes} trainer processes)" if trainer_processes else ""
-    valid = [0] + [d for d in _divisors(replicas) if d <= trainer_nodes]
-    raise ConfigError(f"engine.replica_nodes={replica_nodes}: the job has {trainer_nodes} node(s){procs}; "
-                      f"valid: {valid} (0: rank 0's node; N: the job's last N nodes, dividing engine.replicas="
-                      f"{replicas}), or ask for more nodes")
-
-
-def validate_replica_nodes(e) -> None:
-    """``engine.replica_nodes`` on its own; against the job's node count at start (``engines.nodes.place``)."""
-    if e.replica_nodes < 0:
-        raise ConfigError(f"engine.replica_nodes must be >= 0 (0: the replicas on rank 0's node; N: on the job's "
-                          f"last N nodes), got {e.replica_nodes}")
-    if e.replica_nodes and e.placement != "disaggregated":
-        raise ConfigError(f"engine.replica_nodes={e.replica_nodes} places disaggregated replicas; set "
-                          "engine.placement=disaggregated or engine.replica_nodes=0")
-    check_replica_share(e.replicas, e.replica_nodes)
-    if e.replica_nodes_dedicated and e.replica_nodes < 1:
-        raise ConfigError("engine.replica_nodes_dedicated=true gives the allocation's last engine.replica_nodes nodes "
-                          f"to the replicas alone, but engine.replica_nodes={e.replica_nodes}; valid: "
-                          "engine.replica_nodes >= 1 with it, or engine.replica_nodes_dedicated=false")
 
 
 def _validate_fp8(fp8: str) -> None:

@@ -34,7 +34,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Listener
 
-from megarl.config.loader import check_replica_nodes_fit, check_replica_share
+from megarl.config.layouts import check_replica_nodes_fit, check_replica_share
 
 
 def node_index(rank: int) -> int:

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from megarl.config import ConfigError, load_config
-from megarl.config.loader import check_replica_nodes_fit, validate_replica_nodes
+from megarl.config.layouts import check_replica_nodes_fit, validate_replica_nodes
 from megarl.launch.plan import engine_only_nodes, trainer_nodes
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.loader import check_replica_nodes_fit
+from megarl.config.layouts import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
 from megarl.launch.plan_table import format_table
 from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, is_moe_layer, num_experts
