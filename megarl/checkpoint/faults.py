@@ -31,6 +31,9 @@ Test hooks (environment variables, read once per process; nothing happens when t
   agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75), or ``engine_stall``
   (from the engine's 3rd step of RL step STEP every step schedules nothing until the engine is reset: the
   controller's no-progress guard must raise ``EngineStalled``, contained by the keeper).
+- ``MEGARL_TEST_FAULT=replica_dies_before_audit@STEP`` — disaggregated replicas: replica 0 is SIGKILLed right
+  before the ``sync.check_every`` audit of the sync that ends RL step STEP (``kill_replica``): the audit's
+  generation fails and ``RunKeeper.sync`` must restart the replicas, sync again and run the audit again.
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
@@ -122,6 +125,16 @@ def kill_point(point: str) -> None:
         print(f"rank {rank_and_world()[0]}: checkpoint after {_signalled} slowed by {delay} s "
               "(MEGARL_TEST_SLOW_STOP, a test hook)", flush=True)
         time.sleep(float(delay))
+
+
+def kill_replica(engine, k: int) -> None:
+    """SIGKILL disaggregated replica ``k`` and wait for it to be gone (rank 0 drives the replicas; a colocated
+    engine has none: nothing happens)."""
+    clients = getattr(engine, "clients", None) or []
+    if k < len(clients):
+        print(f"engine replica {k} killed by MEGARL_TEST_FAULT (a test hook)", flush=True)
+        clients[k].proc.kill()
+        clients[k].proc.join(30)
 
 
 def injected(kind: str, nth: int = 1) -> bool:

