@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
-from megarl.checkpoint.faults import BadSteps, Preemption, set_step
+from megarl.checkpoint.faults import BadSteps, Preemption, injected, kill_checkpoint_writer, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
@@ -65,6 +65,22 @@ in a row, or a refused recovery) after saving a checkpoint, or when the hang wat
 (``watchdog.py``; the last run checkpoint stands): rerun (requeue) to resume in fresh processes.
 75 is sysexits.h's EX_TEMPFAIL; it is none of 1 (an error; torchrun's status when any worker fails), 2 (a config
 error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
+
+
+def revive_checkpoint_writer() -> str:
+    """megatron's async checkpoint writer keeps one ``multiprocessing`` Manager process per process from its first
+    save on (``filesystem_async._get_write_results_queue``); when it died (e.g. the OOM killer), drop it so that
+    the next save starts a new one instead of failing with ``BrokenPipeError``. What was done ('' nothing)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    manager = getattr(queue, "_manager", None)
+    process = getattr(manager, "_process", None)
+    if queue is None or process is None or process.is_alive():
+        return ""
+    filesystem_async._results_queue = None
+    return (f"megatron's checkpoint writer helper (multiprocessing Manager, pid {process.pid}) had died "
+            f"(exit code {process.exitcode}); a new one is started for this save")
 
 
 class StopRun(Exception):
@@ -135,8 +151,19 @@ class RunKeeper:
                 save_checkpoint(learner, tmp / name)
             write_state(tmp, capture(self.s, step, self.run) if dist.get_rank() == 0 else None)
 
-        with guard(f"checkpoint save of step {step}"):
-            path = self.ckpts.save(step, write)
+        if injected("checkpoint_writer_dies"):
+            kill_checkpoint_writer()
+        if why := revive_checkpoint_writer():
+            print(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}", flush=True)
+        try:
+            with guard(f"checkpoint save of step {step}"):
+                path = self.ckpts.save(step, write)
+        except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
+            raise RuntimeError(
+                f"checkpoint save of step {step} failed: a helper process of megatron's checkpoint writer died "
+                f"({type(exc).__name__}: {exc}); nothing of this save is used (its .tmp directory is ignored): "
+                f"rerun the same command to resume from the last complete checkpoint "
+                f"(step {self.saved_at if self.saved_at >= 0 else 'none yet'})") from exc
         self.saved_at = step
         self.say(f"checkpoint {path}")
 
