@@ -55,7 +55,8 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()
     handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
-    sync = sync_weights(s.engine, s.trainer, cfg.sync, version=step + 1)  # the named protocol, all or nothing
+    sync = (keeper.sync(step + 1) if keeper  # the named protocol, all or nothing; the keeper survives engine errors
+            else sync_weights(s.engine, s.trainer, cfg.sync, version=step + 1))
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
@@ -86,7 +87,7 @@ def run(cfg: RunConfig) -> dict:
         if cfg.warmup.steps:
             supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
                               cfg.warmup.lr, log=say)
-            sync_weights(s.engine, s.trainer, cfg.sync, version=0)
+            keeper.sync(0)  # survives engine errors, as every sync of the loop
         if s.eval_prompts:
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
             s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})

@@ -115,3 +115,69 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _train_with_audit_kill(tmp_path, *overrides: str):
+    """``megarl train`` (2 replicas, ``sync.check_every=1``, 3 steps) with replica 0 SIGKILLed right before the audit
+    of step 2's sync (a test hook): (the process, metrics.jsonl's rows by step, the processes it left)."""
+    import json
+    import os
+
+    run, tag = tmp_path / "run", f"audit-kill-{os.getpid()}-{tmp_path.name}"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "train.steps=3", "warmup.steps=2",
+           "train.time_limit_s=0", f"train.run_dir={run}", f"model.path={tmp_path / 'model'}", "data.eval_size=0",
+           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=16", "engine.slots=8",
+           "engine.kv_cache_gib=0.0625", "engine.placement=disaggregated", "engine.replicas=2",
+           "sync.check_every=1", *overrides]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "replica_dies_before_audit@2",
+           "MEGARL_TEST_TAG": tag}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+    return proc, rows, _tagged_processes(tag)
+
+
+@pytest.mark.slow
+def test_megarl_train_survives_a_replica_killed_just_before_the_sync_audit(tmp_path):
+    """The keeper counts the death, restarts the replicas, syncs again and runs the audit again; the run finishes
+    (exit 0), and no process of the run is left."""
+    proc, rows, left = _train_with_audit_kill(tmp_path, "engine.max_restarts=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "engine replica 0 killed by MEGARL_TEST_FAULT" in out
+    assert "weight sync to version 2: engine error (" in out and "the sync and its audit run again; restart 1/2" in out
+    assert "step 3/3 |" in out
+    assert rows[1]["faults/engine_restarts"] == 0 and rows[2]["faults/engine_restarts"] == 1
+    assert rows[3]["faults/engine_restarts"] == 1
+    for step in (1, 2, 3):  # the audit ran after every sync, the interrupted one again after the restart
+        assert rows[step]["sync/logprob_gap"] <= 1e-4, rows[step]
+    assert rows[3]["engine/version"] == 3
+    assert not left
+
+
+@pytest.mark.slow
+def test_megarl_train_stops_with_a_checkpoint_when_the_audit_fails_past_max_restarts(tmp_path):
+    """``engine.max_restarts=0``: the death before the audit stops the run with a checkpoint of step 2 (its update
+    done) and exit 75 (requeue), like every engine fault past the limit."""
+    from megarl.checkpoint.keeper import EXIT_REQUEUE
+
+    proc, rows, left = _train_with_audit_kill(tmp_path, "engine.max_restarts=0")
+    assert proc.returncode == EXIT_REQUEUE, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "step 2: engine failed 1 times in a row (engine.max_restarts=0)" in proc.stdout
+    assert "checkpoint saved, stopping" in proc.stdout and "Traceback" not in proc.stderr
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert not left
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """The pids of live processes whose environment holds ``MEGARL_TEST_TAG=tag`` (a run's leftovers)."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"MEGARL_TEST_TAG={tag}".encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found

