@@ -42,8 +42,9 @@ def test_max_model_len_below_prompt_plus_response_names_the_three_values():
 
 
 def test_recover_logs_rank_0_without_a_process_group(capsys):
-    """``RunKeeper._recover``'s message path in one process with no torch.distributed group (it called
-    ``dist.get_rank()`` and crashed the keeper with 'Default process group has not been initialized')."""
+    """``RunKeeper._recover``'s message path (``_restart``: count, log, stop past ``engine.max_restarts``) in one
+    process with no torch.distributed group (it called ``dist.get_rank()`` and crashed the keeper with 'Default
+    process group has not been initialized')."""
     import torch.distributed as dist
 
     from megarl.checkpoint.keeper import RunKeeper, StopRun
@@ -52,8 +53,8 @@ def test_recover_logs_rank_0_without_a_process_group(capsys):
     keeper = types.SimpleNamespace(s=types.SimpleNamespace(controller=None), restarts=0, failing=3,
                                    cfg=load_config(None, ["engine.max_restarts=3"]))
     with pytest.raises(StopRun, match="engine failed 4 times in a row"):
-        RunKeeper._recover(keeper, ValueError("maximum context length is 8 tokens"), "step 1: engine error mid-phase",
-                           "0 live groups restored", 0)
+        RunKeeper._restart(keeper, ValueError("maximum context length is 8 tokens"), "step 1: engine error mid-phase",
+                           "0 live groups restored")
     assert "rank 0 step 1: engine error mid-phase (ValueError: maximum context length is 8 tokens)" in \
         capsys.readouterr().out
     assert keeper.restarts == 1
