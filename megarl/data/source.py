@@ -241,9 +241,10 @@ def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0):
                          eval_store, d.eval_size)
 
 
-def check_data(d) -> None:
+def check_data(d) -> dict[str, RowStore]:
     """Before any process starts: files exist and are not empty, the keys exist, and (``on_bad_row: error``)
-    every row has a usable prompt and answer. Raises FileNotFoundError / DataError naming what is wrong."""
+    every row has a usable prompt and answer. Raises FileNotFoundError / DataError naming what is wrong.
+    Returns the stores it read, by key (``data.path``, ``data.eval_path``), for ``check_run_data``."""
     from megarl.data.chat import as_messages, load_template
 
     if d.on_bad_row not in ("skip", "error"):
@@ -253,14 +254,16 @@ def check_data(d) -> None:
     if not d.path:
         if d.eval_path:
             raise DataError("data.eval_path needs data.path (the built-in task has its own held-out set)")
-        return
+        return {}
+    stores = {}
     for spec, key in ((d.path, "data.path"), (d.eval_path, "data.eval_path")):
         if not spec:
             continue
-        store = RowStore(spec, key)
+        store = stores[key] = RowStore(spec, key)
         check_keys(store, d.prompt_key, d.answer_key, key)
         if d.on_bad_row == "error":
             check_rows(store, d.prompt_key, d.answer_key, lambda p: as_messages(p, d.system_prompt))
+    return stores
 
 
 SAMPLE_ROWS = 256
@@ -317,10 +320,11 @@ def _length_renderer(cfg) -> Callable:
     return lambda p: (as_messages(p, d.system_prompt), None)
 
 
-def check_run_data(cfg) -> None:
-    """Before launch, after ``check_data``: the dataset (and eval set) has a usable row in a bounded sample
-    (``check_usable``, with the run's prompt-length limit), and ``reward.fn`` accepts the keyword arguments the
-    run will pass it (the first usable row's other columns). Raises DataError / ValueError naming the key."""
+def check_run_data(cfg, stores: dict[str, RowStore] | None = None) -> None:
+    """Before launch, after ``check_data`` (``stores``: the ones it read, not read again): the dataset (and eval
+    set) has a usable row in a bounded sample (``check_usable``, with the run's prompt-length limit), and
+    ``reward.fn`` accepts the keyword arguments the run will pass it (the first usable row's other columns).
+    Raises DataError / ValueError naming the key."""
     from megarl.rewards.base import check_reward_call
 
     d, extras = cfg.data, {}
@@ -329,5 +333,6 @@ def check_run_data(cfg) -> None:
         limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
         for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):
             if spec:
-                extras = check_usable(RowStore(spec, key), key, d.prompt_key, d.answer_key, render, limit)
+                store = stores[key] if stores and key in stores else RowStore(spec, key)
+                extras = check_usable(store, key, d.prompt_key, d.answer_key, render, limit)
     check_reward_call(cfg.reward.fn, extras)
