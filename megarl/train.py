@@ -124,8 +124,9 @@ def run(cfg: RunConfig) -> dict:
         return {**result, "pass_at_1_after": float("nan")}
     keeper.finish(steps)
     export_policy(s, steps, final=True)  # run_dir/hf/step_N
-    after = keeper.evaluate(lambda: evaluate(s), steps) if s.eval_prompts else float("nan")
+    after = float("nan")
     if s.eval_prompts:
+        after = keeper.evaluate(lambda: evaluate(s), steps)
         s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
         say(f"eval after RL: pass@1 {after:.3f}")
     s.logger.close()
