@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megarl.models.hf_config import num_experts
+from megarl.models.hf_config import has_qk_norm, has_qkv_bias, num_experts
 
 LEARNERS = ("policy", "critic", "reference")
 _QKV = "decoder.layers.self_attention.linear_qkv"
@@ -33,9 +33,8 @@ def from_hf_config(cfg: dict) -> dict:
     return {"hidden size": hidden, "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"],
             "attention width (heads × head_dim)": heads * head_dim,
             "KV width (kv heads × head_dim)": cfg["num_key_value_heads"] * head_dim,
-            "experts": num_experts(cfg), "qkv biases": cfg.get("model_type") in ("qwen2", "qwen2_moe"),
-            "tied embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "qk norm": cfg.get("model_type") in ("qwen3", "qwen3_moe")}
+            "experts": num_experts(cfg), "qkv biases": has_qkv_bias(cfg),
+            "tied embeddings": bool(cfg.get("tie_word_embeddings", False)), "qk norm": has_qk_norm(cfg)}
 
 
 def _with_heads(cfg: dict) -> dict:

@@ -43,6 +43,16 @@ def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def has_qkv_bias(cfg: dict) -> bool:
+    """Bias on the q/k/v projections: built into the Qwen2 families."""
+    return cfg.get("model_type") in ("qwen2", "qwen2_moe")
+
+
+def has_qk_norm(cfg: dict) -> bool:
+    """RMS norms on q and k per head: built into the Qwen3 families."""
+    return cfg.get("model_type") in ("qwen3", "qwen3_moe")
+
+
 def is_moe_layer(cfg: dict, layer: int) -> bool:
     """Whether global layer ``layer`` has routed experts (Qwen-MoE's ``mlp_only_layers`` and
     ``decoder_sparse_step`` make some layers dense; Mixtral's are all sparse)."""
@@ -95,7 +105,7 @@ def check_model_math(cfg: dict, where: str = "config.json") -> None:
     for key, what in refused.items():
         if cfg.get(key):
             raise ValueError(f"{where}: {key}=true ({what}) is not supported by the trainer; supported: false")
-    if cfg.get("qk_layernorm") and cfg.get("model_type") not in ("qwen3", "qwen3_moe"):
+    if cfg.get("qk_layernorm") and not has_qk_norm(cfg):
         raise ValueError(f"{where}: qk_layernorm=true on {cfg.get('model_type')} is not supported; "
                          "q/k norms are supported as Qwen3 and Qwen3-MoE define them")
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"

@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megarl.models.hf_config import check_model_math, is_moe_layer, num_experts, rope_parameters
+from megarl.models.hf_config import (
+    check_model_math,
+    has_qk_norm,
+    has_qkv_bias,
+    is_moe_layer,
+    num_experts,
+    rope_parameters,
+)
 from megarl.trainer.parallel import ParallelState
 from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.weight_sync.sharding import (
@@ -57,8 +64,8 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=cfg["model_type"] in ("qwen2", "qwen2_moe"),
-        qk_layernorm=cfg["model_type"] in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=has_qkv_bias(cfg),
+        qk_layernorm=has_qk_norm(cfg),
         # YaRN scales cos and sin by its attention factor m: q·k grows by m², folded into the softmax scale.
         softmax_scale=yarn_rope(cfg)[1] ** 2 / math.sqrt(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         if rope_parameters(cfg)["rope_type"] == "yarn" else None,
