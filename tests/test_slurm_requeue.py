@@ -161,3 +161,10 @@ def test_replica_nodes_beyond_the_allocation_stop_the_batch_script_before_srun(t
                                         "[0, 1, 2] (0: rank 0's node; N: the job's last N nodes, dividing "
                                         "engine.replicas=4), or ask for more nodes"]
     assert not (tmp_path / "run").exists()  # nothing started, no log directory made
+    # dedicated engine-only nodes that leave no trainer node: the same query refuses it (the script has no twin check)
+    proc = subprocess.run(["bash", "slurm/train.sbatch", "--config", "configs/tiny_cpu.yaml",
+                           f"train.run_dir={tmp_path / 'run'}", "engine.placement=disaggregated", "engine.replicas=2",
+                           "engine.replica_nodes=2", "engine.replica_nodes_dedicated=true"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert proc.returncode == 2 and "--nodes 2 leaves no trainer node" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
