@@ -33,6 +33,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
+from megarl.engines import reaper
 from megarl.engines.nodes import accept_within
 
 RENDEZVOUS_FILE = "engine_hosts.json"
@@ -176,9 +177,10 @@ def _end(procs: dict, grace_s: float = 10.0) -> None:
     for proc in procs.values():
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
-            proc.kill()
+            reaper.kill_tree(proc.pid)  # with its vLLM workers
             proc.join(5)
     procs.clear()
+    reaper.unlink_orphans()  # the rings a killed replica's engine could not unlink
 
 
 PREEMPTION = (signal.SIGTERM, signal.SIGUSR1)  # Slurm sends them to every process of the job; rank 0 acts on them

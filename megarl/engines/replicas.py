@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from megarl.engines import cluster, nodes
+from megarl.engines import cluster, nodes, reaper
 from megarl.engines.base import Completion
 from megarl.engines.replica_client import DeathWatch, EngineDied, ReplicaClient
 from megarl.engines.replica_process import serve
@@ -128,7 +128,7 @@ class EngineReplicas:
             error = cluster.share(error)
         if error:  # end what this rank started (a replica whose link rank 0 drops ends itself)
             for proc in [proc for _, proc in links.values()] + self._local:
-                proc.kill()
+                _kill(proc)
             self._local = []
             raise RuntimeError(error)
 
@@ -331,8 +331,9 @@ class EngineReplicas:
     def _end_all(self) -> None:
         for c in self.clients:
             if c.proc.is_alive():
-                c.proc.kill()
+                _kill(c.proc)
             c.proc.join(10)
+        reaper.unlink_orphans()  # the rings the killed replicas' engines could not unlink
 
     def dead(self) -> str:
         """'' while every replica process runs, else which one died."""
@@ -365,17 +366,26 @@ class EngineReplicas:
                     pass
                 c.proc.join(10)
             if c.proc.is_alive() or isinstance(c.proc, nodes.RemoteProcess):  # (a link: closed either way)
-                c.proc.kill()
+                _kill(c.proc)
                 c.proc.join(5)
         for proc in self._local:  # another node's leader: its own replica processes (told to close by rank 0)
             proc.join(10)
             if proc.is_alive():
-                proc.kill()
+                _kill(proc)
                 proc.join(5)
         self._local = []
+        reaper.unlink_orphans()  # a killed (or crashed) replica's engine leaves its rings behind
         if hosts and self._pool is not None:  # every host kills its replicas and exits 0
             self._pool.close()
             self._pool = None
+
+
+def _kill(proc) -> None:
+    """End a replica: a local process with its vLLM workers (``reaper.kill_tree``), a link by closing it."""
+    if isinstance(proc, nodes.RemoteProcess):
+        proc.kill()
+    elif proc.is_alive():
+        reaper.kill_tree(proc.pid)
 
 
 def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:
