@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 from megarl.config import ConfigError, load_config
@@ -62,6 +63,22 @@ def test_tied_embeddings_and_dense_layers_and_shared_experts_are_counted():
     assert dense2.dense - base.dense == 2 * (3 * 2048 * 6144 - 2048 * 128)
     shared = count_params({**QWEN3_30B_A3B, "shared_expert_intermediate_size": 4096})
     assert shared.active - base.active == 48 * (3 * 2048 * 4096 + 2048)  # the shared expert and its gate
+
+
+@pytest.mark.parametrize("name", ["llama_tied_llama3", "qwen3", "mistral", "qwen2_yarn", "qwen3_moe", "mixtral",
+                                  "qwen2_moe"])
+def test_parameter_counts_equal_transformers_own_models_exactly(name):
+    """Every family's count equals the parameters of the model transformers builds from the same config
+    (qkv biases of both Qwen2 families, Qwen3's q/k norms, shared experts, tied embeddings)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_models import SMALL, SPECS
+
+    model_type, extra = SPECS[name]
+    cfg = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert count_params(cfg.to_dict()).total == sum(p.numel() for p in model.parameters())
 
 
 def _plan(hf, nodes, gpn, mem, overrides, propose=False):

@@ -49,7 +49,7 @@ from megarl.config import ConfigError, load_config, validate
 from megarl.config.layouts import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
 from megarl.launch.plan_table import format_table
-from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, has_qk_norm, is_moe_layer, num_experts
+from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
 
 GIB = 1024**3
 OVERHEAD_GIB = 2.0
@@ -93,7 +93,7 @@ def count_params(hf: dict) -> Counts:
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     q, kv = hf["num_attention_heads"] * _head_dim(hf), hf["num_key_value_heads"] * _head_dim(hf)
     attn = 2 * h * q + 2 * h * kv + 2 * h  # q, o; k, v; two norms
-    if hf.get("model_type") == "qwen2" or hf.get("attention_bias"):
+    if has_qkv_bias(hf):
         attn += q + 2 * kv
     if has_qk_norm(hf):
         attn += 2 * _head_dim(hf)  # q_norm, k_norm
