@@ -13,8 +13,8 @@ The configuration is loaded and validated before any process is launched; a bad
 key, type or layout exits with status 2 and a message that names it.
 
 ``train`` exits 0 when the run completed or was preempted (checkpoint saved), 1 when a fault stopped it
-(e.g. non-finite steps), and 75 (``EXIT_REQUEUE``) when an engine fault stopped it with a checkpoint
-(rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
+(e.g. non-finite steps), and 75 (``EXIT_REQUEUE``) when an engine fault stopped it with a checkpoint, or a
+checkpoint save failed because a helper process of the writer died (rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
 ``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it). A call that
 never returns ends its process with 75 after ``engine.hang_timeout_s``, that rank writing the file
 (``megarl/checkpoint/watchdog.py``).
@@ -140,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
 
         run_eval(cfg, args.checkpoint)
         return 0
+    from megarl.checkpoint.keeper import SaveFailed
     from megarl.train import run
 
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except SaveFailed as exc:  # transient: the rerun (requeue) resumes from the last complete checkpoint
+        print(f"megarl: {exc}", file=sys.stderr, flush=True)
+        return _exit_status({"requeue": True})
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run directory: {Path(result['run_dir']).resolve()}")
         if args.command == "demo":

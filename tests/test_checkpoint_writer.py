@@ -55,3 +55,24 @@ def test_megarl_train_saves_after_its_checkpoint_writer_helper_was_killed(tmp_pa
     assert "checkpoint save of step 2: megatron's checkpoint writer helper" in proc.stdout
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (run / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.slow
+def test_a_save_whose_writer_helper_dies_mid_save_exits_75_and_the_rerun_resumes(tmp_path):
+    """The helper dies after the pre-save check (a test hook), so the save of step 2 itself fails: exit 75
+    (requeue), not 1; the rerun of the same command resumes from step 1's checkpoint and completes."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml", "train.steps=3",
+           "train.save_every=1", f"train.run_dir={run}", f"model.path={tmp_path / 'model'}"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "checkpoint_writer_dies_mid_save@2",
+           "MEGARL_EXIT_FILE": str(tmp_path / "exit")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "checkpoint save of step 2 failed: a helper process" in proc.stderr
+    assert (tmp_path / "exit").read_text().strip() == "75"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    env.pop("MEGARL_TEST_FAULT")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-4000:]
+    assert "resumed from" in again.stdout and "at step 1" in again.stdout
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"

@@ -70,9 +70,8 @@ def test_tied_embeddings_and_dense_layers_and_shared_experts_are_counted():
 def test_parameter_counts_equal_transformers_own_models_exactly(name):
     """Every family's count equals the parameters of the model transformers builds from the same config
     (qkv biases of both Qwen2 families, Qwen3's q/k norms, shared experts, tied embeddings)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from hf_models import SMALL, SPECS
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = SPECS[name]
     cfg = AutoConfig.for_model(model_type, **{**SMALL, **extra})

@@ -37,6 +37,8 @@ Test hooks (environment variables, read once per process; nothing happens when t
 - ``MEGARL_TEST_FAULT=checkpoint_writer_dies@STEP`` — the helper process megatron's checkpoint writer keeps (a
   multiprocessing Manager, from the first save on) is SIGKILLed before the save after RL step STEP
   (``kill_checkpoint_writer``): the save must start a new one (``keeper.revive_checkpoint_writer``).
+  ``checkpoint_writer_dies_mid_save@STEP``: killed after that check, so that the save itself fails: the run must
+  stop with exit 75 (``keeper.SaveFailed``; the requeued job resumes from the last complete checkpoint).
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement

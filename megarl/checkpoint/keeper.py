@@ -83,6 +83,12 @@ def revive_checkpoint_writer() -> str:
             f"(exit code {process.exitcode}); a new one is started for this save")
 
 
+class SaveFailed(RuntimeError):
+    """A run checkpoint could not be written because a helper process of megatron's writer died during the save
+    (not a fault of the run's state): ``megarl train`` exits ``EXIT_REQUEUE``, and the rerun resumes from the last
+    complete checkpoint (the failed save's ``.tmp`` directory is never read)."""
+
+
 class StopRun(Exception):
     """The run cannot go on (too many engine restarts); the loop saves a checkpoint and stops."""
 
@@ -155,11 +161,13 @@ class RunKeeper:
             kill_checkpoint_writer()
         if why := revive_checkpoint_writer():
             print(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}", flush=True)
+        if injected("checkpoint_writer_dies_mid_save"):
+            kill_checkpoint_writer()
         try:
             with guard(f"checkpoint save of step {step}"):
                 path = self.ckpts.save(step, write)
         except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
-            raise RuntimeError(
+            raise SaveFailed(
                 f"checkpoint save of step {step} failed: a helper process of megatron's checkpoint writer died "
                 f"({type(exc).__name__}: {exc}); nothing of this save is used (its .tmp directory is ignored): "
                 f"rerun the same command to resume from the last complete checkpoint "
