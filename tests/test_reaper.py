@@ -81,6 +81,7 @@ def test_a_killed_tp2_replica_leaves_no_worker_and_no_ring_in_dev_shm(tmp_path):
         assert len(workers) >= 2  # vLLM's TP workers
         time.sleep(2)  # older than unlink_orphans' min_age_s
         replicas._end_all()  # what the keeper does after an engine error: SIGKILL
+        assert not replicas.clients[0].proc.is_alive()  # multiprocessing reaped it (not psutil behind its back)
         assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
         assert not (set(Path("/dev/shm").glob("psm_*")) - before)
     finally:

@@ -97,7 +97,7 @@ if __name__ == "__main__":  # (multiprocessing's spawn re-imports this file: no 
         os.kill(pid, signal.SIGTERM)  # what Slurm does to every process of the job step
     os.kill(os.getpid(), signal.SIGUSR1)  # blocked in the main thread: the waiter thread takes them
     os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(100):
+    for _ in range(600):  # (a loaded machine may take seconds to run the waiter thread)
         if p.received == "SIGTERM":
             break
         time.sleep(0.05)

@@ -30,7 +30,8 @@ SHM_DIR = Path("/dev/shm")
 
 
 def kill_tree(pid: int, wait_s: float = 10.0) -> None:
-    """SIGKILL ``pid`` and all its descendants, and wait until they are gone (reaping our own children)."""
+    """SIGKILL ``pid`` and all its descendants, and wait until the descendants are gone. ``pid`` itself is left
+    for its owner to reap (``multiprocessing``'s ``join``): reaped here, its ``is_alive()`` would stay True."""
     try:
         root = psutil.Process(pid)
         procs = [root] + root.children(recursive=True)
@@ -41,7 +42,7 @@ def kill_tree(pid: int, wait_s: float = 10.0) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=wait_s)
+    psutil.wait_procs(procs[1:], timeout=wait_s)
 
 
 def _in_use(uid: int) -> set[str]:
