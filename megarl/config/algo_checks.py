@@ -24,15 +24,15 @@ CHOICES = {
 
 # (key, what it is): must be >= 0; ``not value >= 0`` also refuses NaN.
 _AT_LEAST_ZERO = (
-    ("kl_coef", "the KL penalty's β (0: off, no reference model)"),
-    ("entropy_coef", "the entropy bonus's coefficient (0: off)"),
-    ("positive_nll_coef", "the LM loss weight on positive samples (0: off)"),
-    ("value_clip", "the value loss's clip range around the old values (0: off)"),
-    ("loss_norm_tokens", "Dr. GRPO's normaliser in tokens (0: rollout.max_new_tokens)"),
-    ("overlong_cache", "the over-long penalty ramp in tokens (0: off)"),
+    ("kl_coef", "the KL penalty's β; 0: off, no reference model"),
+    ("entropy_coef", "the entropy bonus's coefficient; 0: off"),
+    ("positive_nll_coef", "the LM loss weight on positive samples; 0: off"),
+    ("value_clip", "the value loss's clip range around the old values; 0: off"),
+    ("loss_norm_tokens", "Dr. GRPO's normaliser in tokens; 0: rollout.max_new_tokens"),
+    ("overlong_cache", "the over-long penalty ramp in tokens; 0: off"),
     ("overlong_penalty", "the over-long penalty reached at the cap"),
-    ("length_adaptive_alpha", "VAPO's α of λ_policy = 1 − 1/(α·l) (0: off, use lam)"),
-    ("critic_warmup_steps", "RL steps that train only the critic (0: none)"),
+    ("length_adaptive_alpha", "VAPO's α of λ_policy = 1 − 1/(α·l); 0: off, use lam"),
+    ("critic_warmup_steps", "RL steps that train only the critic; 0: none"),
 )
 
 
