@@ -15,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from megarl.config.algo_checks import validate_algo
 from megarl.config.errors import ConfigError
 from megarl.config.layouts import divisors, expert_layout_error, validate_replica_nodes
 from megarl.config.limits import check_engine_head_size, check_engine_sizes, check_ranges, cuda_available
-from megarl.config.presets import PRESETS
+from megarl.config.presets import apply_layers
 from megarl.config.schema import TINY_FAMILIES, RunConfig
 from megarl.models.hf_config import check_sequence_length, num_experts
 
@@ -111,8 +112,8 @@ def parse_override(text: str) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the ``algo.preset`` (wherever it is set), then the YAML file, then each override."""
-    cfg = RunConfig()
+    """Defaults, then the YAML file, then each override in order; an ``algo.preset`` applies where it is given
+    (``presets.apply_layers``: it replaces the algo keys of earlier layers, later keys win over it)."""
     data = None
     if path is not None:
         path = Path(path)
@@ -124,17 +125,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     layers = ([(data, str(path))] if data is not None else []) + [
         (parse_override(text), f"override {text!r}") for text in overrides]
-    preset = ""
-    for layer, _ in layers:
-        if isinstance(layer, dict) and isinstance(layer.get("algo"), dict) and "preset" in layer["algo"]:
-            preset = layer["algo"]["preset"]
-    if preset:
-        if preset not in PRESETS:
-            raise ConfigError(f"algo.preset {preset!r} is not known; valid: {', '.join(PRESETS)}")
-        _apply(cfg, {"algo": PRESETS[preset]}, f"preset {preset!r}")
-    for layer, source in layers:
-        _apply(cfg, layer, source)
-    return cfg
+    return apply_layers(RunConfig(), layers, _apply)
 
 
 def to_dict(cfg: RunConfig) -> dict:
@@ -232,7 +223,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError(f"engine.sleep_level must be 0, 1 or 2, got {cfg.engine.sleep_level}")
     if cfg.sync.check_every < 0:
         raise ConfigError(f"sync.check_every must be >= 0 (0: never; N: audit every N syncs), got {cfg.sync.check_every}")
-    _validate_algo(cfg)
+    validate_algo(cfg)
     _validate_train(cfg)
     _validate_fp8(cfg.model.fp8)
     if cfg.model.transformer_engine and (why := transformer_engine_error()) is not None:
@@ -335,36 +326,6 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
     if cfg.eval.samples < 1 or cfg.eval.temperature <= 0:
         raise ConfigError(f"eval.samples must be >= 1 and eval.temperature > 0, got {cfg.eval.samples}, "
                           f"{cfg.eval.temperature}")
-
-
-_CHOICES = {
-    "advantage": ("grpo", "dr_grpo", "rloo", "gae"),
-    "policy_loss": ("ppo", "gspo"),
-    "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-    "kl_estimator": ("k1", "k2", "k3"),
-    "tis": ("none", "token", "sequence"),
-}
-
-
-def _validate_algo(cfg: RunConfig) -> None:
-    a = cfg.algo
-    for key, valid in _CHOICES.items():
-        if getattr(a, key) not in valid:
-            raise ConfigError(f"algo.{key} must be one of {', '.join(valid)}; got {getattr(a, key)!r}")
-    if a.clip_low < 0 or a.clip_high < 0:
-        raise ConfigError("algo.clip_low and algo.clip_high must be >= 0")
-    if a.dual_clip and a.dual_clip <= 1:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 for off), got {a.dual_clip}")
-    if a.ppo_epochs < 1 or a.minibatches < 1:
-        raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
-    if a.minibatches > cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt:
-        raise ConfigError("algo.minibatches exceeds the samples per step")
-    if a.curriculum and cfg.data.pool_size < 1:
-        raise ConfigError("algo.curriculum needs a finite prompt pool: set data.pool_size > 0")
-    if a.overlong_cache >= cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens")
-    if a.tis_cap <= 0:
-        raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")
 
 
 def _validate_train(cfg: RunConfig) -> None:

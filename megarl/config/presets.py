@@ -1,10 +1,22 @@
 """Algorithm presets: named defaults for ``algo.*`` keys, each from its paper.
 
-A preset is applied before the YAML file and the overrides, so anything set
-explicitly wins. The README's algorithm table is generated from the same facts.
+A preset applies where it is given. The layers are the YAML file, then each
+command-line override; a layer that sets ``algo.preset`` starts the ``algo``
+section afresh (defaults, then the preset), so the algo keys of earlier layers
+are replaced (``megarl demo algo.preset=ppo`` runs PPO although configs/demo.yaml
+sets GRPO's keys), and algo keys of the same or a later layer win over the
+preset (``algo.preset=dapo algo.clip_high=0.3``). What an override replaced is
+printed once. The README's algorithm table is generated from the same facts.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import AlgoConfig, RunConfig
 
 PRESETS: dict[str, dict] = {
     # Shao et al. 2024 (DeepSeekMath): group-normalised advantages, sequence-mean of token means.
@@ -23,11 +35,49 @@ PRESETS: dict[str, dict] = {
     "gspo": {"advantage": "grpo", "policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "clip_low": 3e-4,
              "clip_high": 4e-4},
     # Schulman et al. 2017 / Ouyang et al. 2022: critic, GAE, clipped value loss, KL to the reference.
+    # λ = 0.95 for the policy's advantages and the critic's value targets alike (VAPO decouples them).
     "ppo": {"advantage": "gae", "policy_loss": "ppo", "loss_agg": "token_mean", "gamma": 1.0, "lam": 0.95,
-            "whiten_advantages": True, "value_clip": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"},
+            "lam_critic": 0.95, "whiten_advantages": True, "value_clip": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"},
     # Yue et al. 2025 (VAPO): decoupled λ, length-adaptive λ, value pre-training, clip-higher,
     # token-level loss, positive-example LM loss.
     "vapo": {"advantage": "gae", "policy_loss": "ppo", "loss_agg": "token_mean", "lam_critic": 1.0,
              "length_adaptive_alpha": 0.05, "clip_low": 0.2, "clip_high": 0.28, "critic_warmup_steps": 2,
              "positive_nll_coef": 0.1, "value_clip": 0.2, "whiten_advantages": True},
 }
+
+
+Layer = tuple[object, str]  # (parsed YAML mapping, where it came from: the file or "override '...'")
+
+
+def apply_layers(cfg: RunConfig, layers: list[Layer], apply: Callable[[object, object, str], None]) -> RunConfig:
+    """Apply ``layers`` in order with ``apply`` (the loader's strict mapper); a layer's ``algo.preset`` first resets
+    ``cfg.algo`` to the defaults and that preset. The algo keys of earlier layers it drops are said once."""
+    earlier: list[tuple[str, object, str]] = []  # (algo key, value, source) of the layers applied so far
+    for layer, source in layers:
+        algo = layer.get("algo") if isinstance(layer, dict) else None
+        algo = algo if isinstance(algo, dict) else {}
+        name = algo.get("preset", "")
+        if name != "":
+            if not isinstance(name, str) or name not in PRESETS:
+                raise ConfigError(f"{source}: algo.preset {name!r} is not known; valid: {', '.join(PRESETS)}")
+            replaced = [(k, v, src) for k, v, src in earlier if k not in algo]
+            cfg.algo = AlgoConfig()
+            apply(cfg, {"algo": PRESETS[name]}, f"preset {name!r}")
+            if replaced:
+                _say(f"megarl: algo.preset={name} ({source}) replaces the algo keys set before it: "
+                     + ", ".join(f"algo.{k}={v} ({src})" for k, v, src in replaced)
+                     + "; give them after the preset to keep them")
+            earlier = []
+        apply(cfg, layer, source)
+        earlier += [(k, v, source) for k, v in algo.items()]
+    return cfg
+
+
+def _say(text: str) -> None:
+    """Print on stderr once per job: in the launching process, not again in each torchrun worker it starts, and in
+    the first task of an srun/mpirun job (stdout stays the command's own: ``python -m megarl.launch run-dir``)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID") if k in os.environ), "0")
+    if rank == "0":
+        print(text, file=sys.stderr, flush=True)

@@ -148,7 +148,7 @@ class EngineConfig:
 @dataclass
 class AlgoConfig:
     preset: str = ""
-    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo (explicit keys win)."""
+    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo; replaces algo keys of earlier layers (file before override), keys in its own or a later layer win."""
     advantage: str = "grpo"
     """'grpo' (group mean/std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out), 'gae' (critic)."""
     policy_loss: str = "ppo"
@@ -176,9 +176,9 @@ class AlgoConfig:
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
-    """GAE λ (PPO); the value target's λ under VAPO is lam_critic."""
+    """GAE λ of the policy's advantages (with ``advantage: gae``); the value targets use lam_critic."""
     lam_critic: float = 1.0
-    """VAPO decoupled GAE: λ for the value targets."""
+    """GAE λ of the critic's value targets, in every GAE run (PPO: = lam; VAPO decouples: 1.0)."""
     length_adaptive_alpha: float = 0.0
     """VAPO length-adaptive λ_policy = 1 − 1/(α·l) (0: off, use lam)."""
     whiten_advantages: bool = False
@@ -188,13 +188,13 @@ class AlgoConfig:
     critic_lr: float = 1.0e-3
     """Learning rate of the critic."""
     critic_warmup_steps: int = 0
-    """Value pre-training: RL steps that train only the critic before the policy moves."""
+    """Value pre-training: RL steps that train only the critic before the policy moves (GAE only; < train.steps)."""
     positive_nll_coef: float = 0.0
     """VAPO: weight of the LM loss on samples with reward 1 (positive examples)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all match; a phase ends at prompts_per_step useful groups."""
     oversample_cap: float = 3.0
-    """Dynamic sampling: stop a phase once this × prompts_per_step groups were released, useful or not."""
+    """Dynamic sampling: stop a phase once this × prompts_per_step groups were released, useful or not (>= 1)."""
     overlong_filter: bool = False
     """Mask the loss of samples truncated by the length cap."""
     overlong_cache: int = 0
