@@ -302,3 +302,23 @@ def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
     assert "megarl plan:" not in capsys.readouterr().err
     assert main(["--model", "Qwen/Qwen2.5-32B"]) == 2
     assert "nothing is downloaded" in capsys.readouterr().err
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+         "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("change", [{"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                                    {"attention_bias": True}], ids=["gelu", "rope_dynamic", "attention_bias"])
+def test_plan_refuses_what_train_refuses_with_trains_message(tmp_path, capsys, change):
+    """A plan that says "fits" (exit 0) must be a job `megarl train` starts: the model-math refusals too."""
+    from megarl.models.hf_config import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **change}))
+    with pytest.raises(ValueError) as train_refusal:  # what `megarl train` says (its config check reads this way)
+        read_hf_config(tmp_path)
+    assert main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"megarl plan: {train_refusal.value}"
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "2"]) == 0

@@ -49,7 +49,14 @@ from megarl.config import ConfigError, load_config, validate
 from megarl.config.layouts import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
 from megarl.launch.plan_table import format_table
-from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
+from megarl.models.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    check_model_math,
+    has_qk_norm,
+    has_qkv_bias,
+    is_moe_layer,
+    num_experts,
+)
 
 GIB = 1024**3
 OVERHEAD_GIB = 2.0
@@ -322,7 +329,8 @@ def _explicit(config: str | None, overrides: list[str]) -> set[str]:
 
 
 def read_model(path: str) -> dict:
-    """An HF config from a checkpoint directory or a ``config.json`` file."""
+    """An HF config from a checkpoint directory or a ``config.json`` file, refused (ConfigError) as ``megarl train``
+    refuses it: an unsupported model_type, or a key that changes the math (``check_model_math``)."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise ConfigError(f"--model {path}: no such config.json or checkpoint directory (a local path: nothing is "
@@ -334,6 +342,10 @@ def read_model(path: str) -> dict:
     if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"--model {file}: model_type {hf.get('model_type')!r} is not supported; "
                           f"valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:  # `megarl train`'s refusals (read_hf_config), word for word: a plan that "fits" must be a run that starts
+        check_model_math(hf, str(file))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return hf
 
 
