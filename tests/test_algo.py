@@ -107,6 +107,33 @@ def test_gspo_ratio_equals_token_ratio_when_all_equal():
     assert m2["ratio_mean"].item() == pytest.approx(1.0)
 
 
+def test_gspo_applies_the_tis_weight_per_token():
+    """algo.tis under GSPO: ℓ_t = −w_t·J_i (as PPO-clip's ℓ_t = −w_t·J_t); without it TIS removed the correction."""
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.2, -0.2, 9.0], [0.1, 0.1, 0.1]])  # seq 0: s = 1 (masked 9.0 ignored); seq 1: s = e^0.1
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([[1.0, 1, 1], [-1, -1, -1]])
+    # J_0 = min(1·1, 1·1) = 1;  J_1 = min(e^0.1·(−1), clip(e^0.1, 0.95, 1.05)·(−1)) = −e^0.1
+    j = [1.0, -math.exp(0.1)]
+    w = torch.tensor([[2.0, 0.5, 7.0], [1.0, 1.0, 0.5]])  # token-level TIS weights
+    plain, _ = gspo_loss(logp, old, adv, mask, 0.05, 0.05)
+    weighted, _ = gspo_loss(logp, old, adv, mask, 0.05, 0.05, is_weight=w)
+    assert torch.allclose(plain, torch.tensor([[-j[0], -j[0], 0], [-j[1]] * 3]))
+    assert torch.allclose(weighted, torch.tensor([[-2 * j[0], -0.5 * j[0], 0], [-j[1], -j[1], -0.5 * j[1]]]))
+    # sequence-level TIS (one weight per row, as rl_update builds it): the sequence's term is −w_i·J_i
+    ws = truncated_is_weights(torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])),
+                              torch.log(torch.tensor([[0.25, 0.5, 0.9], [0.9, 0.9, 0.9]])), mask, "sequence", 10.0)
+    seq_weighted, _ = gspo_loss(logp, old, adv, mask, 0.05, 0.05, is_weight=ws)
+    assert torch.allclose(seq_weighted, torch.tensor([[-2 * j[0], -2 * j[0], 0], [-j[1]] * 3]))
+    # the trainer's loss function passes the batch's is_weight on under policy_loss=gspo
+    f = policy_loss_fn(AlgoConfig(policy_loss="gspo", tis="token", clip_low=0.05, clip_high=0.05))
+    mb = {"loss_mask": mask, "old_logprobs": old, "advantages": adv}
+    without, _ = f(logp, mb)
+    with_w, _ = f(logp, {**mb, "is_weight": w})
+    assert torch.allclose(without, plain) and torch.allclose(with_w, weighted)
+    assert not torch.allclose(with_w, without)
+
+
 def test_gae_lambda_one_is_reward_to_go_minus_value():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])

@@ -72,9 +72,10 @@ def test_resumed_greedy_generation_equals_uninterrupted(dense_checks):
 
 @pytest.mark.parametrize("mode", ["partial", "on_policy"])
 def test_sortedrl_modes_run_in_the_training_loop(dense_checks, mode):
+    assert any("rollout/useful_tokens_per_s" in m for m in dense_checks[f"rl_{mode}"])
     for m in dense_checks[f"rl_{mode}"]:
         assert 0.0 <= m["rollout/bubble_ratio"] <= 1.0
-        assert m["rollout/useful_tokens_per_s"] > 0
+        assert m.get("rollout/useful_tokens_per_s", 1.0) > 0  # absent on a phase that generated nothing (partial)
         assert math.isfinite(m["loss/policy"])
         if mode == "on_policy":
             assert m["rollout/staleness_max"] == 0

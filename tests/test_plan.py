@@ -86,9 +86,10 @@ def _plan(hf, nodes, gpn, mem, overrides, propose=False):
 
 
 def test_memory_of_a_dense_layout_matches_the_hand_calculation():
-    """Qwen2.5-32B, 1 node × 8, trainer TP 8, engine TP 8, fp32 (4 B weights, 4 B grads, 8 B Adam)."""
+    """Qwen2.5-32B, 1 node × 8, trainer TP 8, engine TP 8, fp32 (4 B weights, 4 B grads, 8 B Adam); the KV cache
+    is engine.kv_cache_gib (examples/qwen2.5-32b.sh's 16), equal here to what the rollout needs."""
     res = _plan(QWEN25_32B, 1, 8, 141, ["parallel.tp=8", "parallel.sequence_parallel=true",
-                                        "engine.tensor_parallel_size=8"])
+                                        "engine.tensor_parallel_size=8", "engine.kv_cache_gib=16"])
     per_rank = 32.5e9 / 8  # the published total split 8 ways
     tokens = 1 * 4096  # micro_batch_size × max_model_len
     # per layer and token: attention 2h + 2q + 2kv, MLP h + 3f (floats), 64 layers, split by TP 8
@@ -100,9 +101,10 @@ def test_memory_of_a_dense_layout_matches_the_hand_calculation():
     for part, value in hand.items():
         assert mem[part] == pytest.approx(value / GIB, rel=0.10), part
     assert mem["total"] == pytest.approx(sum(hand.values()) / GIB + 2.0, rel=0.10)  # + 2 GiB overhead
+    assert res["kv_cache_needed"] == pytest.approx(kv / GIB) and res["kv_cache_sequences_held"] == 64
     assert res["fits"] and res["layout"]["dp"] == 1 and res["params_active"] == res["params_total"]
     assert not _plan(QWEN25_32B, 1, 8, 80, ["parallel.tp=8", "parallel.sequence_parallel=true",
-                                             "engine.tensor_parallel_size=8"])["fits"]
+                                             "engine.tensor_parallel_size=8", "engine.kv_cache_gib=16"])["fits"]
 
 
 def test_memory_of_an_moe_layout_matches_the_hand_calculation():
@@ -302,3 +304,54 @@ def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
     assert "megarl plan:" not in capsys.readouterr().err
     assert main(["--model", "Qwen/Qwen2.5-32B"]) == 2
     assert "nothing is downloaded" in capsys.readouterr().err
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+         "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("change", [{"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                                    {"attention_bias": True}], ids=["gelu", "rope_dynamic", "attention_bias"])
+def test_plan_refuses_what_train_refuses_with_trains_message(tmp_path, capsys, change):
+    """A plan that says "fits" (exit 0) must be a job `megarl train` starts: the model-math refusals too."""
+    from megarl.models.hf_config import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **change}))
+    with pytest.raises(ValueError) as train_refusal:  # what `megarl train` says (its config check reads this way)
+        read_hf_config(tmp_path)
+    assert main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"megarl plan: {train_refusal.value}"
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+
+
+def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequences(tmp_path, capsys):
+    """The engines reserve exactly engine.kv_cache_gib per GPU (replicas' kv_cache_memory_bytes; the colocated
+    engine's on a GPU, kv_cache_args): the plan's KV line and verdict are that, not what the rollout needs."""
+    from megarl.engines.vllm_engine import kv_cache_args
+
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=16", "parallel.etp=1",
+              "engine.tensor_parallel_size=16"]
+    need = 64 * 4096 * 2 * 48 * 1 * 128 * 4 / GIB  # 64 sequences × 4096 tokens × (k, v) × 48 layers × 1 KV head/rank
+    sized = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.kv_cache_gib=12"])
+    big = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.kv_cache_gib=60"])
+    small = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.kv_cache_gib=8"])
+    assert sized["kv_cache_needed"] == big["kv_cache_needed"] == pytest.approx(need) == 12.0
+    assert big["memory_gib_per_gpu"]["kv_cache"] == 60.0 and not big["fits"]
+    assert big["memory_gib_per_gpu"]["total"] == pytest.approx(sized["memory_gib_per_gpu"]["total"] + 48)
+    assert small["memory_gib_per_gpu"]["kv_cache"] == 8.0 and small["fits"]
+    assert small["kv_cache_sequences_held"] == 42 and sized["kv_cache_sequences_held"] == 64  # ⌊8 / (12/64)⌋
+    cfg = load_config(None, [*RUN, *layout, "engine.kv_cache_gib=8"])
+    assert kv_cache_args(cfg.engine.kv_cache_gib, gpu=True)["kv_cache_memory_bytes"] == 8 * GIB  # what is reserved
+    assert kv_cache_args(cfg.engine.kv_cache_gib, gpu=False) == {}  # CPU: VLLM_CPU_KVCACHE_SPACE sizes it
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN3_30B_A3B))
+    job = ["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *RUN, *layout]
+    assert main([*job, "engine.kv_cache_gib=8"]) == 0
+    out = capsys.readouterr().out
+    assert ("vLLM KV cache              8.00   engine.kv_cache_gib; 64 sequences at engine.max_model_len need "
+            "12.00 GiB: it holds 42 at once, vLLM runs fewer") in out, out
+    assert main([*job, "engine.kv_cache_gib=60"]) == 1
+    assert main([*job, "engine.kv_cache_gib=0.1"]) == 2  # not one 4096-token sequence: vLLM would not start
+    assert "engine.kv_cache_gib=0.1 cannot hold one sequence of engine.max_model_len=4096" in capsys.readouterr().err

@@ -50,18 +50,28 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-              clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict]:
+              clip_low: float, clip_high: float,
+              is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """GSPO (Zheng et al. 2025): a sequence-level, length-normalised ratio
     s_i = exp((1/|y_i|) Σ_t (logp_t − old_logp_t)),  J_i = min(s_i·Â_i, clip(s_i, 1−ε_low, 1+ε_high)·Â_i).
 
-    ℓ_t = −J_i on every token of sequence i; with ``seq_mean_token_mean`` weights the
-    objective is the mean of J_i over sequences. ``adv`` is per token (constant per sequence).
+    ℓ_t = −w_t·J_i on every token t of sequence i, where w_t is a (detached) importance weight applied per
+    token as for PPO-clip (1 when absent): truncated IS of the trainer/engine mismatch (Yao et al. 2025; as
+    verl multiplies its rollout IS weights into GSPO's per-token loss). Under ``tis: sequence`` w_t = w_i on
+    every token, so the sequence's term is −w_i·J_i; under ``tis: token`` the sequence's term (with
+    ``seq_mean_token_mean``) is −J_i·mean_t(w_t). Without w, ``old_logp`` being the trainer's own logprobs
+    (TIS's decoupled ratio) would leave the engine/trainer mismatch uncorrected.
+    With ``seq_mean_token_mean`` weights the objective is the mean of J_i over sequences.
+    ``adv`` is per token (constant per sequence).
     """
     seq_log_ratio = sequence_mean(logp - old_logp.detach(), mask)
     s = torch.exp(seq_log_ratio)
     a = sequence_mean(adv, mask)
     objective = torch.minimum(s * a, torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a)
-    loss = -objective.unsqueeze(1) * mask
+    per_token = objective.unsqueeze(1).expand_as(mask)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
+    loss = -per_token * mask
     has = (mask.sum(dim=1) > 0).float()
     metrics = {
         "clip_frac": ((s < 1 - clip_low) | (s > 1 + clip_high)).float().mul(has).sum() / has.sum().clamp(min=1),

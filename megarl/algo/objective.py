@@ -54,7 +54,8 @@ def policy_loss_fn(a: AlgoConfig):
     def loss(logp: torch.Tensor, mb: dict):
         mask = mb["loss_mask"]
         if a.policy_loss == "gspo":
-            per_token, metrics = gspo_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low, a.clip_high)
+            per_token, metrics = gspo_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low, a.clip_high,
+                                           mb.get("is_weight"))
         else:
             per_token, metrics = ppo_clip_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low,
                                                a.clip_high, a.dual_clip, mb.get("is_weight"))

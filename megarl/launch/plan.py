@@ -29,8 +29,12 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
 - vLLM: all weights · w / engine TP (TP < world: world/TP replicas, each holding the whole model);
-  KV cache 2·L·kv_heads_per_rank·head_dim·w per token for min(slots, rollout sequences) ×
-  max_model_len tokens. Plus 2 GiB runtime overhead.
+  KV cache: ``engine.kv_cache_gib`` per GPU, what each engine worker reserves (vLLM's
+  ``kv_cache_memory_bytes``, per GPU). The rollout wants min(slots, rollout sequences) × max_model_len
+  tokens of 2·L·kv_heads_per_rank·head_dim·w bytes each; the plan prints that need, and how many
+  sequences at max_model_len the configured cache holds at once when it is smaller (vLLM then runs
+  fewer at once). A cache that cannot hold one such sequence is refused (vLLM would not start).
+  Plus 2 GiB runtime overhead.
 
 Precision ``fp32`` is what megarl's trainer and engine build today (w = 4); ``bf16`` models
 megatron's mixed precision (w = 2). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
@@ -49,7 +53,14 @@ from megarl.config import ConfigError, load_config, validate
 from megarl.config.layouts import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
 from megarl.launch.plan_table import format_table
-from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
+from megarl.models.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    check_model_math,
+    has_qk_norm,
+    has_qkv_bias,
+    is_moe_layer,
+    num_experts,
+)
 
 GIB = 1024**3
 OVERHEAD_GIB = 2.0
@@ -204,11 +215,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
     logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
 
-    r = cfg.rollout
-    sequences = r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1)
-    concurrent = min(cfg.engine.slots, int(sequences))
-    kv_heads = -(-hf["num_key_value_heads"] // lay.engine_tp)
-    kv_cache = concurrent * cfg.engine.max_model_len * 2 * layers * kv_heads * _head_dim(hf) * w
+    kv = kv_cache_use(hf, cfg, lay, precision)
     parts = {
         "weights": params * w / GIB,
         "gradients": params * 4 / GIB,
@@ -216,14 +223,44 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "activations": act / GIB,
         "logits": logits / GIB,
         "engine_weights": counts.total * w / lay.engine_tp / GIB,
-        "kv_cache": kv_cache / GIB,
+        "kv_cache": cfg.engine.kv_cache_gib,  # reserved whatever the rollout needs (kv_cache_memory_bytes)
         "overhead": OVERHEAD_GIB,
     }
     parts["total"] = sum(parts.values())
     parts["optimizer_without_distributed"] = opt_full / GIB
     parts["activations_full_recompute"] = act_recompute / GIB
-    parts["kv_cache_sequences"] = concurrent
+    parts["kv_cache_needed"] = kv["needed"] / GIB
+    parts["kv_cache_sequences"] = kv["sequences"]
+    parts["kv_cache_sequences_held"] = kv["held"]
     return parts
+
+
+def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
+    """The rollout's KV cache per GPU against ``engine.kv_cache_gib``: bytes per token on one engine GPU,
+    the sequences the rollout runs at once (min(slots, rollout sequences)), the bytes they need at
+    ``engine.max_model_len``, and how many of them the configured cache holds at once."""
+    r = cfg.rollout
+    sequences = r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1)
+    concurrent = min(cfg.engine.slots, int(sequences))
+    kv_heads = -(-hf["num_key_value_heads"] // lay.engine_tp)
+    per_token = 2 * hf["num_hidden_layers"] * kv_heads * _head_dim(hf) * WEIGHT_BYTES[precision]
+    per_sequence = cfg.engine.max_model_len * per_token
+    held = min(concurrent, int(cfg.engine.kv_cache_gib * GIB // per_sequence))
+    return {"per_token": per_token, "per_sequence": per_sequence, "sequences": concurrent,
+            "needed": concurrent * per_sequence, "held": held}
+
+
+def check_kv_cache(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> None:
+    """ConfigError when ``engine.kv_cache_gib`` cannot hold one sequence of ``engine.max_model_len``: vLLM
+    refuses to start such an engine ("to serve at least one request with the model's max seq len ...")."""
+    kv = kv_cache_use(hf, cfg, lay, precision)
+    if kv["held"] < 1:
+        e = cfg.engine
+        raise ConfigError(f"engine.kv_cache_gib={e.kv_cache_gib:g} cannot hold one sequence of engine.max_model_len="
+                          f"{e.max_model_len} ({kv['per_sequence'] / GIB:.3g} GiB per GPU at engine TP "
+                          f"{lay.engine_tp}, {precision}): vLLM would refuse to start; valid: engine.kv_cache_gib >= "
+                          f"{kv['per_sequence'] / GIB:.3g} (the rollout's {kv['sequences']} sequences at once: "
+                          f"{kv['needed'] / GIB:.3g}), or a shorter engine.max_model_len")
 
 
 def _divisors(n: int) -> list[int]:
@@ -254,11 +291,13 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     if not propose:
         lay = layout_of(cfg, nodes, gpus_per_node)
         check_layout(cfg, hf, nodes, gpus_per_node)
+        check_kv_cache(hf, cfg, lay, precision)
     else:
         lay, best = None, None  # the first that fits; else the one closest to fitting
         for cand in candidates(hf, nodes, gpus_per_node):
             try:
                 check_layout(apply_layout(cfg, cand), hf, nodes, gpus_per_node)
+                check_kv_cache(hf, cfg, cand, precision)
             except ConfigError:
                 continue
             total = memory_gib(counts, hf, cfg, cand, precision)["total"]
@@ -268,11 +307,12 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
             best = min(best or (total, cand), (total, cand), key=lambda x: x[0])
         if lay is None and best is None:
             check_layout(cfg, hf, nodes, gpus_per_node)  # nothing is valid: the configured layout's error
+            check_kv_cache(hf, cfg, layout_of(cfg, nodes, gpus_per_node), precision)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         lay = lay or best[1]
     mem = memory_gib(counts, hf, cfg, lay, precision)
     info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
-                                    "kv_cache_sequences")}
+                                    "kv_cache_needed", "kv_cache_sequences", "kv_cache_sequences_held")}
     return {
         "model_type": hf.get("model_type"), "params_total": counts.total, "params_active": counts.active,
         "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
@@ -285,7 +325,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
 
 
 SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",
-               "rollout.samples_per_prompt")
+               "rollout.samples_per_prompt", "engine.kv_cache_gib")
 """The settings activations and the KV cache are sized at (the plan prints them)."""
 
 
@@ -322,7 +362,8 @@ def _explicit(config: str | None, overrides: list[str]) -> set[str]:
 
 
 def read_model(path: str) -> dict:
-    """An HF config from a checkpoint directory or a ``config.json`` file."""
+    """An HF config from a checkpoint directory or a ``config.json`` file, refused (ConfigError) as ``megarl train``
+    refuses it: an unsupported model_type, or a key that changes the math (``check_model_math``)."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise ConfigError(f"--model {path}: no such config.json or checkpoint directory (a local path: nothing is "
@@ -334,6 +375,10 @@ def read_model(path: str) -> dict:
     if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"--model {file}: model_type {hf.get('model_type')!r} is not supported; "
                           f"valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:  # `megarl train`'s refusals (read_hf_config), word for word: a plan that "fits" must be a run that starts
+        check_model_math(hf, str(file))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return hf
 
 

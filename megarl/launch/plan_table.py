@@ -21,6 +21,16 @@ def gib(x: float, width: int = 0) -> str:
     return f"{x:>{width}.2f}" if x == 0 or abs(x) >= 0.005 else f"{x * 1024:>{width}.2f} MiB"
 
 
+def kv_note(res: dict) -> str:
+    """engine.kv_cache_gib (the row's value) against what the rollout's sequences need at engine.max_model_len."""
+    want, held, need = res["kv_cache_sequences"], res["kv_cache_sequences_held"], res["kv_cache_needed"]
+    amount = gib(need) if gib(need).endswith("MiB") else f"{gib(need)} GiB"
+    note = f"engine.kv_cache_gib; {want} sequences at engine.max_model_len need {amount}"
+    if held < want:
+        note += f": it holds {held} at once, vLLM runs fewer"
+    return note
+
+
 def format_table(res: dict) -> str:
     lay, mem = res["layout"], res["memory_gib_per_gpu"]
     lines = [
@@ -36,7 +46,7 @@ def format_table(res: dict) -> str:
     ]
     notes = {"optimizer": f"without the distributed optimizer: {gib(res['optimizer_without_distributed'])}",
              "activations": f"no recompute; full recompute: {gib(res['activations_full_recompute'])}",
-             "kv_cache": f"{res['kv_cache_sequences']} sequences at engine.max_model_len"}
+             "kv_cache": kv_note(res)}
     for key, label in ROWS:
         lines.append(f"  {label:<22}{gib(mem[key], 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"

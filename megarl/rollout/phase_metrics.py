@@ -5,6 +5,9 @@
 - wasted tokens = generated, then thrown away (discarded on-policy samples,
   stale partial samples, groups dropped by dynamic sampling);
 - useful tokens = tokens of the samples handed to the trainer;
+- tokens/s and useful tokens/s = those tokens over the phase's engine time, only for a phase that
+  generated tokens: a partial-mode phase that only releases groups held whole from the last phase
+  runs no engine step (duration 0), and a rate over no time is no rate, so the keys are left out;
 - groups released = the update batch (useful groups handed to the trainer);
 - wait phases = phases from a prompt's first admission to its release (starvation).
 """
@@ -59,14 +62,16 @@ class PhaseMetrics:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> dict[str, float]:
-        """Scalars under stable TensorBoard names (``rollout/...``)."""
-        d = max(self.duration, 1e-12)
+        """Scalars under stable TensorBoard names (``rollout/...``); the two rates only when tokens were generated."""
         total_stale = sum(self.staleness.values()) or 1
+        rates = {}
+        if self.tokens_generated and self.duration > 0:  # no engine step, no time: no rate (module docstring)
+            rates = {"rollout/tokens_per_s": self.tokens_generated / self.duration,
+                     "rollout/useful_tokens_per_s": self.tokens_useful / self.duration}
         out = {
             "rollout/bubble_ratio": self.bubble_ratio,
             "rollout/eta_gen": self.eta_gen,
-            "rollout/tokens_per_s": self.tokens_generated / d,
-            "rollout/useful_tokens_per_s": self.tokens_useful / d,
+            **rates,
             "rollout/wasted_token_fraction": self.tokens_wasted / max(self.tokens_generated, 1),
             "rollout/interruptions_per_sample": self.interruptions / max(self.samples_trained, 1),
             "rollout/len_trained_mean": self.len_trained_sum / max(self.samples_trained, 1),
