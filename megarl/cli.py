@@ -49,12 +49,11 @@ def _model_config_for_validation(cfg) -> dict | None:
 
 def _needed_learners(algo) -> dict[str, str]:
     """Learner → the algorithm setting that builds it (``runtime.build_learners``' rule)."""
-    preset = f" (algo.preset={algo.preset})" if algo.preset else ""
     needed = {}
     if algo.advantage == "gae":
-        needed["critic"] = f"algo.advantage=gae{preset} trains a critic"
+        needed["critic"] = "algo.advantage=gae trains a critic"
     if algo.kl_coef > 0:
-        needed["reference"] = f"algo.kl_coef={algo.kl_coef}{preset} needs the frozen reference model"
+        needed["reference"] = f"algo.kl_coef={algo.kl_coef} needs the frozen reference model"
     return needed
 
 
@@ -83,8 +82,9 @@ def check_resume_learners(cfg) -> None:
         was, original = "", "the algorithm the run was started with"
     where = f"train.resume={cfg.train.resume}" + (f" in train.run_dir={cfg.train.run_dir}" if cfg.train.resume == "auto"
                                                   else "")
+    preset = f" of algo.preset={cfg.algo.preset}" if cfg.algo.preset else ""
     raise ConfigError(f"{where}: the checkpoint {step} has no "
-                      f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{was}. "
+                      f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{preset}{was}. "
                       "Set train.resume=never to start afresh (the earlier run's checkpoints are set aside), "
                       f"use another train.run_dir, or resume with the original algorithm ({original})")
 

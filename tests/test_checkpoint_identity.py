@@ -203,7 +203,7 @@ def test_resume_without_the_critic_or_reference_the_algorithm_needs_is_refused_b
         check_resume_learners(load_config(None, ["algo.preset=ppo", f"train.run_dir={run}"]))
     text = str(exc.value)
     assert f"train.resume=auto in train.run_dir={run}: the checkpoint {step} has no critic/" in text
-    assert "algo.advantage=gae (algo.preset=ppo)" in text and "no reference/" in text
+    assert "(algo.advantage=gae trains a critic) and no reference/" in text and "of algo.preset=ppo" in text
     assert "algo.advantage=grpo, algo.kl_coef=0.0" in text and "train.resume=never" in text
     assert "another train.run_dir" in text
     with pytest.raises(ConfigError, match=r"has no reference/ \(algo.kl_coef=0.01 needs the frozen reference"):
