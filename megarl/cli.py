@@ -47,14 +47,61 @@ def _model_config_for_validation(cfg) -> dict | None:
     raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
 
 
+def _needed_learners(algo) -> dict[str, str]:
+    """Learner → the algorithm setting that builds it (``runtime.build_learners``' rule)."""
+    needed = {}
+    if algo.advantage == "gae":
+        needed["critic"] = "algo.advantage=gae trains a critic"
+    if algo.kl_coef > 0:
+        needed["reference"] = f"algo.kl_coef={algo.kl_coef} needs the frozen reference model"
+    return needed
+
+
+def check_resume_learners(cfg) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
+    ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so
+    resuming one with PPO, or with a KL penalty added, would fail after the whole launch); ConfigError
+    naming the missing directory, the setting that needs it and the ways out."""
+    import json
+
+    from megarl.checkpoint.run import resume_candidate
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
+    missing = {n: why for n, why in _needed_learners(cfg.algo).items() if not (step / n / "metadata.json").is_file()}
+    if not missing:
+        return
+    run_cfg = step.parent.parent / "config.json"
+    try:
+        saved = json.loads(run_cfg.read_text())["algo"]
+        was = (f"; the run that saved it had algo.advantage={saved.get('advantage')}, "
+               f"algo.kl_coef={saved.get('kl_coef')} (recorded in {run_cfg})")
+        original = f"algo.advantage={saved.get('advantage')} algo.kl_coef={saved.get('kl_coef')}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        was, original = "", "the algorithm the run was started with"
+    where = f"train.resume={cfg.train.resume}" + (f" in train.run_dir={cfg.train.run_dir}" if cfg.train.resume == "auto"
+                                                  else "")
+    preset = f" of algo.preset={cfg.algo.preset}" if cfg.algo.preset else ""
+    raise ConfigError(f"{where}: the checkpoint {step} has no "
+                      f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{preset}{was}. "
+                      "Set train.resume=never to start afresh (the earlier run's checkpoints are set aside), "
+                      f"use another train.run_dir, or resume with the original algorithm ({original})")
+
+
 def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = ""):
     cfg = load_config(config, overrides)
     hf = _model_config_for_validation(cfg)
+    if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
+        from megarl.models.hf_config import check_weights_format
+
+        check_weights_format(cfg.model.path)  # vLLM would load a pytorch_model.bin; the trainer reads safetensors
     validate(cfg, nproc, hf)
     if command in ("train", "demo"):
         from megarl.config.loader import validate_resume_model
 
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
+        check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
     if per_node and nproc % per_node == 0:  # the job's shape is known: the plan's layout checks too
         from megarl.launch.plan import check_layout
 

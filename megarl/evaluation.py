@@ -7,6 +7,10 @@
 trainer built from ``model.path`` and synced into the engine in memory; then the same
 ``rollout.evaluate`` the training loop uses runs, with a progress bar. The result is
 written as JSON (``eval.output``, default ``<run_dir>/eval.json``) and printed as a table.
+
+A run's ``step_N/critic`` is refused before launch (``checkpoint/identity.py``: its head is a value
+head, not a policy); ``step_N/reference`` is evaluated, as what it is: the frozen initial model
+(``model.path``'s weights, never trained), which the result and the output say (``checkpoint_note``).
 """
 
 from __future__ import annotations
@@ -41,8 +45,16 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
                             "(checkpoints/latest)")
 
 
+def checkpoint_note(kind: str, path: Path) -> str:
+    """What the evaluated weights are, when not what the name suggests: a run's ``reference/`` (else '')."""
+    if kind == "dist" and path.name == "reference" and (path.parent / "policy").is_dir():
+        return (f"{path} is the run's reference model: the frozen initial model (model.path's weights, never "
+                f"trained by the run); the trained policy of that step is {path.parent / 'policy'}")
+    return ""
+
+
 def format_table(result: dict) -> str:
-    keys = [k for k in result if isinstance(result[k], (int, float, str)) and k != "examples"]
+    keys = [k for k in result if isinstance(result[k], (int, float, str)) and k not in ("examples", "note")]
     width = max(len(k) for k in keys)
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
     for k in keys:
@@ -63,7 +75,10 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
     # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's
     cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")), warmup=replace(cfg.warmup, steps=0))
+    note = checkpoint_note(kind, path)
     s = build_session(cfg)
+    if note and s.is_main:
+        print(f"megarl eval: note: {note}", flush=True)
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
         from megarl.weight_sync.protocol import sync_weights
@@ -76,7 +91,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     shown = s.eval_prompts[:3]
     outs = s.engine.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
                               for p in shown], seed=0)
-    result = {"checkpoint": str(path), "kind": kind, "data": cfg.data.eval_path or f"task:{cfg.data.task}",
+    result = {"checkpoint": str(path), "kind": kind, **({"note": note} if note else {}), "data": cfg.data.eval_path or f"task:{cfg.data.task}",
               **result, "examples": [{"prompt": p.text, "answer": p.answer,
                                       "response": s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)}
                                      for p, o in zip(shown, outs)]}
@@ -86,5 +101,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(format_table(result))
+        if note:
+            print(f"note: {note}")
         print(f"eval written to {out.resolve()}", flush=True)
     return result

@@ -124,3 +124,173 @@ def test_mcore_to_hf_refuses_tensors_the_config_has_no_place_for(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "would be dropped" in proc.stderr and "decoder.layers.mlp.shared_experts.linear_fc1.weight" in proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def _critic_beside(step):
+    """A critic's checkpoint as a PPO run saves it beside ``policy/``: the same backbone, the value head
+    (``output_layer.weight [1, hidden]`` and a bias) in place of the LM head (written by torch's own writer)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.checkpoint.identity import model_tensor_shapes
+
+    shapes = model_tensor_shapes(step / "policy")
+    state = {k: torch.zeros(v) for k, v in shapes.items() if k != "output_layer.weight"}
+    hidden = shapes["embedding.word_embeddings.weight"][1]
+    state.update({"output_layer.weight": torch.zeros(1, hidden), "output_layer.bias": torch.zeros(1)})
+    dcp.save(state, checkpoint_id=str(step / "critic"))
+    shutil.copy(step / "policy" / "metadata.json", step / "critic" / "metadata.json")
+    return step / "critic"
+
+
+def _cli(capsys, *args):
+    """``megarl`` in this process (the refusals come before any process starts): (exit status, stderr)."""
+    from megarl.cli import main
+
+    status = main([*map(str, args)])
+    return status, capsys.readouterr().err
+
+
+def test_eval_of_a_critic_checkpoint_is_refused_naming_the_policy(models, tmp_path, capsys):
+    """trial_algo F9: ``megarl eval --checkpoint step_N/critic`` evaluated the value network as the policy."""
+    from megarl.checkpoint.identity import ModelMismatch, check_same_model
+    from megarl.models.hf_config import read_hf_config
+
+    m = models
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    shutil.copytree(m["step"], step)
+    critic = _critic_beside(step)
+    with pytest.raises(ModelMismatch, match="is a critic's checkpoint"):
+        check_same_model(critic, read_hf_config(m["qwen2"]), "qwen2")
+    status, err = _cli(capsys, "eval", "--checkpoint", critic, "--config", ROOT / "configs/demo.yaml",
+                       f"model.path={m['qwen2']}", "engine.max_model_len=128", f"eval.output={tmp_path / 'e.json'}")
+    assert status == 2, err
+    assert f"{critic} is a critic's checkpoint" in err and "value head" in err
+    assert f"pass the policy of the same step, {step / 'policy'}" in err
+    assert not (tmp_path / "eval_session").exists()
+
+
+def test_eval_of_a_reference_checkpoint_says_what_it_is(models, tmp_path):
+    """trial_algo F9: a run's ``reference/`` is legitimate to evaluate, but it is the frozen initial model."""
+    from megarl.evaluation import checkpoint_note, resolve_checkpoint
+
+    step = tmp_path / "checkpoints" / "step_000001"
+    shutil.copytree(models["step"], step)
+    shutil.copytree(step / "policy", step / "reference")
+    kind, path = resolve_checkpoint(step / "reference")
+    assert (kind, path) == ("dist", step / "reference")
+    note = checkpoint_note(kind, path)
+    assert "the frozen initial model" in note and "never trained" in note and str(step / "policy") in note
+    assert checkpoint_note(*resolve_checkpoint(step)) == ""  # the policy needs no note
+
+
+def _grpo_run(models, run):
+    """A GRPO run's directory: checkpoints holding policy/ alone, its config.json recording the algorithm."""
+    shutil.copytree(models["run"], run)
+    (run / "config.json").write_text(json.dumps({"model": {"path": str(models["qwen2"])},
+                                                 "algo": {"advantage": "grpo", "kl_coef": 0.0}}))
+    return run
+
+
+def test_resume_without_the_critic_or_reference_the_algorithm_needs_is_refused_before_launch(models, tmp_path, capsys):
+    """trial_algo F11: resuming a GRPO run with algo.preset=ppo crashed in keeper.resume after the whole launch."""
+    from megarl.cli import check_resume_learners
+    from megarl.config import ConfigError, load_config
+
+    run = _grpo_run(models, tmp_path / "run")
+    step = run / "checkpoints" / "step_000001"
+    with pytest.raises(ConfigError) as exc:
+        check_resume_learners(load_config(None, ["algo.preset=ppo", f"train.run_dir={run}"]))
+    text = str(exc.value)
+    assert f"train.resume=auto in train.run_dir={run}: the checkpoint {step} has no critic/" in text
+    assert "(algo.advantage=gae trains a critic) and no reference/" in text and "of algo.preset=ppo" in text
+    assert "algo.advantage=grpo, algo.kl_coef=0.0" in text and "train.resume=never" in text
+    assert "another train.run_dir" in text
+    with pytest.raises(ConfigError, match=r"has no reference/ \(algo.kl_coef=0.01 needs the frozen reference"):
+        check_resume_learners(load_config(None, ["algo.kl_coef=0.01", f"train.resume={step}"]))
+    check_resume_learners(load_config(None, [f"train.run_dir={run}"]))  # the run's own algorithm resumes
+    check_resume_learners(load_config(None, ["algo.preset=ppo", f"train.run_dir={run}", "train.resume=never"]))
+    shutil.copytree(step / "policy", step / "reference")
+    _critic_beside(step)
+    check_resume_learners(load_config(None, ["algo.preset=ppo", f"train.run_dir={run}"]))
+    # through the command line: exit 2 before anything starts
+    shutil.rmtree(step / "critic")
+    status, err = _cli(capsys, "train", "--config", ROOT / "configs/demo.yaml", "algo.advantage=gae",
+                       f"model.path={models['qwen2']}", "engine.max_model_len=128", f"train.run_dir={run}")
+    assert status == 2 and "has no critic/" in err, err
+    assert not (run / "tb").exists()
+
+
+def test_check_conversion_runs_the_identity_check(models, tmp_path, capsys):
+    """trial_ops F2: an untied checkpoint against a tied model of the same sizes PASSed (its output layer never
+    loaded); the check is mcore-to-hf's, before anything is built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_conversion", ROOT / "tools/check_conversion.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    tied = make_hf_model(tmp_path / "qwen2_tied", "qwen2_yarn", seed=1, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert check.main(["--hf", str(tied), "--ckpt", str(models["conv"])]) == 1
+    out = capsys.readouterr().out
+    assert f"check_conversion: FAIL {models['conv']} holds another model than --hf {tied}" in out
+    assert "tied embeddings: checkpoint no, model yes" in out
+
+
+def test_check_conversion_keeps_the_part_of_a_load_error_that_names_the_tensor():
+    """trial_ops F2: torch's CheckpointException was cut at 300 characters, inside its traceback."""
+    import importlib.util
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    spec = importlib.util.spec_from_file_location("check_conversion", ROOT / "tools/check_conversion.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    stack = traceback.extract_stack() * 5  # a long traceback, as torch's reader gives
+    exc = CheckpointException("load", {0: (KeyError("decoder.layers.self_attention.linear_qkv.bias"), stack)})
+    assert check.load_error(exc) == "CheckpointException: KeyError: 'decoder.layers.self_attention.linear_qkv.bias'"
+    assert check.load_error(ValueError("shape mismatch")) == "ValueError: shape mismatch"
+
+
+def test_a_relative_model_path_is_found_from_the_runs_launch_directory(models, tmp_path, monkeypatch):
+    """trial_ops F4: a run launched from /x with train.run_dir=runs/a, model.path=runs/a/model; mcore-to-hf
+    from another directory said the model 'exists here' when it did not."""
+    from megarl.checkpoint.identity import recorded_source
+
+    launch = tmp_path / "launch"
+    run = launch / "runs" / "a"
+    shutil.copytree(models["run"], run)
+    (run / "config.json").write_text(json.dumps({"model": {"path": "runs/a/model"}, "train": {"run_dir": "runs/a"}}))
+    policy = run / "checkpoints" / "step_000001" / "policy"
+    monkeypatch.chdir(tmp_path)  # not the launch directory
+    words, found = recorded_source(policy)
+    assert found is None and "exists here" not in words
+    assert f"which does not exist here: no config.json in {tmp_path / 'runs/a/model'} (relative to the current " \
+           f"directory) nor in {run / 'model'} (relative to the directory the run was launched from)" in words
+    shutil.copytree(models["qwen2"], run / "model")
+    words, found = recorded_source(policy)
+    assert found == run / "model" and f"found at {run / 'model'}" in words
+    monkeypatch.chdir(launch)  # from the launch directory: the recorded path as it is
+    assert recorded_source(policy)[1] == __import__("pathlib").Path("runs/a/model")
+
+
+def test_mcore_to_hf_says_when_a_runs_recorded_model_is_not_there(models, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(models["run"], run)
+    (run / "config.json").write_text(json.dumps({"model": {"path": "gone/model"}, "train": {"run_dir": "run"}}))
+    monkeypatch.chdir(tmp_path / "run" / "checkpoints")
+    fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", run, "--out", tmp_path / "out"],
+          "started from model.path=gone/model", "which does not exist here", "pass --hf-config DIR")
+
+
+def test_inspect_takes_a_run_dir(models, capsys):
+    """trial_ops F8: a run dir (which has megarl's config.json) was taken for an HF directory."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", ROOT / "tools/inspect_checkpoint.py")
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    assert inspect.main([str(models["run"]), "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert f"mcore checkpoint {models['step'] / 'policy'}:" in out and "parameters" in out

@@ -250,3 +250,43 @@ def test_yarn_rope_tables_are_built_on_cpu_under_the_converters_meta_device(tmp_
     with torch.device("meta"):
         inv_freq, factor_meta = yarn_rope(cfg)
     assert inv_freq.device.type == "cpu" and torch.equal(inv_freq, expected) and factor_meta == factor
+
+
+def test_layout_flags_out_of_range_are_refused_naming_the_flag(tmp_path, capsys):
+    """trial_ops F6: --tp/--pp/--ep/--vpp 0 crashed with ZeroDivisionError; --tp -2 and --etp 2 on a dense
+    model were accepted (and would be recorded in the checkpoint)."""
+    dense = make_hf_model(tmp_path / "dense", "qwen3", seed=1)
+    moe = make_hf_model(tmp_path / "moe", "qwen3_moe", seed=1)
+    for flag in ("tp", "pp", "ep", "vpp"):
+        fails(tmp_path, capsys, ["hf-to-mcore", "--hf", moe, "--out", tmp_path / "out", f"--{flag}", 0, "--dry-run"],
+              f"--{flag} 0: must be >= 1")
+    fails(tmp_path, capsys, ["hf-to-mcore", "--hf", moe, "--out", tmp_path / "out", "--tp", -2, "--dry-run"],
+          "--tp -2: must be >= 1")
+    fails(tmp_path, capsys, ["hf-to-mcore", "--hf", moe, "--out", tmp_path / "out", "--etp", -1, "--dry-run"],
+          "--etp -1: must be >= 0")
+    fails(tmp_path, capsys, ["hf-to-mcore", "--hf", dense, "--out", tmp_path / "out", "--etp", 2, "--dry-run"],
+          "--etp 2 needs an MoE model", "leave --etp at 0")
+
+
+def test_a_model_with_only_pytorch_model_bin_is_refused_naming_it(tmp_path, capsys):
+    """trial_ops F7: a hub model saved as pytorch_model.bin: the converter, the trainer's reader and
+    ``megarl train``'s check before launch (vLLM would load it, the trainer would not) say the same."""
+    from safetensors.torch import load_file
+
+    from megarl.cli import main as megarl
+    from megarl.weight_sync.hf_adapter import load_hf_state_dict
+
+    model = make_hf_model(tmp_path / "model", "qwen3", seed=1)
+    torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    said = ("pytorch_model.bin, a format megarl does not read", "megarl reads safetensors only",
+            "save_pretrained")
+    fails(tmp_path, capsys, ["hf-to-mcore", "--hf", model, "--out", tmp_path / "out"], *said)
+    with pytest.raises(FileNotFoundError) as exc:
+        load_hf_state_dict(str(model))
+    assert all(text in str(exc.value) for text in said)
+    status = megarl(["train", "--config", str(ROOT / "configs/demo.yaml"), f"model.path={model}",
+                     f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "megarl: config error: model.path: no *.safetensors" in err, err
+    assert all(text in err for text in said) and not (tmp_path / "run").exists()

@@ -38,24 +38,27 @@ def prompt_ids(hf_dir: str, vocab: int) -> list[list[int]]:
 
 
 def compare(hf_dir: str, ckpt: str) -> dict:
+    from megarl.checkpoint.identity import check_same_model
+    from megarl.models.hf_config import read_hf_config
+
+    cfg = read_hf_config(hf_dir)
+    check_same_model(ckpt, cfg, f"--hf {hf_dir}")  # mcore-to-hf's check: a tensor left unloaded is another model
     import torch
     from transformers import AutoModelForCausalLM
 
     from megarl.checkpoint.dist import load_checkpoint
     from megarl.config.schema import OptimConfig
-    from megarl.models.hf_config import read_hf_config
     from megarl.trainer import cpu_adapter
     from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
-    cfg = read_hf_config(hf_dir)
     ps = build_parallel_state()
     cpu_adapter.activate()
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     trainer = PolicyTrainer(cfg, hf_dir, ps, OptimConfig(logprob_chunk=0), trainable=False)
-    load_checkpoint(trainer, ckpt, load_optimizer=False)
+    load_checkpoint(trainer, ckpt, load_optimizer=False)  # (loads the tensors the model asks for: checked above)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     worst, kls, tokens = 0.0, 0.0, 0
     with torch.no_grad():
@@ -70,6 +73,16 @@ def compare(hf_dir: str, ckpt: str) -> dict:
     return {"max_abs_logit_diff": worst, "kl_per_token": kls / tokens, "prompts": len(PROMPTS), "tokens": tokens}
 
 
+def load_error(exc: BaseException) -> str:
+    """The useful part of a load error: torch's CheckpointException carries each rank's whole traceback,
+    whose last line (the exception naming the tensor) is what says what went wrong."""
+    text = str(exc)
+    if "Traceback (most recent call last)" not in text:
+        return f"{type(exc).__name__}: {text}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1]}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="HF checkpoint directory")
@@ -77,13 +90,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tol", type=float, default=1e-3, help="largest max |logit difference| that passes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    from megarl.checkpoint.identity import ModelMismatch
+
     try:
         r = compare(args.hf, args.ckpt)
+    except ModelMismatch as exc:
+        print(f"check_conversion: FAIL {exc}", flush=True)
+        return 1
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        print(f"check_conversion: FAIL {args.ckpt} does not load as {args.hf}'s model: "
-              f"{type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        print(f"check_conversion: FAIL {args.ckpt} does not load as {args.hf}'s model: {load_error(exc)}", flush=True)
         return 1
     ok = r["max_abs_logit_diff"] <= args.tol
     print(json.dumps(r))

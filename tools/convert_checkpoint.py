@@ -17,8 +17,10 @@ not the model. Output goes to OUT.tmp and is renamed to OUT when complete.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
+from pathlib import Path
 
 
 def parse(argv):
@@ -43,6 +45,24 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+def check_layout_args(args) -> None:
+    """ValueError naming the flag for a layout value no run can have (before any division by it):
+    --tp/--pp/--ep/--vpp >= 1, --etp >= 0 (0: = tp) and only on an MoE model (it splits experts)."""
+    for flag in ("tp", "pp", "ep", "vpp"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(args, flag)}: must be >= 1 (1: not split)")
+    if args.etp < 0:
+        raise ValueError(f"--etp {args.etp}: must be >= 0 (0: the same as --tp)")
+    from megarl.models.hf_config import missing_safetensors, num_experts
+
+    config = Path(args.hf) / "config.json"
+    if args.etp and config.is_file() and not num_experts(json.loads(config.read_text())):
+        raise ValueError(f"--etp {args.etp} needs an MoE model (expert tensor parallel splits the experts); "
+                         f"{config} has no experts: leave --etp at 0")
+    if config.is_file() and missing_safetensors(args.hf):
+        raise FileNotFoundError(missing_safetensors(args.hf))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     warnings.filterwarnings("ignore")
@@ -51,6 +71,7 @@ def main(argv=None) -> int:
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
     try:
         if args.direction == "hf-to-mcore":
+            check_layout_args(args)
             layout = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp")}
             hf_to_mcore(args.hf, args.out, layout, dtype, args.dry_run)
         else:

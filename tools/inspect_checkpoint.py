@@ -51,10 +51,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     path = Path(args.path)
     try:
-        if not (path / "metadata.json").is_file() and not (path / "config.json").is_file():
+        # a run dir has a config.json too (megarl's run config): its checkpoints/ tell it from an HF dir
+        run = (path / "checkpoints" / "latest").is_file() or (path / "checkpoints").is_dir()
+        if not (path / "metadata.json").is_file() and (run or not (path / "config.json").is_file()):
             from megarl.checkpoint.convert import dist_checkpoint_dir
 
-            path = dist_checkpoint_dir(path)  # a run's step dir or run dir: its policy
+            path = dist_checkpoint_dir(path, lambda m: print(m.replace("--ckpt: ", "", 1)))  # its policy
         kind, tensors = tensors_of(path)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f"inspect_checkpoint: error: {exc}", file=sys.stderr)
@@ -69,6 +71,10 @@ def main(argv=None) -> int:
     total = sum(count(s) for s, _ in model.values())
     expert = sum(count(s) for k, (s, _) in model.items() if _EXPERT.search(k) and "shared_expert" not in k)
     cfg_dir = Path(args.hf_config) if args.hf_config else (path / "hf" if kind == "mcore" else path)
+    if kind == "mcore" and not (cfg_dir / "config.json").is_file():  # a run's: the model.path it records
+        from megarl.checkpoint.identity import recorded_source
+
+        cfg_dir = recorded_source(path)[1] or cfg_dir
     cfg = json.loads((cfg_dir / "config.json").read_text()) if (cfg_dir / "config.json").is_file() else {}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     active = total - expert + (expert * cfg["num_experts_per_tok"] // experts if experts else 0)

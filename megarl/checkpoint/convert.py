@@ -362,7 +362,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     else:  # a run's checkpoint: the model its run started from, as the run's config.json records it
         source, hf_config = recorded_source(ckpt)
         if hf_config is None:
-            raise FileNotFoundError(f"{ckpt} carries no hf/config.json and {source} that exists here: pass "
+            raise FileNotFoundError(f"{ckpt} carries no hf/config.json and {source}: pass "
                                     "--hf-config DIR (the HF model the run started from: its config and tokenizer)")
         log(f"--hf-config: {hf_config} ({source})")
     if not (hf_config / "config.json").is_file():

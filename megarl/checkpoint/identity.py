@@ -8,6 +8,10 @@ from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_sa
 the checkpoint records of its source names it in the error: a run's ``config.json``
 (``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``.
 Only the architecture is compared, never paths (a copy of the model elsewhere is the same model).
+A critic's checkpoint (a run's ``step_N/critic``: the value head ``output_layer.weight [1, hidden]``
+plus its bias in place of the LM head) is refused first: its weights are not a policy's.
+A run's relative ``model.path`` is looked up relative to the directory the run was launched
+from (told by the run dir's recorded ``train.run_dir``), as well as the current one.
 """
 
 from __future__ import annotations
@@ -65,10 +69,55 @@ def model_tensor_shapes(ckpt: str | Path) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in saved_tensors(ckpt).items() if k.startswith(_MODEL_PREFIXES)}
 
 
+def is_value_head(shapes: dict[str, tuple]) -> bool:
+    """Whether a dist checkpoint's tensors carry a critic's value head (one output row plus a bias)
+    rather than an LM head (vocabulary rows, no bias) or tied embeddings (no output layer)."""
+    out = shapes.get("output_layer.weight")
+    return "output_layer.bias" in shapes or (out is not None and out[0] == 1)
+
+
+def refuse_value_head(ckpt: Path, shapes: dict[str, tuple]) -> None:
+    """``ModelMismatch`` for a critic's checkpoint loaded as a policy, naming the policy to pass instead."""
+    if not is_value_head(shapes):
+        return
+    policy = ckpt.parent / "policy" if ckpt.name in LEARNERS else None
+    hint = (f"pass the policy of the same step, {policy}" if policy is not None and policy.is_dir()
+            else "pass a policy checkpoint (a run's step_N/policy, or the step dir step_N itself)")
+    raise ModelMismatch(f"{ckpt} is a critic's checkpoint (its output layer is a value head, output_layer.weight "
+                        f"{list(shapes['output_layer.weight'])} and a bias, not the language-model head), "
+                        f"not a policy's: {hint}")
+
+
 def run_dir_of(ckpt: Path) -> Path | None:
     """The run directory of a run checkpoint (``run/checkpoints/step_N[/policy]``), else None."""
     step = ckpt.parent if ckpt.name in LEARNERS else ckpt
     return step.parent.parent if step.parent.name == "checkpoints" else None
+
+
+def launch_dir_of(run: Path) -> Path | None:
+    """The directory a run was launched from, when its ``config.json`` records ``train.run_dir`` relative:
+    the run dir's absolute path less those trailing parts (``/work/x/runs/a`` recorded as ``runs/a`` → ``/work/x``)."""
+    try:
+        recorded = Path(json.loads((run / "config.json").read_text())["train"]["run_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if recorded.is_absolute() or ".." in recorded.parts:
+        return None
+    here = run.resolve()
+    n = len(recorded.parts)
+    if n == 0 or here.parts[-n:] != recorded.parts:
+        return None
+    return Path(*here.parts[:-n]) if len(here.parts) > n else None
+
+
+def model_path_candidates(path: str, run: Path) -> list[Path]:
+    """Where a run's recorded ``model.path`` may be: itself (absolute, or relative to the current
+    directory) and, when relative, relative to the directory the run was launched from."""
+    where = Path(path)
+    if where.is_absolute():
+        return [where]
+    launch = launch_dir_of(run)
+    return [where] + ([launch / where] if launch is not None and (launch / where).resolve() != where.resolve() else [])
 
 
 def recorded_source(ckpt: str | Path) -> tuple[str, Path | None]:
@@ -80,9 +129,14 @@ def recorded_source(ckpt: str | Path) -> tuple[str, Path | None]:
             path = json.loads((run / "config.json").read_text())["model"]["path"]
         except (ValueError, KeyError, TypeError):
             return f"its run's {run / 'config.json'} is unreadable", None
-        where = Path(path)
-        return (f"it was saved by the run {run}, which started from model.path={path} "
-                f"(recorded in {run / 'config.json'})", where if (where / "config.json").is_file() else None)
+        said = f"it was saved by the run {run}, which started from model.path={path} (recorded in {run / 'config.json'})"
+        tried = model_path_candidates(path, run)
+        found = next((c for c in tried if (c / "config.json").is_file()), None)
+        if found is None:
+            places = [str(tried[0].resolve()) + ("" if tried[0].is_absolute() else " (relative to the current directory)")]
+            places += [f"{c} (relative to the directory the run was launched from)" for c in tried[1:]]
+            return f"{said}, which does not exist here: no config.json in {' nor in '.join(places)}", None
+        return said + (f", found at {found.resolve()}" if found != Path(path) else ""), found
     conversion = ckpt / "megarl_conversion.json"
     if conversion.is_file():
         try:
@@ -109,6 +163,7 @@ def check_same_model(ckpt: str | Path, hf_cfg: dict, model_name: str) -> None:
     ckpt = Path(ckpt)
     want = from_hf_config(hf_cfg)
     shapes = model_tensor_shapes(ckpt)
+    refuse_value_head(ckpt, shapes)
     if "embedding.word_embeddings.weight" not in shapes:
         raise ModelMismatch(f"{ckpt}: the dist checkpoint holds no embedding.word_embeddings.weight; "
                             "not a megarl/megatron GPT model checkpoint")

@@ -38,6 +38,31 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return cfg
 
 
+_OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")
+
+
+def missing_safetensors(model_dir: str | Path) -> str:
+    """Why ``model_dir`` has no weights megarl reads ('' when it has ``*.safetensors``): the trainer and
+    the converters read safetensors only, though vLLM would load a ``pytorch_model.bin``; the message
+    names the weight files found and how to re-save them (one place for every reader's error)."""
+    path = Path(model_dir)
+    if any(path.glob("*.safetensors")):
+        return ""
+    found = sorted(f.name for pattern in _OTHER_WEIGHTS for f in path.glob(pattern))
+    what = (f"it holds {', '.join(found[:4])}{' ...' if len(found) > 4 else ''}, a format megarl does not read"
+            if found else "it holds no weight files")
+    return (f"no *.safetensors files in model directory {path}: {what}; megarl reads safetensors only. "
+            "Re-save the model with transformers, which writes safetensors: python -c \"from transformers import "
+            f"AutoModelForCausalLM as M; M.from_pretrained('{path}', dtype='auto').save_pretrained('{path}')\"")
+
+
+def check_weights_format(model_dir: str | Path) -> None:
+    """FileNotFoundError (``missing_safetensors``' message) unless ``model_dir`` holds ``*.safetensors``."""
+    problem = missing_safetensors(model_dir)
+    if problem:
+        raise FileNotFoundError(f"model.path: {problem}")
+
+
 def num_experts(cfg: dict) -> int:
     """Routed experts per MoE layer (0 for dense)."""
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)

@@ -214,9 +214,11 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
 
     from safetensors.torch import load_file
 
+    from megarl.models.hf_config import missing_safetensors
+
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
+        raise FileNotFoundError(missing_safetensors(path))
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)))
