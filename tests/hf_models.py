@@ -28,6 +28,11 @@ SPECS = {
     "qwen3_moe": ("qwen3_moe", dict(_MOE, norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False)),
+    # dense layers beside MoE ones: checkpoint keys that only some layers have (checkpoint/layer_axis.py)
+    "qwen2_moe_dense1": ("qwen2_moe", dict(_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                           mlp_only_layers=[1])),
+    "qwen2_moe_step2": ("qwen2_moe", dict(_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                          decoder_sparse_step=2)),
 }
 
 

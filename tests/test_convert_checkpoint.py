@@ -59,7 +59,9 @@ SLOW += [("mistral", "pp2")]
 SLOW += [(f, lay) for f in ("qwen3_moe", "mixtral", "qwen2_moe")
          for lay in ("single", "tp2_sp", "pp2", "tp2_sp_pp2", "pp2_vpp2", "ep2_alltoall")]
 SLOW.remove(("qwen3_moe", "ep2_alltoall"))
-SLOW += [("qwen2_yarn", "tp2")]  # YaRN RoPE: its tables are built while the converter's model is on meta
+SLOW += [("qwen2_yarn", "tp2")]
+# dense layers beside MoE ones (keys only some layers have: stored over those layers, checkpoint/layer_axis.py)
+SLOW += [("qwen2_moe_dense1", "single"), ("qwen2_moe_dense1", "pp2"), ("qwen2_moe_step2", "ep2_alltoall")]  # YaRN RoPE: its tables are built while the converter's model is on meta
 
 
 def round_trip(tmp_path, family, layout):

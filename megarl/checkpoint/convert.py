@@ -3,7 +3,8 @@
 Both directions go through the one HF adapter (``megarl/weight_sync/hf_adapter.py``) and a
 *skeleton*: the megatron GPTModel of the HF config built on the meta device (no memory), whose
 ``sharded_state_dict`` names every tensor as the trainer saves and loads it (global keys, layers
-stacked on a leading axis, experts on a second, ``linear_fc1`` as gate and up halves).
+stacked on a leading axis — over the layers that have the key, ``layer_axis.py`` — experts on a
+second, ``linear_fc1`` as gate and up halves).
 
 - ``hf_to_mcore``: the whole plan (every megatron chunk, its shape and dtype) is made from the
   safetensors headers and checked against the skeleton first; then torch's checkpoint writer
@@ -81,6 +82,14 @@ def check_layout(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
     ffn = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     if experts and ffn % (etp or tp):
         raise ValueError(f"--etp {etp or tp} must divide the expert FFN size ({ffn}); valid: {_divisors(ffn)[:12]}")
+
+
+def skeleton_state(cfg: dict) -> dict:
+    """The skeleton's sharded state dict, keys as the trainer saves them (``compact_layer_keys``:
+    a key that only some layers have is stored over those layers)."""
+    from megarl.checkpoint.layer_axis import compact_layer_keys
+
+    return compact_layer_keys([skeleton(cfg).sharded_state_dict()])[0]
 
 
 def skeleton(cfg: dict):
@@ -180,7 +189,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
     meta_full = {}
     for names in by_group.values():
         meta_full.update(hf_to_megatron({n: src.meta(n) for n in names}, cfg))
-    raw = skeleton(cfg).sharded_state_dict()
+    raw = skeleton_state(cfg)
     tensors = _tensor_entries(raw)
     missing = sorted(set(tensors) - set(meta_full))
     if missing:
@@ -370,7 +379,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     cfg = read_hf_config(hf_config)
     check_same_model(ckpt, cfg, f"--hf-config {hf_config}")  # names both models (ValueError)
     saved = saved_tensors(ckpt)
-    raw = _tensor_entries(skeleton(cfg).sharded_state_dict())
+    raw = _tensor_entries(skeleton_state(cfg))
     for st in _shard_list(raw):
         have = saved.get(st.key)
         if have is None:

@@ -2,7 +2,8 @@
 
 A checkpoint saved at TP=2 / PP=2 / EP=2 (any DP, distributed optimizer or not) loads at
 TP=1 / PP=1 / EP=1 and back: megatron-core stores each tensor by its global shape and
-offsets. Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed; an old checkpoint
+offsets (a key that only some layers have, as Qwen2-MoE's dense and MoE layers', is stored over
+those layers: ``layer_axis.py``). Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed; an old checkpoint
 at ``path`` is first renamed to ``<path>.old`` and removed only after the new one is in place (a crash
 between the renames leaves ``<path>.old``, which ``load_checkpoint`` then reads).
 
@@ -29,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.layer_axis import compact_layer_keys
+
 LAYOUT_FILE = "megarl_layout.json"
 """Written beside a dist checkpoint: the parallel layout that saved it."""
 
@@ -45,7 +48,9 @@ def _model_keys(trainer) -> list[str]:
 
 
 def _sharded(trainer, is_loading: bool) -> dict:
-    state = {key: m.sharded_state_dict() for key, m in zip(_model_keys(trainer), trainer.modules)}
+    # Keys that only some layers have (Qwen2-MoE's dense layers) are put on an axis over those
+    # layers first, so that the optimizer's copies of them follow (layer_axis.py).
+    state = dict(zip(_model_keys(trainer), compact_layer_keys([m.sharded_state_dict() for m in trainer.modules])))
     model_sd = dict(state)
     if trainer.optimizer is None:
         return state
