@@ -120,7 +120,8 @@ class EngineConfig:
     max_model_len: int = 256
     """Longest prompt + response the engine accepts."""
     kv_cache_gib: float = 1.0
-    """KV cache size per engine in GiB (vLLM's CPU default would take ~10 GiB)."""
+    """KV cache per engine worker (each tensor-parallel rank of an engine) in GiB; vLLM reserves exactly this
+    (vLLM's CPU default would take ~10 GiB; on a GPU, instead of its default 90% of the memory)."""
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP colocated replicas."""
     slots: int = 256
