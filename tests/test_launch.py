@@ -10,9 +10,12 @@ from conftest import ROOT
 
 
 # The PP case runs PPO with TIS: critic values, reference and proximal logprobs are needed on every stage.
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.vpp=2", "optim.micro_batch_size=16",
-                                         "algo.preset=ppo", "algo.tis=token"]],
-                         ids=["dp2", "pp2_vpp2_ppo"])
+# Slow since the preset fix made it really train PPO with a critic (~160 s; it ran GRPO before); dp2 is the
+# fast representative of a two-process run.
+@pytest.mark.parametrize("layout", [pytest.param([], id="dp2"),
+                                    pytest.param(["parallel.pp=2", "parallel.vpp=2", "optim.micro_batch_size=16",
+                                                  "algo.preset=ppo", "algo.tis=token"], id="pp2_vpp2_ppo",
+                                                 marks=pytest.mark.slow)])
 def test_train_with_two_processes(tmp_path, layout):
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
            "engine.tensor_parallel_size=2", "warmup.steps=3", "train.steps=2", "train.time_limit_s=0",
