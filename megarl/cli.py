@@ -47,16 +47,6 @@ def _model_config_for_validation(cfg) -> dict | None:
     raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
 
 
-def _needed_learners(algo) -> dict[str, str]:
-    """Learner → the algorithm setting that builds it (``runtime.build_learners``' rule)."""
-    needed = {}
-    if algo.advantage == "gae":
-        needed["critic"] = "algo.advantage=gae trains a critic"
-    if algo.kl_coef > 0:
-        needed["reference"] = f"algo.kl_coef={algo.kl_coef} needs the frozen reference model"
-    return needed
-
-
 def check_resume_learners(cfg) -> None:
     """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
     ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so
@@ -65,11 +55,12 @@ def check_resume_learners(cfg) -> None:
     import json
 
     from megarl.checkpoint.run import resume_candidate
+    from megarl.config.algo_checks import needed_learners
 
     step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
     if step is None or not (step / "policy" / "metadata.json").is_file():
         return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
-    missing = {n: why for n, why in _needed_learners(cfg.algo).items() if not (step / n / "metadata.json").is_file()}
+    missing = {n: why for n, why in needed_learners(cfg.algo).items() if not (step / n / "metadata.json").is_file()}
     if not missing:
         return
     run_cfg = step.parent.parent / "config.json"

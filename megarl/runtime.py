@@ -20,6 +20,7 @@ from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
 from megarl.checkpoint.run import start_run_dir
 from megarl.config import RunConfig, to_dict, validate
+from megarl.config.algo_checks import needed_learners
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
 from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
@@ -146,9 +147,10 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
                   transformer_engine=cfg.model.transformer_engine)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
     critic = reference = None
-    if a.advantage == "gae":
+    needed = needed_learners(a)  # the same rule the pre-launch resume check applies
+    if "critic" in needed:
         critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
-    if a.kl_coef > 0:
+    if "reference" in needed:
         reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, **common)
     return Learners(policy, critic, reference)
 

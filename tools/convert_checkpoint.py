@@ -59,8 +59,8 @@ def check_layout_args(args) -> None:
     if args.etp and config.is_file() and not num_experts(json.loads(config.read_text())):
         raise ValueError(f"--etp {args.etp} needs an MoE model (expert tensor parallel splits the experts); "
                          f"{config} has no experts: leave --etp at 0")
-    if config.is_file() and missing_safetensors(args.hf):
-        raise FileNotFoundError(missing_safetensors(args.hf))
+    if config.is_file() and (problem := missing_safetensors(args.hf)):
+        raise FileNotFoundError(problem)
 
 
 def main(argv=None) -> int:

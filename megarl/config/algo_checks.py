@@ -36,6 +36,18 @@ _AT_LEAST_ZERO = (
 )
 
 
+def needed_learners(a) -> dict[str, str]:
+    """The learners beside the policy that ``algo`` (an ``AlgoConfig``) builds, each with the setting that
+    needs it: a critic for GAE, the frozen reference for a KL penalty. ``runtime.build_learners`` builds
+    exactly these; ``cli.check_resume_learners`` requires them in the checkpoint a run resumes from."""
+    needed = {}
+    if a.advantage == "gae":
+        needed["critic"] = "algo.advantage=gae trains a critic"
+    if a.kl_coef > 0:
+        needed["reference"] = f"algo.kl_coef={a.kl_coef} needs the frozen reference model"
+    return needed
+
+
 def validate_algo(cfg: RunConfig) -> None:
     """Raise ConfigError naming the ``algo`` key, its value and what is valid."""
     a = cfg.algo
