@@ -76,7 +76,9 @@ def main(argv=None) -> int:
 
         cfg_dir = recorded_source(path)[1] or cfg_dir
     cfg = json.loads((cfg_dir / "config.json").read_text()) if (cfg_dir / "config.json").is_file() else {}
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    from megarl.models.hf_config import num_experts
+
+    experts = num_experts(cfg)
     active = total - expert + (expert * cfg["num_experts_per_tok"] // experts if experts else 0)
     counted = "megatron tensors (layers stacked)" if kind == "mcore" else "HF tensors"
     print(f"{kind} checkpoint {path}: {len(model)} {counted}, {size / 2**30:.3f} GiB, {total:,} parameters"
