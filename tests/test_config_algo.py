@@ -89,6 +89,10 @@ def test_ppo_value_targets_use_its_lambda():
      r"algo.critic_warmup_steps=2 with algo.advantage=grpo \(a group advantage: no critic is built.*skip the policy"),
     (["algo.advantage=rloo", "algo.whiten_advantages=true"], r"algo.whiten_advantages=true with algo.advantage=rloo"),
     (["algo.length_adaptive_alpha=0.05"], r"algo.length_adaptive_alpha=0.05 with algo.advantage=grpo"),
+    (["algo.lam=0.9", "algo.critic_lr=0.01"],
+     r"algo.lam=0.9, algo.critic_lr=0.01 with algo.advantage=grpo .*would be ignored"),
+    (["algo.preset=ppo", "algo.advantage=dr_grpo", "algo.whiten_advantages=false"],
+     r"algo.lam_critic=0.95 with algo.advantage=dr_grpo"),
     (["algo.policy_loss=gspo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=gspo"),
     (["algo.preset=gspo", "algo.dual_clip=3"], r"algo.dual_clip.*algo.policy_loss=gspo"),
 ])
@@ -101,8 +105,7 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
 @pytest.mark.parametrize("overrides", [
     [], ["algo.preset=ppo"], ["algo.preset=vapo"], ["algo.preset=dapo", "algo.oversample_cap=1"],
     ["algo.preset=gspo", "algo.tis=token"], ["algo.oversample_cap=0"],  # no dynamic sampling: the cap is unused
-    ["algo.preset=ppo", "algo.advantage=grpo", "algo.whiten_advantages=false"],
-    ["algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
+    ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
 ])
 def test_defaults_presets_and_edges_validate(overrides):
     validate(load_config(None, overrides), 1, MOE)

@@ -12,7 +12,7 @@ nothing or skip policy steps. Defaults always pass.
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RunConfig
+from megarl.config.schema import AlgoConfig, RunConfig
 
 CHOICES = {
     "advantage": ("grpo", "dr_grpo", "rloo", "gae"),
@@ -34,6 +34,10 @@ _AT_LEAST_ZERO = (
     ("length_adaptive_alpha", "VAPO's α of λ_policy = 1 − 1/(α·l); 0: off, use lam"),
     ("critic_warmup_steps", "RL steps that train only the critic; 0: none"),
 )
+
+# Keys only GAE reads (its discount and λs, the critic's loss and learning rate); with a group advantage a value
+# other than the default is a setting the run would silently ignore.
+_GAE_ONLY = ("gamma", "lam", "lam_critic", "value_clip", "critic_lr")
 
 
 def needed_learners(a) -> dict[str, str]:
@@ -117,6 +121,10 @@ def _combinations(cfg: RunConfig) -> None:
         if a.whiten_advantages:
             raise ConfigError(f"algo.whiten_advantages=true {group}: it would be ignored; set "
                               "algo.whiten_advantages=false or algo.advantage=gae")
+        changed = [f"algo.{k}={getattr(a, k)}" for k in _GAE_ONLY if getattr(a, k) != getattr(AlgoConfig, k)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} {group}: they would be ignored; leave them at their defaults "
+                              "or set algo.advantage=gae")
         if a.length_adaptive_alpha:
             raise ConfigError(f"algo.length_adaptive_alpha={a.length_adaptive_alpha} {group}: it would be ignored; "
                               "set algo.length_adaptive_alpha=0 or algo.advantage=gae")
