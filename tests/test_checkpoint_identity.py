@@ -294,3 +294,22 @@ def test_inspect_takes_a_run_dir(models, capsys):
     assert inspect.main([str(models["run"]), "--summary"]) == 0
     out = capsys.readouterr().out
     assert f"mcore checkpoint {models['step'] / 'policy'}:" in out and "parameters" in out
+
+
+def test_dense_layers_beside_experts_are_compared_by_count_and_by_place(tmp_path):
+    """Qwen2-MoE with layer 1 dense (``mlp_only_layers``): a config with no dense layer stacks the router over
+    every layer (count told by the tensors); one whose dense layer is layer 0 has the very same tensor shapes
+    and is told apart by the converted checkpoint's recorded config."""
+    from megarl.checkpoint.identity import ModelMismatch, check_same_model
+    from megarl.models.hf_config import read_hf_config
+
+    hf = make_hf_model(tmp_path / "moe", "qwen2_moe_dense1", seed=1)
+    convert("hf-to-mcore", "--hf", hf, "--out", tmp_path / "conv")
+    cfg = read_hf_config(hf)
+    layers = cfg["num_hidden_layers"]
+    assert layers > 2 and cfg["mlp_only_layers"] == [1]
+    check_same_model(tmp_path / "conv", cfg, "itself")
+    with pytest.raises(ModelMismatch, match=f"layers with experts: checkpoint {layers - 1}, model {layers}"):
+        check_same_model(tmp_path / "conv", {**cfg, "mlp_only_layers": []}, "all sparse")
+    with pytest.raises(ModelMismatch, match=r"dense layers: checkpoint \[1\], model \[0\]"):
+        check_same_model(tmp_path / "conv", {**cfg, "mlp_only_layers": [0]}, "layer 0 dense")

@@ -3,7 +3,7 @@
 A megatron dist checkpoint (a run's ``step_N/policy`` or a converted one) names its tensors and
 their global shapes in its metadata, whatever layout saved it; those shapes give the model's
 architecture (``from_tensors``): hidden size, layers, attention and KV widths, vocabulary,
-experts, qkv biases, a separate output layer (untied embeddings), qk norms. The same is computed
+experts and how many layers have them (``layer_axis.py``), qkv biases, a separate output layer (untied embeddings), qk norms. The same is computed
 from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_same_model``). What
 the checkpoint records of its source names it in the error: a run's ``config.json``
 (``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megarl.models.hf_config import has_qk_norm, has_qkv_bias, num_experts
+from megarl.models.hf_config import has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
 
 LEARNERS = ("policy", "critic", "reference")
 _QKV = "decoder.layers.self_attention.linear_qkv"
@@ -37,13 +37,20 @@ def from_hf_config(cfg: dict) -> dict:
     return {"hidden size": hidden, "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"],
             "attention width (heads × head_dim)": heads * head_dim,
             "KV width (kv heads × head_dim)": cfg["num_key_value_heads"] * head_dim,
-            "experts": num_experts(cfg), "qkv biases": has_qkv_bias(cfg),
+            "experts": num_experts(cfg), "layers with experts": _moe_layers(cfg), "qkv biases": has_qkv_bias(cfg),
             "tied embeddings": bool(cfg.get("tie_word_embeddings", False)), "qk norm": has_qk_norm(cfg)}
 
 
+def _moe_layers(cfg: dict) -> int:
+    return sum(is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+
+
 def _with_heads(cfg: dict) -> dict:
-    """``from_hf_config`` plus the head counts, which a config records and tensor shapes do not."""
-    return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"]}
+    """``from_hf_config`` plus what a config records and tensor shapes do not: the head counts, and which layers
+    are dense beside experts (the router's stacked axis counts the MoE layers, not where they are)."""
+    dense = [i for i in range(cfg["num_hidden_layers"]) if num_experts(cfg) and not is_moe_layer(cfg, i)]
+    return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
+            "dense layers": dense or "none"}
 
 
 def from_tensors(shapes: dict[str, tuple]) -> dict:
@@ -56,7 +63,8 @@ def from_tensors(shapes: dict[str, tuple]) -> dict:
         out.update({"layers": qkv[0], "attention width (heads × head_dim)": proj[-1],
                     "KV width (kv heads × head_dim)": (qkv[1] - proj[-1]) // 2})
     router = shapes.get("decoder.layers.mlp.router.weight")
-    out.update({"experts": router[1] if router is not None else 0, "qkv biases": f"{_QKV}.bias" in shapes,
+    out.update({"experts": router[1] if router is not None else 0,
+                "layers with experts": router[0] if router is not None else 0, "qkv biases": f"{_QKV}.bias" in shapes,
                 "tied embeddings": "output_layer.weight" not in shapes,
                 "qk norm": "decoder.layers.self_attention.q_layernorm.weight" in shapes})
     return out
