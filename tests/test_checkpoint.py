@@ -63,8 +63,11 @@ def reshard(tmp_path, model, saved_at, loaded_at):
     assert launch("load", loaded_at, model, tmp_path)["ok"]
     expected, got = torch.load(tmp_path / "expected.pt"), torch.load(tmp_path / "got.pt")
     assert expected.keys() == got.keys()
+    # The second step runs at another layout (other reduction orders): measured up to 2e-6 (Qwen2-MoE saved at
+    # TP=2+SP, loaded at one process; the same two steps run through at either layout differ by 4e-4). Adam's
+    # moments or step lost in the reshard move a weight by about lr = 1e-3.
     for name in expected:
-        assert (expected[name] - got[name]).abs().max() <= 1e-6, name
+        assert (expected[name] - got[name]).abs().max() <= 1e-5, name
 
 
 def test_loading_a_missing_checkpoint_names_the_path(tmp_path):
