@@ -79,6 +79,17 @@ def test_the_same_model_passes_and_a_policy_subdir_is_not_a_step_dir(models):
     halved = {**qwen2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}  # the same tensor shapes
     with pytest.raises(ModelMismatch, match="attention heads: checkpoint 4, model 8"):  # told by the recorded config
         check_same_model(m["conv"], halved, "halved")
+    # the same tensors under other math: RoPE (a user's copy of the config with the default theta), the norm's eps
+    with pytest.raises(ModelMismatch, match=r"RoPE: checkpoint rope_theta=10000\.0, rope_type=default, model "
+                                            r"rope_theta=500000\.0, rope_type=default"):
+        check_same_model(m["step"] / "policy", {**qwen2, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 500000}}, "theta 5e5")
+    with pytest.raises(ModelMismatch, match=r"RoPE: .*model factor=8\.0, .*rope_type=llama3"):
+        check_same_model(m["conv"], {**qwen2, "rope_parameters": {**llama["rope_parameters"]}}, "llama3 rope")
+    with pytest.raises(ModelMismatch, match="RMS norm eps: checkpoint 1e-06, model 1e-05"):
+        check_same_model(m["conv"], {**qwen2, "rms_norm_eps": 1e-5}, "eps")
+    check_same_model(m["conv"], {**qwen2, "rope_parameters": None, "rope_scaling": None, "rope_theta": 10000},
+                     "the older rope_theta key, an int")  # the same RoPE written the transformers-4 way
     validate_resume_model(load_config(None, [f"model.path={m['qwen2']}", f"train.run_dir={m['run']}"]), qwen2)
     with pytest.raises(ConfigError, match="tied embeddings: checkpoint no, model yes"):
         validate_resume_model(load_config(None, [f"train.resume={m['step']}"]), llama)

@@ -6,7 +6,9 @@ architecture (``from_tensors``): hidden size, layers, attention and KV widths, v
 experts and how many layers have them (``layer_axis.py``), qkv biases, a separate output layer (untied embeddings), qk norms. The same is computed
 from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_same_model``). What
 the checkpoint records of its source names it in the error: a run's ``config.json``
-(``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``.
+(``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``; that
+source config is also compared on what shapes cannot show: head counts, dense-layer placement, RoPE
+(type, theta, scaling), the norm's epsilon, the router's top-k and renormalisation.
 Only the architecture is compared, never paths (a copy of the model elsewhere is the same model).
 A critic's checkpoint (a run's ``step_N/critic``: the value head ``output_layer.weight [1, hidden]``
 plus its bias in place of the LM head) is refused first: its weights are not a policy's.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megarl.models.hf_config import has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
+from megarl.models.hf_config import has_qk_norm, has_qkv_bias, is_moe_layer, num_experts, rope_parameters
 
 LEARNERS = ("policy", "critic", "reference")
 _QKV = "decoder.layers.self_attention.linear_qkv"
@@ -45,12 +47,24 @@ def _moe_layers(cfg: dict) -> int:
     return sum(is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"]))
 
 
-def _with_heads(cfg: dict) -> dict:
-    """``from_hf_config`` plus what a config records and tensor shapes do not: the head counts, and which layers
-    are dense beside experts (the router's stacked axis counts the MoE layers, not where they are)."""
-    dense = [i for i in range(cfg["num_hidden_layers"]) if num_experts(cfg) and not is_moe_layer(cfg, i)]
+def _rope(cfg: dict) -> str:
+    """The RoPE a config defines, numbers as floats (``8`` and ``8.0`` are the same factor), keys sorted."""
+    params = rope_parameters(cfg)
+    return ", ".join(f"{k}={float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}"
+                     for k, v in sorted(params.items()))
+
+
+def _with_config_math(cfg: dict) -> dict:
+    """``from_hf_config`` plus what a config records and tensor shapes do not: the head counts, which layers
+    are dense beside experts (the router's stacked axis counts the MoE layers, not where they are), and the
+    numbers the trainer builds its math from (RoPE, the norm's epsilon, the router's top-k and whether its
+    weights are renormalised): another value there gives another model with the same tensors."""
+    moe = num_experts(cfg) > 0
+    dense = [i for i in range(cfg["num_hidden_layers"]) if moe and not is_moe_layer(cfg, i)]
     return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
-            "dense layers": dense or "none"}
+            "dense layers": dense or "none", "RoPE": _rope(cfg), "RMS norm eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "experts per token": cfg.get("num_experts_per_tok") if moe else "none",
+            "top-k weights renormalised": bool(cfg.get("norm_topk_prob", True)) if moe else "none"}
 
 
 def from_tensors(shapes: dict[str, tuple]) -> dict:
@@ -180,12 +194,12 @@ def check_same_model(ckpt: str | Path, hf_cfg: dict, model_name: str) -> None:
     recorded = None
     if source_dir is not None:
         try:
-            recorded = _with_heads(json.loads((source_dir / "config.json").read_text()))
+            recorded = _with_config_math(json.loads((source_dir / "config.json").read_text()))
         except (ValueError, KeyError):
             recorded = None
     diffs = [k for k in have if have[k] != want[k]]
-    if not diffs and recorded is not None:  # what the tensors cannot show: heads × head_dim split otherwise
-        want = _with_heads(hf_cfg)
+    if not diffs and recorded is not None:  # what the tensors cannot show: heads × head_dim split otherwise, RoPE, ...
+        want = _with_config_math(hf_cfg)
         diffs, have = [k for k in want if recorded[k] != want[k]], recorded
     if diffs:
         differ = "; ".join(f"{k}: checkpoint {_word(have[k])}, model {_word(want[k])}" for k in diffs)
