@@ -4,6 +4,8 @@
 # GPU_MEM_GIB, RUN_DIR, PLAN_MODEL (array), SBATCH_ARGS (array) and ARGS (array: the flags).
 #   -h, --help    print the script's usage (its header comment) and stop (nothing is submitted)
 #   PLAN_ONLY=1   print the plan and stop (nothing is submitted)
+#   MODEL_ON_NODES=1  submit although MODEL_PATH has no config.json on this machine (the plan then used the
+#                 example's shape file): the model exists on the compute nodes only
 #   PYTHON        the interpreter with megarl installed (default: the repository's .venv/bin/python, as `make`
 #                 installs it, else python3)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,22 +37,34 @@ submit() {
         exit 1
     fi
     if ((status != 0)); then
-        echo "megarl plan refused this layout (exit $status): nothing submitted" >&2
+        echo "megarl plan refused this config (exit $status): nothing submitted" >&2
         exit "$status"
     fi
     if [[ ${PLAN_ONLY:-0} == 1 ]]; then
         return 0
     fi
+    if [[ -n ${MODEL_NOT_HERE:-} && ${MODEL_ON_NODES:-0} != 1 ]]; then
+        echo "MODEL_PATH=$MODEL_NOT_HERE holds no config.json on this machine: nothing submitted (the job would" \
+            "fail on its nodes). Set MODEL_PATH to the HF checkpoint's directory, or MODEL_ON_NODES=1 if it exists" \
+            "on the compute nodes only" >&2
+        exit 2
+    fi
     mkdir -p "$RUN_DIR/logs"
-    sbatch --parsable --nodes "$NODES" --output "$RUN_DIR/logs/%j.batch.log" "${SBATCH_ARGS[@]}" \
-        "$ROOT/slurm/train.sbatch" "${ARGS[@]}"
+    local job
+    job=$(sbatch --parsable --nodes "$NODES" --output "$RUN_DIR/logs/%j.batch.log" "${SBATCH_ARGS[@]}" \
+        "$ROOT/slurm/train.sbatch" "${ARGS[@]}")
+    echo "submitted job $job; batch log $RUN_DIR/logs/$job.batch.log" >&2
+    echo "$job"
 }
 
-# The model's shape for the plan: the checkpoint's config.json if it is there, else the shape file.
+# The model's shape for the plan: the checkpoint's config.json if it is there, else the shape file (said, and
+# a submit is then refused unless MODEL_ON_NODES=1: the model is on the compute nodes only).
 plan_model() {
     if [[ -f $1/config.json ]]; then
         PLAN_MODEL=(--model "$1")
     else
         PLAN_MODEL=(--model "$2")
+        MODEL_NOT_HERE=$1
+        echo "note: $1/config.json is not on this machine: planning with the shape in $2" >&2
     fi
 }

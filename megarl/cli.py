@@ -80,7 +80,9 @@ def check_resume_learners(cfg) -> None:
                       f"use another train.run_dir, or resume with the original algorithm ({original})")
 
 
-def _load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = ""):
+def load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = ""):
+    """The config, after every check made before a process starts (``ConfigError`` naming what is wrong); also
+    run by ``python -m megarl.launch check`` in the batch script, before srun."""
     cfg = load_config(config, overrides)
     hf = _model_config_for_validation(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.worker and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
-        cfg = _load_checked(args.config, args.overrides, world, per_node, args.command)
+        cfg = load_checked(args.config, args.overrides, world, per_node, args.command)
         check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             from megarl.evaluation import NO_EVAL_PATH

@@ -202,6 +202,12 @@ def test_each_example_validates_its_layout_with_plan(script):
     bad = subprocess.run(["bash", f"examples/{script}", "parallel.tp=3"], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PLAN_ONLY": "0"}, timeout=60)
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr and "nothing submitted" in bad.stderr
+    # a MODEL_PATH with no config.json here: planned with the example's shape (said), a submit refused
+    assert "config.json is not on this machine: planning with the shape in" in proc.stderr
+    unsent = subprocess.run(["bash", f"examples/{script}"], capture_output=True, text=True, cwd=ROOT,
+                            env={**env, "PLAN_ONLY": "0", "MODEL_PATH": "/nonexistent/model"}, timeout=60)
+    assert unsent.returncode == 2 and "MODEL_PATH=/nonexistent/model holds no config.json on this machine: " \
+                                      "nothing submitted" in unsent.stderr, unsent.stderr
 
 
 def test_expert_layout_errors_spell_out_etps_default_the_experts_and_valid_values(tmp_path, capsys):
