@@ -246,6 +246,14 @@ def test_check_conversion_runs_the_identity_check(models, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"check_conversion: FAIL {models['conv']} holds another model than --hf {tied}" in out
     assert "tied embeddings: checkpoint no, model yes" in out
+    # a run's step dir and its run dir: their policy/ (was "FileNotFoundError: .../.metadata", exit 1)
+    for given in (models["step"], models["run"]):
+        assert check.main(["--hf", str(tied), "--ckpt", str(given)]) == 1
+        out = capsys.readouterr().out
+        assert f"{models['step'] / 'policy'} (the policy of the run checkpoint {models['step']})" in out
+        assert f"check_conversion: FAIL {models['step'] / 'policy'} holds another model" in out
+    assert check.main(["--hf", str(tied), "--ckpt", str(tmp_path)]) == 2  # no checkpoint there: a usage error
+    assert f"check_conversion: error: {tmp_path} is not a megatron dist checkpoint" in capsys.readouterr().err
 
 
 def test_check_conversion_keeps_the_part_of_a_load_error_that_names_the_tensor():

@@ -2,12 +2,14 @@
 """Compare an HF checkpoint and a megatron dist checkpoint of it: logits on a few prompts.
 
     python tools/check_conversion.py --hf /models/Qwen3-8B --ckpt ckpt/q8b
-    python tools/check_conversion.py --hf runs/x/hf/step_100 --ckpt runs/x/ckpt/step_100 --tol 1e-3
+    python tools/check_conversion.py --hf runs/x/hf/step_100 --ckpt runs/x/checkpoints/step_000100 --tol 1e-3
+
+``--ckpt``: a dist checkpoint, a run's checkpoint step dir (its ``policy/``) or a run dir (its latest step's).
 
 Runs transformers on the HF directory and the megatron trainer's model (one process, fp32)
 built from it with the dist checkpoint loaded over its weights, on a few prompts; prints max
 |logit difference| and the mean KL(HF ‖ megatron) per token, then one line
-``check_conversion: PASS`` or ``FAIL`` (exit status 0 or 1).
+``check_conversion: PASS`` or ``FAIL`` (exit status 0 or 1; 2: ``--ckpt`` names no dist checkpoint).
 """
 
 from __future__ import annotations
@@ -86,12 +88,21 @@ def load_error(exc: BaseException) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="HF checkpoint directory")
-    parser.add_argument("--ckpt", required=True, help="megatron dist checkpoint directory")
+    parser.add_argument("--ckpt", required=True,
+                        help="megatron dist checkpoint directory, a run's checkpoint step dir or a run dir (its policy)")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest max |logit difference| that passes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    from pathlib import Path
+
+    from megarl.checkpoint.convert import dist_checkpoint_dir
     from megarl.checkpoint.identity import ModelMismatch
 
+    try:
+        args.ckpt = str(dist_checkpoint_dir(Path(args.ckpt), lambda m: print(m.replace("--ckpt: ", "", 1))))
+    except FileNotFoundError as exc:
+        print(f"check_conversion: error: {exc}", file=sys.stderr)
+        return 2
     try:
         r = compare(args.hf, args.ckpt)
     except ModelMismatch as exc:
