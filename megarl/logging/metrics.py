@@ -56,7 +56,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool = True, stream=sys.stdout,
                  time_limit_s: float = 0.0) -> None:
         self.enabled, self.total, self.stream, self.time_limit_s = enabled, total_steps, stream, time_limit_s
-        self.start = time.time()
+        self.start, self.clock_step = time.time(), 0
         self.writer = None
         self.run_dir = Path(run_dir)
         self.jsonl = None
@@ -91,9 +91,10 @@ class MetricsLogger:
         self.writer.close()  # TensorBoard hides the dropped steps' events on purge_step
         self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=step + 1)
 
-    def reset_clock(self) -> None:
-        """Start the ETA clock now (call when the stepped phase begins)."""
-        self.start = time.time()
+    def reset_clock(self, from_step: int = 0) -> None:
+        """Start the ETA clock now, at ``from_step`` (call when the stepped phase begins: a resumed run's
+        first step is its checkpoint's, and its pace is that of the steps this process ran)."""
+        self.start, self.clock_step = time.time(), from_step
 
     def scalars(self, step: int, values: dict[str, float], final: bool = False) -> None:
         if self.writer is None:
@@ -120,7 +121,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         elapsed = time.time() - self.start
-        eta = elapsed / max(step, 1) * max(self.total - step, 0)
+        eta = elapsed / max(step - self.clock_step, 1) * max(self.total - step, 0)
         if self.time_limit_s:
             eta = min(eta, max(self.time_limit_s - elapsed, 0.0))
         parts = [f"step {step}/{self.total}"] + [f"{k} {values[k]:.4g}" for k in keys if k in values]
