@@ -199,6 +199,7 @@ def test_each_example_validates_its_layout_with_plan(script):
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "→ fits" in proc.stdout
+    assert ("· EP " in proc.stdout) == ("-a" in script)  # expert parallelism shown for the MoE models only
     bad = subprocess.run(["bash", f"examples/{script}", "parallel.tp=3"], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PLAN_ONLY": "0"}, timeout=60)
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr and "nothing submitted" in bad.stderr
@@ -290,7 +291,7 @@ def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, cap
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
     out = capsys.readouterr().out
     assert "sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out and "defaults" not in out
-    assert ("no layout of 1 nodes × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
+    assert ("no layout of 1 node × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
             "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
     assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *run]) == 0  # as it said
     assert "no layout" not in capsys.readouterr().out

@@ -157,7 +157,8 @@ def _publish(tmp: Path, out: Path) -> Path:
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another --out")
+        what = "is not empty" if out.is_dir() else "is a file"
+        raise FileExistsError(f"{out} exists and {what}; remove it or choose another --out")
 
 
 def _fresh_tmp(out: Path) -> Path:
@@ -253,7 +254,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
         torch.save({}, tmp / "common.pt")
         (tmp / "hf").mkdir()
         copy_aux_files(hf_dir, tmp / "hf")
-        (tmp / CONVERSION_FILE).write_text(json.dumps({"from_hf": str(hf_dir), **summary,
+        (tmp / CONVERSION_FILE).write_text(json.dumps({"from_hf": str(Path(hf_dir).resolve()), **summary,
                                                        "dtype": str(dtype) if dtype else "as HF"}, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

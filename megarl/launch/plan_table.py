@@ -16,6 +16,10 @@ def params(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def gib(x: float, width: int = 0) -> str:
     """GiB with two decimals, or in MiB (so marked) when that would show 0.00 (tiny models)."""
     return f"{x:>{width}.2f}" if x == 0 or abs(x) >= 0.005 else f"{x * 1024:>{width}.2f} MiB"
@@ -36,9 +40,10 @@ def format_table(res: dict) -> str:
     lines = [
         f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
         f"{params(res['params_active'])} active per token",
-        f"job     {res['nodes']} nodes × {res['gpus_per_node']} GPUs of {res['gpu_mem_gib']:g} GiB, "
+        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], 'GPU')} of {res['gpu_mem_gib']:g} GiB, "
         f"precision {res['precision']}",
-        f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · EP {lay['ep']} · ETP {lay['etp']} · "
+        f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "
+        + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res['params_active'] < res['params_total'] else "") +
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
         f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
         f"{'   [proposed]' if res['proposed'] else ''}",
@@ -54,7 +59,7 @@ def format_table(res: dict) -> str:
     lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
                  + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
     if res["proposed"] and not res["fits"]:
-        lines.append(f"no layout of {res['nodes']} nodes × {res['gpus_per_node']} GPUs fits in "
+        lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], 'GPU')} fits in "
                      f"{res['gpu_mem_gib']:g} GiB per GPU at these sizes; the one shown is the closest. "
                      + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
                         f"None fits with --precision bf16 or up to --nodes {16 * res['nodes']} either; try")
