@@ -220,3 +220,22 @@ def test_sync_dynamic_sampling_replaces_filtered_groups_up_to_the_cap():
     ctrl.cfg.release_cap = 5
     groups, m = ctrl.run_phase(0)
     assert groups == [] and m.groups_filtered == 5  # the cap bounds the search
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "partial"])
+def test_dynamic_sampling_cap_ends_a_phase_with_no_useful_group(mode):
+    """Every group filtered (a verifier that always fails, a task the policy always solves): the phase ends once
+    the cap's groups were released, with nothing to train (the step is skipped). It ran until the prompt stream
+    ran out — forever on a dataset that repeats — since the cap was only looked at once a group was useful."""
+    ctrl, produced = make(mode, heavy_lengths(30, seed=8), keep=lambda g: False, update=2, rollout=4)
+    ctrl.cfg.release_cap = 6
+    for v in range(4):
+        groups, m = ctrl.run_phase(v)
+        assert groups == []
+        if not m.long_rounds:  # (on-policy: a long round runs its long prompts, the ones held back, to the end)
+            assert 6 <= m.groups_filtered < 6 + 8  # ends at the cap (groups finishing in one step)
+    assert len(produced) < 60  # a few phases' worth of prompts, not a sweep of the stream
+    ctrl, _ = make(mode, heavy_lengths(30, seed=8), keep=lambda g: g.prompt_index % 7 == 0, update=2, rollout=4)
+    ctrl.cfg.release_cap = 6
+    groups, m = ctrl.run_phase(0)
+    assert len(groups) + m.groups_filtered < 6 + 8 and all(g.prompt_index % 7 == 0 for g in groups)

@@ -225,12 +225,14 @@ class RolloutController(PromptBuffer):
                 return not any(i in self.live for i in members)
             if useful >= bound:
                 return True
-            if pending_pinned() or useful == 0:
+            if pending_pinned():
+                return False
+            if cfg.release_cap and useful + m.groups_filtered >= cfg.release_cap:
+                return True  # oversampling cap: train on the useful groups there are, none included (step skipped)
+            if useful == 0:
                 return False
             if cfg.token_budget and phase_tokens >= cfg.token_budget:
                 return True
-            if cfg.release_cap and useful + m.groups_filtered >= cfg.release_cap:
-                return True  # oversampling cap: train on the useful groups there are
             return useful >= cfg.update_groups
 
         if fill:
