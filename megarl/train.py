@@ -49,8 +49,9 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     groups, phase = run_phase(version=step)  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
-        print(f"step {step}: no useful group released ({phase.groups_filtered} filtered); update skipped", flush=True)
-        return {"timing/gen_s": t1 - t0, "loss/policy": 0.0, **phase.summary()}
+        print(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped",
+              flush=True)  # (its reward failures and bad rows are still logged: that is when they matter)
+        return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
     t2 = time.time()

@@ -119,7 +119,7 @@ class RewardPool:
         self.errors = self.timeouts = self.calls = 0
         self._step = {"errors": 0, "timeouts": 0}
         self._extras: dict[str, list[float]] = {}
-        self._window, self._last_failed = [0, 0], 0  # training calls and failed ones since the last failing_steps()
+        self._window, self._last = [0, 0], (0, 0)  # training calls and failed ones since the last failing_steps()
         self.failed_in_a_row, self.traceback_logged = 0, False
         self._wait_ready(start_timeout_s)
 
@@ -146,10 +146,17 @@ class RewardPool:
 
     def score(self, items) -> list[float]:
         """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
-        loop's call: its calls and failures also feed ``failing_steps``; an evaluation's do not.)"""
-        scores = self.score_detailed(items)[0]
+        loop's call: its calls, failures and extra values also feed ``failing_steps`` and ``step_metrics``' per-step
+        figures; an evaluation's, through ``score_detailed``, only the cumulative counts.)"""
+        scores, extras = self.score_detailed(items)
+        errors, timeouts = self._last
         self._window[0] += len(scores)
-        self._window[1] += self._last_failed
+        self._window[1] += errors + timeouts
+        self._step["errors"] += errors
+        self._step["timeouts"] += timeouts
+        for extra in extras:
+            for k, v in extra.items():
+                self._extras.setdefault(k, []).append(v)
         return scores
 
     def score_detailed(self, items) -> tuple[list[float], list[dict]]:
@@ -202,7 +209,7 @@ class RewardPool:
         if timeouts:
             log.warning("reward: %d of %d calls ran past %.1fs; workers replaced, scored %s", timeouts, len(scores),
                         self.timeout_s, self.on_error)
-        self._count(len(scores), errors, timeouts, extras)
+        self._count(len(scores), errors, timeouts)
         return [float(s) for s in scores], extras
 
     def _log_traceback(self, text: str | None) -> None:
@@ -225,19 +232,15 @@ class RewardPool:
         self._workers[i].kill()
         self._workers[i] = self._start()
 
-    def _count(self, n: int, errors: int, timeouts: int, extras: list[dict]) -> None:
+    def _count(self, n: int, errors: int, timeouts: int) -> None:
         self.calls += n
-        self._last_failed = errors + timeouts
+        self._last = (errors, timeouts)
         self.errors += errors
         self.timeouts += timeouts
-        self._step["errors"] += errors
-        self._step["timeouts"] += timeouts
-        for extra in extras:
-            for k, v in extra.items():
-                self._extras.setdefault(k, []).append(v)
 
     def step_metrics(self) -> dict[str, float]:
-        """``reward/errors``/``timeouts`` (cumulative), ``*_step`` since the last call, ``reward/<name>`` means."""
+        """``reward/errors``/``timeouts`` (cumulative, evaluations included), ``*_step`` (the training calls since
+        the last call of this) and ``reward/<name>`` means (of those training calls)."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts),
                "reward/errors_step": float(self._step["errors"]),
                "reward/timeouts_step": float(self._step["timeouts"])}
