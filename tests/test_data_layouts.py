@@ -83,6 +83,23 @@ def test_trl_conversation_prompt_is_before_the_last_assistant_turn_which_is_the_
         check_keys(store, "messages", "solution")
 
 
+def test_a_conversation_beside_an_answer_column_loses_its_reference_turn_and_empty_messages_are_bad(tmp_path, tok,
+                                                                                                     caplog):
+    """OpenAI/TRL ``messages`` ending with the assistant's answer, plus a ``solution`` column: the prompt handed the
+    policy its own reference answer. A conversation whose only message is empty was a usable prompt."""
+    rows = [{**r, "solution": r["messages"][-1]["content"]} for r in TRL]
+    rows.append({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": " "}], "solution": "1"})
+    store = RowStore(write_jsonl(tmp_path / "chat.jsonl", rows))
+    render = PromptRenderer(tok, "auto")
+    with caplog.at_level("WARNING"):
+        src = DatasetSource(store, render, "messages", "solution", shuffle=False)
+        got = [src.next() for _ in range(6)]
+    assert [p.answer for p in got[:5]] == [f"{i}ba" for i in range(5)]
+    assert got[2].ids == render(TRL[2]["messages"][:1])[1] and "2ba" not in got[2].text
+    assert src.bad_rows == 1 and "every other message is empty" in src.last_refusal
+    assert sum("end with an assistant turn" in r.message for r in caplog.records) == 1  # said once
+
+
 def test_a_source_with_no_usable_row_counts_one_walk_however_often_it_is_asked(tmp_path, tok):
     store = RowStore(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi", "answer": {"x": 1}}] * 64))
     src = DatasetSource(store, PromptRenderer(tok, "auto"), shuffle=True)
@@ -133,3 +150,22 @@ def test_megarl_refuses_an_unusable_dataset_or_reward_before_launch(tmp_path, to
     err = refused()
     assert "cannot import 'mine.rw'" in err and f"working directory (here {tmp_path / 'mine'})" in err
     assert "PYTHONPATH" in err
+
+
+def test_a_data_path_that_takes_in_the_held_out_file_is_refused(tmp_path, caplog):
+    """data.path a directory holding train.jsonl and the test.jsonl that data.eval_path names: the run trained on
+    its evaluation prompts, silently."""
+    from megarl.config.schema import DataConfig
+    from megarl.data.source import check_data
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    held = write_jsonl(tmp_path / "test.jsonl", rows)
+    with pytest.raises(DataError, match=rf"data.path='{tmp_path}' takes in the held-out file\(s\) of data.eval_path="
+                                        rf"'{held}': {held}; the run would train on its evaluation prompts"):
+        check_data(DataConfig(path=str(tmp_path), eval_path=held))
+    assert set(check_data(DataConfig(path=str(tmp_path / "train*.jsonl"), eval_path=held))) == {"data.path",
+                                                                                               "data.eval_path"}
+    with caplog.at_level("WARNING"):
+        check_data(DataConfig(path=held, eval_path=held))  # the same file, given twice: meant, and said
+    assert any("the held-out prompts are trained on" in r.message for r in caplog.records)

@@ -30,6 +30,8 @@ def as_messages(prompt, system_prompt: str = "") -> list[dict]:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise PromptError(f"message {i} is not a {{'role': str, 'content': str}} mapping: {m!r:.80}")
             messages.append({"role": m["role"], "content": m["content"]})
+        if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+            raise PromptError("has no message with content besides a system prompt (every other message is empty)")
     else:
         raise PromptError(f"must be a string or a non-empty list of chat messages, got {type(prompt).__name__} "
                           f"{prompt!r:.60}")

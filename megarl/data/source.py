@@ -52,6 +52,7 @@ def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) 
     A key may be a column or a dotted path into nested (struct) fields, such as verl's
     ``reward_model.ground_truth``. ``answer_key`` equal to ``prompt_key`` reads a conversation (TRL's ``messages``):
     the prompt is every message before the last assistant turn and the answer is that turn's content.
+    A conversation with a separate answer column loses its trailing assistant turns (``without_trailing_answer``).
     ``extras`` are the row's other top-level columns (a nested answer's column stays in them)."""
     if isinstance(row, BadRow):
         raise DataError(f"{where}: {row.why}")
@@ -62,6 +63,7 @@ def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) 
         prompt, answer = split_conversation(prompt, where, prompt_key)
     else:
         answer = get_field(row, answer_key)
+        prompt = without_trailing_answer(prompt, prompt_key)
     if answer is MISSING or answer is None or isinstance(answer, (dict, list)):
         shown = None if answer is MISSING else answer
         hint = (f"; name one of its fields with a dotted key: {', '.join(repr(f'{answer_key}.{k}') for k in answer)}"
@@ -70,6 +72,25 @@ def parse_row(row: dict | BadRow, where: str, prompt_key: str, answer_key: str) 
                         f"{shown!r:.60}{hint}")
     extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     return prompt, str(answer), extras
+
+
+def without_trailing_answer(prompt, key: str):
+    """A conversation that ends with assistant turns (OpenAI/TRL ``messages`` beside a separate answer column) less
+    those turns: they hold the reference response, which the prompt would hand the policy. Said once per key."""
+    if not isinstance(prompt, (list, tuple)):
+        return prompt
+    end = len(prompt)
+    while end and isinstance(prompt[end - 1], dict) and prompt[end - 1].get("role") == "assistant":
+        end -= 1
+    if end < len(prompt) and key not in _TRIMMED:
+        _TRIMMED.add(key)
+        log.warning("data: field %r holds conversations that end with an assistant turn (the reference response): "
+                    "the prompt is the messages before it (set data.answer_key=%s to take that turn as the answer)",
+                    key, key)
+    return list(prompt[:end])
+
+
+_TRIMMED: set[str] = set()
 
 
 def split_conversation(messages, where: str, key: str) -> tuple[list, str]:
@@ -263,7 +284,25 @@ def check_data(d) -> dict[str, RowStore]:
         check_keys(store, d.prompt_key, d.answer_key, key)
         if d.on_bad_row == "error":
             check_rows(store, d.prompt_key, d.answer_key, lambda p: as_messages(p, d.system_prompt))
+    if d.eval_path:
+        check_held_out(stores["data.path"], stores["data.eval_path"])
     return stores
+
+
+def check_held_out(train: RowStore, held_out: RowStore) -> None:
+    """DataError when ``data.path`` (a directory or glob) takes in a file of ``data.eval_path``: the held-out
+    prompts would be trained on and pass@1 measured on them. The same single file for both is taken as meant
+    (a smoke test), and said."""
+    shared = sorted({p.path.resolve() for p in train.parts} & {p.path.resolve() for p in held_out.parts})
+    if not shared:
+        return
+    if train.spec == held_out.spec:
+        log.warning("data.path and data.eval_path are the same file (%s): the held-out prompts are trained on",
+                    train.spec)
+        return
+    raise DataError(f"data.path={train.spec!r} takes in the held-out file(s) of data.eval_path={held_out.spec!r}: "
+                    f"{', '.join(map(str, shared))}; the run would train on its evaluation prompts. Point data.path at "
+                    "the training files only (a file, or a glob such as DIR/train*.jsonl)")
 
 
 SAMPLE_ROWS = 256
