@@ -106,6 +106,16 @@ def test_bad_rows_error_mode_names_file_line_and_field(tmp_path, tok, line, wher
         check_data(d)
 
 
+def test_bad_rows_error_mode_names_every_bad_row_up_to_ten_and_counts_the_rest(tmp_path):
+    """A file with several bad rows took one fix-and-rerun round per row (only the first was named)."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [], [BAD[0]] + [BAD[2]] * 3 + [BAD[0]] + [BAD[1]] * 10)
+    with pytest.raises(DataError, match=r"^13 bad rows \(data.on_bad_row=error\): ") as info:
+        check_data(DataConfig(path=str(path), on_bad_row="error"))
+    text = str(info.value)
+    assert all(f"{path}:line {n}:" in text for n in (2, 3, 4, 6, 7, 8, 9, 10, 11, 12))
+    assert f"{path}:line 13" not in text and text.endswith("; 3 more")
+
+
 def test_missing_key_empty_dataset_and_missing_file_are_clear_errors(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS[:3])
     with pytest.raises(DataError, match="no row has the key 'question'.*data.prompt_key"):

@@ -211,15 +211,34 @@ def check_keys(store: RowStore, prompt_key: str, answer_key: str, key: str = "da
                             f"{', '.join(store.column_names()) or 'no columns'}")
 
 
+SHOWN_BAD_ROWS = 10
+"""Bad rows ``check_rows`` names in its error (it counts them all): a file's problems are fixed in one round."""
+
+
 def check_rows(store: RowStore, prompt_key: str, answer_key: str, render: Callable | None = None) -> None:
-    """Every row parses (and renders, given ``render``); the first that does not raises DataError."""
+    """Every row parses (and renders, given ``render``); else DataError naming the first ``SHOWN_BAD_ROWS`` bad
+    rows and counting them all."""
+    bad: list[str] = []
+    count = 0
     for i in range(len(store)):
         where, row = store.row(i)
-        prompt, _, _ = parse_row(row, where, prompt_key, answer_key)
         try:
+            prompt, _, _ = parse_row(row, where, prompt_key, answer_key)
             render(prompt) if render is not None else None
+        except DataError as exc:
+            problem = str(exc)
         except PromptError as exc:
-            raise DataError(f"{where}: field {prompt_key!r} {exc} (data.on_bad_row=error)") from None
+            problem = f"{where}: field {prompt_key!r} {exc}"
+        else:
+            continue
+        count += 1
+        if len(bad) < SHOWN_BAD_ROWS:
+            bad.append(problem)
+    if count == 1:
+        raise DataError(f"{bad[0]} (data.on_bad_row=error)")
+    if count:
+        more = f"; {count - len(bad)} more" if count > len(bad) else ""
+        raise DataError(f"{count} bad rows (data.on_bad_row=error): " + "; ".join(bad) + more)
 
 
 class AdditionSource:
