@@ -137,6 +137,8 @@ def test_errors_name_the_problem_before_any_output(tmp_path, capsys):
     fails(tmp_path, capsys, [*to_mcore, "--pp", 3], "--pp 3", "valid pp × vpp: [1, 2, 4]")
     fails(tmp_path, capsys, [*to_mcore, "--ep", 2], "--ep 2 needs an MoE model")
     fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", model, "--out", tmp_path / "out"], "not a megatron dist checkpoint")
+    fails(tmp_path, capsys, ["hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out"],
+          f"--hf: no config.json in {tmp_path / 'nowhere'}")  # the flag given, not the config key model.path
     # an index naming a file that is not there, then a truncated shard
     shard = model / "model.safetensors"
     (model / "model.safetensors.index.json").write_text(json.dumps(

@@ -43,7 +43,7 @@ def compare(hf_dir: str, ckpt: str) -> dict:
     from megarl.checkpoint.identity import check_same_model
     from megarl.models.hf_config import read_hf_config
 
-    cfg = read_hf_config(hf_dir)
+    cfg = read_hf_config(hf_dir, "--hf")
     check_same_model(ckpt, cfg, f"--hf {hf_dir}")  # mcore-to-hf's check: a tensor left unloaded is another model
     import torch
     from transformers import AutoModelForCausalLM

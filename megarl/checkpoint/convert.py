@@ -179,7 +179,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
     hf_dir, out = Path(hf_dir), Path(out)
     if not dry_run:
         _check_out(out)
-    cfg = read_hf_config(hf_dir)
+    cfg = read_hf_config(hf_dir, "--hf")
     layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 0, "vpp": 1, **(layout or {})}
     check_layout(cfg, **layout)
     src = HFCheckpoint(hf_dir)
@@ -377,7 +377,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         log(f"--hf-config: {hf_config} ({source})")
     if not (hf_config / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config DIR (the HF model the run started from)")
-    cfg = read_hf_config(hf_config)
+    cfg = read_hf_config(hf_config, "--hf-config")
     check_same_model(ckpt, cfg, f"--hf-config {hf_config}")  # names both models (ValueError)
     saved = saved_tensors(ckpt)
     raw = _tensor_entries(skeleton_state(cfg))

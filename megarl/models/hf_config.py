@@ -25,10 +25,12 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def read_hf_config(model_dir: str | Path) -> dict:
+def read_hf_config(model_dir: str | Path, key: str = "model.path") -> dict:
+    """The HF ``config.json`` of ``model_dir`` (given as ``key``: 'model.path', '--hf', ...), checked for what
+    megarl supports."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"model.path: no config.json in {model_dir}")
+        raise FileNotFoundError(f"{key}: no config.json in {model_dir}")
     cfg = json.loads(path.read_text())
     if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
