@@ -76,7 +76,8 @@ def test_user_reward_by_dotted_path_gets_row_extras_and_dict_metrics():
 
 def test_bad_reward_fn_is_a_clear_error_before_scoring():
     for spec, words in (("reward_fns:nope", "no callable 'nope'"), ("no_such_mod:f", "cannot import"),
-                        ("mathh", "built-in")):
+                        ("mathh", "built-in"),
+                        ("myrewards/verifiers.py:good", r"is a file path; .*: reward.fn=myrewards.verifiers:good")):
         with pytest.raises(ValueError, match=words):
             RewardPool(spec, workers=1)
 

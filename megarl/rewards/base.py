@@ -30,6 +30,10 @@ def load_reward_fn(path: str) -> Callable[..., float | dict]:
         raise ValueError(f"reward function {path!r}: expected a built-in ({', '.join(BUILTINS)}) "
                          "or 'package.module:function'")
     module_name, attr = path.split(":", 1)
+    if "/" in module_name or module_name.endswith(".py"):
+        dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
+        raise ValueError(f"reward.fn={path!r}: {module_name!r} is a file path; name the module with dots, "
+                         f"relative to the working directory or PYTHONPATH: reward.fn={dotted}:{attr}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
