@@ -9,9 +9,13 @@ tokenizer without a template) the contents are joined as plain text.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from megarl.data import encode
+
+log = logging.getLogger(__name__)
+_SAID_PLAIN: list[bool] = []  # the no-template notice, once per process
 
 
 class PromptError(ValueError):
@@ -45,7 +49,12 @@ def load_template(tokenizer, chat_template: str) -> str | None:
     if chat_template == "none":
         return None
     if chat_template == "auto":
-        return getattr(tokenizer, "chat_template", None) or None
+        template = getattr(tokenizer, "chat_template", None) or None
+        if template is None and tokenizer is not None and not _SAID_PLAIN:
+            _SAID_PLAIN.append(True)
+            log.warning("data.chat_template=auto: the tokenizer has no chat template, so prompts are plain text (chat "
+                        "messages joined by blank lines); give a Jinja file as data.chat_template for a chat format")
+        return template
     path = Path(chat_template)
     if not path.is_file():
         raise FileNotFoundError(f"data.chat_template={chat_template!r}: not 'auto', 'none' or an existing Jinja file")
