@@ -229,6 +229,10 @@ def test_check_conversion_and_inspect(tmp_path, capsys):
     assert "model.layers.0.mlp.experts.3.down_proj.weight  [128, 48]  float32" in lines["hf"]
     assert "saved at tensor parallel 1 (linear_qkv in 1 row block(s) per layer)" in lines["mcore"]
     assert any("checked for layout {'tp': 1, 'pp': 1, 'ep': 2" in line for line in lines["mcore"])
+    dense = make_hf_model(tmp_path / "dense", "qwen3", seed=1)  # another model's config: said, not a silent omission
+    assert inspect.main([str(tmp_path / "ckpt"), "--summary", "--hf-config", str(dense)]) == 0
+    assert (f"active per token unknown: the checkpoint has expert tensors and {dense / 'config.json'} is not an MoE "
+            "model's") in capsys.readouterr().out
 
 
 def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):

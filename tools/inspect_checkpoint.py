@@ -81,8 +81,15 @@ def main(argv=None) -> int:
     experts = num_experts(cfg)
     active = total - expert + (expert * cfg["num_experts_per_tok"] // experts if experts else 0)
     counted = "megatron tensors (layers stacked)" if kind == "mcore" else "HF tensors"
+    if experts:
+        active_words = f", {active:,} active per token ({cfg['num_experts_per_tok']} of {experts} experts)"
+    elif expert:  # expert tensors, but no config (or another model's) to say how many experts a token uses
+        said = f"{cfg_dir / 'config.json'} is not an MoE model's" if cfg else f"no config.json in {cfg_dir}"
+        active_words = f"; active per token unknown: the checkpoint has expert tensors and {said} (--hf-config DIR)"
+    else:
+        active_words = ""
     print(f"{kind} checkpoint {path}: {len(model)} {counted}, {size / 2**30:.3f} GiB, {total:,} parameters"
-          + (f", {active:,} active per token ({cfg['num_experts_per_tok']} of {experts} experts)" if experts else ""))
+          + active_words)
     if kind == "mcore":
         qkv = [k for k in tensors if k.endswith("linear_qkv.weight")]
         if qkv:
