@@ -175,17 +175,18 @@ def test_train_checks_stop_the_batch_script_before_srun(tmp_path):
     the batch script refuses before srun: one config error in the batch log, exit 2 (every node failed with exit 1
     after the allocation started, the batch log saying rank 0 did not start)."""
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "SLURM_NNODES": "2", "SLURM_JOB_ID": "5",
-           "PATH": "/usr/bin:/bin"}
+           "SLURM_NTASKS": "2", "PATH": "/usr/bin:/bin"}
 
-    def batch(*overrides):
-        return subprocess.run(["bash", "slurm/train.sbatch", "--config", "configs/tiny_cpu.yaml",
+    def batch(script, *overrides):
+        return subprocess.run(["bash", script, "--config", "configs/tiny_cpu.yaml",
                                f"train.run_dir={tmp_path / 'run'}", *overrides],
                               capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
-    proc = batch(f"model.path={tmp_path / 'nowhere'}", "model.make_tiny=")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (f"megarl: config error: model.path: {tmp_path / 'nowhere'} holds no "
-                                                    "config.json (set model.make_tiny to create a tiny model)")
-    proc = batch(f"data.path={tmp_path / 'missing.jsonl'}")
-    assert proc.returncode == 2 and str(tmp_path / "missing.jsonl") in proc.stderr, proc.stderr
-    assert not (tmp_path / "run").exists()  # nothing started, no log directory made
+    for script in ("slurm/train.sbatch", "slurm/mpi.sbatch"):
+        proc = batch(script, f"model.path={tmp_path / 'nowhere'}", "model.make_tiny=")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (f"megarl: config error: model.path: {tmp_path / 'nowhere'} "
+                                                        "holds no config.json (set model.make_tiny to create a tiny model)")
+        proc = batch(script, f"data.path={tmp_path / 'missing.jsonl'}")
+        assert proc.returncode == 2 and str(tmp_path / "missing.jsonl") in proc.stderr, proc.stderr
+        assert not (tmp_path / "run").exists()  # nothing started, no log directory made

@@ -155,3 +155,19 @@ def test_transformer_engine_names_map_to_the_local_spec():
     assert te_name("decoder.layers.0.input_layernorm.weight", te_params) == (
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
     assert te_name(local, {local: None}) == local
+
+
+def test_math_defaults_of_a_config_that_leaves_keys_out_are_transformers_own():
+    """A config.json without rms_norm_eps / norm_topk_prob / rope_theta means transformers' defaults for its family
+    (Mixtral: eps 1e-5, theta 1e6; Qwen-MoE: no renormalisation), which the trainer and the identity check use."""
+    from transformers import CONFIG_MAPPING
+
+    from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, norm_topk_prob, rms_norm_eps, rope_theta
+
+    for family in SUPPORTED_MODEL_TYPES:
+        theirs = CONFIG_MAPPING[family]()
+        bare = {"model_type": family}
+        assert rms_norm_eps(bare) == theirs.rms_norm_eps, family
+        assert rope_theta(bare) == theirs.rope_parameters["rope_theta"], family
+        if hasattr(theirs, "norm_topk_prob"):
+            assert norm_topk_prob(bare) == theirs.norm_topk_prob, family

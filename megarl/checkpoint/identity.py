@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megarl.models.hf_config import has_qk_norm, has_qkv_bias, is_moe_layer, num_experts, rope_parameters
+from megarl.models.hf_config import (has_qk_norm, has_qkv_bias, is_moe_layer, norm_topk_prob, num_experts,
+                                      rms_norm_eps, rope_parameters)
 
 LEARNERS = ("policy", "critic", "reference")
 _QKV = "decoder.layers.self_attention.linear_qkv"
@@ -62,9 +63,9 @@ def _with_config_math(cfg: dict) -> dict:
     moe = num_experts(cfg) > 0
     dense = [i for i in range(cfg["num_hidden_layers"]) if moe and not is_moe_layer(cfg, i)]
     return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
-            "dense layers": dense or "none", "RoPE": _rope(cfg), "RMS norm eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "dense layers": dense or "none", "RoPE": _rope(cfg), "RMS norm eps": rms_norm_eps(cfg),
             "experts per token": cfg.get("num_experts_per_tok") if moe else "none",
-            "top-k weights renormalised": bool(cfg.get("norm_topk_prob", True)) if moe else "none"}
+            "top-k weights renormalised": norm_topk_prob(cfg) if moe else "none"}
 
 
 def from_tensors(shapes: dict[str, tuple]) -> dict:
@@ -203,7 +204,10 @@ def check_same_model(ckpt: str | Path, hf_cfg: dict, model_name: str) -> None:
         diffs, have = [k for k in want if recorded[k] != want[k]], recorded
     if diffs:
         differ = "; ".join(f"{k}: checkpoint {_word(have[k])}, model {_word(want[k])}" for k in diffs)
+        rope = (" A RoPE change made on purpose (e.g. YaRN scaling for longer contexts): export with the checkpoint's "
+                "own config (mcore-to-hf without --hf-config) and change the exported config.json."
+                if diffs == ["RoPE"] else "")
         raise ModelMismatch(
             f"{ckpt} holds another model than {model_name} ({differ}); {source}. "
             f"The checkpoint's model: {describe(have)}. Use the model the checkpoint was saved from "
-            f"({source_dir or 'see above'}), or another checkpoint")
+            f"({source_dir or 'see above'}), or another checkpoint.{rope}")

@@ -87,6 +87,26 @@ def is_moe_layer(cfg: dict, layer: int) -> bool:
     return num_experts(cfg) > 0 and layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
 
+# transformers' own defaults for math keys a config.json may leave out, where they differ by family (the
+# fallbacks below hold for every other supported family); tests/test_tiny_and_adapter.py compares with transformers.
+_FAMILY_DEFAULTS = {"mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
+
+
+def _family_default(cfg: dict, key: str, fallback: float) -> float:
+    return _FAMILY_DEFAULTS.get(cfg.get("model_type"), {}).get(key, fallback)
+
+
+def rms_norm_eps(cfg: dict) -> float:
+    eps = cfg.get("rms_norm_eps")
+    return float(eps if eps is not None else _family_default(cfg, "rms_norm_eps", 1e-6))
+
+
+def norm_topk_prob(cfg: dict) -> bool:
+    """Whether the router's top-k weights are renormalised to sum to 1: Mixtral's always are (softmax over the
+    top-k logits); Qwen-MoE's as ``norm_topk_prob`` says, False when left out (transformers' default)."""
+    return True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+
+
 def rope_theta(cfg: dict) -> float:
     return rope_parameters(cfg)["rope_theta"]
 
@@ -105,7 +125,8 @@ def rope_parameters(cfg: dict) -> dict:
     ``rope_scaling`` (``type`` or ``rope_type``) + ``rope_theta``."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params["rope_theta"] = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    params["rope_theta"] = float(params.get("rope_theta") or cfg.get("rope_theta")
+                                 or _family_default(cfg, "rope_theta", 10000.0))
     if params["rope_type"] in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"))

@@ -13,7 +13,9 @@ from megarl.models.hf_config import (
     has_qk_norm,
     has_qkv_bias,
     is_moe_layer,
+    norm_topk_prob,
     num_experts,
+    rms_norm_eps,
     rope_parameters,
 )
 from megarl.trainer.parallel import ParallelState
@@ -42,7 +44,7 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
             moe_router_topk=cfg["num_experts_per_tok"],
             moe_ffn_hidden_size=cfg.get("moe_intermediate_size", cfg["intermediate_size"]),
             # softmax over the top-k logits == softmax over all, then top-k renormalised.
-            moe_router_pre_softmax=not cfg.get("norm_topk_prob", True),
+            moe_router_pre_softmax=not norm_topk_prob(cfg),
             moe_token_dispatcher_type=moe_dispatcher,
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff,
@@ -60,7 +62,7 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         ffn_hidden_size=cfg["intermediate_size"],
         normalization="RMSNorm",
-        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        layernorm_epsilon=rms_norm_eps(cfg),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
