@@ -53,7 +53,7 @@ submit() {
     local job
     job=$(sbatch --parsable --nodes "$NODES" --output "$RUN_DIR/logs/%j.batch.log" "${SBATCH_ARGS[@]}" \
         "$ROOT/slurm/train.sbatch" "${ARGS[@]}")
-    echo "submitted job $job; batch log $RUN_DIR/logs/$job.batch.log" >&2
+    echo "submitted job $job; batch log $RUN_DIR/logs/${job%%;*}.batch.log" >&2  # (--parsable: ID or ID;CLUSTER)
     echo "$job"
 }
 

@@ -92,7 +92,7 @@ def test_ppo_value_targets_use_its_lambda():
     (["algo.lam=0.9", "algo.critic_lr=0.01"],
      r"algo.lam=0.9, algo.critic_lr=0.01 with algo.advantage=grpo .*would be ignored"),
     (["algo.preset=ppo", "algo.advantage=dr_grpo", "algo.whiten_advantages=false"],
-     r"algo.lam_critic=0.95 with algo.advantage=dr_grpo"),
+     r"algo.lam_critic=0.95 \(from algo.preset=ppo\).* with algo.advantage=dr_grpo"),
     (["algo.policy_loss=gspo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=gspo"),
     (["algo.preset=gspo", "algo.dual_clip=3"], r"algo.dual_clip.*algo.policy_loss=gspo"),
 ])

@@ -166,6 +166,10 @@ def test_a_data_path_that_takes_in_the_held_out_file_is_refused(tmp_path, caplog
         check_data(DataConfig(path=str(tmp_path), eval_path=held))
     assert set(check_data(DataConfig(path=str(tmp_path / "train*.jsonl"), eval_path=held))) == {"data.path",
                                                                                                "data.eval_path"}
-    with caplog.at_level("WARNING"):
-        check_data(DataConfig(path=held, eval_path=held))  # the same file, given twice: meant, and said
+    with caplog.at_level("WARNING"):  # the same file, given twice (here once through a symlink): meant, and said
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / "link.jsonl").symlink_to(held)
+        check_data(DataConfig(path=str(tmp_path / "sub" / "link.jsonl"), eval_path=held))
     assert any("the held-out prompts are trained on" in r.message for r in caplog.records)
+    with pytest.raises(DataError, match="takes in the held-out file"):  # a directory for both: not one file
+        check_data(DataConfig(path=str(tmp_path), eval_path=str(tmp_path)))

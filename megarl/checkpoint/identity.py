@@ -21,8 +21,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megarl.models.hf_config import (has_qk_norm, has_qkv_bias, is_moe_layer, norm_topk_prob, num_experts,
-                                      rms_norm_eps, rope_parameters)
+from megarl.models.hf_config import (
+    has_qk_norm,
+    has_qkv_bias,
+    is_moe_layer,
+    norm_topk_prob,
+    num_experts,
+    rms_norm_eps,
+    rope_parameters,
+)
 
 LEARNERS = ("policy", "critic", "reference")
 _QKV = "decoder.layers.self_attention.linear_qkv"

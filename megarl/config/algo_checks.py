@@ -121,10 +121,15 @@ def _combinations(cfg: RunConfig) -> None:
         if a.whiten_advantages:
             raise ConfigError(f"algo.whiten_advantages=true {group}: it would be ignored; set "
                               "algo.whiten_advantages=false or algo.advantage=gae")
-        changed = [f"algo.{k}={getattr(a, k)}" for k in _GAE_ONLY if getattr(a, k) != getattr(AlgoConfig, k)]
+        from megarl.config.presets import PRESETS
+
+        preset = PRESETS.get(a.preset, {})
+        changed = [f"algo.{k}={getattr(a, k)}" + (f" (from algo.preset={a.preset})" if preset.get(k) == getattr(a, k)
+                                                  else "")
+                   for k in _GAE_ONLY if getattr(a, k) != getattr(AlgoConfig, k)]
         if changed:
             raise ConfigError(f"{', '.join(changed)} {group}: they would be ignored; leave them at their defaults "
-                              "or set algo.advantage=gae")
+                              "(override a preset's) or set algo.advantage=gae")
         if a.length_adaptive_alpha:
             raise ConfigError(f"algo.length_adaptive_alpha={a.length_adaptive_alpha} {group}: it would be ignored; "
                               "set algo.length_adaptive_alpha=0 or algo.advantage=gae")

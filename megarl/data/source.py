@@ -312,12 +312,13 @@ def check_held_out(train: RowStore, held_out: RowStore) -> None:
     """DataError when ``data.path`` (a directory or glob) takes in a file of ``data.eval_path``: the held-out
     prompts would be trained on and pass@1 measured on them. The same single file for both is taken as meant
     (a smoke test), and said."""
-    shared = sorted({p.path.resolve() for p in train.parts} & {p.path.resolve() for p in held_out.parts})
+    train_files, held_files = ({p.path.resolve() for p in s.parts} for s in (train, held_out))
+    shared = sorted(train_files & held_files)
     if not shared:
         return
-    if train.spec == held_out.spec:
+    if len(train_files) == 1 and train_files == held_files:
         log.warning("data.path and data.eval_path are the same file (%s): the held-out prompts are trained on",
-                    train.spec)
+                    shared[0])
         return
     raise DataError(f"data.path={train.spec!r} takes in the held-out file(s) of data.eval_path={held_out.spec!r}: "
                     f"{', '.join(map(str, shared))}; the run would train on its evaluation prompts. Point data.path at "

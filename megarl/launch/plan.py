@@ -314,7 +314,8 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
                                     "kv_cache_needed", "kv_cache_sequences", "kv_cache_sequences_held")}
     return {
-        "model_type": hf.get("model_type"), "params_total": counts.total, "params_active": counts.active,
+        "model_type": hf.get("model_type"), "experts": num_experts(hf), "params_total": counts.total,
+        "params_active": counts.active,
         "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
                    "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
                    "engine_replicas": lay.world // lay.engine_tp},

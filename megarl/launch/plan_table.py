@@ -43,7 +43,7 @@ def format_table(res: dict) -> str:
         f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], 'GPU')} of {res['gpu_mem_gib']:g} GiB, "
         f"precision {res['precision']}",
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "
-        + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res['params_active'] < res['params_total'] else "") +
+        + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else "") +
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
         f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
         f"{'   [proposed]' if res['proposed'] else ''}",

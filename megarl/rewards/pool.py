@@ -119,7 +119,7 @@ class RewardPool:
         self.errors = self.timeouts = self.calls = 0
         self._step = {"errors": 0, "timeouts": 0}
         self._extras: dict[str, list[float]] = {}
-        self._window, self._last = [0, 0], (0, 0)  # training calls and failed ones since the last failing_steps()
+        self._window = [0, 0]  # training calls and failed ones since the last failing_steps()
         self.failed_in_a_row, self.traceback_logged = 0, False
         self._wait_ready(start_timeout_s)
 
@@ -148,8 +148,7 @@ class RewardPool:
         """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
         loop's call: its calls, failures and extra values also feed ``failing_steps`` and ``step_metrics``' per-step
         figures; an evaluation's, through ``score_detailed``, only the cumulative counts.)"""
-        scores, extras = self.score_detailed(items)
-        errors, timeouts = self._last
+        scores, extras, errors, timeouts = self._score(items)
         self._window[0] += len(scores)
         self._window[1] += errors + timeouts
         self._step["errors"] += errors
@@ -161,6 +160,10 @@ class RewardPool:
 
     def score_detailed(self, items) -> tuple[list[float], list[dict]]:
         """Scores and, per item, the extra values its function returned (``{}`` for a plain float)."""
+        return self._score(items)[:2]
+
+    def _score(self, items) -> tuple[list[float], list[dict], int, int]:
+        """Scores, extras, and how many calls failed and timed out (also added to the cumulative counts)."""
         queue = deque(enumerate(items))
         scores: list[float | None] = [None] * len(queue)
         extras: list[dict] = [{} for _ in scores]
@@ -209,8 +212,10 @@ class RewardPool:
         if timeouts:
             log.warning("reward: %d of %d calls ran past %.1fs; workers replaced, scored %s", timeouts, len(scores),
                         self.timeout_s, self.on_error)
-        self._count(len(scores), errors, timeouts)
-        return [float(s) for s in scores], extras
+        self.calls += len(scores)
+        self.errors += errors
+        self.timeouts += timeouts
+        return [float(s) for s in scores], extras, errors, timeouts
 
     def _log_traceback(self, text: str | None) -> None:
         """The first failed call's full traceback (file and line in the reward's own code), once per pool."""
@@ -231,12 +236,6 @@ class RewardPool:
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
         self._workers[i] = self._start()
-
-    def _count(self, n: int, errors: int, timeouts: int) -> None:
-        self.calls += n
-        self._last = (errors, timeouts)
-        self.errors += errors
-        self.timeouts += timeouts
 
     def step_metrics(self) -> dict[str, float]:
         """``reward/errors``/``timeouts`` (cumulative, evaluations included), ``*_step`` (the training calls since

@@ -268,8 +268,9 @@ class RolloutController(PromptBuffer):
                     m.len_finished_sum += len(s.response_ids)
                     if all(x.status in _DONE for x in self.live[index].samples):
                         self._harvest(index, version, released, m, pinned, members, pending_pinned)
-            if fill and pinned and len(released) + pending_pinned() >= cfg.update_groups:
-                drain()
+            capped = cfg.release_cap and len(released) + m.groups_filtered >= cfg.release_cap
+            if fill and pinned and (len(released) + pending_pinned() >= cfg.update_groups or capped):
+                drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
                 drain_at = times[k]
             if fill:
                 admit_for_free_slots()
