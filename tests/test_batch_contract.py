@@ -183,14 +183,19 @@ def test_paper_workload_targets():
     assert partial["useful_tokens_per_s"] > 2 * sync["useful_tokens_per_s"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.max_update_groups=3", r"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step \(32\), got 3"),
-    ("rollout.buffer_samples=-1", r"rollout.buffer_samples must be >= 0, got -1"),
+@pytest.mark.parametrize("override, message", [  # each names its own key and value, and only that (one message
+    # blamed both max_update_groups and a valid buffer_samples=0)
+    ("rollout.max_update_groups=3", r"^rollout.max_update_groups must be 0 or >= rollout.prompts_per_step \(32\), "
+                                    r"got 3$"),
+    ("rollout.buffer_samples=-1", r"^rollout.buffer_samples must be >= 0 \(0: no bound\), got -1$"),
+    ("rollout.staleness_limit=-1", r"^rollout.staleness_limit must be >= 0, got -1$"),
+    ("rollout.max_discards=0", r"^rollout.max_discards must be >= 1, got 0$"),
+    ("rollout.oversubscription=1e9", r"^rollout.oversubscription must be in \[1.0, 64\] .*got 1000000000.0$"),
 ])
 def test_bad_rollout_bounds_are_config_errors(override, message):
     from megarl.config import ConfigError, load_config, validate
 
-    cfg = load_config(None, [override])
+    cfg = load_config(None, [override, "rollout.mode=partial"])
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 1)
     validate(load_config(None, ["rollout.max_update_groups=40", "rollout.long_rounds=false"]), 1)

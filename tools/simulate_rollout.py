@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["sync", "on_policy", "partial", "all"], default="all")
     p.add_argument("--steps", type=int, help="update steps per mode (default: one pass over the trace)")
     p.add_argument("--oversubscription", type=float, help="live groups per update group (non-sync modes)")
-    p.add_argument("--staleness-limit", type=int)
+    p.add_argument("--staleness-limit", type=int,
+                   help="versions a partial-mode sample may lag (default 2; the paper workload 4; megarl train's "
+                        "rollout.staleness_limit defaults to 1)")
     p.add_argument("--dispatch", choices=["pull", "lpt"])
     p.add_argument("--guard", choices=["long_rounds", "drain", "both"], default="both",
                    help="on-policy starvation guard (with --mode all or on_policy)")

@@ -134,6 +134,11 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 
+MAX_OVERSUBSCRIPTION = 64.0
+"""The most live groups per update group: with ``rollout.staleness_limit`` k a group admitted more than k + 1 update
+batches ahead is stale before it trains; 64 leaves room for any limit in use (1e9 admitted without end)."""
+
+
 def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
     """Cross-field checks; raises ConfigError naming the key and suggesting valid values."""
     p = cfg.parallel
@@ -168,17 +173,22 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
         raise ConfigError("rollout.prompts_per_step and rollout.max_new_tokens must be >= 1")
     if r.mode not in ("sync", "on_policy", "partial"):
         raise ConfigError(f"rollout.mode must be 'sync', 'on_policy' or 'partial', got {r.mode!r}")
-    if r.mode != "sync" and r.oversubscription < 1.0:
-        raise ConfigError(f"rollout.oversubscription must be >= 1.0, got {r.oversubscription}")
+    if r.mode != "sync" and not 1.0 <= r.oversubscription <= MAX_OVERSUBSCRIPTION:
+        raise ConfigError(f"rollout.oversubscription must be in [1.0, {MAX_OVERSUBSCRIPTION:g}] (live groups per update "
+                          f"group: more update batches in flight than that only go stale), got {r.oversubscription}")
     if r.stale_action not in ("regenerate", "drop"):
         raise ConfigError(f"rollout.stale_action must be 'regenerate' or 'drop', got {r.stale_action!r}")
     if r.dispatch not in ("pull", "lpt"):
         raise ConfigError(f"rollout.dispatch must be 'pull' or 'lpt', got {r.dispatch!r}")
-    if r.staleness_limit < 0 or r.max_discards < 1:
-        raise ConfigError("rollout.staleness_limit must be >= 0 and rollout.max_discards >= 1")
-    if r.max_update_groups and r.max_update_groups < r.prompts_per_step or r.buffer_samples < 0:
+    if r.staleness_limit < 0:
+        raise ConfigError(f"rollout.staleness_limit must be >= 0, got {r.staleness_limit}")
+    if r.max_discards < 1:
+        raise ConfigError(f"rollout.max_discards must be >= 1, got {r.max_discards}")
+    if r.max_update_groups and r.max_update_groups < r.prompts_per_step:
         raise ConfigError(f"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step ({r.prompts_per_step}), "
-                          f"got {r.max_update_groups}; rollout.buffer_samples must be >= 0, got {r.buffer_samples}")
+                          f"got {r.max_update_groups}")
+    if r.buffer_samples < 0:
+        raise ConfigError(f"rollout.buffer_samples must be >= 0 (0: no bound), got {r.buffer_samples}")
     if r.long_round_groups < 0:
         raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
     if cfg.optim.lr_decay not in ("constant", "cosine"):
