@@ -1,7 +1,9 @@
 """Per-phase rollout metrics: the bubble ratio and the numbers that keep it honest.
 
 - bubble ratio = idle slot-time / total slot-time of the engines in the phase;
-- η_gen = slot-time spent on tokens that reach the loss / total slot-time;
+- η_gen = slot-time spent on tokens that reach the loss / total slot-time (partial mode credits a released
+  sample's whole generation, earlier phases included, to the releasing phase: one phase can show > 1, the sum
+  over a run's phases is exact);
 - wasted tokens = generated, then thrown away (discarded on-policy samples,
   stale partial samples, groups dropped by dynamic sampling);
 - useful tokens = tokens of the samples handed to the trainer;
