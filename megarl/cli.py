@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
+from megarl.config.errors import PRE_LAUNCH_ERRORS
 from megarl.config.limits import check_local_engine_memory
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 from megarl.checkpoint.identity import check_same_model
 
                 check_same_model(path, _model_config_for_validation(cfg), f"model.path={cfg.model.path}")
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except PRE_LAUNCH_ERRORS as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
     if args.nproc > 1 and not args.worker:

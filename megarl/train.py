@@ -15,6 +15,7 @@ torchrun). Every step calls into a room and nothing else:
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -93,8 +94,8 @@ def run(cfg: RunConfig) -> dict:
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
             s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
     before = keeper.run.get("pass_at_1_before", float("nan"))
-    restored = f" (measured by the run before step 1, restored at step {steps})" if before == before else \
-        " (not measured by the run before step 1)"
+    restored = (" (not measured by the run before step 1)" if math.isnan(before)
+                else f" (measured by the run before step 1, restored at step {steps})")
     say((f"eval before RL: pass@1 {before:.3f} on {len(s.eval_prompts)} held-out prompts" + (restored if steps else ""))
         if s.eval_prompts else f"evaluation skipped: {NO_EVAL_PATH}")
     start = time.time()

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint.identity import ModelMismatch
 
     try:
-        args.ckpt = str(dist_checkpoint_dir(Path(args.ckpt), lambda m: print(m.replace("--ckpt: ", "", 1))))
+        args.ckpt = str(dist_checkpoint_dir(Path(args.ckpt)))  # (says which policy/ it took)
     except FileNotFoundError as exc:
         print(f"check_conversion: error: {exc}", file=sys.stderr)
         return 2

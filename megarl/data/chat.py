@@ -9,13 +9,13 @@ tokenizer without a template) the contents are joined as plain text.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 from megarl.data import encode
 
 log = logging.getLogger(__name__)
-_SAID_PLAIN: list[bool] = []  # the no-template notice, once per process
 
 
 class PromptError(ValueError):
@@ -50,15 +50,19 @@ def load_template(tokenizer, chat_template: str) -> str | None:
         return None
     if chat_template == "auto":
         template = getattr(tokenizer, "chat_template", None) or None
-        if template is None and tokenizer is not None and not _SAID_PLAIN:
-            _SAID_PLAIN.append(True)
-            log.warning("data.chat_template=auto: the tokenizer has no chat template, so prompts are plain text (chat "
-                        "messages joined by blank lines); give a Jinja file as data.chat_template for a chat format")
+        if template is None and tokenizer is not None:
+            _say_plain_text()
         return template
     path = Path(chat_template)
     if not path.is_file():
         raise FileNotFoundError(f"data.chat_template={chat_template!r}: not 'auto', 'none' or an existing Jinja file")
     return path.read_text()
+
+
+@functools.cache  # once per process
+def _say_plain_text() -> None:
+    log.warning("data.chat_template=auto: the tokenizer has no chat template, so prompts are plain text (chat messages "
+                "joined by blank lines); give a Jinja file as data.chat_template for a chat format")
 
 
 class PromptRenderer:

@@ -16,6 +16,7 @@ after rendering is dropped and counted.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,15 +83,15 @@ def without_trailing_answer(prompt, key: str):
     end = len(prompt)
     while end and isinstance(prompt[end - 1], dict) and prompt[end - 1].get("role") == "assistant":
         end -= 1
-    if end < len(prompt) and key not in _TRIMMED:
-        _TRIMMED.add(key)
-        log.warning("data: field %r holds conversations that end with an assistant turn (the reference response): "
-                    "the prompt is the messages before it (set data.answer_key=%s to take that turn as the answer)",
-                    key, key)
+    if end < len(prompt):
+        _say_trimmed(key)
     return list(prompt[:end])
 
 
-_TRIMMED: set[str] = set()
+@functools.cache  # once per key and process
+def _say_trimmed(key: str) -> None:
+    log.warning("data: field %r holds conversations that end with an assistant turn (the reference response): the "
+                "prompt is the messages before it (set data.answer_key=%s to take that turn as the answer)", key, key)
 
 
 def split_conversation(messages, where: str, key: str) -> tuple[list, str]:

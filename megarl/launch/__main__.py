@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megarl.config import ConfigError, load_config
+from megarl.config import load_config
+from megarl.config.errors import PRE_LAUNCH_ERRORS
 from megarl.config.layouts import check_replica_nodes_fit, validate_replica_nodes
 from megarl.launch.plan import engine_only_nodes, trainer_nodes
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             load_checked(args.config, args.overrides, nodes * per_node, per_node, "train")
         else:
             print(cfg.train.run_dir)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:  # (the errors megarl train reports as config errors)
+    except PRE_LAUNCH_ERRORS as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -176,6 +176,10 @@ class RolloutController(PromptBuffer):
         def pending_pinned() -> int:
             return sum(1 for i in pinned if i in self.live)
 
+        def at_cap() -> bool:
+            """Dynamic sampling's oversampling cap reached: as many groups released, useful or filtered."""
+            return bool(cfg.release_cap) and len(released) + m.groups_filtered >= cfg.release_cap
+
         def dispatch() -> None:
             nonlocal serial
             for k, engine in enumerate(self.engines):
@@ -227,7 +231,7 @@ class RolloutController(PromptBuffer):
                 return True
             if pending_pinned():
                 return False
-            if cfg.release_cap and useful + m.groups_filtered >= cfg.release_cap:
+            if at_cap():
                 return True  # oversampling cap: train on the useful groups there are, none included (step skipped)
             if useful == 0:
                 return False
@@ -268,14 +272,12 @@ class RolloutController(PromptBuffer):
                     m.len_finished_sum += len(s.response_ids)
                     if all(x.status in _DONE for x in self.live[index].samples):
                         self._harvest(index, version, released, m, pinned, members, pending_pinned)
-            capped = cfg.release_cap and len(released) + m.groups_filtered >= cfg.release_cap
-            if fill and pinned and (len(released) + pending_pinned() >= cfg.update_groups or capped):
+            if fill and pinned and (len(released) + pending_pinned() >= cfg.update_groups or at_cap()):
                 drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
                 drain_at = times[k]
             if fill:
                 admit_for_free_slots()
-            elif cfg.mode == "sync" and m.groups_filtered and (
-                    not cfg.release_cap or len(released) + m.groups_filtered < cfg.release_cap):
+            elif cfg.mode == "sync" and m.groups_filtered and not at_cap():
                 # sync + dynamic sampling: replace each filtered group until U useful ones (or the cap)
                 target = cfg.update_groups - len(released)
                 if cfg.release_cap:  # never release more than the cap, in flight included
