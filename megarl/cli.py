@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.errors import PRE_LAUNCH_ERRORS
-from megarl.config.limits import check_local_engine_memory
+from megarl.config.limits import check_local_engine_memory, unread_keys
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -81,10 +81,15 @@ def check_resume_learners(cfg) -> None:
                       f"use another train.run_dir, or resume with the original algorithm ({original})")
 
 
-def load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = ""):
+def load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = "",
+                 notes: bool = True):
     """The config, after every check made before a process starts (``ConfigError`` naming what is wrong); also
-    run by ``python -m megarl.launch check`` in the batch script, before srun."""
+    run by ``python -m megarl.launch check`` in the batch script, before srun. ``notes``: say which keys set
+    the run will not read (on stderr)."""
     cfg = load_config(config, overrides)
+    if notes:
+        for note in unread_keys(cfg):
+            print(f"megarl: note: {note}", file=sys.stderr)
     hf = _model_config_for_validation(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
         from megarl.models.hf_config import check_weights_format
@@ -144,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.launch.bootstrap import detect, init_distributed
 
     launch = detect()  # torchrun, srun or mpirun started this process (or nobody did)
+    notes = not args.worker and launch.rank == 0  # (--worker: spawned by this command, which said them)
     args.worker = args.worker or launch.world_size > 1
     world = launch.world_size if args.worker else args.nproc
     per_node = launch.local_world_size if args.worker else args.nproc
     try:
         if not args.worker and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
-        cfg = load_checked(args.config, args.overrides, world, per_node, args.command)
+        cfg = load_checked(args.config, args.overrides, world, per_node, args.command, notes)
         check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             from megarl.evaluation import NO_EVAL_PATH

@@ -55,6 +55,7 @@ class Session:
     stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
     prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
     eval_prompts: list[Prompt] | None = None
+    policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
 
     @property
     def is_main(self) -> bool:

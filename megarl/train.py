@@ -46,8 +46,9 @@ def evaluate(s: Session) -> float:
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank alike (engine TP); replicas derive own streams
-    run_phase = keeper.run_phase if keeper else s.controller.run_phase  # the keeper survives engine errors
-    groups, phase = run_phase(version=step)  # generate, reward (at release)
+    version = s.policy_version  # updates made so far: staleness counts updates, not steps (a skipped step makes none)
+    groups, phase = (keeper.run_phase(step, version) if keeper  # the keeper survives engine errors
+                     else s.controller.run_phase(version))  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         print(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped",
@@ -55,10 +56,11 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
         return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
+    s.policy_version = version + 1
     t2 = time.time()
     handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
-    sync = (keeper.sync(step + 1) if keeper  # the named protocol, all or nothing; the keeper survives engine errors
-            else sync_weights(s.engine, s.trainer, cfg.sync, version=step + 1))
+    sync = (keeper.sync(version + 1, done_steps=step + 1) if keeper  # all or nothing; survives engine errors
+            else sync_weights(s.engine, s.trainer, cfg.sync, version=version + 1))
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]

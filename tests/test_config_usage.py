@@ -69,3 +69,19 @@ def test_make_tiny_model_offers_every_tiny_family():
     out = subprocess.run([sys.executable, "tools/make_tiny_model.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120).stdout
     assert all(f in out for f in TINY_FAMILIES), out
+
+
+def test_keys_the_mode_does_not_read_are_said_before_launch(tmp_path, capsys):
+    """A SortedRL key set with rollout.mode=sync (the mode forgotten, or one file run in several modes) did
+    nothing, silently: the pre-launch check says so (and launches all the same)."""
+    from megarl.launch.__main__ import main
+
+    base = [f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2", f"train.run_dir={tmp_path / 'run'}"]
+    assert main(["check", *base, "rollout.staleness_limit=3", "rollout.long_rounds=false"]) == 0
+    err = capsys.readouterr().err
+    assert "rollout.staleness_limit=3 is not read in rollout.mode=sync (only in partial mode)" in err, err
+    assert "rollout.long_rounds=false is not read in rollout.mode=sync (only in on_policy mode)" in err
+    assert main(["check", *base, "rollout.mode=partial", "rollout.staleness_limit=3"]) == 0
+    assert "not read" not in capsys.readouterr().err
+    assert main(["check", *base, "rollout.mode=partial", "rollout.max_discards=4"]) == 0
+    assert "rollout.max_discards=4 is not read in rollout.mode=partial" in capsys.readouterr().err

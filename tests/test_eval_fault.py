@@ -16,7 +16,7 @@ def test_a_replica_killed_during_evaluation_is_restarted_and_the_evaluation_retr
     assert not set(r["pids"]) & set(r["pids_before"]) and r["alive"] == [True, True]  # fresh processes
     assert r["versions"] == [0, 0]  # the trainer's weights (version 0) were synced into them
     assert r["faults"]["faults/engine_restarts"] == 1.0 and r["faults"]["faults/evals_skipped"] == 0.0
-    assert "evaluation at version 0: engine error" in r["log"][0] and "exit code -9" in r["log"][0]
+    assert "evaluation at step 0: engine error" in r["log"][0] and "exit code -9" in r["log"][0]
     assert "restart 1/1" in r["log"][0]
     # engine.max_restarts=0: the second kill is not restarted; the evaluation is skipped, not a crash
     assert r["skipped_is_nan"] and r["evals_skipped"] == 1

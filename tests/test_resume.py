@@ -304,7 +304,7 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
         controller = SimpleNamespace(next_prompt=IndexedSource(source), state_dict=dict, load_state_dict=lambda _: None)
         optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
         return SimpleNamespace(task=task, rewards=None, controller=controller, stateful=stateful,
-                               trainer=SimpleNamespace(optimizer=optimizer))
+                               trainer=SimpleNamespace(optimizer=optimizer), policy_version=0)
 
     for pool_size in (0, 12):
         a = session(pool_size)
@@ -312,9 +312,11 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
             item = a.controller.next_prompt()
             if pool_size:
                 a.stateful["tracker"].update(item.prompt_text, [float(i % 2)] * 4)
+        a.policy_version = 2  # 3 steps, one without an update (no useful group)
         state = pickle.loads(pickle.dumps(capture(a, 3, {})))
         b = session(pool_size)
         apply(b, state)
+        assert b.policy_version == 2  # what the engines serve after resume, and staleness is counted against
         want = [(x.index, x.prompt_text) for x in (a.controller.next_prompt() for _ in range(6))]
         got = [(x.index, x.prompt_text) for x in (b.controller.next_prompt() for _ in range(6))]
         assert got == want and want[0][0] == 7

@@ -28,3 +28,14 @@ def test_groups_released_reaches_tensorboard(loop):
 def test_the_bound_was_exercised(loop):
     """Groups completed past the update batch (held or discarded) instead of enlarging it."""
     assert sum(m["rollout/groups_over_bound"] for mode in ("on_policy", "partial") for m in loop[mode]) >= 1
+
+
+def test_a_step_without_an_update_keeps_the_policy_version(loop):
+    """A step whose groups were all filtered (dynamic sampling at its cap) trains nothing: the version the
+    engines serve and staleness is counted against stays (it counted steps: the next on-policy phase's tokens
+    showed staleness 1, and partial mode expired held samples the policy had not moved away from)."""
+    skip = loop["skip"]
+    assert skip["skipped_released"] == 0
+    first = skip["versions"][0]
+    assert first == 9 and skip["versions"] == [first, first, first + 1] and skip["engine_version"] == first + 1
+    assert skip["after"]["rollout/groups_released"] == 3 and skip["after"]["rollout/staleness_max"] == 0

@@ -115,7 +115,7 @@ class RunKeeper:
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
         self.saved_at = -1
-        self.trained_to = 0  # the version of the weight sync that stopped the run (StopRun), if one did
+        self.trained_to = 0  # the steps done when a weight sync stopped the run (StopRun: that step's update is made)
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
 
     def learners(self) -> list[tuple[str, object]]:
@@ -140,7 +140,7 @@ class RunKeeper:
         self.restarts = self.run.get("engine_restarts", 0)
         self.evals_skipped = self.run.get("evals_skipped", 0)
         step = state["step"]
-        self.sync(step)  # the engine serves step's policy
+        self.sync(self.s.policy_version)  # the engine serves the checkpoint's policy
         self.s.logger.resume_at(step)
         self.saved_at = step
         live = self.s.controller.state_dict()
@@ -211,10 +211,10 @@ class RunKeeper:
             self.save(step)
 
     # ---- engine errors ----------------------------------------------------------------------
-    def run_phase(self, version: int):
-        """``controller.run_phase``, surviving engine errors (see the module docstring)."""
+    def run_phase(self, step: int, version: int):
+        """``controller.run_phase(version)`` of 0-based ``step``, surviving engine errors (see the module docstring)."""
         c = self.s.controller
-        set_step(version + 1)  # the test hooks' step (1-based)
+        set_step(step + 1)  # the test hooks' step (1-based)
         self._check_rewards()
         while True:
             snapshot = pickle.dumps(c.state_dict())
@@ -230,7 +230,7 @@ class RunKeeper:
                 if isinstance(exc, DataError):  # not the engine's fault: no restart, no requeue (exit 1)
                     self.fatal = True
                     raise StopRun(f"data error (not an engine fault, not requeued): {exc}") from exc
-                self._recover(exc, f"step {version + 1}: engine error mid-phase",
+                self._recover(exc, f"step {step + 1}: engine error mid-phase",
                               f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued", version)
 
     def _check_rewards(self) -> None:
@@ -244,8 +244,8 @@ class RunKeeper:
                           f"reward.fn={self.cfg.reward.fn or self.cfg.data.task!r}: the first failure's traceback "
                           "is logged above")
 
-    def evaluate(self, fn, version: int) -> float:
-        """``fn()`` (the held-out evaluation, on engines serving ``version``) surviving engine errors as a phase
+    def evaluate(self, fn, step: int) -> float:
+        """``fn()`` (the held-out evaluation after ``step`` steps, 0: before RL) surviving engine errors as a phase
         does: every rank agrees that it failed, the engines are restarted and given the trainer's weights, and it
         runs again. When it still fails after ``engine.max_restarts`` restarts in a row (or the restart is
         refused) the evaluation is skipped: NaN, logged, ``faults/evals_skipped``; the run goes on and the next
@@ -253,7 +253,7 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                with guard(f"evaluation at version {version}"):
+                with guard(f"evaluation at step {step}"):
                     value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
@@ -262,14 +262,15 @@ class RunKeeper:
                 return value
             try:
                 self._recover(error or RuntimeError("the evaluation failed on another rank"),
-                              f"evaluation at version {version}: engine error", "the evaluation runs again", version)
+                              f"evaluation at step {step}: engine error", "the evaluation runs again",
+                              self.s.policy_version)
             except StopRun as stop:
                 self.evals_skipped += 1
-                self.say(f"evaluation at version {version} skipped (faults/evals_skipped {self.evals_skipped}): "
+                self.say(f"evaluation at step {step} skipped (faults/evals_skipped {self.evals_skipped}): "
                          f"{stop}")
                 return float("nan")
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, done_steps: int = 0) -> dict[str, float]:
         """``sync_weights`` of ``version`` surviving engine errors: when the sync or its audit raises (on any rank;
         every rank agrees) the engines are restarted (``_restart``: counted, logged, ``StopRun`` past
         ``engine.max_restarts`` failures in a row) and the sync runs again, with the audit it owes. A failed load
@@ -286,7 +287,7 @@ class RunKeeper:
                 self._restart(error or RuntimeError("the weight sync failed on another rank"),
                               f"weight sync to version {version}: engine error", "the sync and its audit run again")
             except StopRun:
-                self.trained_to = max(self.trained_to, version)  # the trainer holds version's weights: saved as such
+                self.trained_to = max(self.trained_to, done_steps)  # that step's update is made: saved as done
                 raise
 
     def _recover(self, exc: Exception, what: str, done: str, version: int) -> None:

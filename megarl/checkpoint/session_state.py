@@ -4,6 +4,8 @@
 
 - ``step``: RL steps done (also the TensorBoard / metrics.jsonl step); the LR schedule is a
   function of it (``lr_at``), the LR is kept for reference;
+- ``policy_version``: weight updates made (fewer than ``step`` when a step had no useful group):
+  the version the engines serve after resume and the one staleness is counted against;
 - ``controller``: the SortedRL controller's ``state_dict`` — live groups with their samples
   (tokens, per-token behaviour logprobs and policy versions, statuses), re-queued prompts, the
   per-prompt length cache, released prompt indices;
@@ -103,6 +105,7 @@ def capture(s, step: int, run: dict) -> dict:
     """The run's state after ``step`` RL steps (rank 0 writes it)."""
     return {
         "step": step,
+        "policy_version": s.policy_version,
         "lr": s.trainer.optimizer.param_groups[0]["lr"],
         "controller": s.controller.state_dict(),
         "source": s.controller.next_prompt.state_dict(),
@@ -122,6 +125,7 @@ def apply(s, state: dict) -> None:
     """Put a captured state back into a freshly built session (source replay first, then the rest)."""
     s.controller.next_prompt.load_state_dict(state["source"])
     s.controller.load_state_dict(state["controller"])
+    s.policy_version = state.get("policy_version", state["step"])  # (checkpoints before it: one update a step)
     objs = stateful(s)
     for name, value in state["stateful"].items():
         if name in objs:

@@ -133,3 +133,29 @@ def check_engine_head_size(hf: dict, where: str) -> None:
             if fits and not hf.get("head_dim") else "")
     raise ConfigError(f"{where}: attention head size {head} ({how}) cannot run on this machine's vLLM engine: the "
                       f"installed vLLM's CPU attention supports head sizes {list(sizes)}{hint}")
+
+
+# The rollout keys only some modes read (megarl/rollout/controller.py): set in another mode, they do nothing.
+ROLLOUT_KEYS_READ_IN = {
+    "oversubscription": ("on_policy", "partial"), "buffer_samples": ("on_policy", "partial"),
+    "token_budget": ("on_policy", "partial"), "max_update_groups": ("on_policy", "partial"),
+    "staleness_limit": ("partial",), "stale_action": ("partial",),
+    "max_discards": ("on_policy",), "long_rounds": ("on_policy",), "long_round_groups": ("on_policy",),
+}
+
+
+def unread_keys(cfg: RunConfig) -> list[str]:
+    """Keys set away from their defaults that this run does not read (said before launch, not refused: one
+    config file is often run in several modes)."""
+    from megarl.config.schema import RolloutConfig
+
+    r, out = cfg.rollout, []
+    for key, modes in ROLLOUT_KEYS_READ_IN.items():
+        value = getattr(r, key)
+        if r.mode not in modes and value != getattr(RolloutConfig, key):
+            value = str(value).lower() if isinstance(value, bool) else value
+            out.append(f"rollout.{key}={value} is not read in rollout.mode={r.mode} (only in "
+                       f"{' and '.join(modes)} mode)")
+    if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
+        out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
+    return out
