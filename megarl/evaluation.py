@@ -28,13 +28,14 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
-    latest = p / "checkpoints" / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        # the step dir by name (step_N), relative to the run dir, or absolute
-        p = next((c for c in (p / "checkpoints" / name, p / name, Path(name)) if c.is_dir()), p / "checkpoints" / name)
-        if not p.is_dir():
-            raise FileNotFoundError(f"--checkpoint {path}: checkpoints/latest names {name!r}, which does not exist")
+    if (p / "checkpoints").is_dir():  # a run dir: its newest step
+        from megarl.checkpoint.run import newest_step_dir
+
+        step = newest_step_dir(p)
+        if step is None:
+            raise FileNotFoundError(f"--checkpoint {path}: a run dir without a checkpoint (no step_N in "
+                                    f"{p / 'checkpoints'}): it saves every train.save_every steps and at its end")
+        p = step
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return "hf", p
     for d in (p / "policy", p):

@@ -102,12 +102,17 @@ def test_checkpoint_paths_resolve_like_the_run_layout(tmp_path):
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
-    for latest in ("step_7", "checkpoints/step_7", str(step)):
-        (tmp_path / "run" / "checkpoints" / "latest").write_text(latest + "\n")
-        assert resolve_checkpoint(tmp_path / "run") == ("dist", step / "policy")
+    older = tmp_path / "run" / "checkpoints" / "step_3"
+    (older / "policy").mkdir(parents=True)
+    (older / "policy" / "metadata.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_3\n")
+    assert resolve_checkpoint(tmp_path / "run") == ("dist", older / "policy")  # latest's, though not the newest
     assert resolve_checkpoint(step) == ("dist", step / "policy")
     assert resolve_checkpoint(step / "policy") == ("dist", step / "policy")
     assert resolve_checkpoint(hf) == ("hf", hf)
+    # latest names a step that is gone (pruned by hand): the newest there is, as train.resume=auto would take
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_9\n")
-    with pytest.raises(FileNotFoundError, match="names 'step_9'"):
-        resolve_checkpoint(tmp_path / "run")
+    assert resolve_checkpoint(tmp_path / "run") == ("dist", step / "policy")
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="a run dir without a checkpoint"):
+        resolve_checkpoint(tmp_path / "empty")

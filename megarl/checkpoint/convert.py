@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megarl.checkpoint.hf_files import HFCheckpoint, ShardedWriter, copy_aux_files, nbytes
+from megarl.checkpoint.run import newest_step_dir
 from megarl.models.hf_config import num_experts, read_hf_config
 from megarl.weight_sync.hf_adapter import hf_to_megatron, megatron_to_hf
 
@@ -347,9 +348,8 @@ def dist_checkpoint_dir(path: Path, log: Callable[[str], None] = print) -> Path:
     """The dist checkpoint ``path`` names: itself, a run's step dir's ``policy/``, or a run dir's latest one's."""
     if (path / "metadata.json").is_file():
         return path
-    latest = path / "checkpoints" / "latest"
-    step = path / "checkpoints" / latest.read_text().strip() if latest.is_file() else path
-    if (step / "policy" / "metadata.json").is_file():
+    step = newest_step_dir(path) if (path / "checkpoints").is_dir() else path
+    if step is not None and (step / "policy" / "metadata.json").is_file():
         log(f"--ckpt: {step / 'policy'} (the policy of the run checkpoint {step})")
         return step / "policy"
     raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json), a run checkpoint step dir "

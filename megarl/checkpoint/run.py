@@ -196,18 +196,26 @@ def step_dir_problem(path: str | Path) -> str:
 
 def resume_candidate(resume: str, run_dir: str | Path) -> Path | None:
     """The step dir ``train.resume`` would continue from, looked up without verifying (for checks
-    before launch): the path itself, or for 'auto' the one ``latest`` names (else the newest)."""
+    before launch): the path itself, or for 'auto' ``newest_step_dir``."""
     if resume == "never":
         return None
     if resume != "auto":
         return Path(resume)
-    ckpts = RunCheckpoints(run_dir)
-    pointer = ckpts.root / "latest"
-    named = pointer.read_text().strip() if pointer.is_file() else ""
-    if _STEP.match(named) and (ckpts.root / named).is_dir():
-        return ckpts.root / named
-    steps = ckpts.steps()
-    return ckpts.root / step_name(steps[0]) if steps else None
+    return newest_step_dir(run_dir)
+
+
+def newest_step_dir(run_dir: str | Path) -> Path | None:
+    """The step dir a run dir's ``checkpoints/latest`` names, else its newest ``step_N``; None when it has none.
+    Looked up without verifying (a resume verifies: ``RunCheckpoints.latest``); what ``megarl eval --checkpoint``,
+    the converters and ``train.resume=auto``'s checks take a run dir to mean."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    named = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
+    if _STEP.match(named) and (root / named).is_dir():
+        return root / named
+    found = {int(m.group(1)): d for d in root.iterdir() if d.is_dir() and (m := _STEP.match(d.name))}
+    return found[max(found)] if found else None
 
 
 SET_ASIDE = ("checkpoints", "hf")
