@@ -32,6 +32,10 @@ LAYOUTS = {
     "single_mbs8": dict(micro_batch_size=8),
     "pp2_vpp2_mbs8": dict(pp=2, vpp=2, micro_batch_size=8),
     "dp2": dict(),
+    # a batch of one row on two data-parallel ranks (a dynamic-sampling step with few useful samples, or a
+    # mini-batch smaller than DP): the rank without a row gets a padding row instead of failing in the schedule
+    "single_one_row": dict(rows=1),
+    "dp2_one_row": dict(rows=1),
     "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
     "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
     # four processes (torchrun --nproc-per-node 4): combined layouts (PP × DP)
@@ -73,6 +77,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
+    spec.pop("rows", None)
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
     optim_keys = {f.name for f in dataclasses.fields(optim)}
     optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
@@ -95,10 +100,16 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
                                      head)
-    batch = fixed_batch(cfg["vocab_size"])
+    batch = fixed_batch(cfg["vocab_size"], n=LAYOUTS[layout].get("rows", 8))
     if head == "value":  # the critic regresses onto fixed targets
         batch.old_values = torch.zeros_like(batch.loss_mask)
         batch.returns = batch.advantages.clone()
+        # a head that is not zero (as after the critic's first step): the zero head of a fresh critic sends the
+        # backbone no gradient, which hid a TP× backbone gradient under sequence parallelism
+        for m in trainer.modules:
+            if type(getattr(m, "output_layer", None)).__name__ == "ValueHead":
+                g = torch.Generator().manual_seed(7)
+                m.output_layer.weight.data.copy_(torch.randn(m.output_layer.weight.shape, generator=g) * 0.05)
     logp = trainer.logprobs(batch)
 
     def loss(lp, mb):

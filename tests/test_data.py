@@ -106,6 +106,18 @@ def test_bad_rows_error_mode_names_file_line_and_field(tmp_path, tok, line, wher
         check_data(d)
 
 
+def test_a_line_that_is_not_utf8_is_a_bad_row_saying_so(tmp_path, tok):
+    """Junk bytes were reported as a UTF-16 decode error (json.loads guessed the codec from them); a UTF-8 BOM on
+    the first line (Windows editors) is read, not refused."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "bom", "answer": "1"}\n\xff\xfe{"prompt": "x"}\n{"prompt": "ok", "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"line 2: not UTF-8 text \(byte 1 of the line: b'\\xff\\xfe") as info:
+        check_data(DataConfig(path=str(path), on_bad_row="error"))
+    assert "utf-16" not in str(info.value) and "line 1" not in str(info.value) and "1 more" not in str(info.value)
+    src = source_for(tok, str(path), shuffle=False)
+    assert [src.next().answer for _ in range(2)] == ["1", "2"] and src.metrics()["data/bad_rows"] == 1
+
+
 def test_bad_rows_error_mode_names_every_bad_row_up_to_ten_and_counts_the_rest(tmp_path):
     """A file with several bad rows took one fix-and-rerun round per row (only the first was named)."""
     path = write_jsonl(tmp_path / "bad.jsonl", [], [BAD[0]] + [BAD[2]] * 3 + [BAD[0]] + [BAD[1]] * 10)

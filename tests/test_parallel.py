@@ -84,6 +84,14 @@ def test_critic_forward_backward_matches_single_process(models, layout):
 
 
 
+def test_a_batch_with_fewer_rows_than_data_parallel_ranks_trains_as_one_process(models):
+    """DP=2, one row: rank 1 had no row, built no microbatch and megatron's schedule raised StopIteration (its peer
+    then died on a closed gloo connection)."""
+    got = run(models, "qwen2", "dp2_one_row")
+    assert got[0]["dp"] == 2 and len(got[0]["logprobs"]) == 1
+    assert_same(run(models, "qwen2", "single_one_row"), got)
+
+
 def test_padding_microbatches_do_not_dilute_the_metrics(models):
     ref, got = run(models, "qwen2", "single_mbs8"), run(models, "qwen2", "pp2_vpp2_mbs8")
     assert_same(ref, got)

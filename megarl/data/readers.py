@@ -53,8 +53,13 @@ class JsonlFile:
             self._f = open(self.path, "rb")
         self._f.seek(self.offsets[i])
         raw = self._f.readline()
+        try:  # decoded here: json.loads(bytes) guesses UTF-16/32 from junk bytes and blames that codec
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            return where, BadRow(where, f"not UTF-8 text (byte {exc.start + 1} of the line: "
+                                        f"{raw[exc.start:exc.start + 4]!r}); jsonl is read as UTF-8")
         try:
-            value = json.loads(raw)
+            value = json.loads(text)
         except ValueError as exc:
             return where, BadRow(where, f"not valid JSON ({exc})")
         if not isinstance(value, dict):

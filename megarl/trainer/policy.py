@@ -40,7 +40,9 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)
+            # backward splits, not sums: the head is replicated, every TP rank already holds the whole gradient
+            # (the default reduce-scatter, right before a vocab-parallel layer, gave the backbone TP× its gradient)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
@@ -136,13 +138,16 @@ class PolicyTrainer:
         """This data-parallel rank's rows, padded for the schedule.
 
         Rows are split in contiguous chunks over DP ranks; the loss weights stay those of
-        the whole batch, so the DP-averaged gradient equals the single-process one. Under
+        the whole batch, so the DP-averaged gradient equals the single-process one (a batch of
+        fewer rows than DP ranks is padded to one row each). Under
         pipeline parallelism every microbatch must have the same shape: rows are padded
         to a multiple of the microbatch size (zero weight, zero mask); the interleaved schedule
         also needs a multiple of PP microbatches. Under sequence parallelism the sequence is
         padded to a multiple of TP.
         """
         if self.ps.dp > 1:
+            if batch.size < self.ps.dp:  # a rank without a row would build no microbatch (the schedule raises)
+                batch = batch.pad_rows(self.ps.dp - batch.size)
             batch = batch.select(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])
         rows = self.optim_cfg.micro_batch_size * (self.ps.pp if self.ps.vpp > 1 else 1)
         if self.ps.pp > 1 and batch.size % rows:
