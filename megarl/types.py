@@ -65,7 +65,8 @@ class TrainBatch:
     # Optional per-token fields some objectives need (None when unused):
     ref_logprobs: torch.Tensor | None = None  # frozen reference policy (KL penalty)
     is_weight: torch.Tensor | None = None  # truncated importance weights (TIS)
-    positive: torch.Tensor | None = None  # 1 on tokens of samples with reward 1 (VAPO's LM term)
+    positive: torch.Tensor | None = None  # 1 on tokens of samples with reward >= 1 (VAPO's LM term)
+    nll_scale: torch.Tensor | None = None  # per-token factor of that term under ``weights`` (``positive_nll_scale``)
     old_values: torch.Tensor | None = None  # critic values at rollout time
     returns: torch.Tensor | None = None  # value targets
 
@@ -87,7 +88,7 @@ class TrainBatch:
         """Append ``n`` rows that count for nothing (zero mask and weight)."""
         def pad(k, v):
             extra = v[:1].expand(n, *v.shape[1:]).clone()
-            if k in ("loss_mask", "weights", "positive", "is_weight"):
+            if k in ("loss_mask", "weights", "positive", "nll_scale", "is_weight"):
                 extra.zero_()
             return torch.cat([v, extra])
 

@@ -13,7 +13,7 @@ from megarl.algo.advantage import (
     rloo_advantages,
     vapo_advantages,
 )
-from megarl.algo.batch import aggregation_weights, build_batch
+from megarl.algo.batch import aggregation_weights, build_batch, positive_nll_scale
 from megarl.algo.curriculum import CurriculumSource, PassRateTracker, budget_weights, minibatch_rows
 from megarl.algo.filters import (
     degenerate_group_probability,
@@ -219,11 +219,45 @@ def test_policy_loss_combines_kl_entropy_and_positive_nll():
     logp = torch.tensor([[-1.0, -2.0]])
     mb = {"old_logprobs": logp.clone(), "advantages": torch.zeros(1, 2), "loss_mask": torch.ones(1, 2),
           "ref_logprobs": torch.tensor([[-1.5, -2.0]]), "entropy": torch.tensor([[0.3, 0.4]]),
-          "positive": torch.tensor([[1.0, 0.0]])}
+          "nll_scale": torch.tensor([[1.0, 0.0]])}
     loss, m = policy_loss_fn(a)(logp, mb)
     expected = torch.tensor([[0.5 * 0.5 - 0.1 * 0.3 + 0.2 * 1.0, 0.0 - 0.1 * 0.4]])
     assert torch.allclose(loss, expected)
     assert m["kl_ref"].item() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_positive_nll_is_a_mean_over_the_positive_tokens_whatever_the_aggregation(agg):
+    """VAPO's LM term is μ·mean over positive samples' tokens of −log p (Yue et al. 2025). Through the aggregation
+    weights it was μ·Σ_positive(−log p)/(all tokens): 0.0285 instead of 0.0685 with 10 of 24 tokens positive."""
+    mask = torch.zeros(4, 8)
+    for i, n in enumerate((3, 5, 6, 8)):
+        mask[i, :n] = 1
+    positive = mask * torch.tensor([[0.0], [1.0], [0.0], [1.0]])
+    weights = aggregation_weights(mask, agg, norm_tokens=8)
+    logp = -torch.rand(4, 8, generator=torch.Generator().manual_seed(0))
+    scale = positive_nll_scale(positive, weights)
+    got = (weights * -logp * scale).sum()
+    assert got == pytest.approx(float((-logp * positive).sum() / positive.sum()), rel=1e-6)
+    assert not positive_nll_scale(torch.zeros_like(mask), weights).any()  # no positive sample: no term
+
+
+def test_seq_mean_counts_only_sequences_in_the_loss():
+    """A row the over-long filter masked out is not a sequence of the mean (it scaled the others by active/N)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    w = aggregation_weights(mask, "seq_mean_token_mean")
+    assert w.sum().item() == pytest.approx(1.0) and w[1, 0].item() == pytest.approx(0.5)
+
+
+def test_an_extreme_log_ratio_gives_a_finite_loss():
+    """One token with log-ratio 100 made the PPO/GSPO loss and k3 inf (exp overflow): the whole step was skipped."""
+    logp, old = torch.tensor([[0.0, -0.1]]), torch.tensor([[-100.0, -0.1]])
+    mask, adv = torch.ones(1, 2), torch.full((1, 2), -1.0)
+    assert torch.isfinite(ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0]).all()
+    assert torch.isfinite(gspo_loss(logp, old * 2, adv, mask, 3e-4, 4e-4)[0]).all()
+    assert torch.isfinite(kl_penalty(old, logp, "k3")).all()
+    small = ppo_clip_loss(torch.tensor([[-0.9]]), torch.tensor([[-1.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2, 0.2)
+    assert small[0].item() == pytest.approx(-torch.exp(torch.tensor(0.1)).item())  # within the clamp: unchanged
 
 
 def test_build_batch_aligns_labels_logprobs_and_advantages():

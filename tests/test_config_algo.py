@@ -64,6 +64,10 @@ def test_ppo_value_targets_use_its_lambda():
 
 @pytest.mark.parametrize("overrides, message", [
     (["algo.kl_coef=-0.1"], r"algo.kl_coef must be >= 0 .*got -0.1"),
+    # the reviewed pitfalls: a ratio biased by the sampler's nucleus, a KL term with no expected gradient
+    (["rollout.top_p=0.95"], r"rollout.top_p=0.95 with algo.tis=none: .*nucleus.*Set rollout.top_p=1"),
+    (["algo.preset=gspo", "rollout.top_p=0.9"], r"rollout.top_p=0.9 with algo.tis=none"),
+    (["algo.kl_coef=0.01", "algo.kl_estimator=k1"], r"algo.kl_estimator=k1 .*zero expected gradient.*Use k2"),
     (["algo.entropy_coef=-0.01"], r"algo.entropy_coef must be >= 0 .*got -0.01"),
     (["algo.critic_lr=-1"], r"algo.critic_lr must be > 0 .*got -1"),
     (["algo.critic_lr=0"], r"algo.critic_lr must be > 0"),
@@ -105,6 +109,7 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
 @pytest.mark.parametrize("overrides", [
     [], ["algo.preset=ppo"], ["algo.preset=vapo"], ["algo.preset=dapo", "algo.oversample_cap=1"],
     ["algo.preset=gspo", "algo.tis=token"], ["algo.oversample_cap=0"],  # no dynamic sampling: the cap is unused
+    ["rollout.top_p=0.9", "algo.tis=sequence"], ["algo.kl_estimator=k1", "algo.kl_coef=0"],
     ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
 ])
 def test_defaults_presets_and_edges_validate(overrides):

@@ -3,7 +3,8 @@
 Aggregation modes (the objective is Σ_t w_t·ℓ_t over the step batch):
 
 - ``token_mean``: w_t = 1 / (response tokens in the batch) — DAPO's token-level loss;
-- ``seq_mean_token_mean``: w_t = 1 / (N · |o_i|) — vanilla GRPO, each sequence counts once;
+- ``seq_mean_token_mean``: w_t = 1 / (N · |o_i|) — vanilla GRPO, each sequence counts once (N: the
+  sequences with a token in the loss; a row the over-long filter masked out is not one);
 - ``seq_mean_token_sum_norm``: w_t = 1 / (N · C) with a constant C (e.g. the length cap) —
   Dr. GRPO, which removes the length normalisation's bias.
 
@@ -54,12 +55,22 @@ def aggregation_weights(mask: torch.Tensor, mode: str, norm_tokens: int = 1) -> 
     if mode == "token_mean":
         return mask / mask.sum().clamp(min=1)
     if mode == "seq_mean_token_mean":
-        per_seq = mask.sum(dim=1, keepdim=True).clamp(min=1)
-        return mask / per_seq / mask.shape[0]
+        per_seq = mask.sum(dim=1, keepdim=True)
+        return mask / per_seq.clamp(min=1) / (per_seq > 0).sum().clamp(min=1)
     if mode == "seq_mean_token_sum_norm":
         return mask / (mask.shape[0] * max(norm_tokens, 1))
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: 'token_mean', 'seq_mean_token_mean', "
                      "'seq_mean_token_sum_norm'")
+
+
+def positive_nll_scale(positive: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-token factors s_t with Σ_t w_t·s_t·x_t = (1/P)·Σ_{positive t} x_t (P: positive tokens): VAPO's LM loss
+    on positive samples is a mean over their tokens (Yue et al. 2025), whatever the loss aggregation ``weights``
+    (through those it was μ scaled by the share of positive tokens: near 0 at a low pass rate)."""
+    count = positive.sum()
+    if not count:
+        return torch.zeros_like(positive)
+    return torch.where(weights > 0, positive / (count * weights.clamp(min=torch.finfo(weights.dtype).tiny)), 0.0)
 
 
 def per_token(values: list[float], mask: torch.Tensor) -> torch.Tensor:

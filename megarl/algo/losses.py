@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to ±this before exp (as verl does): one token the sampler gave ~e^-90 made the loss inf and
+the whole step was skipped. Past the clamp a token's ratio (e^20, far outside any clip band) sends no gradient."""
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is 1 (0 when the mask is empty)."""
@@ -23,7 +27,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     dual-clip (Ye et al. 2020, c > 1): for Â_t < 0, J_t = max(J_t, c·Â_t);  ℓ_t = −w_t·J_t, where w_t is a
     (detached) importance weight, e.g. truncated IS of the trainer/engine mismatch (1 when absent).
     """
-    log_ratio = (logp - old_logp.detach()) * mask
+    log_ratio = ((logp - old_logp.detach()) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
@@ -64,7 +68,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     With ``seq_mean_token_mean`` weights the objective is the mean of J_i over sequences.
     ``adv`` is per token (constant per sequence).
     """
-    seq_log_ratio = sequence_mean(logp - old_logp.detach(), mask)
+    seq_log_ratio = sequence_mean(logp - old_logp.detach(), mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     s = torch.exp(seq_log_ratio)
     a = sequence_mean(adv, mask)
     objective = torch.minimum(s * a, torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a)
@@ -89,6 +93,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "k2":
         return 0.5 * log_r**2
     if kind == "k3":
+        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(-log_r) - 1 + log_r
     raise ValueError(f"unknown KL estimator {kind!r}; valid: 'k1', 'k2', 'k3'")
 

@@ -49,7 +49,8 @@ def whiten(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss_fn(a: AlgoConfig):
-    """ℓ_t = policy term (PPO-clip or GSPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples)."""
+    """ℓ_t = policy term (PPO-clip or GSPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples), the last one
+    scaled (``nll_scale``) to be a mean over the positive samples' tokens."""
 
     def loss(logp: torch.Tensor, mb: dict):
         mask = mb["loss_mask"]
@@ -68,7 +69,7 @@ def policy_loss_fn(a: AlgoConfig):
         if "entropy" in mb:
             metrics["entropy"] = masked_mean(mb["entropy"], mask)
         if a.positive_nll_coef:
-            per_token = per_token - a.positive_nll_coef * logp * mb["positive"]
+            per_token = per_token - a.positive_nll_coef * logp * mb["nll_scale"]
         return per_token, metrics
 
     return loss

@@ -97,6 +97,18 @@ def _combinations(cfg: RunConfig) -> None:
                           f"oversample_cap × rollout.prompts_per_step released groups, useful or not; below 1 no "
                           f"phase could fill its batch, and 0 would loop forever on uninformative groups), "
                           f"got {a.oversample_cap}")
+    if r.top_p < 1 and a.tis == "none":
+        raise ConfigError(f"rollout.top_p={r.top_p} with algo.tis=none: the engine's behaviour logprobs are of the "
+                          "nucleus it samples from (renormalised), the trainer's of the whole vocabulary, so the "
+                          "importance ratio starts near the nucleus mass instead of 1 (with GSPO's clip band every "
+                          "negative-advantage sequence would get no gradient). Set rollout.top_p=1 (usual for RL "
+                          "rollouts) or algo.tis=token|sequence (the ratio is then against the trainer's own "
+                          "logprobs and the sampler's difference is an importance weight)")
+    if a.kl_coef and a.kl_estimator == "k1":
+        raise ConfigError(f"algo.kl_estimator=k1 with algo.kl_coef={a.kl_coef}: k1 = log(π/π_ref) as a loss term has "
+                          "zero expected gradient (E_π[∇log π] = 0; it adds noise, no penalty: Tang & Munos 2025). "
+                          "Use k2 (its gradient is that of KL(π‖π_ref)) or k3 (that of KL(π_ref‖π); GRPO's, the "
+                          "default)")
     if a.minibatches > r.prompts_per_step * r.samples_per_prompt:
         raise ConfigError(f"algo.minibatches={a.minibatches} exceeds the samples per step "
                           f"({r.prompts_per_step} × {r.samples_per_prompt})")

@@ -34,7 +34,8 @@ PRESETS: dict[str, dict] = {
     # Zheng et al. 2025 (GSPO): sequence-level length-normalised ratio with a tight clip range.
     "gspo": {"advantage": "grpo", "policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "clip_low": 3e-4,
              "clip_high": 4e-4},
-    # Schulman et al. 2017 / Ouyang et al. 2022: critic, GAE, clipped value loss, KL to the reference.
+    # Schulman et al. 2017 / Ouyang et al. 2022: critic, GAE, clipped value loss, KL to the reference (a k3 loss
+    # term, as GRPO puts it; InstructGPT penalises the reward instead).
     # λ = 0.95 for the policy's advantages and the critic's value targets alike (VAPO decouples them).
     "ppo": {"advantage": "gae", "policy_loss": "ppo", "loss_agg": "token_mean", "gamma": 1.0, "lam": 0.95,
             "lam_critic": 0.95, "whiten_advantages": True, "value_clip": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"},

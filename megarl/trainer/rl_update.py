@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_to_tokens
-from megarl.algo.batch import aggregation_weights, build_batch, per_token
+from megarl.algo.batch import aggregation_weights, build_batch, per_token, positive_nll_scale
 from megarl.algo.curriculum import minibatch_rows
 from megarl.algo.filters import overlong_mask
 from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
@@ -58,6 +58,8 @@ def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, s
     for rows in steps:
         mb = batch.select(rows) if len(steps) > 1 else batch
         mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, norm_tokens(cfg))
+        if a.positive_nll_coef and mb.positive is not None:  # (the critic's loss has no such term)
+            mb.nll_scale = positive_nll_scale(mb.positive, mb.weights)
         for k, v in learner.train_step(mb, loss_fn).items():
             metrics[k] = metrics.get(k, 0.0) + v / len(steps)
     return metrics
