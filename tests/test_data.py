@@ -7,8 +7,10 @@ import pytest
 
 from megarl.config.schema import DataConfig
 from megarl.data.chat import PromptRenderer
+from megarl.data.checks import check_data
 from megarl.data.readers import RowStore
-from megarl.data.source import DataError, DatasetSource, build_prompts, check_data
+from megarl.data.rows import DataError
+from megarl.data.source import DatasetSource, build_prompts
 from megarl.models.tiny import build_tokenizer
 
 ROWS = [{"prompt": [{"role": "user", "content": f"What is {i}/{i + 1} + 1?"}], "answer": rf"\frac{{{2 * i + 1}}}{{{i + 1}}}",
@@ -147,6 +149,24 @@ def test_missing_key_empty_dataset_and_missing_file_are_clear_errors(tmp_path, t
     other = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "p", "solution": "1"}])
     with pytest.raises(DataError, match="data.eval_path=.*'answer'"):
         check_data(DataConfig(path=str(path), eval_path=str(other)))
+
+
+def test_a_held_out_set_in_another_layout_has_keys_of_its_own(tmp_path, tok):
+    """Training on one layout and evaluating on a benchmark in another (MATH-style problem/solution): the error
+    told the user to change data.answer_key, which the training file needs as it is."""
+    train = write_jsonl(tmp_path / "d.jsonl", ROWS[:3])
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"problem": f"{i}+{i}?", "solution": str(2 * i)} for i in range(3)])
+    with pytest.raises(DataError, match=r"data.eval_path=.*no row has the key 'prompt' \(data.prompt_key\); set "
+                                        r"data.eval_prompt_key to the column that holds it \(the held-out set's own; "
+                                        r"data.prompt_key stays data.path's\).*problem, solution"):
+        check_data(DataConfig(path=str(train), eval_path=str(bench)))
+    d = DataConfig(path=str(train), eval_path=str(bench), eval_prompt_key="problem", eval_answer_key="solution")
+    check_data(d)
+    src = build_prompts(d, tok)
+    assert [(p.text.count("1+1?"), p.answer) for p in src.eval_prompts()][1] == (1, "2")
+    assert src.next().answer in {r["answer"] for r in ROWS[:3]}  # the training set still read with its own keys
+    with pytest.raises(DataError, match=r"'answer' \(data.eval_answer_key\); set data.eval_answer_key"):
+        check_data(DataConfig(path=str(train), eval_path=str(bench), eval_prompt_key="problem", eval_answer_key="answer"))
 
 
 def test_cursor_epochs_and_state_round_trip(tmp_path, tok):

@@ -13,8 +13,10 @@ import pytest
 
 from megarl.cli import main as megarl
 from megarl.data.chat import PromptRenderer
+from megarl.data.checks import SAMPLE_ROWS, check_keys, check_usable
 from megarl.data.readers import RowStore
-from megarl.data.source import SAMPLE_ROWS, DataError, DatasetSource, check_keys, check_usable
+from megarl.data.rows import DataError, Keys
+from megarl.data.source import DatasetSource
 from megarl.models.tiny import build_tokenizer
 
 VERL = [{"data_source": "openai/gsm8k",
@@ -49,9 +51,9 @@ def verl_parquet(path):
 def test_verl_parquet_reads_the_nested_ground_truth_and_keeps_the_other_columns(tmp_path, tok):
     spec = verl_parquet(tmp_path / "train.parquet")
     store = RowStore(spec)
-    check_keys(store, "prompt", "reward_model.ground_truth")
+    check_keys(store, Keys("prompt", "reward_model.ground_truth"))
     render = PromptRenderer(tok, "auto")
-    src = DatasetSource(store, render, "prompt", "reward_model.ground_truth", shuffle=False)
+    src = DatasetSource(store, render, Keys("prompt", "reward_model.ground_truth"), shuffle=False)
     got = [src.next() for _ in range(6)]
     assert [p.answer for p in got] == [str(2 * i) for i in range(6)]
     assert got[1].ids == render(VERL[1]["prompt"])[1] and "Think step by step." in got[1].text
@@ -61,26 +63,26 @@ def test_verl_parquet_reads_the_nested_ground_truth_and_keeps_the_other_columns(
     with pytest.raises(DataError, match=r"no row has the key 'reward_model.answer' .*the rows have: ability, "
                                         r"data_source, extra_info, extra_info.index, extra_info.split, prompt, "
                                         r"reward_model, reward_model.ground_truth, reward_model.style"):
-        check_keys(store, "prompt", "reward_model.answer")
+        check_keys(store, Keys("prompt", "reward_model.answer"))
     with pytest.raises(DataError, match="row 0: field 'reward_model' .*must be a string or number.*dotted key: "
                                         "'reward_model.style', 'reward_model.ground_truth'"):
-        DatasetSource(store, render, "prompt", "reward_model", on_bad_row="error")
+        DatasetSource(store, render, Keys("prompt", "reward_model"), on_bad_row="error")
 
 
 def test_trl_conversation_prompt_is_before_the_last_assistant_turn_which_is_the_answer(tmp_path, tok):
     rows = TRL + [{"messages": [{"role": "user", "content": "no answer here"}]}]
     store = RowStore(write_jsonl(tmp_path / "chat.jsonl", rows))
-    check_keys(store, "messages", "messages")
+    check_keys(store, Keys("messages", "messages"))
     render = PromptRenderer(tok, "auto")
-    src = DatasetSource(store, render, "messages", "messages", shuffle=False)
+    src = DatasetSource(store, render, Keys("messages", "messages"), shuffle=False)
     got = [src.next() for _ in range(6)]  # the sixth row has no assistant turn: skipped and counted
     assert [p.answer for p in got[:5]] == [f"{i}ba" for i in range(5)] and got[5].answer == "0ba"
     assert got[2].ids == render(TRL[2]["messages"][:1])[1] and "2ba" not in got[2].text
     assert got[0].extras == {} and src.bad_rows == 1
     with pytest.raises(DataError, match=r"chat.jsonl:line 6: field 'messages' .*assistant turn"):
-        DatasetSource(store, render, "messages", "messages", on_bad_row="error")
+        DatasetSource(store, render, Keys("messages", "messages"), on_bad_row="error")
     with pytest.raises(DataError, match=r"no row has the key 'solution' .*the rows have: messages$"):
-        check_keys(store, "messages", "solution")
+        check_keys(store, Keys("messages", "solution"))
 
 
 def test_a_conversation_beside_an_answer_column_loses_its_reference_turn_and_empty_messages_are_bad(tmp_path, tok,
@@ -92,7 +94,7 @@ def test_a_conversation_beside_an_answer_column_loses_its_reference_turn_and_emp
     store = RowStore(write_jsonl(tmp_path / "chat.jsonl", rows))
     render = PromptRenderer(tok, "auto")
     with caplog.at_level("WARNING"):
-        src = DatasetSource(store, render, "messages", "solution", shuffle=False)
+        src = DatasetSource(store, render, Keys("messages", "solution"), shuffle=False)
         got = [src.next() for _ in range(6)]
     assert [p.answer for p in got[:5]] == [f"{i}ba" for i in range(5)]
     assert got[2].ids == render(TRL[2]["messages"][:1])[1] and "2ba" not in got[2].text
@@ -115,12 +117,12 @@ def test_no_usable_row_in_a_sample_is_refused_naming_file_key_rows_and_why(tmp_p
     with pytest.raises(DataError, match=rf"data.path='.*long.jsonl': no usable row: read {SAMPLE_ROWS} rows spread "
                                         rf"over its 300, refused every one: {SAMPLE_ROWS} longer than "
                                         r"data.max_prompt_tokens=4 tokens \(the shortest has \d+"):
-        check_usable(store, "data.path", "prompt", "answer", render, 4)
-    assert check_usable(store, "data.path", "prompt", "answer", render, 0) == {"level": 0}
+        check_usable(store, "data.path", Keys(), render, 4)
+    assert check_usable(store, "data.path", Keys(), render, 0) == {"level": 0}
     mixed = RowStore(write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "", "answer": "1"}, {"prompt": "q"}]))
     with pytest.raises(DataError, match=r"data.eval_path='.*mixed.jsonl': no usable row: read all 2 rows, refused "
                                         r"every one: 2 bad \(first: .*mixed.jsonl:line 1: field 'prompt' is an empty"):
-        check_usable(mixed, "data.eval_path", "prompt", "answer", render, 0)
+        check_usable(mixed, "data.eval_path", Keys(), render, 0)
 
 
 def test_megarl_refuses_an_unusable_dataset_or_reward_before_launch(tmp_path, tok, capsys, monkeypatch):
@@ -156,7 +158,7 @@ def test_a_data_path_that_takes_in_the_held_out_file_is_refused(tmp_path, caplog
     """data.path a directory holding train.jsonl and the test.jsonl that data.eval_path names: the run trained on
     its evaluation prompts, silently."""
     from megarl.config.schema import DataConfig
-    from megarl.data.source import check_data
+    from megarl.data.checks import check_data
 
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)]
     write_jsonl(tmp_path / "train.jsonl", rows)

@@ -44,7 +44,7 @@ from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.checkpoint.watchdog import guard
 from megarl.checkpoint.watchdog import start as start_watchdog
-from megarl.data.source import DataError
+from megarl.data.rows import DataError
 from megarl.engines.cluster import any_rank, rank_and_world
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.weight_sync.protocol import sync_weights

@@ -305,7 +305,7 @@ def validate_resume_model(cfg: RunConfig, hf: dict) -> None:
 
 
 def _validate_data_reward_eval(cfg: RunConfig) -> None:
-    """data.*, reward.*, eval.* values (the dataset files themselves: ``megarl.data.source.check_data``)."""
+    """data.*, reward.*, eval.* values (the dataset files themselves: ``megarl.data.checks.check_data``)."""
     d, r = cfg.data, cfg.reward
     if d.task != "addition":
         raise ConfigError(f"data.task {d.task!r} is not known; valid: 'addition' (or set data.path to a dataset)")
