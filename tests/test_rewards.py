@@ -64,12 +64,15 @@ def test_user_reward_by_dotted_path_gets_row_extras_and_dict_metrics():
         assert scores == [2.0, 0.0]
         m = pool.step_metrics()
         assert m["reward/difficulty"] == 4.0 and m["reward/long"] == 0.5 and m["reward/errors"] == 0.0
-        assert "reward/difficulty" not in pool.step_metrics()  # per step
+        assert m["reward/scored_mean"] == 1.0 and m["timing/reward_s"] > 0  # every sample scored, and its time
+        again = pool.step_metrics()
+        assert "reward/difficulty" not in again and "reward/scored_mean" not in again  # per step
+        assert again["timing/reward_s"] == 0.0
         # an evaluation's calls (score_detailed) count in the cumulative figures, not in the next step's
         pool.score_detailed([("42", "42", {"difficulty": 9}), ("x", "42", {"difficulty": 9})])
         pool.score([("42", "42", {"difficulty": 1})])
         m = pool.step_metrics()
-        assert m["reward/difficulty"] == 1.0 and pool.calls == 5
+        assert m["reward/difficulty"] == 1.0 and pool.calls == 5 and m["reward/scored_mean"] == 1.0  # (not the eval's)
     finally:
         pool.close()
 

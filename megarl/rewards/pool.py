@@ -34,7 +34,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger(__name__)
-RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step"}
+RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step", "scored_mean"}
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -117,7 +117,7 @@ class RewardPool:
         self.spec, self.format_coef, self.timeout_s, self.on_error = spec, format_coef, timeout_s, on_error
         self._workers = [self._start() for _ in range(max(1, workers))]
         self.errors = self.timeouts = self.calls = 0
-        self._step = {"errors": 0, "timeouts": 0}
+        self._step = {"errors": 0, "timeouts": 0, "seconds": 0.0, "sum": 0.0, "n": 0}
         self._extras: dict[str, list[float]] = {}
         self._window = [0, 0]  # training calls and failed ones since the last failing_steps()
         self.failed_in_a_row, self.traceback_logged = 0, False
@@ -148,7 +148,11 @@ class RewardPool:
         """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
         loop's call: its calls, failures and extra values also feed ``failing_steps`` and ``step_metrics``' per-step
         figures; an evaluation's, through ``score_detailed``, only the cumulative counts.)"""
+        start = time.time()
         scores, extras, errors, timeouts = self._score(items)
+        self._step["seconds"] += time.time() - start
+        self._step["sum"] += sum(scores)
+        self._step["n"] += len(scores)
         self._window[0] += len(scores)
         self._window[1] += errors + timeouts
         self._step["errors"] += errors
@@ -239,13 +243,17 @@ class RewardPool:
 
     def step_metrics(self) -> dict[str, float]:
         """``reward/errors``/``timeouts`` (cumulative, evaluations included), ``*_step`` (the training calls since
-        the last call of this) and ``reward/<name>`` means (of those training calls)."""
+        the last call of this), ``reward/<name>`` means and ``reward/scored_mean`` (of those training calls: every
+        sample scored, groups dynamic sampling drops included) and ``timing/reward_s`` (their wall time, a part of
+        ``timing/gen_s``: groups are scored as they are released)."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts),
                "reward/errors_step": float(self._step["errors"]),
-               "reward/timeouts_step": float(self._step["timeouts"])}
+               "reward/timeouts_step": float(self._step["timeouts"]), "timing/reward_s": self._step["seconds"]}
+        if self._step["n"]:
+            out["reward/scored_mean"] = self._step["sum"] / self._step["n"]
         for k, vals in self._extras.items():
             out[f"reward/{'fn_' + k if k in RESERVED else k}"] = sum(vals) / len(vals)
-        self._step = {"errors": 0, "timeouts": 0}
+        self._step = {"errors": 0, "timeouts": 0, "seconds": 0.0, "sum": 0.0, "n": 0}
         self._extras = {}
         return out
 
