@@ -107,7 +107,7 @@ def load_checked(config: str | None, overrides: list[str], nproc: int, per_node:
         check_layout(cfg, hf, nproc // per_node, per_node)
     from megarl.data.checks import check_data, check_run_data
 
-    stores = check_data(cfg.data)  # files, keys, empty datasets, bad rows under on_bad_row=error
+    stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
     check_run_data(cfg, stores)  # a usable row in a sample (prompt length too); reward.fn accepts the row's columns
     return cfg
 

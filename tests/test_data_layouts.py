@@ -175,3 +175,6 @@ def test_a_data_path_that_takes_in_the_held_out_file_is_refused(tmp_path, caplog
     assert any("the held-out prompts are trained on" in r.message for r in caplog.records)
     with pytest.raises(DataError, match="takes in the held-out file"):  # a directory for both: not one file
         check_data(DataConfig(path=str(tmp_path), eval_path=str(tmp_path)))
+    # megarl eval trains nothing: the same config evaluates (it was refused as if it would train)
+    assert set(check_data(DataConfig(path=str(tmp_path), eval_path=held), training=False)) == {"data.path",
+                                                                                              "data.eval_path"}

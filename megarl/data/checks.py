@@ -58,9 +58,10 @@ def check_rows(store: RowStore, keys: Keys, render: Callable | None = None) -> N
         raise DataError(f"{count} bad rows (data.on_bad_row=error): " + "; ".join(bad) + more)
 
 
-def check_data(d) -> dict[str, RowStore]:
+def check_data(d, training: bool = True) -> dict[str, RowStore]:
     """Before any process starts: files exist and are not empty, the keys exist, and (``on_bad_row: error``)
-    every row has a usable prompt and answer. Raises FileNotFoundError / DataError naming what is wrong.
+    every row has a usable prompt and answer; ``training``: ``data.path`` does not take in the held-out files
+    (``megarl eval`` trains nothing). Raises FileNotFoundError / DataError naming what is wrong.
     Returns the stores it read, by key (``data.path``, ``data.eval_path``), for ``check_run_data``."""
     from megarl.data.chat import as_messages, load_template
 
@@ -80,7 +81,7 @@ def check_data(d) -> dict[str, RowStore]:
         check_keys(store, keys_of(d, key), key)
         if d.on_bad_row == "error":
             check_rows(store, keys_of(d, key), lambda p: as_messages(p, d.system_prompt))
-    if d.eval_path:
+    if d.eval_path and training:
         check_held_out(stores["data.path"], stores["data.eval_path"])
     return stores
 
