@@ -4,6 +4,7 @@ Models come from transformers' own ``from_config`` + ``save_pretrained`` (``test
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -165,6 +166,13 @@ def test_output_directory_in_use_is_refused(tmp_path, capsys):
         assert tool().main([str(a) for a in [*args, "--out", tmp_path / "out"]]) == 2
         assert "exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    # an --out under a file, or where this user cannot write: said before any tensor is read (a raw errno after)
+    assert tool().main(["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "out" / "keep.txt" / "x")]) == 2
+    assert "keep.txt is a file, so no directory can be made under it" in capsys.readouterr().err
+    if os.geteuid() != 0:  # (root writes anywhere)
+        (tmp_path / "locked").mkdir(mode=0o500)
+        assert tool().main(["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "locked" / "ckpt")]) == 2
+        assert "cannot write in" in capsys.readouterr().err
 
 
 def peak_rss_mb(args) -> float:

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             hf_to_mcore(args.hf, args.out, layout, dtype, args.dry_run)
         else:
             mcore_to_hf(args.ckpt, args.out, args.hf_config, dtype, int(args.max_shard_gb * 2**30), args.dry_run)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:
         print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
         return 2
     return 0

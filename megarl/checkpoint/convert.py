@@ -157,9 +157,17 @@ def _publish(tmp: Path, out: Path) -> Path:
 
 
 def _check_out(out: Path) -> None:
+    """Before anything is read: ``--out`` is new or an empty directory, in a place this process can write."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is not empty" if out.is_dir() else "is a file"
         raise FileExistsError(f"{out} exists and {what}; remove it or choose another --out")
+    where = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not where.is_dir():
+        raise NotADirectoryError(f"--out {out}: {where} is a file, so no directory can be made under it; choose "
+                                 "another --out")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {out}: this user cannot write in {where} (the converter writes {out} and a "
+                              f"sibling {out.name}.tmp there); choose another --out")
 
 
 def _fresh_tmp(out: Path) -> Path:
