@@ -90,6 +90,10 @@ def load_checked(config: str | None, overrides: list[str], nproc: int, per_node:
     if notes:
         for note in unread_keys(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)
+        if cfg.model.make_tiny and not (Path(cfg.model.path) / "config.json").is_file():  # (a typo'd path too)
+            print(f"megarl: note: model.path={cfg.model.path} holds no model (no config.json): model.make_tiny="
+                  f"{cfg.model.make_tiny} makes a tiny random one there (set model.make_tiny='' to have a missing "
+                  "model refused)", file=sys.stderr)
     hf = _model_config_for_validation(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
         from megarl.models.hf_config import check_weights_format

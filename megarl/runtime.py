@@ -74,6 +74,7 @@ def ensure_model(cfg: RunConfig) -> None:
     if (path / "config.json").is_file() or not cfg.model.make_tiny:
         return
     make_tiny_model(path, TinyShape(family=cfg.model.make_tiny), seed=cfg.model.seed)
+    print(f"model.make_tiny: made a tiny random {cfg.model.make_tiny} model at {path}", flush=True)
 
 
 def build_session(cfg: RunConfig) -> Session:
