@@ -105,6 +105,12 @@ def test_gspo_ratio_equals_token_ratio_when_all_equal():
     logp2 = old + torch.tensor([[0.3, 0.0, -0.3]])
     _, m2 = gspo_loss(logp2, old, adv, mask, 0.5, 0.5)
     assert m2["ratio_mean"].item() == pytest.approx(1.0)
+    # clip_frac counts sequences whose clip is active (as PPO-clip's): s above the band with Â > 0 is clipped,
+    # with Â < 0 it is not (the unclipped branch is the min and sends the gradient)
+    two = torch.stack([old[0], old[0]]) + 0.1
+    _, mc = gspo_loss(two, torch.stack([old[0], old[0]]), torch.tensor([[0.5] * 3, [-0.5] * 3]), torch.ones(2, 3),
+                      0.05, 0.05)
+    assert mc["clip_frac"].item() == pytest.approx(0.5)
 
 
 def test_gspo_applies_the_tis_weight_per_token():

@@ -71,14 +71,16 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     seq_log_ratio = sequence_mean(logp - old_logp.detach(), mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     s = torch.exp(seq_log_ratio)
     a = sequence_mean(adv, mask)
-    objective = torch.minimum(s * a, torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a)
+    clipped = torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a
+    objective = torch.minimum(s * a, clipped)
     per_token = objective.unsqueeze(1).expand_as(mask)
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
     loss = -per_token * mask
     has = (mask.sum(dim=1) > 0).float()
     metrics = {
-        "clip_frac": ((s < 1 - clip_low) | (s > 1 + clip_high)).float().mul(has).sum() / has.sum().clamp(min=1),
+        # sequences whose clip is active (the clipped branch is the min: no gradient), as PPO-clip's clip_frac
+        "clip_frac": (clipped < s * a).float().mul(has).sum() / has.sum().clamp(min=1),
         "ratio_mean": (s * has).sum() / has.sum().clamp(min=1),
     }
     return loss, metrics
