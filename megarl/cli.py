@@ -87,13 +87,6 @@ def load_checked(config: str | None, overrides: list[str], nproc: int, per_node:
     run by ``python -m megarl.launch check`` in the batch script, before srun. ``notes``: say which keys set
     the run will not read (on stderr)."""
     cfg = load_config(config, overrides)
-    if notes:
-        for note in unread_keys(cfg):
-            print(f"megarl: note: {note}", file=sys.stderr)
-        if cfg.model.make_tiny and not (Path(cfg.model.path) / "config.json").is_file():  # (a typo'd path too)
-            print(f"megarl: note: model.path={cfg.model.path} holds no model (no config.json): model.make_tiny="
-                  f"{cfg.model.make_tiny} makes a tiny random one there (set model.make_tiny='' to have a missing "
-                  "model refused)", file=sys.stderr)
     hf = _model_config_for_validation(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
         from megarl.models.hf_config import check_weights_format
@@ -113,6 +106,13 @@ def load_checked(config: str | None, overrides: list[str], nproc: int, per_node:
 
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
     check_run_data(cfg, stores)  # a usable row in a sample (prompt length too); reward.fn accepts the row's columns
+    if notes:  # (once every check passed: an error comes alone)
+        for note in unread_keys(cfg):
+            print(f"megarl: note: {note}", file=sys.stderr)
+        if cfg.model.make_tiny and not (Path(cfg.model.path) / "config.json").is_file():  # (a typo'd path too)
+            print(f"megarl: note: model.path={cfg.model.path} holds no model (no config.json): model.make_tiny="
+                  f"{cfg.model.make_tiny} makes a tiny random one there (set model.make_tiny='' to have a missing "
+                  "model refused)", file=sys.stderr)
     return cfg
 
 

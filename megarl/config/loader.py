@@ -139,8 +139,9 @@ MAX_OVERSUBSCRIPTION = 64.0
 batches ahead is stale before it trains; 64 leaves room for any limit in use (1e9 admitted without end)."""
 
 
-def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> None:
-    """Cross-field checks; raises ConfigError naming the key and suggesting valid values."""
+def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, here: bool = True) -> None:
+    """Cross-field checks; raises ConfigError naming the key and suggesting valid values. ``here``: the run's
+    engines are on this machine (``megarl plan`` sizes a cluster from a login node: it is not)."""
     p = cfg.parallel
     for key in ("tp", "pp", "vpp", "ep"):
         if getattr(p, key) < 1:
@@ -245,10 +246,10 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None) -> 
     check_ranges(cfg)
     check_engine_sizes(cfg)
     if hf_config is not None:
-        _validate_against_model(cfg, hf_config)
+        _validate_against_model(cfg, hf_config, here)
 
 
-def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
+def _validate_against_model(cfg: RunConfig, hf: dict, here: bool = True) -> None:
     p = cfg.parallel
     heads, kv, layers = hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"]
     experts = num_experts(hf)
@@ -282,7 +283,8 @@ def _validate_against_model(cfg: RunConfig, hf: dict) -> None:
         check_sequence_length(hf, cfg.engine.max_model_len, f"{cfg.model.path}/config.json")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    check_engine_head_size(hf, f"{cfg.model.path}/config.json")
+    if here:  # (the attention backends of this machine's vLLM build)
+        check_engine_head_size(hf, f"{cfg.model.path}/config.json")
 
 
 def validate_resume_model(cfg: RunConfig, hf: dict) -> None:

@@ -164,11 +164,12 @@ def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
     return replace(cfg, parallel=par, engine=replace(cfg.engine, tensor_parallel_size=lay.engine_tp))
 
 
-def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int) -> None:
-    """``validate`` on the job's world size plus what only the job's shape can tell; ConfigError names the key."""
+def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here: bool = True) -> None:
+    """``validate`` on the job's world size plus what only the job's shape can tell; ConfigError names the key.
+    ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
-    validate(cfg, nodes * gpus_per_node, hf)
+    validate(cfg, nodes * gpus_per_node, hf, here)
     if not cfg.engine.replica_nodes_dedicated:  # replicas spawned on the last N of these nodes (engines/nodes.place)
         check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, nodes, nodes * gpus_per_node)
     tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
@@ -286,17 +287,18 @@ def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
          propose: bool = False, precision: str = "fp32") -> dict:
     """Counts, layout and memory: of the config's layout (ConfigError if impossible), or with
-    ``propose`` of the first valid layout that fits (else the one closest to fitting)."""
+    ``propose`` of the first valid layout that fits (else the one closest to fitting). Checked for the cluster,
+    not for this machine (a login node's vLLM build does not say which attention head sizes the GPUs run)."""
     counts = count_params(hf)
     if not propose:
         lay = layout_of(cfg, nodes, gpus_per_node)
-        check_layout(cfg, hf, nodes, gpus_per_node)
+        check_layout(cfg, hf, nodes, gpus_per_node, here=False)
         check_kv_cache(hf, cfg, lay, precision)
     else:
         lay, best = None, None  # the first that fits; else the one closest to fitting
         for cand in candidates(hf, nodes, gpus_per_node):
             try:
-                check_layout(apply_layout(cfg, cand), hf, nodes, gpus_per_node)
+                check_layout(apply_layout(cfg, cand), hf, nodes, gpus_per_node, here=False)
                 check_kv_cache(hf, cfg, cand, precision)
             except ConfigError:
                 continue
@@ -306,7 +308,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                 break
             best = min(best or (total, cand), (total, cand), key=lambda x: x[0])
         if lay is None and best is None:
-            check_layout(cfg, hf, nodes, gpus_per_node)  # nothing is valid: the configured layout's error
+            check_layout(cfg, hf, nodes, gpus_per_node, here=False)  # nothing is valid: the configured layout's error
             check_kv_cache(hf, cfg, layout_of(cfg, nodes, gpus_per_node), precision)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         lay = lay or best[1]
