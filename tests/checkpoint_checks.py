@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 tests/checkpoint_checks.py save tp2 MODEL_DIR WORK
     python tests/checkpoint_checks.py load single MODEL_DIR WORK
 
-``save`` takes one PPO step, saves model + optimizer to WORK/ckpt, takes a second step and
+``save`` takes one PPO step (``save_unstepped``: none), saves model + optimizer to WORK/ckpt, takes a second step and
 writes the full weights after it to WORK/expected.pt. ``load`` builds the trainer fresh from
 the HF weights, loads WORK/ckpt, takes the same second step and writes WORK/got.pt. Equal
 weights after the second step need the Adam moments to have survived the reshard.
@@ -35,15 +35,22 @@ def main(action: str, layout: str, model_dir: str, work: str) -> None:
         return ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28)
 
     ckpt = os.path.join(work, "ckpt")
-    if action == "save":
-        trainer.train_step(batch, loss)
+    if action in ("save", "save_unstepped"):  # unstepped: saved before any optimizer step (no Adam state)
+        if action == "save":
+            trainer.train_step(batch, loss)
+        else:  # weights moved without this optimizer (as a supervised warm-up may): the loader must take them
+            gen = torch.Generator().manual_seed(11)
+            with torch.no_grad():
+                for m in trainer.modules:
+                    for prm in m.parameters():
+                        prm.add_(torch.randn(prm.shape, generator=gen) * 0.01)
         save_checkpoint(trainer, ckpt)
     else:
         load_checkpoint(trainer, ckpt)
     trainer.train_step(batch, loss)
     full = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], num_experts(cfg))
     if ps.rank == 0:
-        torch.save(full, os.path.join(work, "expected.pt" if action == "save" else "got.pt"))
+        torch.save(full, os.path.join(work, "got.pt" if action == "load" else "expected.pt"))
         print(json.dumps({"ok": True, "action": action, "layout": layout}), flush=True)
 
 

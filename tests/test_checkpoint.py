@@ -57,8 +57,16 @@ def test_dense_and_moe_layers_checkpoint_reshards_with_optimizer_state(tmp_path,
     reshard(tmp_path, make_hf_model(tmp_path / "model", spec, seed=5), saved_at, loaded_at)
 
 
-def reshard(tmp_path, model, saved_at, loaded_at):
-    assert launch("save", saved_at, model, tmp_path)["ok"]
+@pytest.mark.parametrize("loaded_at", ["single", "dp2"])
+def test_a_checkpoint_saved_before_any_optimizer_step_resumes(tmp_path, loaded_at):
+    """A policy saved during the critic's warm-up (VAPO's value pre-training) has no Adam state: its resume was
+    megatron's KeyError 'optimizer.state.exp_avg... not in state dict'. A fresh optimizer is that state."""
+    model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=5)
+    reshard(tmp_path, model, "single", loaded_at, save="save_unstepped")
+
+
+def reshard(tmp_path, model, saved_at, loaded_at, save="save"):
+    assert launch(save, saved_at, model, tmp_path)["ok"]
     assert (tmp_path / "ckpt" / "metadata.json").is_file() and not (tmp_path / "ckpt.tmp").exists()
     assert launch("load", loaded_at, model, tmp_path)["ok"]
     expected, got = torch.load(tmp_path / "expected.pt"), torch.load(tmp_path / "got.pt")

@@ -47,12 +47,12 @@ def _model_keys(trainer) -> list[str]:
     return ["model"] if len(trainer.modules) == 1 else [f"model{i}" for i in range(len(trainer.modules))]
 
 
-def _sharded(trainer, is_loading: bool) -> dict:
+def _sharded(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
     # Keys that only some layers have (Qwen2-MoE's dense layers) are put on an axis over those
     # layers first, so that the optimizer's copies of them follow (layer_axis.py).
     state = dict(zip(_model_keys(trainer), compact_layer_keys([m.sharded_state_dict() for m in trainer.modules])))
     model_sd = dict(state)
-    if trainer.optimizer is None:
+    if trainer.optimizer is None or not with_optimizer:  # (describing it for loading initialises its state)
         return state
     fresh = []
     if is_loading:
@@ -111,12 +111,14 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     _patch_step_copy()
-    sharded = _sharded(trainer, is_loading=True)
+    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if load_optimizer else set()
+    if load_optimizer and not any(k.startswith("optimizer.") for k in saved_keys):
+        # saved before its first optimizer step (a policy during the critic's warm-up, a run of train.steps=0): it
+        # has no Adam state, and a fresh optimizer is exactly that state (asking for it was a KeyError)
+        load_optimizer = False
+    sharded = _sharded(trainer, is_loading=True, with_optimizer=load_optimizer)
     main_params_saved = True
-    if not load_optimizer:
-        sharded.pop("optimizer", None)
-    elif "optimizer" in sharded:
-        saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    if load_optimizer and "optimizer" in sharded:
         _match_chain_prefixes(sharded["optimizer"], saved_keys)
         main_params_saved = not _drop_unsaved_main_params(sharded["optimizer"], saved_keys)
     state = dist_checkpointing.load(sharded, str(path))
@@ -130,6 +132,9 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
             _fill_param_groups(state["optimizer"], trainer.optimizer)
     for key, m in zip(_model_keys(trainer), trainer.modules):
         m.load_state_dict(state[key])
+    if trainer.optimizer is not None and not load_optimizer:  # its main params from the weights just loaded (with
+        for opt in _chain(trainer.optimizer):  # bf16 params, the optimizer's own fp32 copies: else the initial ones)
+            opt.reload_model_params()
     if "optimizer" in state:
         trainer.optimizer.load_state_dict(state["optimizer"])
         _untie_steps(trainer.optimizer)
