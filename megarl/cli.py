@@ -61,8 +61,13 @@ def check_resume_learners(cfg) -> None:
     step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
     if step is None or not (step / "policy" / "metadata.json").is_file():
         return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
-    missing = {n: why for n, why in needed_learners(cfg.algo).items() if not (step / n / "metadata.json").is_file()}
-    if not missing:
+    needed = needed_learners(cfg.algo)
+    missing = {n: why for n, why in needed.items() if not (step / n / "metadata.json").is_file()}
+    # a trained critic the algorithm would not build: dropped, and in its own run dir the next saves rotate away the
+    # last checkpoints that hold it (a reference is model.path's weights: nothing is lost without one)
+    drops = "critic" not in needed and (step / "critic" / "metadata.json").is_file() and \
+        step.parent.parent.resolve() == Path(cfg.train.run_dir).resolve()
+    if not missing and not drops:
         return
     run_cfg = step.parent.parent / "config.json"
     try:
@@ -75,6 +80,12 @@ def check_resume_learners(cfg) -> None:
     where = f"train.resume={cfg.train.resume}" + (f" in train.run_dir={cfg.train.run_dir}" if cfg.train.resume == "auto"
                                                   else "")
     preset = f" of algo.preset={cfg.algo.preset}" if cfg.algo.preset else ""
+    if drops:
+        raise ConfigError(f"{where}: the checkpoint {step} holds a trained critic/, which algo.advantage="
+                          f"{cfg.algo.advantage}{preset} does not use{was}: resuming would drop it, and this run's "
+                          "next saves would rotate away the last checkpoints that hold it. Resume with the original "
+                          f"algorithm ({original}), or continue without the critic in another train.run_dir "
+                          f"(train.resume={step} there keeps this run's checkpoints)")
     raise ConfigError(f"{where}: the checkpoint {step} has no "
                       f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{preset}{was}. "
                       "Set train.resume=never to start afresh (the earlier run's checkpoints are set aside), "

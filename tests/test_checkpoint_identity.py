@@ -225,6 +225,14 @@ def test_resume_without_the_critic_or_reference_the_algorithm_needs_is_refused_b
     shutil.copytree(step / "policy", step / "reference")
     _critic_beside(step)
     check_resume_learners(load_config(None, ["algo.preset=ppo", f"train.run_dir={run}"]))
+    # the other way: a PPO run resumed with a group advantage dropped its trained critic without a word, and the
+    # next saves rotated away the last checkpoints that held it
+    with pytest.raises(ConfigError, match=rf"the checkpoint {step} holds a trained critic/, which "
+                                          r"algo.advantage=grpo of algo.preset=grpo does not use.*Resume with the "
+                                          r"original algorithm.*another train.run_dir"):
+        check_resume_learners(load_config(None, ["algo.preset=grpo", f"train.run_dir={run}"]))
+    check_resume_learners(load_config(None, ["algo.preset=grpo", f"train.run_dir={tmp_path / 'new'}",
+                                             f"train.resume={step}"]))  # elsewhere: this run's checkpoints stay
     # through the command line: exit 2 before anything starts
     shutil.rmtree(step / "critic")
     status, err = _cli(capsys, "train", "--config", ROOT / "configs/demo.yaml", "algo.advantage=gae",
