@@ -29,7 +29,7 @@ from megarl.engines.memory import handover
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
 from megarl.runtime import Session, build_session
-from megarl.trainer.lr_schedule import lr_at
+from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
 from megarl.weight_sync.protocol import sync_weights
@@ -106,8 +106,7 @@ def run(cfg: RunConfig) -> dict:
         if cfg.train.time_limit_s and time.time() - start > cfg.train.time_limit_s:
             say(f"time limit {cfg.train.time_limit_s:.0f}s reached after {steps} steps")
             break
-        o = cfg.optim
-        s.trainer.set_lr(lr_at(step, o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps, o.min_lr))
+        s.trainer.set_lr(policy_lr(cfg, step))
         try:
             metrics = rl_step(s, step, keeper)
         except StopRun as stop:

@@ -281,3 +281,11 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(4, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(1.0)
     assert lr_at(9, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(0.55)
     assert lr_at(14, 1.0, 4, "cosine", 14, min_lr=0.1) == pytest.approx(0.1)
+    from megarl.config import load_config
+    from megarl.trainer.lr_schedule import policy_lr
+
+    # the policy's warm-up starts with its first update, after the critic's value pre-training (VAPO)
+    cfg = load_config(None, ["algo.preset=vapo", "algo.critic_warmup_steps=3", "optim.lr=1.0",
+                             "optim.lr_warmup_steps=2", "train.steps=10"])
+    assert [policy_lr(cfg, s) for s in range(3, 6)] == [0.5, 1.0, 1.0]
+    assert policy_lr(load_config(None, ["optim.lr=1.0", "optim.lr_warmup_steps=2"]), 0) == 0.5

@@ -28,7 +28,7 @@ def test_critic_presets_train_the_critic_and_vapo_pretrains_it(runs):
             assert m["critic/value_mse"] >= 0.0
     vapo = runs["vapo"]["steps"]
     assert runs["vapo"]["cfg"]["critic_warmup_steps"] == 2
-    assert vapo[0]["loss/policy"] == 0.0 and vapo[1]["loss/policy"] == 0.0  # value pre-training
+    assert "loss/policy" not in vapo[0] and "loss/policy" not in vapo[1]  # value pre-training: no policy loss
     assert "loss/clip_frac" in vapo[2]
     assert "loss/kl_ref" in runs["ppo"]["steps"][0]  # PPO's KL to the frozen reference
 

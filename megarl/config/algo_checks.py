@@ -71,7 +71,8 @@ def _ranges(cfg: RunConfig) -> None:
     for key in ("gamma", "lam", "lam_critic"):
         value = getattr(a, key)
         if not 0 <= value <= 1:
-            raise ConfigError(f"algo.{key} must be in [0, 1] (a GAE discount / λ; above 1 the advantages diverge), "
+            raise ConfigError(f"algo.{key} must be in [0, 1] (a GAE discount / λ: above 1 the advantages diverge, "
+                              "below 0 their terms alternate in sign), "
                               f"got {value}")
     if not 0 <= a.clip_low < 1:
         raise ConfigError(f"algo.clip_low must be in [0, 1) (the ratio's lower bound 1 − clip_low must stay above 0), "

@@ -16,3 +16,11 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, decay: str, total_steps:
         return base_lr
     t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * t))
+
+
+def policy_lr(cfg, step: int) -> float:
+    """The policy's LR at RL step ``step`` (0-based): its schedule starts with its first update, after the
+    critic's ``algo.critic_warmup_steps`` (as verl's actor scheduler, stepped by actor updates only); without it
+    VAPO's policy began at full LR, its warm-up spent while it was frozen. The critic's LR is constant."""
+    o, frozen = cfg.optim, cfg.algo.critic_warmup_steps
+    return lr_at(max(step - frozen, 0), o.lr, o.lr_warmup_steps, o.lr_decay, cfg.train.steps - frozen, o.min_lr)

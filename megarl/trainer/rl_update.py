@@ -89,8 +89,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     else:
         batch.advantages = per_token(group_advantages(rewards, a.advantage).flatten().tolist(), mask)
-    if step < a.critic_warmup_steps:  # value pre-training: the policy waits for a useful critic
-        out["loss/policy"] = 0.0
+    if step < a.critic_warmup_steps:  # value pre-training: the policy waits for a useful critic (no loss/* logged)
         return out
     policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1)
     out.update({
