@@ -25,6 +25,7 @@ from megarl.checkpoint.faults import Preemption
 from megarl.checkpoint.hf_export import export_policy
 from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
+from megarl.data import pad_id
 from megarl.engines.memory import handover
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
@@ -55,7 +56,7 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
               flush=True)  # (its reward failures and bad rows are still logged: that is when they matter)
         return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
-    metrics = rl_update(s.learners, groups, cfg, s.tokenizer.pad_token_id, step)  # advantage, train
+    metrics = rl_update(s.learners, groups, cfg, pad_id(s.tokenizer), step)  # advantage, train
     s.policy_version = version + 1
     t2 = time.time()
     handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake

@@ -52,6 +52,7 @@ def main(workdir: str) -> None:
     skipped = rl_step(s, step)
     versions.append(s.policy_version)
     s.controller.keep_group, s.controller.cfg.release_cap = keep, 0
+    s.tokenizer.pad_token = None  # as Llama-3's and Mistral's tokenizers: the update pads with another id
     after = rl_step(s, step + 1)
     versions.append(s.policy_version)
     out["skip"] = {"versions": versions, "engine_version": s.engine.weight_version,

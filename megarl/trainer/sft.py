@@ -6,7 +6,7 @@ import time
 
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
-from megarl.data import encode
+from megarl.data import encode, pad_id
 from megarl.trainer.policy import PolicyTrainer
 
 
@@ -20,7 +20,7 @@ def supervised_warmup(trainer: PolicyTrainer, tokenizer, task, steps: int, batch
         problems = task.next_problems(batch_size)
         prompts = [encode(tokenizer, p.prompt) for p in problems]
         responses = [encode(tokenizer, p.response) + [eos] for p in problems]
-        batch = build_batch(prompts, responses, loss_agg="token_mean", pad_id=tokenizer.pad_token_id)
+        batch = build_batch(prompts, responses, loss_agg="token_mean", pad_id=pad_id(tokenizer))
         metrics = trainer.train_step(batch, lambda logp, mb: nll_loss(logp, mb["loss_mask"]))
         history.append(metrics.get("nll", float("nan")))
         if step % log_every == 0 or step == steps:
