@@ -211,3 +211,22 @@ def test_addition_task_is_a_source_with_the_same_interface(tok):
     nxt = drain(a, 5)
     assert drain(b, 5) == nxt
     assert nxt[0][1] == tok(nxt[0][0], add_special_tokens=False)["input_ids"]  # raw completions, not chat-wrapped
+
+
+def test_plain_text_prompts_start_with_bos_where_the_tokenizer_adds_one(tmp_path):
+    """Without a chat template, a Llama/Gemma-style tokenizer (a BOS post-processor) encodes a text with BOS first,
+    as vLLM does for a text prompt; prompts were encoded without it (both engine and trainer, so no check saw it)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from megarl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"bos_token": "<|reserved_0|>"})
+    bos = tok.bos_token_id
+    plain = PromptRenderer(tok, "none")
+    assert plain("What is 2+2?")[1][:1] != [bos]  # no post-processor: nothing added
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|reserved_0|> $A", special_tokens=[("<|reserved_0|>", bos)])
+    text, ids = plain("What is 2+2?")
+    assert ids[0] == bos and ids.count(bos) == 1 and ids[1:] == tok("What is 2+2?", add_special_tokens=False)["input_ids"]
+    chat = PromptRenderer(tok, "auto")([{"role": "user", "content": "hi"}])[1]
+    assert bos not in chat  # the ChatML template writes no BOS; nothing is added to a rendered template

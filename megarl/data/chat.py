@@ -76,7 +76,10 @@ class PromptRenderer:
         messages = as_messages(prompt, self.system_prompt)
         if self.template is None:
             text = "\n\n".join(m["content"] for m in messages)
-            return text, encode(self.tokenizer, text)
+            ids, bos = encode(self.tokenizer, text), self.tokenizer.bos_token_id
+            if bos is not None and ids[:1] != [bos] and self.tokenizer(text)["input_ids"][:1] == [bos]:
+                ids = [bos, *ids]  # as the tokenizer encodes a text (a chat template writes its own BOS): Llama
+            return text, ids  # and Gemma base models saw BOS first in training, and so does vLLM's text prompt
         kwargs = dict(chat_template=self.template, add_generation_prompt=True)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
