@@ -42,6 +42,7 @@ class Group:
     prompt_text: str
     answer: str
     samples: list[Sample]
+    extras: dict | None = None  # its row's other columns (the reward's keyword arguments)
 
 
 @dataclass

@@ -150,8 +150,11 @@ def test_workers_exit_when_the_run_is_killed_mid_call(tmp_path):
 
 
 def test_row_extras_travel_from_the_dataset_to_the_reward_of_a_released_group(tmp_path):
-    """data source → controller PromptItem → (checkpoint, resume) → released Group → user reward with the row's columns."""
+    """data source → controller PromptItem → (checkpoint, resume) → released Group → user reward with the row's
+    columns. Two rows with the same prompt text in flight keep their own extras whichever finishes first (they were
+    matched by text, first in first out: the later row's group, finishing first, got the other's)."""
     import json
+    import pickle
 
     from megarl.data.chat import PromptRenderer
     from megarl.data.readers import RowStore
@@ -162,23 +165,28 @@ def test_row_extras_travel_from_the_dataset_to_the_reward_of_a_released_group(tm
 
     tok = build_tokenizer()
     rows = [{"prompt": "q1", "answer": "42", "difficulty": 3, "source": "olympiad"},
-            {"prompt": "q2", "answer": "7", "difficulty": 1}]
+            {"prompt": "q2", "answer": "7", "difficulty": 1},
+            {"prompt": "q1", "answer": "42", "difficulty": 5}]  # the same text as row 1, other columns
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     feed = PromptFeed(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False))
-    items = [feed(), feed()]
-    state = json.loads(json.dumps(feed.state_dict()))  # a checkpoint taken with both groups in flight
+    items = pickle.loads(pickle.dumps([feed(), feed(), feed()]))  # in flight, in the controller's checkpoint
     resumed = PromptFeed(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False))
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(json.loads(json.dumps(feed.state_dict())))
     pool = RewardPool("reward_fns:with_extras", workers=1, timeout_s=20)
     try:
         score = group_scorer(tok, pool, resumed.take_extras)
         groups = [Group(it.index, it.prompt_text, it.answer,
                         [Sample(it.prompt_ids, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-                         for text in (it.answer, "wrong")]) for it in items]
-        for g in groups:
+                         for text in (it.answer, "wrong")], it.extras) for it in items]
+        for g in reversed(groups):  # released in another order than drawn
             score(g)
-        assert [[s.reward for s in g.samples] for g in groups] == [[2.0, 0.0], [1.0, 0.0]]  # olympiad doubles
-        assert groups[0].samples[0].text == "42" and resumed.pending == {}  # decoded without EOS; extras used once
-        assert pool.step_metrics()["reward/difficulty"] == 2.0
+        assert [[s.reward for s in g.samples] for g in groups] == [[2.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # olympiad ×2
+        assert groups[0].samples[0].text == "42"  # decoded without EOS
+        assert pool.step_metrics()["reward/difficulty"] == 3.0  # (3 + 3 + 1 + 1 + 5 + 5) / 6
+        # a group restored from a checkpoint of the earlier format (extras kept by prompt text beside the cursor)
+        legacy = PromptFeed(DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok), shuffle=False))
+        legacy.load_state_dict({**feed.state_dict(), "pending": {items[1].prompt_text: [{"difficulty": 9}]}})
+        old = Group(items[1].index, items[1].prompt_text, items[1].answer, groups[1].samples)  # no extras of its own
+        assert legacy.take_extras(old) == {"difficulty": 9} and legacy.pending == {}
     finally:
         pool.close()

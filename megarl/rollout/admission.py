@@ -29,6 +29,7 @@ class PromptItem:
     prompt_text: str = ""
     answer: str = ""
     key: object = None  # identity for the length cache (same prompt in a later epoch)
+    extras: dict | None = None  # the row's other columns: the reward's keyword arguments for this prompt's group
 
 
 

@@ -324,7 +324,7 @@ class RolloutController(PromptBuffer):
         g = self.live.pop(index)
         self.released.add(index)
         self.progress.pop(index, None)
-        group = Group(index, g.item.prompt_text, g.item.answer, g.samples)
+        group = Group(index, g.item.prompt_text, g.item.answer, g.samples, g.item.extras)
         self.score(group)
         lengths = [len(s.response_ids) for s in g.samples]
         if g.item.key is not None:

@@ -13,24 +13,24 @@ from megarl.types import Group
 
 
 class PromptFeed:
-    """Controller prompts from a data source (``megarl.data.source``), keeping each in-flight row's extra
-    columns until its group is scored (``take_extras``).
-
-    Extras are keyed by the prompt's rendered text (first in, first out among equal texts), so a wrapper
-    that renumbers ``PromptItem.index`` cannot mismatch them; ``state_dict`` holds the source's cursor and
-    the extras of prompts drawn but not yet scored, so a resumed run scores its restored groups alike.
+    """Controller prompts from a data source (``megarl.data.source``); each row's extra columns travel on its
+    ``PromptItem`` to its released group (they were matched to groups by prompt text: two rows with the same text in
+    flight swapped their extras when the later one finished first). The controller's checkpointed items carry
+    them; ``state_dict`` holds the source's cursor.
     """
 
     def __init__(self, prompts) -> None:
         self.prompts = prompts
-        self.pending: dict[str, list[dict]] = {}
+        self.pending: dict[str, list[dict]] = {}  # only from a checkpoint written before extras rode on the items
 
     def __call__(self) -> PromptItem:
         p = self.prompts.next()
-        self.pending.setdefault(p.text, []).append(p.extras)
-        return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key)
+        return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key, extras=p.extras)
 
     def take_extras(self, group: Group) -> dict:
+        """A group's extras: its own; for a group restored from an older checkpoint, its prompt text's."""
+        if group.extras is not None:
+            return group.extras
         queue = self.pending.get(group.prompt_text)
         if not queue:
             return {}
@@ -40,11 +40,11 @@ class PromptFeed:
         return extras
 
     def state_dict(self) -> dict:
-        return {"source": self.prompts.state_dict(), "pending": {k: list(v) for k, v in self.pending.items()}}
+        return {"source": self.prompts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["source"])
-        self.pending = {k: list(v) for k, v in state["pending"].items()}
+        self.pending = {k: list(v) for k, v in state.get("pending", {}).items()}
 
 
 def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], object] | None = None
@@ -67,7 +67,7 @@ def group_scorer(tokenizer, rewards: RewardPool, extras_of: Callable[[Group], di
     def score(group: Group) -> None:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        row = extras_of(group) if extras_of is not None else {}
+        row = extras_of(group) if extras_of is not None else (group.extras or {})
         scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r
