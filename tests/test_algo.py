@@ -272,6 +272,8 @@ def test_build_batch_aligns_labels_logprobs_and_advantages():
     assert b.loss_mask.tolist() == [[0, 0, 1, 1]]
     assert b.old_logprobs.tolist()[0][2:] == pytest.approx([-0.1, -0.2])
     assert b.advantages.tolist() == [[0, 0, 1.5, 1.5]]
+    with pytest.raises(ValueError, match="row 0: 1 behaviour logprobs for 2 response tokens"):
+        build_batch([[5, 6, 7]], [[8, 9]], [[-0.1]], [1.5])  # it broadcast over the response
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -43,6 +43,8 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logpro
         start = len(p) - 1  # label position of the first response token
         mask[i, start:start + len(r)] = 1.0
         if old_logprobs is not None:
+            if len(old_logprobs[i]) != len(r):  # (a one-element list would broadcast over the response)
+                raise ValueError(f"row {i}: {len(old_logprobs[i])} behaviour logprobs for {len(r)} response tokens")
             old[i, start:start + len(r)] = torch.tensor(old_logprobs[i], dtype=torch.float32)
         if advantages is not None:
             adv[i, start:start + len(r)] = float(advantages[i])

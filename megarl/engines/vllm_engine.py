@@ -274,8 +274,13 @@ def _unlink_shm_segments() -> None:
 
 
 def _sampled_logprobs(c) -> list[float]:
-    """The logprob of each sampled token (vLLM returns, per position, a dict that includes it)."""
-    return [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
+    """The logprob of each sampled token (vLLM returns, per position, a dict that includes it). One per token, or an
+    error: a shorter list (zip) would misalign every later token's behaviour logprob, silently."""
+    steps = c.logprobs or []
+    if len(steps) != len(c.token_ids):
+        raise RuntimeError(f"vLLM returned {len(steps)} logprobs for {len(c.token_ids)} sampled tokens (every request "
+                           "is made with logprobs=0: one per token)")
+    return [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps)]
 
 
 def _completion(c) -> Completion:
