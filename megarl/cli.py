@@ -225,7 +225,7 @@ _COMMANDS = {
               "megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2 train.steps=5"),
     "demo": ("the tiny CPU demo (configs/demo.yaml unless --config is given)", "megarl demo train.steps=20"),
     "eval": ("pass@k of model.path, or of --checkpoint loaded into model.path's model, on the held-out prompts "
-             "(data.eval_path, or the built-in task's); writes eval.output (default run_dir/eval.json)",
+             "(data.eval_path, or the built-in task's); writes eval.output (default: RUN/eval_step_N.json beside a run's checkpoint, else run_dir/eval.json)",
              "megarl eval --config examples/math/config.yaml --checkpoint runs/math"),
 }
 

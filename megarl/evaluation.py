@@ -46,6 +46,17 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
                             "(checkpoints/latest)")
 
 
+def output_path(cfg, kind: str, path: Path) -> Path:
+    """``eval.output``; by default beside the run checkpoint evaluated (``RUN/eval_step_N.json`` for
+    ``RUN/checkpoints/step_N/...``: the config's own run dir may be another run's), else ``<train.run_dir>/eval.json``."""
+    if cfg.eval.output:
+        return Path(cfg.eval.output)
+    step = path.parent if path.name in ("policy", "critic", "reference") else path
+    if kind == "dist" and step.parent.name == "checkpoints" and step.name.startswith("step_"):
+        return step.parent.parent / f"eval_{step.name}.json"
+    return Path(cfg.train.run_dir) / "eval.json"
+
+
 def checkpoint_note(kind: str, path: Path) -> str:
     """What the evaluated weights are, when not what the name suggests: a run's ``reference/`` (else '')."""
     if kind == "dist" and path.name == "reference" and (path.parent / "policy").is_dir():
@@ -71,7 +82,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     from megarl.runtime import build_session
 
     kind, path = resolve_checkpoint(checkpoint) if checkpoint else ("hf", Path(cfg.model.path))
-    out = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.train.run_dir) / "eval.json"
+    out = output_path(cfg, kind, path)
     if kind == "hf" and checkpoint:
         cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
     # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,11 @@ def test_checkpoint_paths_resolve_like_the_run_layout(tmp_path):
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="a run dir without a checkpoint"):
         resolve_checkpoint(tmp_path / "empty")
+    # the result goes beside the run checkpoint evaluated (the config's run dir may be another run's)
+    from megarl.config import load_config
+    from megarl.evaluation import output_path
+
+    cfg = load_config(None, [f"train.run_dir={tmp_path / 'other'}"])
+    assert output_path(cfg, *resolve_checkpoint(tmp_path / "run")) == tmp_path / "run" / "eval_step_7.json"
+    assert output_path(cfg, "hf", hf) == tmp_path / "other" / "eval.json"
+    assert output_path(load_config(None, ["eval.output=x.json"]), "dist", step / "policy") == Path("x.json")

@@ -327,7 +327,8 @@ class EvalConfig:
     temperature: float = 1.0
     """Sampling temperature when ``samples`` > 1."""
     output: str = ""
-    """Where ``megarl eval`` writes its JSON ('' : <train.run_dir>/eval.json)."""
+    """Where ``megarl eval`` writes its JSON ('': beside a run checkpoint, RUN/eval_step_N.json; else
+    <train.run_dir>/eval.json)."""
 
 
 @dataclass
