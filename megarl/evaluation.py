@@ -2,11 +2,11 @@
 
 ``--checkpoint`` may name an HF model directory, a megatron dist checkpoint (as
 ``megarl/checkpoint/dist.py`` writes it), a run checkpoint ``run_dir/checkpoints/step_N/``
-(whose ``policy/`` is that dist checkpoint) or a run directory (its
-``checkpoints/latest`` names the step directory). A dist checkpoint is loaded into the
+(whose ``policy/`` is that dist checkpoint) or a run directory (its newest step:
+``checkpoint.run.newest_step_dir``). A dist checkpoint is loaded into the
 trainer built from ``model.path`` and synced into the engine in memory; then the same
 ``rollout.evaluate`` the training loop uses runs, with a progress bar. The result is
-written as JSON (``eval.output``, default ``<run_dir>/eval.json``) and printed as a table.
+written as JSON (``eval.output``; by default beside a run checkpoint, ``output_path``) and printed as a table.
 
 A run's ``step_N/critic`` is refused before launch (``checkpoint/identity.py``: its head is a value
 head, not a policy); ``step_N/reference`` is evaluated, as what it is: the frozen initial model
@@ -16,6 +16,7 @@ head, not a policy); ``step_N/reference`` is evaluated, as what it is: the froze
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,12 +49,15 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
 
 def output_path(cfg, kind: str, path: Path) -> Path:
     """``eval.output``; by default beside the run checkpoint evaluated (``RUN/eval_step_N.json`` for
-    ``RUN/checkpoints/step_N/...``: the config's own run dir may be another run's), else ``<train.run_dir>/eval.json``."""
+    ``RUN/checkpoints/step_N/policy``, ``..._reference.json`` for its reference: the config's own run dir may be
+    another run's) where that run dir is writable, else ``<train.run_dir>/eval.json``."""
     if cfg.eval.output:
         return Path(cfg.eval.output)
     step = path.parent if path.name in ("policy", "critic", "reference") else path
-    if kind == "dist" and step.parent.name == "checkpoints" and step.name.startswith("step_"):
-        return step.parent.parent / f"eval_{step.name}.json"
+    run = step.parent.parent
+    if kind == "dist" and step.parent.name == "checkpoints" and step.name.startswith("step_") and \
+            os.access(run, os.W_OK | os.X_OK):
+        return run / f"eval_{step.name}{'' if path.name in ('policy', step.name) else '_' + path.name}.json"
     return Path(cfg.train.run_dir) / "eval.json"
 
 

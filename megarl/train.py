@@ -56,12 +56,15 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
               flush=True)  # (its reward failures and bad rows are still logged: that is when they matter)
         return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
+    updates = s.trainer.updates
     metrics = rl_update(s.learners, groups, cfg, pad_id(s.tokenizer), step)  # advantage, train
-    s.policy_version = version + 1
     t2 = time.time()
     handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
-    sync = (keeper.sync(version + 1, done_steps=step + 1) if keeper  # all or nothing; survives engine errors
-            else sync_weights(s.engine, s.trainer, cfg.sync, version=version + 1))
+    sync = {}
+    if s.trainer.updates > updates:  # the policy moved (not in value pre-training, nor a non-finite step skipped)
+        s.policy_version = version + 1
+        sync = (keeper.sync(version + 1, done_steps=step + 1) if keeper  # all or nothing; survives engine errors
+                else sync_weights(s.engine, s.trainer, cfg.sync, version=version + 1))
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]

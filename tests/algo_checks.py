@@ -51,12 +51,16 @@ def main(workdir: str) -> None:
         s.engine.update_weights(s.trainer.hf_weights())
         s.controller = build_controller(cfg, engine, source, score)
         before = snapshot(s.trainer)
-        steps = [rl_step(s, step) for step in range(3)]
+        steps, versions = [], []
+        for step in range(3):
+            steps.append(rl_step(s, step))
+            versions.append(s.policy_version)
         after = snapshot(s.trainer)
         moved = max(float((after[n] - before[n]).abs().max()) for n in before)
         out[preset] = {
             "steps": steps,
             "moved": moved,
+            "versions": versions,
             "finite": all(math.isfinite(v) for m in steps for v in m.values()),
             "cfg": {k: getattr(cfg.algo, k) for k in ("advantage", "policy_loss", "loss_agg", "critic_warmup_steps")},
         }

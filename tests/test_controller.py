@@ -22,7 +22,7 @@ def make(mode, lengths, k=1, engines=2, slots=8, update=4, rollout=8, cap=64, ke
         if prompts is not None and i >= prompts:
             return None
         produced.append(i)
-        return PromptItem(i, [1, 2, 3], key=i % len(lengths))
+        return PromptItem(i, [1, 2, 3], key=i % len(lengths), extras={"row": i})
 
     def length_of(key):
         return lengths[key[0] % len(lengths)][key[1]]
@@ -65,7 +65,7 @@ def test_groups_released_whole_with_per_token_records(mode):
     ctrl, _ = make(mode, lengths, k=3)
     for _, groups, _ in run(ctrl, 20):
         for g in groups:
-            assert len(g.samples) == G
+            assert len(g.samples) == G and g.extras == {"row": g.prompt_index}  # its own row's columns
             for j, s in enumerate(g.samples):
                 assert s.status == SampleStatus.CONSUMED and s.finish_reason in ("stop", "length")
                 full = min(lengths[g.prompt_index % 30][j], 64)

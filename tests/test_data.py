@@ -226,7 +226,7 @@ def test_plain_text_prompts_start_with_bos_where_the_tokenizer_adds_one(tmp_path
     plain = PromptRenderer(tok, "none")
     assert plain("What is 2+2?")[1][:1] != [bos]  # no post-processor: nothing added
     tok._tokenizer.post_processor = TemplateProcessing(single="<|reserved_0|> $A", special_tokens=[("<|reserved_0|>", bos)])
-    text, ids = plain("What is 2+2?")
+    text, ids = PromptRenderer(tok, "none")("What is 2+2?")
     assert ids[0] == bos and ids.count(bos) == 1 and ids[1:] == tok("What is 2+2?", add_special_tokens=False)["input_ids"]
     chat = PromptRenderer(tok, "auto")([{"role": "user", "content": "hi"}])[1]
     assert bos not in chat  # the ChatML template writes no BOS; nothing is added to a rendered template

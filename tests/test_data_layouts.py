@@ -133,7 +133,8 @@ def test_megarl_refuses_an_unusable_dataset_or_reward_before_launch(tmp_path, to
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "rw.py").write_text("def narrow(response):\n    return 1.0\n"
-                                              "def good(response, answer, **row):\n    return 1.0\n")
+                                              "def good(response, answer, **row):\n    return 1.0\n"
+                                              "def keyed(response, answer, difficulty):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     base = ["train", f"model.path={model}", "model.make_tiny=qwen2", f"data.path={data}", f"data.eval_path={data}",
             f"train.run_dir={tmp_path}/run", "reward.fn=mine.rw:good"]
@@ -146,6 +147,11 @@ def test_megarl_refuses_an_unusable_dataset_or_reward_before_launch(tmp_path, to
     assert "data.eval_path=" in err and "train.jsonl': no usable row: read all 8 rows" in err and "longer than" in err
     err = refused("reward.fn=mine.rw:narrow")
     assert "reward.fn='mine.rw:narrow': def narrow(response) cannot be called" in err and "(difficulty)" in err
+    # a held-out set in another layout hands the reward its own columns: checked too (only data.path's were)
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"problem": "Reverse 12", "solution": "21", "topic": "words"}])
+    err = refused("reward.fn=mine.rw:keyed", f"data.eval_path={bench}", "data.eval_prompt_key=problem",
+                  "data.eval_answer_key=solution")
+    assert f"data.eval_path='{bench}': reward.fn='mine.rw:keyed'" in err and "(topic)" in err, err
     monkeypatch.chdir(tmp_path / "mine")  # the module is looked for from the working directory
     for name in ("mine.rw", "mine"):
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -123,5 +123,6 @@ def test_checkpoint_paths_resolve_like_the_run_layout(tmp_path):
 
     cfg = load_config(None, [f"train.run_dir={tmp_path / 'other'}"])
     assert output_path(cfg, *resolve_checkpoint(tmp_path / "run")) == tmp_path / "run" / "eval_step_7.json"
+    assert output_path(cfg, "dist", step / "reference") == tmp_path / "run" / "eval_step_7_reference.json"
     assert output_path(cfg, "hf", hf) == tmp_path / "other" / "eval.json"
     assert output_path(load_config(None, ["eval.output=x.json"]), "dist", step / "policy") == Path("x.json")

@@ -29,6 +29,8 @@ def test_critic_presets_train_the_critic_and_vapo_pretrains_it(runs):
     vapo = runs["vapo"]["steps"]
     assert runs["vapo"]["cfg"]["critic_warmup_steps"] == 2
     assert "loss/policy" not in vapo[0] and "loss/policy" not in vapo[1]  # value pre-training: no policy loss
+    v = runs["vapo"]["versions"]  # ... and no policy version: nothing moved, nothing to sync, nothing aged
+    assert v[0] == v[1] == v[2] - 1 and "sync/bytes" not in vapo[0] and "sync/bytes" in vapo[2]
     assert "loss/clip_frac" in vapo[2]
     assert "loss/kl_ref" in runs["ppo"]["steps"][0]  # PPO's KL to the frozen reference
 

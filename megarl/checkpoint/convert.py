@@ -161,7 +161,7 @@ def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is not empty" if out.is_dir() else "is a file"
         raise FileExistsError(f"{out} exists and {what}; remove it or choose another --out")
-    where = next(p for p in (out, *out.absolute().parents) if p.exists())
+    where = next(p for p in out.absolute().parents if p.exists())  # where out and its .tmp sibling are made
     if not where.is_dir():
         raise NotADirectoryError(f"--out {out}: {where} is a file, so no directory can be made under it; choose "
                                  "another --out")

@@ -112,7 +112,7 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     _patch_step_copy()
     saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if load_optimizer else set()
-    if load_optimizer and not any(k.startswith("optimizer.") for k in saved_keys):
+    if load_optimizer and not any(_CHAIN.sub("", k).startswith("optimizer.") for k in saved_keys):
         # saved before its first optimizer step (a policy during the critic's warm-up, a run of train.steps=0): it
         # has no Adam state, and a fresh optimizer is exactly that state (asking for it was a KeyError)
         load_optimizer = False

@@ -156,6 +156,9 @@ def unread_keys(cfg: RunConfig) -> list[str]:
             value = str(value).lower() if isinstance(value, bool) else value
             out.append(f"rollout.{key}={value} is not read in rollout.mode={r.mode} (only in "
                        f"{' and '.join(modes)} mode)")
+    for key in ("eval_prompt_key", "eval_answer_key"):
+        if getattr(cfg.data, key) and not cfg.data.eval_path:
+            out.append(f"data.{key}={getattr(cfg.data, key)} is not read without data.eval_path")
     if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
         out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
     return out

@@ -71,14 +71,17 @@ class PromptRenderer:
     def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "") -> None:
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
         self.template = load_template(tokenizer, chat_template)
+        bos = getattr(tokenizer, "bos_token_id", None)  # BOS when the tokenizer's own encoding of a text adds one
+        self.bos = bos if self.template is None and bos is not None and tokenizer("a")["input_ids"][:1] == [bos] \
+            else None
 
     def __call__(self, prompt) -> tuple[str, list[int]]:
         messages = as_messages(prompt, self.system_prompt)
         if self.template is None:
             text = "\n\n".join(m["content"] for m in messages)
-            ids, bos = encode(self.tokenizer, text), self.tokenizer.bos_token_id
-            if bos is not None and ids[:1] != [bos] and self.tokenizer(text)["input_ids"][:1] == [bos]:
-                ids = [bos, *ids]  # as the tokenizer encodes a text (a chat template writes its own BOS): Llama
+            ids = encode(self.tokenizer, text)
+            if self.bos is not None and ids[:1] != [self.bos]:
+                ids = [self.bos, *ids]  # as the tokenizer encodes a text (a chat template writes its own BOS): Llama
             return text, ids  # and Gemma base models saw BOS first in training, and so does vLLM's text prompt
         kwargs = dict(chat_template=self.template, add_generation_prompt=True)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)

@@ -164,12 +164,17 @@ def check_run_data(cfg, stores: dict[str, RowStore] | None = None) -> None:
     Raises DataError / ValueError naming the key."""
     from megarl.rewards.base import check_reward_call
 
-    d, extras = cfg.data, {}
-    if d.path:
-        render = _length_renderer(cfg)
-        limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
-        for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):
-            if spec:
-                store = stores[key] if stores and key in stores else RowStore(spec, key)
-                extras = check_usable(store, key, keys_of(d, key), render, limit)
-    check_reward_call(cfg.reward.fn, extras)
+    d = cfg.data
+    if not d.path:
+        check_reward_call(cfg.reward.fn, {})
+        return
+    render = _length_renderer(cfg)
+    limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):
+        if spec:  # (each set's columns: a held-out set in another layout hands the reward other ones)
+            store = stores[key] if stores and key in stores else RowStore(spec, key)
+            extras = check_usable(store, key, keys_of(d, key), render, limit)
+            try:
+                check_reward_call(cfg.reward.fn, extras)
+            except ValueError as exc:
+                raise ValueError(f"{key}={spec!r}: {exc}") from None

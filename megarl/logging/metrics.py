@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-# The stable scalar names every run writes (dashboards and tests rely on them).
+# The stable scalar names every RL step that trains the policy writes (dashboards and tests rely on them).
 STEP_SCALARS = (
     "reward/mean",
     "reward/pass_rate",

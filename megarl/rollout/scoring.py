@@ -39,8 +39,8 @@ class PromptFeed:
             del self.pending[group.prompt_text]
         return extras
 
-    def state_dict(self) -> dict:
-        return {"source": self.prompts.state_dict()}
+    def state_dict(self) -> dict:  # (an older checkpoint's text-keyed extras, until its groups are scored)
+        return {"source": self.prompts.state_dict(), **({"pending": self.pending} if self.pending else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["source"])

@@ -110,6 +110,7 @@ class PolicyTrainer:
             m.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = None
         self.last_nonfinite = ""  # what was non-finite in a skipped step ('loss', 'gradient'); cleared by the loop
+        self.updates = 0  # optimizer steps applied (skipped ones not): the loop's policy version moves with them
         if not trainable:
             for c in self.chunks:
                 for p in c.parameters():
@@ -258,6 +259,7 @@ class PolicyTrainer:
             self.last_nonfinite, ok, grad_norm = bad, False, float("nan")
         else:
             ok, grad_norm, _ = self.optimizer.step()
+            self.updates += bool(ok)
         metrics: dict[str, float] = {"grad_norm": float(grad_norm or 0.0), "skipped": float(not ok)}
         if out:
             metrics["loss"] = float(sum(o["loss_sum"] for o in out))
