@@ -120,7 +120,10 @@ def load_checked(config: str | None, overrides: list[str], nproc: int, per_node:
     if notes:  # (once every check passed: an error comes alone)
         for note in unread_keys(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)
-        if cfg.model.make_tiny and not (Path(cfg.model.path) / "config.json").is_file():  # (a typo'd path too)
+        model, run = Path(cfg.model.path).absolute(), Path(cfg.train.run_dir).absolute()
+        if cfg.model.make_tiny and not (model / "config.json").is_file() and run not in model.parents:
+            # (a typo'd path to a real model, make_tiny left from a copied config; a tiny model in the run dir, as
+            # the demo's and configs/tiny_cpu.yaml's, is meant)
             print(f"megarl: note: model.path={cfg.model.path} holds no model (no config.json): model.make_tiny="
                   f"{cfg.model.make_tiny} makes a tiny random one there (set model.make_tiny='' to have a missing "
                   "model refused)", file=sys.stderr)
