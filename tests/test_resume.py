@@ -225,7 +225,7 @@ def test_nan_gradient_skips_the_step_and_engine_fault_is_requeued(baseline, tmp_
     model = baseline[0]
     run = tmp_path / "run"
     out = train(model, run, "train.save_every=1", "train.keep_checkpoints=10", "train.max_bad_steps=2",
-                env={"MEGARL_TEST_FAULT": "engine_error@2,nan_grad@3,nan_grad@4"}, rc=1)
+                env={"MEGARL_TEST_FAULT": "sync_error@1,engine_error@2,nan_grad@3,nan_grad@4"}, rc=1)
     assert re.search(r"step 2: engine error mid-phase \(RuntimeError: engine fault injected.*\); \d+ live groups "
                      r"restored, \d+ new prompts re-queued; restart 1/3", out), out[-3000:]
     assert "step 3: non-finite policy gradient; optimizer step skipped" in out
@@ -236,11 +236,15 @@ def test_nan_gradient_skips_the_step_and_engine_fault_is_requeued(baseline, tmp_
     assert records[2]["loss/grad_norm"] > 0 and records[3]["loss/grad_norm"] != records[3]["loss/grad_norm"]  # NaN
     root = run / "checkpoints"
     assert RunCheckpoints(run).steps() == [4, 3, 2, 1]
+    assert records[1]["sync/failures"] == 1.0  # (step 1's sync failed; the engine kept serving the old weights)
     w1, w2, w4 = (_tensors(root / f"step_{s:06d}" / "policy", tmp_path) for s in (1, 2, 4))
     assert w2.keys() == w4.keys() and any("exp_avg" in k for k in w2)
     assert all(w2[k].equal(w4[k]) for k in w2 if hasattr(w2[k], "equal")), "a skipped step changed the weights"
     assert not all(w1[k].equal(w2[k]) for k in w1 if hasattr(w1[k], "equal")), "step 2 trained normally"
     no_prompt_lost_or_twice(final_state(run))
+    train(model, run, "train.save_every=1", "train.keep_checkpoints=10", "train.steps=5")  # resumed at step 4
+    records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if not r.get("final")}
+    assert records[5]["sync/failures"] == 1.0 and records[5]["faults/engine_restarts"] == 1.0  # counted on (was 0)
 
 
 @pytest.mark.slow

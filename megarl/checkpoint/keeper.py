@@ -141,6 +141,9 @@ class RunKeeper:
         self.evals_skipped = self.run.get("evals_skipped", 0)
         step = state["step"]
         self.sync(self.s.policy_version)  # the engine serves the checkpoint's policy
+        protocol = getattr(self.s.engine, "sync_protocol", None)
+        if protocol is not None:  # sync/failures goes on counting (it restarted at 0 after a resume)
+            protocol.failures += self.run.get("sync_failures", 0)
         self.s.logger.resume_at(step)
         self.saved_at = step
         live = self.s.controller.state_dict()
@@ -150,7 +153,8 @@ class RunKeeper:
 
     def save(self, step: int) -> None:
         """A run checkpoint of ``step`` done steps (every rank calls it)."""
-        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts, evals_skipped=self.evals_skipped)
+        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts, evals_skipped=self.evals_skipped,
+                        sync_failures=getattr(getattr(self.s.engine, "sync_protocol", None), "failures", 0))
 
         def write(tmp):
             for name, learner in self.learners():
@@ -302,8 +306,9 @@ class RunKeeper:
         self.restarts += 1
         self.failing += 1
         where = traceback.format_exception_only(exc)[-1].strip()
-        print(f"rank {rank_and_world()[0]} {what} ({where}); {done}; restart {self.failing}/"
-              f"{self.cfg.engine.max_restarts}", flush=True)
+        limit = self.cfg.engine.max_restarts
+        then = f"restart {self.failing}/{limit}" if self.failing <= limit else f"no restart left ({limit} in a row)"
+        print(f"rank {rank_and_world()[0]} {what} ({where}); {done}; {then}", flush=True)
         if self.failing > self.cfg.engine.max_restarts:
             raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
                           f"{self.cfg.engine.max_restarts}); last: {where}") from exc
