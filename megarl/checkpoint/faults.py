@@ -163,6 +163,11 @@ def injected(kind: str, nth: int = 1) -> bool:
     return False
 
 
+def signalled() -> str:
+    """The preemption signal this process received ('' none): for waits that must not outlast one."""
+    return _signalled
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 → ``requested``; ``due()`` is the same answer on every rank."""
 

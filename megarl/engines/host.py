@@ -34,7 +34,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from megarl.engines import reaper
-from megarl.engines.nodes import accept_within
+from megarl.engines.nodes import accept_within, waited
 
 RENDEZVOUS_FILE = "engine_hosts.json"
 
@@ -108,8 +108,8 @@ class HostPool:
             strays = sorted({n for _, n, _, _ in got} - set(expected))
             raise RuntimeError(f"engine replica host(s) of node(s) {named or expected} (engine.replica_nodes_dedicated: "
                                f"the allocation's last {hosts} node(s)) did not connect to trainer rank 0 at "
-                               f"{self.address[0]}:{self.address[1]} (published in {self.path}) within "
-                               f"{timeout_s:.0f}s; each engine node runs `python -m megarl.engines.host --config FILE "
+                               f"{self.address[0]}:{self.address[1]} (published in {self.path}) "
+                               f"{waited(timeout_s)}; each engine node runs `python -m megarl.engines.host --config FILE "
                                "[key=value ...]` (slurm/train.sbatch starts it)"
                                + (f"; hosts that did link said nodes {sorted(n for _, n, _, _ in got)}" if got else "")
                                + (f"; node(s) {strays} are not engine-only nodes: valid --node values are "

@@ -146,7 +146,11 @@ def accept_within(listener, address: tuple, count: int, timeout_s: float, greet,
     passed, then close it: what ``greet(conn)`` returned for each (None: a link to drop, not counted).
 
     The accepting runs in a thread: a stray or failed handshake (``AuthenticationError`` included) is skipped,
-    and at the deadline a connection of our own wakes the blocked ``accept`` (closing the listener would not)."""
+    and at the deadline a connection of our own wakes the blocked ``accept`` (closing the listener would not).
+    The wait says how far it got every minute, and a preemption signal ends it (the callers' errors then say so,
+    ``waited``): Slurm's SIGTERM went unheeded for the whole timeout, then the job was killed."""
+    from megarl.checkpoint.faults import signalled
+
     got: list = []
     stop = threading.Event()
 
@@ -161,7 +165,13 @@ def accept_within(listener, address: tuple, count: int, timeout_s: float, greet,
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    start = time.monotonic()
+    while thread.is_alive() and time.monotonic() - start < timeout_s and not signalled():
+        thread.join(min(1.0, timeout_s - (time.monotonic() - start)))
+        waited = time.monotonic() - start
+        if thread.is_alive() and int(waited) // 60 > int(waited - 1.0) // 60:
+            print(f"megarl: {name}: {len(got)} of {count} connected after {waited:.0f}s (waiting up to "
+                  f"{timeout_s:.0f}s)", flush=True)
     stop.set()
     if thread.is_alive():
         try:
@@ -171,6 +181,13 @@ def accept_within(listener, address: tuple, count: int, timeout_s: float, greet,
         thread.join(10)
     listener.close()
     return got
+
+
+def waited(timeout_s: float) -> str:
+    """How an ``accept_within`` wait ended short, for the caller's error."""
+    from megarl.checkpoint.faults import signalled
+
+    return f"before {signalled()} (preemption) ended the wait" if signalled() else f"within {timeout_s:.0f}s"
 
 
 class Rendezvous:
@@ -195,7 +212,7 @@ class Rendezvous:
             for _, proc in got.values():  # those that came end themselves
                 proc.kill()
             raise RuntimeError(f"engine replicas {missing} (on other nodes) did not connect to trainer rank 0 at "
-                               f"{self.address[0]}:{self.address[1]} within {timeout_s:.0f}s")
+                               f"{self.address[0]}:{self.address[1]} {waited(timeout_s)}")
         return got
 
 
