@@ -77,6 +77,8 @@ def test_nccl_transport_and_replica_devices_are_refused_without_cuda():
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=tcp"]), 1)
     with pytest.raises(ConfigError, match=r"engine.replica_devices='0,1' names CUDA devices, but CUDA is absent"):
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replica_devices=0,1"]), 1)
+    with pytest.raises(ConfigError, match=r"engine.replica_devices='0,1' places disaggregated replicas; colocated"):
+        validate(load_config("configs/demo.yaml", ["engine.replica_devices=0,1"]), 1)  # (ignored on a GPU, silently)
     validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replicas=2"]), 2)  # 2 trainers
     validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"]), 1)
 

@@ -220,6 +220,10 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
                           f"(engine.replicas / hosting nodes) × engine.tensor_parallel_size = {per_node} "
                           "CUDA device ids of each hosting node, apart from the trainer's (e.g. '4,5,6,7')")
+    if devices and e.placement != "disaggregated":
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} places disaggregated replicas; colocated "
+                          "engines run on their trainer rank's own device: leave it empty or set "
+                          "engine.placement=disaggregated")
     if devices and not cuda_available():
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
                           "leave it empty (replicas are plain processes on CPU)")
