@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megarl.data.chat import PromptError
 from megarl.data.readers import RowStore
-from megarl.data.rows import DataError, Keys, keys_of, parse_row
+from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
 
 log = logging.getLogger("megarl.data.source")
 
@@ -40,12 +39,9 @@ def check_rows(store: RowStore, keys: Keys, render: Callable | None = None) -> N
     for i in range(len(store)):
         where, row = store.row(i)
         try:
-            prompt, _, _ = parse_row(row, where, keys)
-            render(prompt) if render is not None else None
+            parse_and_render(row, where, keys, render or (lambda prompt: None))
         except DataError as exc:
             problem = str(exc)
-        except PromptError as exc:
-            problem = f"{where}: field {keys.prompt!r} {exc}"
         else:
             continue
         count += 1
@@ -77,10 +73,11 @@ def check_data(d, training: bool = True) -> dict[str, RowStore]:
     for spec, key in ((d.path, "data.path"), (d.eval_path, "data.eval_path")):
         if not spec:
             continue
-        store = stores[key] = RowStore(spec, key)
-        check_keys(store, keys_of(d, key), key)
+        store, keys = RowStore(spec, key), keys_of(d, key)
+        stores[key] = store
+        check_keys(store, keys, key)
         if d.on_bad_row == "error":
-            check_rows(store, keys_of(d, key), lambda p: as_messages(p, d.system_prompt))
+            check_rows(store, keys, lambda p: as_messages(p, d.system_prompt))
     if d.eval_path and training:
         check_held_out(stores["data.path"], stores["data.eval_path"])
     return stores
@@ -118,11 +115,10 @@ def check_usable(store: RowStore, key: str, keys: Keys, render: Callable,
     for i in rows:
         where, row = store.row(int(i))
         try:
-            prompt, _, extras = parse_row(row, where, keys)
-            _, ids = render(prompt)
-        except (DataError, PromptError) as exc:
+            _, extras, (_, ids) = parse_and_render(row, where, keys, render)
+        except DataError as exc:
             bad += 1
-            first_bad = first_bad or (str(exc) if isinstance(exc, DataError) else f"{where}: field {keys.prompt!r} {exc}")
+            first_bad = first_bad or str(exc)
             continue
         if max_prompt_tokens and ids is not None and len(ids) > max_prompt_tokens:
             long_ += 1

@@ -11,6 +11,7 @@ import functools
 import logging
 from typing import NamedTuple
 
+from megarl.data.chat import PromptError
 from megarl.data.readers import MISSING, BadRow, get_field
 
 log = logging.getLogger("megarl.data.source")
@@ -32,12 +33,11 @@ class Keys(NamedTuple):
 def keys_of(d, key: str = "data.path") -> Keys:
     """The keys ``data.*`` gives the dataset at ``key`` (``data.path`` or ``data.eval_path``): the held-out set's own
     ``eval_prompt_key`` / ``eval_answer_key`` where set, else the training set's."""
-    train = Keys(d.prompt_key, d.answer_key)
     if key != "data.eval_path":
-        return train
-    prompt = Keys(d.eval_prompt_key, "", "data.eval_prompt_key") if d.eval_prompt_key else train
-    answer = Keys("", d.eval_answer_key, "", "data.eval_answer_key") if d.eval_answer_key else train
-    return Keys(prompt.prompt, answer.answer, prompt.prompt_name, answer.answer_name)
+        return Keys(d.prompt_key, d.answer_key)
+    return Keys(d.eval_prompt_key or d.prompt_key, d.eval_answer_key or d.answer_key,
+                "data.eval_prompt_key" if d.eval_prompt_key else "data.prompt_key",
+                "data.eval_answer_key" if d.eval_answer_key else "data.answer_key")
 
 
 def parse_row(row: dict | BadRow, where: str, keys: Keys) -> tuple[object, str, dict]:
@@ -67,6 +67,16 @@ def parse_row(row: dict | BadRow, where: str, keys: Keys) -> tuple[object, str, 
                         f"{shown!r:.60}{hint}")
     extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     return prompt, str(answer), extras
+
+
+def parse_and_render(row: dict | BadRow, where: str, keys: Keys, render) -> tuple[str, dict, object]:
+    """``(answer, extras, render(prompt))`` of a row; DataError for a bad field or a prompt ``render`` refuses
+    (``PromptError``, named with the prompt's key): the run's sources and the checks before launch alike."""
+    prompt, answer, extras = parse_row(row, where, keys)
+    try:
+        return answer, extras, render(prompt)
+    except PromptError as exc:
+        raise DataError(f"{where}: field {keys.prompt!r} {exc}") from None
 
 
 def without_trailing_answer(prompt, keys: Keys):

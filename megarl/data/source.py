@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megarl.data import encode
-from megarl.data.chat import PromptError
 from megarl.data.checks import check_keys, check_rows
 from megarl.data.readers import RowStore
-from megarl.data.rows import DataError, Keys, keys_of, parse_row
+from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
 
 log = logging.getLogger(__name__)
 LOG_FIRST_BAD = 5
@@ -69,15 +68,13 @@ class DatasetSource:
         n = len(self.store)
         return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
-    def _prompt(self, store: RowStore, i: int, index: int) -> Prompt | None:
+    def _prompt(self, store: RowStore, keys: Keys, i: int, index: int) -> Prompt | None:
         """Row ``i`` as a Prompt; None (counted) when it is bad or too long."""
         where, row = store.row(i)
         try:
-            keys = self.eval_keys if store is self.eval_store else self.keys
-            prompt, answer, extras = parse_row(row, where, keys)
-            text, ids = self.render(prompt)
-        except (DataError, PromptError) as exc:
-            msg = str(exc) if isinstance(exc, DataError) else f"{where}: field {keys.prompt!r} {exc}"
+            answer, extras, (text, ids) = parse_and_render(row, where, keys, self.render)
+        except DataError as exc:
+            msg = str(exc)
             if self.on_bad_row == "error":
                 raise DataError(msg) from None
             self.bad_rows += 1
@@ -103,7 +100,7 @@ class DatasetSource:
                 self._order = self._order_of(self.epoch)
             i = int(self._order[self.pos])
             self.pos += 1
-            item = self._prompt(self.store, i, self.served)
+            item = self._prompt(self.store, self.keys, i, self.served)
             if item is not None:
                 self.served += 1
                 return item
@@ -117,7 +114,7 @@ class DatasetSource:
             return []
         out: list[Prompt] = []
         for i in range(len(self.eval_store)):
-            item = self._prompt(self.eval_store, i, len(out))
+            item = self._prompt(self.eval_store, self.eval_keys, i, len(out))
             if item is not None:
                 out.append(item)
                 if self.eval_size and len(out) == self.eval_size:
