@@ -309,9 +309,9 @@ class RunKeeper:
         limit = self.cfg.engine.max_restarts
         then = f"restart {self.failing}/{limit}" if self.failing <= limit else f"no restart left ({limit} in a row)"
         print(f"rank {rank_and_world()[0]} {what} ({where}); {done}; {then}", flush=True)
-        if self.failing > self.cfg.engine.max_restarts:
-            raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts="
-                          f"{self.cfg.engine.max_restarts}); last: {where}") from exc
+        if self.failing > limit:
+            raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts={limit}); "
+                          f"last: {where}") from exc
         try:
             self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
         except EngineRestartRefused as refused:

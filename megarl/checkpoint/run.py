@@ -119,10 +119,7 @@ class RunCheckpoints:
 
     def steps(self) -> list[int]:
         """Steps of the complete-looking (renamed) checkpoints, newest first."""
-        if not self.root.is_dir():
-            return []
-        found = (_STEP.match(p.name) for p in self.root.iterdir() if p.is_dir())
-        return sorted((int(m.group(1)) for m in found if m), reverse=True)
+        return sorted(_step_dirs(self.root), reverse=True)
 
     def save(self, step: int, write) -> Path:
         """Write checkpoint ``step``: ``write(tmp_dir)`` fills it on every rank; rank 0 seals and publishes it."""
@@ -209,13 +206,18 @@ def newest_step_dir(run_dir: str | Path) -> Path | None:
     Looked up without verifying (a resume verifies: ``RunCheckpoints.latest``); what ``megarl eval --checkpoint``,
     the converters and ``train.resume=auto``'s checks take a run dir to mean."""
     root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
     named = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
     if _STEP.match(named) and (root / named).is_dir():
         return root / named
-    found = {int(m.group(1)): d for d in root.iterdir() if d.is_dir() and (m := _STEP.match(d.name))}
+    found = _step_dirs(root)
     return found[max(found)] if found else None
+
+
+def _step_dirs(root: Path) -> dict[int, Path]:
+    """``root``'s renamed checkpoint directories (``step_N``, however N is padded) by step."""
+    if not root.is_dir():
+        return {}
+    return {int(m.group(1)): d for d in root.iterdir() if d.is_dir() and (m := _STEP.match(d.name))}
 
 
 SET_ASIDE = ("checkpoints", "hf")

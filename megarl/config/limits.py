@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RunConfig
+from megarl.config.schema import RolloutConfig, RunConfig
 
 
 def cuda_available() -> bool:
@@ -147,8 +147,6 @@ ROLLOUT_KEYS_READ_IN = {
 def unread_keys(cfg: RunConfig) -> list[str]:
     """Keys set away from their defaults that this run does not read (said before launch, not refused: one
     config file is often run in several modes)."""
-    from megarl.config.schema import RolloutConfig
-
     r, out = cfg.rollout, []
     for key, modes in ROLLOUT_KEYS_READ_IN.items():
         value = getattr(r, key)

@@ -165,12 +165,13 @@ def accept_within(listener, address: tuple, count: int, timeout_s: float, greet,
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    start = time.monotonic()
+    start, note_at = time.monotonic(), 60.0
     while thread.is_alive() and time.monotonic() - start < timeout_s and not signalled():
         thread.join(min(1.0, timeout_s - (time.monotonic() - start)))
-        waited = time.monotonic() - start
-        if thread.is_alive() and int(waited) // 60 > int(waited - 1.0) // 60:
-            print(f"megarl: {name}: {len(got)} of {count} connected after {waited:.0f}s (waiting up to "
+        elapsed = time.monotonic() - start
+        if thread.is_alive() and elapsed >= note_at:
+            note_at += 60.0
+            print(f"megarl: {name}: {len(got)} of {count} connected after {elapsed:.0f}s (waiting up to "
                   f"{timeout_s:.0f}s)", flush=True)
     stop.set()
     if thread.is_alive():

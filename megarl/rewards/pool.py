@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step", "scored_mean"}
 
 
+def _fresh_step() -> dict:
+    """The training calls' per-step counts (``step_metrics`` reports and resets them)."""
+    return {"errors": 0, "timeouts": 0, "seconds": 0.0, "sum": 0.0, "n": 0}
+
+
 def _exit_with_parent(parent: int) -> None:
     """A worker whose parent died (killed mid-run) exits too, even while a reward call hangs."""
     while True:
@@ -117,7 +122,7 @@ class RewardPool:
         self.spec, self.format_coef, self.timeout_s, self.on_error = spec, format_coef, timeout_s, on_error
         self._workers = [self._start() for _ in range(max(1, workers))]
         self.errors = self.timeouts = self.calls = 0
-        self._step = {"errors": 0, "timeouts": 0, "seconds": 0.0, "sum": 0.0, "n": 0}
+        self._step = _fresh_step()
         self._extras: dict[str, list[float]] = {}
         self._window = [0, 0]  # training calls and failed ones since the last failing_steps()
         self.failed_in_a_row, self.traceback_logged = 0, False
@@ -253,7 +258,7 @@ class RewardPool:
             out["reward/scored_mean"] = self._step["sum"] / self._step["n"]
         for k, vals in self._extras.items():
             out[f"reward/{'fn_' + k if k in RESERVED else k}"] = sum(vals) / len(vals)
-        self._step = {"errors": 0, "timeouts": 0, "seconds": 0.0, "sum": 0.0, "n": 0}
+        self._step = _fresh_step()
         self._extras = {}
         return out
 

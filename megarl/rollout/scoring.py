@@ -28,9 +28,7 @@ class PromptFeed:
         return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key, extras=p.extras)
 
     def take_extras(self, group: Group) -> dict:
-        """A group's extras: its own; for a group restored from an older checkpoint, its prompt text's."""
-        if group.extras is not None:
-            return group.extras
+        """The extras of a group without its own (restored from an older checkpoint): its prompt text's."""
         queue = self.pending.get(group.prompt_text)
         if not queue:
             return {}
@@ -62,12 +60,13 @@ def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], obje
 
 def group_scorer(tokenizer, rewards: RewardPool, extras_of: Callable[[Group], dict] | None = None
                  ) -> Callable[[Group], None]:
-    """Decode each sample of a released group and fill in its reward (the row's extras as keyword args)."""
+    """Decode each sample of a released group and fill in its reward (the row's extras as keyword args: the group's
+    own, else ``extras_of(group)``)."""
 
     def score(group: Group) -> None:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        row = extras_of(group) if extras_of is not None else (group.extras or {})
+        row = group.extras if group.extras is not None else extras_of(group) if extras_of is not None else {}
         scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r
