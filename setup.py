@@ -24,7 +24,7 @@ CORE = [
     "transformers>=5.16.1,<5.20",
     "tokenizers",
     "numpy",
-    # MPI bootstrap (megarl/launch/bootstrap.py, imported only under mpirun / srun --mpi=pmix).
+    # MPI bootstrap (megarl/distributed/bootstrap.py, imported only under mpirun / srun --mpi=pmix).
     "mpi4py",
 ]
 

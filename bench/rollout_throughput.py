@@ -135,7 +135,7 @@ def main() -> None:
     set_cpu_engine_env(1)
     import vllm  # noqa: F401
 
-    from megarl.trainer.parallel import init_process_group
+    from megarl.distributed.parallel import init_process_group
 
     init_process_group()
     lengths = heavy_tailed_lengths(random.Random(args.seed), args.phases * args.prompts_per_step, args.group_size,

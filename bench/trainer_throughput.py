@@ -25,12 +25,12 @@ import torch
 
 def peak_logprob_memory(mode: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
     """Run in a fresh process: peak RSS growth while computing logprobs and their gradients."""
-    from megarl.trainer import cpu_adapter
+    from megarl.compat.megatron import activate_cpu
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.trainer.logprobs import chunked_token_logprobs
-    from megarl.trainer.parallel import build_parallel_state
 
     build_parallel_state()
-    cpu_adapter.activate()
+    activate_cpu()
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(1, tokens, hidden, generator=g) * 0.1).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=g) * 0.02).requires_grad_()
@@ -53,17 +53,17 @@ def trainer_throughput(steps: int, batch: int, seq: int) -> dict:
 
     from megarl.algo.batch import build_batch
     from megarl.algo.losses import nll_loss
+    from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import OptimConfig
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.models.hf_config import read_hf_config
     from megarl.models.tiny import make_tiny_model
-    from megarl.trainer import cpu_adapter
-    from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(f"{tmp}/m")
         ps = build_parallel_state()
-        cpu_adapter.activate()
+        activate_cpu()
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -115,7 +115,7 @@ def make_model(path: Path, layers: int, hidden: int) -> Path:
 
 
 def probe(engine) -> list[tuple[list[int], list[float]]]:
-    from megarl.engines.base import GenerationRequest
+    from megarl.engines.protocol import GenerationRequest
 
     prompts = [[3, 5, 7, 11, 13, 17], [19, 23, 29, 31]]
     outs = engine.generate([GenerationRequest(p, n=1, max_tokens=6, greedy=True) for p in prompts], seed=0)
@@ -146,16 +146,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="megarl-bench-sync-"))
     model_dir = make_model(work / "model", args.layers, args.hidden)
 
-    from megarl.trainer import cpu_adapter
-    from megarl.trainer.parallel import build_parallel_state
+    from megarl.compat.megatron import activate_cpu
+    from megarl.distributed.parallel import build_parallel_state
 
     ps = build_parallel_state()
     if args.only == "disagg":
-        cpu_adapter.activate()
+        activate_cpu()
         bench_disaggregated(model_dir, ps, args)
         return
     engine = VLLMEngine(str(model_dir), max_model_len=64, seed=0, max_num_seqs=4)
-    cpu_adapter.activate()
+    activate_cpu()
     if args.only == "memory":
         bench_memory(engine, model_dir, ps, work, args)
         return
@@ -173,9 +173,9 @@ def main() -> None:
 
 def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args) -> None:
     """In memory vs via disk (reload in place / fresh engine), interleaved, each checked on a probe."""
-    from megarl.checkpoint.hf_export import export_hf
-    from megarl.engines.weight_update import repack_after_reload
-    from megarl.trainer import cpu_adapter
+    from megarl.compat.megatron import cpu_suspended
+    from megarl.compat.vllm import repack_after_reload
+    from megarl.convert.export import export_hf
     from megarl.weight_sync.protocol import WeightSyncProtocol
 
     g = torch.Generator().manual_seed(1)
@@ -199,7 +199,7 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
     def reload_from_disk():  # vLLM's work without the trainer's cuda->cpu mode, as in the loop's sync
         write_checkpoint()
         worker = engine.worker
-        with cpu_adapter.suspended():
+        with cpu_suspended():
             worker.reload_weights(weights_path=str(ckpt), is_checkpoint_format=True)
             repack_after_reload(worker.model_runner.get_model())
             engine.llm.reset_prefix_cache()
@@ -209,7 +209,7 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
         engine.llm = None
         gc.collect()
         engine._args["model"] = str(ckpt)
-        with cpu_adapter.suspended():
+        with cpu_suspended():
             engine.llm = engine._start()
 
     paths = {"memory": lambda: proto.run(next(count)), "reload": reload_from_disk, "fresh": fresh_engine}
@@ -299,7 +299,7 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     from collections import deque
 
     from megarl.models.hf_config import num_experts
-    from megarl.weight_sync.export import gather_hf_weights
+    from megarl.trainer.export import gather_hf_weights
     from megarl.weight_sync.protocol import WeightSyncProtocol
     from megarl.weight_sync.streaming import StreamingSync
 
@@ -340,7 +340,7 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
 
 
 def bench_disaggregated(model_dir, ps, args) -> None:
-    from megarl.engines.replicas import EngineReplicas, flat_buckets, plan_buckets
+    from megarl.engines.remote.replicas import EngineReplicas, flat_buckets, plan_buckets
     from megarl.models.hf_config import num_experts, read_hf_config
     from megarl.trainer.model import build_gpt_model, load_hf_weights
     from megarl.weight_sync.streaming import StreamingSync

@@ -7,7 +7,7 @@
     megarl plan --model DIR_OR_CONFIG_JSON --nodes 4 --gpus-per-node 8 [--json]   (see megarl/launch/plan.py)
 
 ``train`` started by torchrun, ``srun`` (one task per GPU) or ``mpirun`` finds its rank and
-rendezvous itself (``megarl/launch/bootstrap.py``).
+rendezvous itself (``megarl/distributed/bootstrap.py``).
 
 The configuration is loaded and validated before any process is launched; a bad
 key, type or layout exits with status 2 and a message that names it.
@@ -17,7 +17,7 @@ key, type or layout exits with status 2 and a message that names it.
 checkpoint save failed because a helper process of the writer died (rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
 ``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it). A call that
 never returns ends its process with 75 after ``engine.hang_timeout_s``, that rank writing the file
-(``megarl/checkpoint/watchdog.py``).
+(``megarl/distributed/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -27,107 +27,15 @@ import os
 import sys
 from pathlib import Path
 
-from megarl.config import ConfigError, load_config, validate
+from megarl.config import ConfigError
 from megarl.config.errors import PRE_LAUNCH_ERRORS
-from megarl.config.limits import check_local_engine_memory, unread_keys
+from megarl.config.validate.limits import check_local_engine_memory
+from megarl.config.validate.model import model_config
+from megarl.config.validate.prelaunch import checked_config
+from megarl.distributed.bootstrap import detect, init_distributed
+from megarl.launch.plan import main as plan_main
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-
-
-def _model_config_for_validation(cfg) -> dict | None:
-    """The HF config the run will use: the checkpoint's, or the tiny model's it will create."""
-    path = Path(cfg.model.path) / "config.json"
-    if path.is_file():
-        from megarl.models.hf_config import read_hf_config
-
-        return read_hf_config(cfg.model.path)
-    if cfg.model.make_tiny:
-        from megarl.models.tiny import TinyShape, hf_config
-
-        return hf_config(TinyShape(family=cfg.model.make_tiny), eos_id=1, pad_id=0)
-    raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
-
-
-def check_resume_learners(cfg) -> None:
-    """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
-    ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so
-    resuming one with PPO, or with a KL penalty added, would fail after the whole launch); ConfigError
-    naming the missing directory, the setting that needs it and the ways out."""
-    import json
-
-    from megarl.checkpoint.run import resume_candidate
-    from megarl.config.algo_checks import needed_learners
-
-    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
-    if step is None or not (step / "policy" / "metadata.json").is_file():
-        return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
-    needed = needed_learners(cfg.algo)
-    missing = {n: why for n, why in needed.items() if not (step / n / "metadata.json").is_file()}
-    # a trained critic the algorithm would not build: dropped, and in its own run dir the next saves rotate away the
-    # last checkpoints that hold it (a reference is model.path's weights: nothing is lost without one)
-    drops = "critic" not in needed and (step / "critic" / "metadata.json").is_file() and \
-        step.parent.parent.resolve() == Path(cfg.train.run_dir).resolve()
-    if not missing and not drops:
-        return
-    run_cfg = step.parent.parent / "config.json"
-    try:
-        saved = json.loads(run_cfg.read_text())["algo"]
-        was = (f"; the run that saved it had algo.advantage={saved.get('advantage')}, "
-               f"algo.kl_coef={saved.get('kl_coef')} (recorded in {run_cfg})")
-        original = f"algo.advantage={saved.get('advantage')} algo.kl_coef={saved.get('kl_coef')}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        was, original = "", "the algorithm the run was started with"
-    where = f"train.resume={cfg.train.resume}" + (f" in train.run_dir={cfg.train.run_dir}" if cfg.train.resume == "auto"
-                                                  else "")
-    preset = f" of algo.preset={cfg.algo.preset}" if cfg.algo.preset else ""
-    if drops:
-        raise ConfigError(f"{where}: the checkpoint {step} holds a trained critic/, which algo.advantage="
-                          f"{cfg.algo.advantage}{preset} does not use{was}: resuming would drop it, and this run's "
-                          "next saves would rotate away the last checkpoints that hold it. Resume with the original "
-                          f"algorithm ({original}), or continue without the critic in another train.run_dir "
-                          f"(train.resume={step} there keeps this run's checkpoints)")
-    raise ConfigError(f"{where}: the checkpoint {step} has no "
-                      f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{preset}{was}. "
-                      "Set train.resume=never to start afresh (the earlier run's checkpoints are set aside), "
-                      f"use another train.run_dir, or resume with the original algorithm ({original})")
-
-
-def load_checked(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = "",
-                 notes: bool = True):
-    """The config, after every check made before a process starts (``ConfigError`` naming what is wrong); also
-    run by ``python -m megarl.launch check`` in the batch script, before srun. ``notes``: say which keys set
-    the run will not read (on stderr)."""
-    cfg = load_config(config, overrides)
-    hf = _model_config_for_validation(cfg)
-    if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
-        from megarl.models.hf_config import check_weights_format
-
-        check_weights_format(cfg.model.path)  # vLLM would load a pytorch_model.bin; the trainer reads safetensors
-    validate(cfg, nproc, hf)
-    if command in ("train", "demo"):
-        from megarl.config.loader import validate_resume_model
-
-        validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
-        check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
-    if per_node and nproc % per_node == 0:  # the job's shape is known: the plan's layout checks too
-        from megarl.launch.plan import check_layout
-
-        check_layout(cfg, hf, nproc // per_node, per_node)
-    from megarl.data.checks import check_data, check_run_data
-
-    stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
-    check_run_data(cfg, stores)  # a usable row in a sample (prompt length too); reward.fn accepts the row's columns
-    if notes:  # (once every check passed: an error comes alone)
-        for note in unread_keys(cfg):
-            print(f"megarl: note: {note}", file=sys.stderr)
-        model, run = Path(cfg.model.path).absolute(), Path(cfg.train.run_dir).absolute()
-        if cfg.model.make_tiny and not (model / "config.json").is_file() and run not in model.parents:
-            # (a typo'd path to a real model, make_tiny left from a copied config; a tiny model in the run dir, as
-            # the demo's and configs/tiny_cpu.yaml's, is meant)
-            print(f"megarl: note: model.path={cfg.model.path} holds no model (no config.json): model.make_tiny="
-                  f"{cfg.model.make_tiny} makes a tiny random one there (set model.make_tiny='' to have a missing "
-                  "model refused)", file=sys.stderr)
-    return cfg
 
 
 def _launch_torchrun(args: argparse.Namespace) -> int:
@@ -146,8 +54,6 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from megarl.launch.plan import main as plan_main
-
         return plan_main(argv[1:])
     if argv[:1] in (["train"], ["demo"], ["eval"]) and any(a in ("-h", "--help") for a in argv[1:]):
         print(_command_help(argv[0]))
@@ -164,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.command == "demo" and not args.config:
         args.config = str(DEMO_CONFIG)
-    from megarl.launch.bootstrap import detect, init_distributed
-
     launch = detect()  # torchrun, srun or mpirun started this process (or nobody did)
     notes = not args.worker and launch.rank == 0  # (--worker: spawned by this command, which said them)
     args.worker = args.worker or launch.world_size > 1
@@ -174,20 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.worker and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: the processes to launch on this machine must be >= 1")
-        cfg = load_checked(args.config, args.overrides, world, per_node, args.command, notes)
+        cfg = checked_config(args.config, args.overrides, world, per_node, args.command, notes,
+                             say=_stderr if notes else None)
         check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
-            from megarl.evaluation import NO_EVAL_PATH
+            from megarl.evaluation import NO_EVAL_PATH  # deferred: torch (fast --help and errors)
 
             raise ConfigError(NO_EVAL_PATH)
         if args.command == "eval" and args.checkpoint:
-            from megarl.evaluation import resolve_checkpoint
+            from megarl.evaluation import resolve_checkpoint  # deferred: torch (fast --help and errors)
 
             kind, path = resolve_checkpoint(args.checkpoint)
             if kind == "dist":  # loaded into model.path's model: it must be that model (checkpoint/identity.py)
-                from megarl.checkpoint.identity import check_same_model
+                from megarl.checkpoint.identity import check_same_model  # deferred: torch (fast --help and errors)
 
-                check_same_model(path, _model_config_for_validation(cfg), f"model.path={cfg.model.path}")
+                check_same_model(path, model_config(cfg), f"model.path={cfg.model.path}")
     except PRE_LAUNCH_ERRORS as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -201,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{launch.master_port or os.environ.get('MASTER_PORT', '')}", flush=True)
 
     if args.command == "eval":
-        from megarl.evaluation import run_eval
+        from megarl.evaluation import run_eval  # deferred: torch (fast --help and errors)
 
         run_eval(cfg, args.checkpoint)
         return 0
-    from megarl.checkpoint.keeper import SaveFailed
-    from megarl.train import run
+    from megarl.keeper import SaveFailed  # deferred: torch (fast --help and errors)
+    from megarl.train import run  # deferred: torch (fast --help and errors)
 
     try:
         result = run(cfg)
@@ -233,6 +138,10 @@ _COMMANDS = {
 }
 
 
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _command_help(command: str) -> str:
     """``megarl train|demo|eval --help``: that command's own usage and options."""
     what, example = _COMMANDS[command]
@@ -251,7 +160,7 @@ def _command_help(command: str) -> str:
 
 def _exit_status(result: dict) -> int:
     """0, 1 or ``EXIT_REQUEUE`` (see the module docstring); rank 0 writes it to ``$MEGARL_EXIT_FILE`` if set."""
-    from megarl.checkpoint.keeper import EXIT_REQUEUE
+    from megarl.keeper import EXIT_REQUEUE  # deferred: torch (fast --help and errors)
 
     status = EXIT_REQUEUE if result.get("requeue") else 1 if result.get("error") else 0
     path = os.environ.get("MEGARL_EXIT_FILE")

@@ -20,6 +20,13 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from megarl.checkpoint.dist import load_checkpoint
+from megarl.checkpoint.run import newest_step_dir
+from megarl.engines.protocol import GenerationRequest
+from megarl.rollout.evaluate import evaluate
+from megarl.session import build_session
+from megarl.weight_sync.protocol import sync_weights
+
 NO_EVAL_PATH = "megarl eval needs data.eval_path (the held-out prompts) when data.path is set"
 """Why a dataset run has nothing to evaluate on: ``megarl eval`` refuses with it, ``megarl train`` says it once."""
 
@@ -30,8 +37,6 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
     if (p / "checkpoints").is_dir():  # a run dir: its newest step
-        from megarl.checkpoint.run import newest_step_dir
-
         step = newest_step_dir(p)
         if step is None:
             raise FileNotFoundError(f"--checkpoint {path}: a run dir without a checkpoint (no step_N in "
@@ -81,10 +86,6 @@ def format_table(result: dict) -> str:
 
 def run_eval(cfg, checkpoint: str | None = None) -> dict:
     """Build the session (engine, trainer, prompts, rewards), load the checkpoint, evaluate, write the JSON."""
-    from megarl.checkpoint.dist import load_checkpoint
-    from megarl.rollout.evaluate import evaluate
-    from megarl.runtime import build_session
-
     kind, path = resolve_checkpoint(checkpoint) if checkpoint else ("hf", Path(cfg.model.path))
     out = output_path(cfg, kind, path)
     if kind == "hf" and checkpoint:
@@ -97,13 +98,9 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         print(f"megarl eval: note: {note}", flush=True)
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
-        from megarl.weight_sync.protocol import sync_weights
-
         sync_weights(s.engine, s.trainer, cfg.sync, version=0)  # the loop's protocol: streamed, all or nothing
     result = evaluate(s.generator, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
                       cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
-    from megarl.engines.base import GenerationRequest
-
     shown = s.eval_prompts[:3]
     outs = s.engine.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
                               for p in shown], seed=0)

@@ -10,26 +10,26 @@ torchrun). Every step calls into a room and nothing else:
 - sync: the trainer's weights stream into the engine in memory, bucket by bucket, under one
   all-or-nothing protocol (``megarl/weight_sync/protocol.py``);
 - checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults
-  (``megarl/checkpoint/keeper.py``).
+  (``megarl/keeper.py``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import torch
 
-from megarl.checkpoint.faults import Preemption
-from megarl.checkpoint.hf_export import export_policy
-from megarl.checkpoint.keeper import RunKeeper, StopRun, make_deterministic
 from megarl.config import RunConfig
+from megarl.convert.export import export_policy
 from megarl.data import pad_id
+from megarl.distributed.determinism import make_deterministic
+from megarl.distributed.signals import Preemption
 from megarl.engines.memory import handover
 from megarl.evaluation import NO_EVAL_PATH
+from megarl.keeper import RunKeeper, StopRun
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
-from megarl.runtime import Session, build_session
+from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
@@ -141,12 +141,3 @@ def run(cfg: RunConfig) -> dict:
     s.logger.close()
     return {**result, "pass_at_1_after": after}
 
-
-def main(argv: list[str] | None = None) -> int:
-    from megarl.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,10 +15,10 @@ import torch
 
 from megarl.config import load_config
 from megarl.config.presets import PRESETS
-from megarl.runtime import build_controller, build_learners, build_session
+from megarl.models.hf_adapter import save_hf_checkpoint
+from megarl.session import build_controller, build_learners, build_session
 from megarl.train import rl_step
 from megarl.trainer.sft import supervised_warmup
-from megarl.weight_sync.hf_adapter import save_hf_checkpoint
 
 
 def snapshot(trainer) -> dict[str, torch.Tensor]:

@@ -31,12 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main(run_dir: str, *overrides: str) -> None:
     import torch.distributed as dist
 
-    from megarl.checkpoint.keeper import RunKeeper
     from megarl.config import load_config
-    from megarl.engines import cluster
-    from megarl.runtime import build_session
+    from megarl.distributed import collectives as cluster
+    from megarl.keeper import RunKeeper
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.weight_sync.protocol import logprob_gap
+    from megarl.weight_sync.streaming import StreamingSync
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
@@ -57,7 +58,7 @@ def main(run_dir: str, *overrides: str) -> None:
         senders, sent_by_rank = s.engine.senders, s.engine.sent_by_rank
         # a replica killed mid-broadcast: rank 0 kills replica 1 after sending two of its buckets
         if rank == 0:
-            plain = cluster.own_buckets
+            plain = StreamingSync.owned_buckets
 
             def killing(sync):
                 for i, bucket in enumerate(plain(sync)):
@@ -65,12 +66,12 @@ def main(run_dir: str, *overrides: str) -> None:
                         os.kill(s.engine.clients[1].proc.pid, signal.SIGKILL)
                     yield bucket
 
-            cluster.own_buckets = killing
+            StreamingSync.owned_buckets = killing
         start = time.perf_counter()
         killed = rl_step(s, 2, keeper)
         killed_s = time.perf_counter() - start
         if rank == 0:
-            cluster.own_buckets = plain
+            StreamingSync.owned_buckets = plain
         alive_after_kill = [c.proc.is_alive() for c in s.engine.clients]
         after = rl_step(s, 3, keeper)  # its phase hits the dead replicas: the keeper restarts them
         gaps = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(2)]
@@ -101,7 +102,7 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
     """One trainer process, one replica at TP=2 (two vLLM workers, both in the transfer group): RL steps
     with the audit after every sync, then a sync broken half-way (the replica keeps its weights)."""
     from megarl.config import load_config
-    from megarl.runtime import build_session
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.weight_sync.protocol import WeightSyncProtocol
     from megarl.weight_sync.streaming import streaming_sync
@@ -141,8 +142,8 @@ def layout(run_dir: str, *overrides: str) -> None:
 
     import megarl.train
     from megarl.config import load_config
-    from megarl.engines import cluster
-    from megarl.runtime import build_session
+    from megarl.distributed import collectives as cluster
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.trainer.sft import supervised_warmup
     from megarl.weight_sync import streaming

@@ -43,9 +43,9 @@ def main(run_dir: str, *overrides: str) -> None:
     from megarl.checkpoint.session_state import buffer_digest
     from megarl.config import load_config
     from megarl.engines.colocated import ColocatedReplicas
-    from megarl.rollout.engine_api import SlotRequest
+    from megarl.engines.protocol import SlotRequest
     from megarl.rollout.scoring import shared_rewards
-    from megarl.runtime import build_session
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.trainer.sft import supervised_warmup
     from megarl.weight_sync.protocol import rank_gaps, sync_weights
@@ -124,7 +124,7 @@ def main(run_dir: str, *overrides: str) -> None:
     same_prompt = [tokens[f"same:{j}"] for j in range(face.replicas)]
 
     # evaluation shared out: each replica generates its share, every rank gets all of it, as one engine gives
-    from megarl.engines.base import GenerationRequest
+    from megarl.engines.protocol import GenerationRequest
 
     probe = [GenerationRequest(p.ids, max_tokens=12, greedy=True) for p in s.eval_prompts]
     counted, engine_generate = [], s.engine.generate

@@ -20,13 +20,13 @@ import torch
 
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
+from megarl.compat.vllm import repack_moe
 from megarl.config import load_config
 from megarl.data import encode
-from megarl.engines.base import GenerationRequest
-from megarl.engines.weight_update import repack_moe
+from megarl.engines.protocol import GenerationRequest
 from megarl.logging.metrics import STEP_SCALARS
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
-from megarl.runtime import build_controller, build_session
+from megarl.session import build_controller, build_session
 from megarl.train import rl_step
 
 

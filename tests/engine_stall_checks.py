@@ -24,11 +24,11 @@ from pathlib import Path
 def main(workdir: str) -> None:
     import torch.distributed as dist
 
-    from megarl.engines.base import GenerationRequest
+    from megarl.distributed.parallel import init_process_group
+    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine
     from megarl.models.tiny import TinyShape, make_tiny_model
     from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
-    from megarl.trainer.parallel import init_process_group
 
     work = Path(workdir)
     bad = make_tiny_model(work / "hd16", TinyShape(family="qwen2", hidden_size=64, num_layers=2))
@@ -73,7 +73,7 @@ def main(workdir: str) -> None:
     record["rank_after_second_restart"] = dist.get_rank() if dist.is_initialized() else None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from megarl.config.limits import cpu_attention_head_sizes
+    from megarl.compat.vllm import cpu_attention_head_sizes
 
     record["head_sizes_read"] = list(cpu_attention_head_sizes())
     record["head_sizes_asked"] = list(CPUAttentionBackend.get_supported_head_sizes())

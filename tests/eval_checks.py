@@ -14,8 +14,8 @@ import torch
 
 from megarl.checkpoint.dist import save_checkpoint
 from megarl.config import load_config
-from megarl.engines.base import GenerationRequest
-from megarl.runtime import build_session
+from megarl.engines.protocol import GenerationRequest
+from megarl.session import build_session
 
 
 def greedy(s, n=3):

@@ -36,10 +36,10 @@ class KillOnGenerate:
 
 
 def main(run_dir: str, *overrides: str) -> None:
-    from megarl.checkpoint.keeper import RunKeeper, StopRun
     from megarl.config import load_config
-    from megarl.engines.base import GenerationRequest
-    from megarl.runtime import build_session
+    from megarl.engines.protocol import GenerationRequest
+    from megarl.keeper import RunKeeper, StopRun
+    from megarl.session import build_session
     from megarl.train import evaluate
 
     cfg = load_config("configs/demo.yaml", [

@@ -24,8 +24,8 @@ def main(model_dir: str, work: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from megarl.algo.losses import nll_loss
-    from megarl.checkpoint.hf_export import export_hf
     from megarl.config.schema import OptimConfig
+    from megarl.convert.export import export_hf
 
     _, cfg, trainer = build_trainer("single", model_dir, OptimConfig(lr=3e-3, micro_batch_size=4))
     batch = fixed_batch(cfg["vocab_size"], seq=40)
@@ -53,9 +53,9 @@ def vllm_loads(export: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from megarl.algo.batch import build_batch
-    from megarl.engines.base import GenerationRequest
+    from megarl.distributed.parallel import build_parallel_state
+    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
-    from megarl.trainer.parallel import build_parallel_state
 
     build_parallel_state()  # vLLM's external launcher joins this process group
     engine = VLLMEngine(export, max_model_len=64, kv_cache_gib=0.25, max_num_seqs=8)

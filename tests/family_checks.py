@@ -66,9 +66,9 @@ def engine(work: str, name: str) -> None:
     from megarl.algo.batch import build_batch
     from megarl.algo.losses import nll_loss
     from megarl.config.schema import OptimConfig
-    from megarl.engines.base import GenerationRequest
+    from megarl.distributed.parallel import build_parallel_state
+    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
-    from megarl.trainer.parallel import build_parallel_state
 
     build_parallel_state()  # vLLM's external launcher joins this process group
     path = make_hf_model(Path(work) / name, name, seed=3)

@@ -16,9 +16,9 @@ import torch
 def main(recipe: str, work: str, family: str = "qwen2") -> None:
     from megarl.algo.losses import nll_loss
     from megarl.config.schema import OptimConfig
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.models.hf_config import read_hf_config
     from megarl.models.tiny import TinyShape, make_tiny_model
-    from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
     sys.path.insert(0, "tests")

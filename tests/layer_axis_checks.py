@@ -35,7 +35,7 @@ def main(*model_dirs: str) -> None:
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
     from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
 
-    from megarl.checkpoint.convert import skeleton, skeleton_state
+    from megarl.convert.dist_hf import skeleton, skeleton_state
     from megarl.models.hf_config import read_hf_config
 
     out = {}

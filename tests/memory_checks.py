@@ -26,11 +26,11 @@ def sleep_checks(workdir: str, level: int) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from megarl.engines.base import GenerationRequest
+    from megarl.distributed.parallel import init_process_group
     from megarl.engines.memory import EngineSleep
+    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
     from megarl.models.tiny import TinyShape, make_tiny_model
-    from megarl.trainer.parallel import init_process_group
     from megarl.weight_sync.protocol import load
 
     model = make_tiny_model(os.path.join(workdir, "model"), TinyShape(family="qwen2"), seed=0)

@@ -71,9 +71,9 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """
     import dataclasses
 
+    from megarl.compat.megatron import activate_cpu
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.models.hf_config import read_hf_config
-    from megarl.trainer import cpu_adapter
-    from megarl.trainer.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
@@ -82,7 +82,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     optim_keys = {f.name for f in dataclasses.fields(optim)}
     optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
     ps = build_parallel_state(**spec)
-    cpu_adapter.activate()
+    activate_cpu()
     from megatron.core import tensor_parallel
 
     torch.manual_seed(0)
@@ -94,9 +94,9 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     from megarl.algo.losses import ppo_clip_loss, value_loss
     from megarl.config.schema import OptimConfig
+    from megarl.distributed import parallel
     from megarl.models.hf_config import num_experts
-    from megarl.trainer import parallel
-    from megarl.weight_sync.export import gather_full_megatron
+    from megarl.trainer.export import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
                                      head)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def probe(engine, vocab: int) -> list:
     import torch
 
-    from megarl.engines.base import GenerationRequest
+    from megarl.engines.protocol import GenerationRequest
 
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(3)]
@@ -43,7 +43,7 @@ def main(model_dir: str) -> None:
     set_cpu_engine_env(0.25)
     import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
 
-    from megarl.trainer.parallel import init_process_group
+    from megarl.distributed.parallel import init_process_group
 
     init_process_group()
     engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, seed=0, max_num_seqs=8)
@@ -99,9 +99,9 @@ def resync_checks(engine, trainer, vocab: int, broken) -> dict:
     """``sync.rollback=resync`` against ``copy`` on the same engine: peak extra RSS of a full sync, then a
     failed load (no backup: the engine refuses to generate) repaired by the next full sync."""
     from megarl.engines.memory import peak_rss_added
+    from megarl.engines.protocol import SlotRequest
     from megarl.engines.vllm_engine import VLLMSlotEngine
     from megarl.engines.weight_update import EngineUnusable
-    from megarl.rollout.engine_api import SlotRequest
     from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
     from megarl.weight_sync.streaming import streaming_sync
 
@@ -138,7 +138,7 @@ def ranks(model_dir: str) -> None:
     import torch.distributed as dist
     import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
 
-    from megarl.trainer.parallel import init_process_group
+    from megarl.distributed.parallel import init_process_group
 
     rank, world = init_process_group()
     engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, tensor_parallel_size=world, seed=0,
@@ -204,7 +204,7 @@ def tied(workdir: str) -> None:
 
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
-    from megarl.trainer.parallel import init_process_group
+    from megarl.distributed.parallel import init_process_group
     from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
 
     init_process_group()

@@ -23,8 +23,8 @@ def main(run_dir: str, *overrides: str) -> None:
     import torch
 
     from megarl.config import load_config
-    from megarl.engines.base import GenerationRequest
-    from megarl.runtime import build_session
+    from megarl.engines.protocol import GenerationRequest
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
     from megarl.weight_sync.streaming import streaming_sync
@@ -94,7 +94,7 @@ def main(run_dir: str, *overrides: str) -> None:
         versions_after_ok = [c.weight_version for c in s.engine.clients]
         # a failure inside the replicas (a tensor of the wrong shape half-way): they keep receiving so the
         # group stays in step, restore their weights, and the next sync works
-        from megarl.engines.replicas import flat_buckets, plan_buckets
+        from megarl.engines.remote.replicas import flat_buckets, plan_buckets
         from megarl.engines.weight_update import WeightLoadError
 
         s.trainer.train_step(fixed_batch(vocab), lambda lp, mb: ppo_clip_loss(
@@ -131,9 +131,9 @@ def main(run_dir: str, *overrides: str) -> None:
 def resync_checks(s, proto, stream, bad, outputs) -> dict:
     """``sync.rollback=resync`` reaches the replicas: no backup; the same failure inside them leaves both
     unusable (they refuse to generate: batch, submit, step), and the next full sync repairs them."""
-    from megarl.engines.replicas import flat_buckets, plan_buckets
+    from megarl.engines.protocol import SlotRequest
+    from megarl.engines.remote.replicas import flat_buckets, plan_buckets
     from megarl.engines.weight_update import EngineUnusable, WeightLoadError
-    from megarl.rollout.engine_api import SlotRequest
     from megarl.weight_sync.protocol import logprob_gap
 
     s.engine.rollback = "resync"

@@ -18,9 +18,9 @@ import sys
 def main(run_dir: str, *overrides: str) -> None:
     import torch.distributed as dist
 
-    from megarl.checkpoint.keeper import RunKeeper, StopRun
     from megarl.config import load_config
-    from megarl.runtime import build_session
+    from megarl.keeper import RunKeeper, StopRun
+    from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.weight_sync.protocol import rank_gaps
 

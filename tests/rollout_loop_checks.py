@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import load_config
-from megarl.runtime import build_controller, build_session
+from megarl.session import build_controller, build_session
 from megarl.train import rl_step
 
 KEYS = ("rollout/groups_released", "rollout/groups_over_bound", "rollout/bubble_ratio", "rollout/staleness_max",

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def sample_batch(engine, vocab: int, seed: int):
     from megarl.algo.batch import build_batch
-    from megarl.engines.base import GenerationRequest
+    from megarl.engines.protocol import GenerationRequest
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(4)]
@@ -48,8 +48,8 @@ def gap(engine, trainer, vocab: int, seed: int) -> float:
 
 
 def engine_checks(model_dir: str, layouts: str) -> None:
+    from megarl.distributed.parallel import init_process_group
     from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
-    from megarl.trainer.parallel import init_process_group
 
     set_cpu_engine_env(1.0)
     import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
@@ -63,7 +63,7 @@ def engine_checks(model_dir: str, layouts: str) -> None:
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
-    from megarl.weight_sync.export import gather_hf_weights
+    from megarl.trainer.export import gather_hf_weights
     from megarl.weight_sync.streaming import StreamingSync
 
     results = {}
@@ -109,15 +109,15 @@ def peak_rss_added(fn) -> int:
 
 
 def memory_checks(model_dir: str, bucket_mib: str) -> None:
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.models.hf_config import num_experts
-    from megarl.trainer.parallel import build_parallel_state
-    from megarl.weight_sync.export import gather_hf_weights
+    from megarl.trainer.export import gather_hf_weights
     from megarl.weight_sync.streaming import StreamingSync
 
     ps = build_parallel_state()
-    from megarl.trainer import cpu_adapter
+    from megarl.compat.megatron import activate_cpu
 
-    cpu_adapter.activate()
+    activate_cpu()
     from megarl.models.hf_config import read_hf_config
     from megarl.trainer.model import build_gpt_model, load_hf_weights
 

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from megarl.rollout.controller import LONG_WAIT, ControllerConfig, PromptItem, RolloutController
-from megarl.rollout.simulated import SimulatedEngine, StepTimeModel
-from megarl.rollout.simulator import SimSettings, lognormal_workload, paper_workload, simulate
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
+from megarl.rollout.sim.simulator import SimSettings, lognormal_workload, paper_workload, simulate
 
 G = 4
 VARIANTS = [("sync", {}), ("on_policy", {"long_rounds": False}), ("on_policy", {"long_rounds": True}),

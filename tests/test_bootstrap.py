@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from megarl.launch.bootstrap import detect, tasks_per_node
+from megarl.distributed.bootstrap import detect, tasks_per_node
 
 
 def test_torchrun_environment_wins():
@@ -47,7 +47,7 @@ def test_tasks_per_node_expands_slurms_counts():
 
 
 def test_launch_modules_import_neither_torch_nor_mpi4py():
-    code = ("import sys, megarl.launch.bootstrap, megarl.launch.plan, megarl.launch.bootstrap as b; b.detect(); "
+    code = ("import sys, megarl.distributed.bootstrap, megarl.launch.plan, megarl.distributed.bootstrap as b; b.detect(); "
             "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

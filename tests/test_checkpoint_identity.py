@@ -67,7 +67,7 @@ def test_eval_and_resume_refuse_another_models_checkpoint_before_launch(models, 
 def test_the_same_model_passes_and_a_policy_subdir_is_not_a_step_dir(models):
     from megarl.checkpoint.identity import ModelMismatch, check_same_model
     from megarl.config import ConfigError, load_config, validate
-    from megarl.config.loader import validate_resume_model
+    from megarl.config.validate.model import validate_resume_model
     from megarl.models.hf_config import read_hf_config
 
     m = models
@@ -206,8 +206,8 @@ def _grpo_run(models, run):
 
 def test_resume_without_the_critic_or_reference_the_algorithm_needs_is_refused_before_launch(models, tmp_path, capsys):
     """trial_algo F11: resuming a GRPO run with algo.preset=ppo crashed in keeper.resume after the whole launch."""
-    from megarl.cli import check_resume_learners
     from megarl.config import ConfigError, load_config
+    from megarl.config.validate.model import check_resume_learners
 
     run = _grpo_run(models, tmp_path / "run")
     step = run / "checkpoints" / "step_000001"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from megarl.checkpoint.keeper import revive_checkpoint_writer
+from megarl.compat.megatron import drop_dead_checkpoint_writer
 
 
 def test_a_dead_checkpoint_writer_helper_is_replaced_before_the_next_save():
@@ -20,7 +20,7 @@ def test_a_dead_checkpoint_writer_helper_is_replaced_before_the_next_save():
     try:
         queue = fa._get_write_results_queue()  # what megatron's writer uses (spawns the Manager)
         queue.put("before")
-        assert queue.get() == "before" and revive_checkpoint_writer() == ""  # alive: left alone
+        assert queue.get() == "before" and drop_dead_checkpoint_writer() == ""  # alive: left alone
         helper = queue._manager._process
         helper.kill()
         helper.join(10)
@@ -29,7 +29,7 @@ def test_a_dead_checkpoint_writer_helper_is_replaced_before_the_next_save():
             raise AssertionError("a dead Manager's queue accepted a put")
         except (BrokenPipeError, EOFError, ConnectionError):
             pass
-        why = revive_checkpoint_writer()
+        why = drop_dead_checkpoint_writer()
         assert f"pid {helper.pid}" in why and "a new one is started" in why
         fresh = fa._get_write_results_queue()
         assert fresh is not queue

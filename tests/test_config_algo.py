@@ -1,7 +1,8 @@
 """``algo.*`` config: presets apply where they are given, and out-of-range or contradictory keys stop the run
-before launch (megarl/config/presets.py, megarl/config/algo_checks.py). Pure config: fast."""
+before launch (megarl/config/presets.py, megarl/config/validate/algo.py). Pure config: fast."""
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -10,6 +11,10 @@ from megarl.config import ConfigError, load_config, validate
 from megarl.config.presets import PRESETS
 from megarl.models.tiny import TinyShape, hf_config
 
+
+def say(text: str) -> None:  # what the CLI passes in the process that speaks for the job
+    print(text, file=sys.stderr)
+
 MOE = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -17,7 +22,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_a_preset_on_the_command_line_replaces_the_files_algo_keys(preset, capsys):
     """README: `megarl demo algo.preset=NAME` runs that preset although configs/demo.yaml sets GRPO's keys."""
-    got = load_config(DEMO, [f"algo.preset={preset}"]).algo
+    got = load_config(DEMO, [f"algo.preset={preset}"], say=say).algo
     assert dataclasses.asdict(got) == dataclasses.asdict(load_config(None, [f"algo.preset={preset}"]).algo)
     for key, value in PRESETS[preset].items():
         assert getattr(got, key) == value, key
@@ -31,7 +36,7 @@ def test_preset_on_the_demo_runs_ppo_and_later_keys_win(capsys):
     assert (a.advantage, a.whiten_advantages, a.kl_coef, a.clip_high) == ("gae", True, 0.001, 0.2)
     a = load_config(DEMO, ["algo.preset=ppo", "algo.clip_high=0.3"]).algo
     assert a.advantage == "gae" and a.clip_high == pytest.approx(0.3)
-    a = load_config(DEMO, ["algo.clip_high=0.3", "algo.preset=ppo"]).algo  # an earlier override is replaced too
+    a = load_config(DEMO, ["algo.clip_high=0.3", "algo.preset=ppo"], say=say).algo  # an earlier override too
     assert a.clip_high == pytest.approx(0.2)
     assert "algo.clip_high=0.3 (override 'algo.clip_high=0.3')" in capsys.readouterr().err
 
@@ -39,7 +44,7 @@ def test_preset_on_the_demo_runs_ppo_and_later_keys_win(capsys):
 def test_keys_in_the_presets_own_layer_win(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("algo:\n  preset: dapo\n  clip_high: 0.3\n")
-    a = load_config(path, ["algo.kl_coef=0.01"]).algo
+    a = load_config(path, ["algo.kl_coef=0.01"], say=say).algo
     assert a.dynamic_sampling and a.clip_high == pytest.approx(0.3) and a.kl_coef == pytest.approx(0.01)
     assert capsys.readouterr().err == ""  # nothing earlier was replaced
     with pytest.raises(ConfigError, match=r"override 'algo.preset=PPO': algo.preset 'PPO' is not known; valid: grpo"):
@@ -47,13 +52,21 @@ def test_keys_in_the_presets_own_layer_win(tmp_path, capsys):
 
 
 def test_the_note_is_said_once_per_job_not_by_each_torchrun_worker(monkeypatch, capsys):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    """The CLI says the note in the process that speaks for the job (the launcher, or rank 0 of an srun/mpirun job),
+    not again in each worker; ``load_config`` itself says nothing unless given ``say``."""
+    from megarl.cli import main as cli_main
+
     load_config(DEMO, ["algo.preset=ppo"])
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-    monkeypatch.setenv("SLURM_PROCID", "1")
-    load_config(DEMO, ["algo.preset=ppo"])
-    out = capsys.readouterr()
-    assert out.err == "" and out.out == ""
+    assert capsys.readouterr().err == ""
+    refused = ["train", "--config", str(DEMO), "algo.preset=ppo", "rollout.samples_per_prompt=1"]  # after the load
+    assert cli_main(refused) == 2
+    assert "algo.preset=ppo" in capsys.readouterr().err
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli_main(refused) == 2
+    err = capsys.readouterr().err
+    assert "replaces the algo keys" not in err and "samples_per_prompt" in err
 
 
 def test_ppo_value_targets_use_its_lambda():

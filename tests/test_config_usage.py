@@ -64,7 +64,7 @@ def test_plan_shows_a_tiny_models_size(tmp_path, capsys):
 
 
 def test_make_tiny_model_offers_every_tiny_family():
-    from megarl.config.schema import TINY_FAMILIES
+    from megarl.models.tiny import FAMILIES as TINY_FAMILIES
 
     out = subprocess.run([sys.executable, "tools/make_tiny_model.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120).stdout

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
-from megarl.rollout.simulated import SimulatedEngine, StepTimeModel, sim_logprob, sim_token
-from megarl.rollout.simulator import SimSettings, paper_workload, simulate, sync_closed_form
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel, sim_logprob, sim_token
+from megarl.rollout.sim.simulator import SimSettings, paper_workload, simulate, sync_closed_form
 from megarl.types import SampleStatus
 
 G = 4

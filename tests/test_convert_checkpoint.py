@@ -290,7 +290,7 @@ def test_a_model_with_only_pytorch_model_bin_is_refused_naming_it(tmp_path, caps
     from safetensors.torch import load_file
 
     from megarl.cli import main as megarl
-    from megarl.weight_sync.hf_adapter import load_hf_state_dict
+    from megarl.models.hf_adapter import load_hf_state_dict
 
     model = make_hf_model(tmp_path / "model", "qwen3", seed=1)
     torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")

@@ -1,6 +1,6 @@
-"""Nodes that run only engine replicas (``engine.replica_nodes_dedicated``, ``megarl/engines/host.py``).
+"""Nodes that run only engine replicas (``engine.replica_nodes_dedicated``, ``megarl/engines/remote/host.py``).
 
-Default run (fast): a real replica host process (``python -m megarl.engines.host``) finds trainer rank 0
+Default run (fast): a real replica host process (``python -m megarl.engines.remote.host``) finds trainer rank 0
 through the run directory's rendezvous file (a stale one removed first), links with the run's secret, spawns
 the replicas rank 0 names (real ``nodes.serve_remote`` processes that connect back to rank 0), respawns them
 over the same link, and kills them and exits 0 when rank 0's link ends; a host that never comes is a start
@@ -69,8 +69,8 @@ def test_launch_engine_nodes_query(capsys):
 
 
 def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
-    from megarl.engines.host import HostPool, rendezvous_path
-    from megarl.engines.nodes import RemoteProcess, Rendezvous
+    from megarl.engines.remote.host import HostPool, rendezvous_path
+    from megarl.engines.remote.nodes import RemoteProcess, Rendezvous
 
     run = tmp_path / "run"
     path = rendezvous_path(run)
@@ -79,7 +79,7 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
         s.bind(("127.0.0.1", 0))
         path.write_text(json.dumps({"host": "127.0.0.1", "port": s.getsockname()[1], "authkey": "00", "job": ""}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    host = subprocess.Popen([sys.executable, "-m", "megarl.engines.host", "--config", "configs/demo.yaml", "--node", "1",
+    host = subprocess.Popen([sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml", "--node", "1",
                              *DEDICATED, f"train.run_dir={run}"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env={**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"})
     spec = dict(model=str(tmp_path / "no-model"), tp=1, max_model_len=64, kv_cache_gib=0.0625, slots=2, seed=0,
@@ -126,7 +126,7 @@ def test_a_requeued_host_waits_for_its_own_restart_s_rendezvous(tmp_path, monkey
     as after a rank 0 killed before it could clean up) is not dialled; the host links once rank 0 of 7.1 publishes."""
     from multiprocessing.connection import Listener
 
-    from megarl.engines.host import connect, publish, rendezvous_path
+    from megarl.engines.remote.host import connect, publish, rendezvous_path
 
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
@@ -425,14 +425,14 @@ def test_a_linked_host_and_its_replicas_serve_on_through_slurms_preemption_sigte
     """Slurm's preemption SIGTERM reaches every process of the job, the replica host and its replicas too: linked,
     the host logs it and serves on (trainer rank 0 checkpoints first, then ends the link, which ends the host with 0);
     the replicas inherited the signal blocked. An unlinked host still exits 143 on SIGTERM (the script's kill)."""
-    from megarl.engines.host import HostPool, rendezvous_path
-    from megarl.engines.nodes import Rendezvous
+    from megarl.engines.remote.host import HostPool, rendezvous_path
+    from megarl.engines.remote.nodes import Rendezvous
 
     run = tmp_path / "run"
     run.mkdir()
     path = rendezvous_path(run)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    cmd = [sys.executable, "-m", "megarl.engines.host", "--config", "configs/demo.yaml", "--node", "1", *DEDICATED,
+    cmd = [sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml", "--node", "1", *DEDICATED,
            f"train.run_dir={run}"]
     env = {**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"}
     host = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)

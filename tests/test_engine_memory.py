@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_script
-from megarl.config import ConfigError
-from megarl.config.loader import load_config, validate
+from megarl.config import ConfigError, load_config, validate
 
 
 def test_sleep_level_is_checked_before_launch():

@@ -113,8 +113,7 @@ def test_sliding_window_is_refused_only_when_it_cuts_the_sequence():
 def test_sliding_window_is_a_config_error_before_launch(tmp_path):
     from hf_models import make_hf_model
 
-    from megarl.config import load_config
-    from megarl.config.loader import ConfigError, validate
+    from megarl.config import ConfigError, load_config, validate
 
     model = make_hf_model(tmp_path / "m", "mistral", sliding_window=64)
     cfg = load_config(None, [f"model.path={model}", "engine.max_model_len=128"])

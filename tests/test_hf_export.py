@@ -24,7 +24,7 @@ class _Cfg:
 
 
 def test_export_schedule(monkeypatch):
-    from megarl.checkpoint import hf_export
+    from megarl.convert import export as hf_export
 
     calls = []
     monkeypatch.setattr(hf_export, "export_hf", lambda trainer, model_dir, out: calls.append(out.name))

@@ -1,4 +1,4 @@
-"""Disaggregated replicas on nodes other than rank 0's (``engine.replica_nodes``, ``megarl/engines/nodes.py``).
+"""Disaggregated replicas on nodes other than rank 0's (``engine.replica_nodes``, ``megarl/engines/remote/nodes.py``).
 
 Default run (fast): which trainer rank spawns which replica and the errors for a placement the job
 cannot hold; the link a remote replica keeps to rank 0 over real TCP sockets with real processes
@@ -27,7 +27,7 @@ from conftest import ROOT
 CHILD = """
 import os, sys, threading
 from multiprocessing.connection import Client
-from megarl.engines import nodes
+from megarl.engines.remote import nodes
 host, port, key, index = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), int(sys.argv[4])
 conn = Client((host, port), authkey=key)
 conn.send((index, os.getpid(), 1, "n2"))
@@ -40,7 +40,7 @@ while True:
 def test_placement_spawners_and_errors_naming_the_key():
     from megarl.config import load_config, validate
     from megarl.config.loader import ConfigError
-    from megarl.engines.nodes import place
+    from megarl.engines.remote.nodes import place
 
     assert place(2, 0, [0, 0, 1, 1]) == {0: [0, 1]}  # default: every replica on rank 0's node
     assert place(2, 1, [0, 0, 1, 1]) == {2: [0, 1]}  # the last node's first rank spawns both
@@ -66,7 +66,7 @@ def test_the_address_other_nodes_reach_never_loopback_when_replicas_run_elsewher
     $MEGARL_NODE_ADDR where the cluster says which network."""
     import socket
 
-    from megarl.engines.nodes import node_address, reachable_host
+    from megarl.engines.remote.nodes import node_address, reachable_host
 
     monkeypatch.delenv("MEGARL_NODE_ADDR", raising=False)
     assert reachable_host(["n1", "n1"]) == "127.0.0.1"
@@ -92,7 +92,7 @@ def _child(address, index: int, key: bytes | None = None) -> subprocess.Popen:
 
 
 def test_remote_replica_links_handshake_liveness_and_ending():
-    from megarl.engines.nodes import RemoteProcess, Rendezvous
+    from megarl.engines.remote.nodes import RemoteProcess, Rendezvous
 
     rv = Rendezvous("127.0.0.1")
     stranger = _child(rv.address, 7, key=b"not the run's secret")
@@ -129,8 +129,8 @@ def test_remote_replica_links_handshake_liveness_and_ending():
 def test_a_preemption_signal_ends_the_wait_for_other_nodes(monkeypatch, capsys):
     """SIGTERM while rank 0 waits for replicas (or engine hosts) on other nodes: the wait went on for its whole
     timeout (600 s by default) in silence, and Slurm then killed the job; it now ends within a second, saying why."""
-    from megarl.checkpoint import faults
-    from megarl.engines.nodes import Rendezvous
+    from megarl.engines.remote.nodes import Rendezvous
+    from megarl.testing import faults
 
     monkeypatch.setattr(faults, "_signalled", "SIGTERM")
     start = time.monotonic()

@@ -14,8 +14,8 @@ import collections
 import pytest
 
 from megarl.rollout.controller import LONG_WAIT, ControllerConfig, PromptItem, RolloutController
-from megarl.rollout.simulated import SimulatedEngine, StepTimeModel
-from megarl.rollout.simulator import SimSettings, on_policy_bubble_floor, paper_workload, simulate
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
+from megarl.rollout.sim.simulator import SimSettings, on_policy_bubble_floor, paper_workload, simulate
 
 G, CAP, ENGINES, SLOTS, U = 4, 256, 2, 16, 8  # a long round (U × G samples) fills every slot, as on the paper workload
 MODEL = StepTimeModel("batch", 0.02, 0.0008)  # a full engine decodes 1.64× slower per step than an empty one (paper: 1.64×)

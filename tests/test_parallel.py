@@ -64,7 +64,7 @@ def test_layout_matches_single_process(models, family, layout):
 def test_one_step_moves_the_weights(models):
     from safetensors.torch import load_file
 
-    from megarl.weight_sync.hf_adapter import hf_to_megatron
+    from megarl.models.hf_adapter import hf_to_megatron
 
     paths, _ = models
     cfg = json.loads((paths["qwen2"] / "config.json").read_text())
@@ -136,18 +136,19 @@ def test_moe_dispatcher_choice_on_gloo_and_nccl(monkeypatch):
     at expert TP 1, at EP 1, and whatever else was asked for."""
     from dataclasses import replace
 
-    from megarl.trainer import parallel
+    from megarl.distributed import parallel
+    from megarl.trainer import model
 
-    monkeypatch.setattr(parallel, "_SAID", set())
+    monkeypatch.setattr(model, "_SAID", set())
     ps = parallel.ParallelState(world_size=4, rank=1, tp=2, pp=1, ep=2, etp=2, dp=2, vpp=1, sequence_parallel=True,
                                 tp_rank=1, pp_rank=0, ep_rank=0, etp_rank=1, dp_rank=0)
     said = []
-    assert parallel.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather" and said == []  # rank 1
+    assert model.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather" and said == []  # rank 1
     ps = replace(ps, rank=0, tp_rank=0, etp_rank=0)
     for _ in range(2):  # a second trainer (critic, reference) in the process: no second line
-        assert parallel.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather"
+        assert model.moe_dispatcher_for("alltoall", ps, "gloo", said.append) == "allgather"
     assert len(said) == 1 and "parallel.etp=2" in said[0] and "using 'allgather'" in said[0]
     for p, backend, asked in [(ps, "nccl", "alltoall"), (replace(ps, etp=1), "gloo", "alltoall"),
                               (replace(ps, ep=1), "gloo", "alltoall"), (ps, "gloo", "allgather")]:
-        assert parallel.moe_dispatcher_for(asked, p, backend, said.append) == asked, (p, backend)
+        assert model.moe_dispatcher_for(asked, p, backend, said.append) == asked, (p, backend)
     assert len(said) == 1

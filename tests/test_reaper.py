@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megarl.engines import reaper
+from megarl.engines.remote import reaper
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/maps").exists(),
                                 reason="needs Linux /dev/shm and /proc")
@@ -65,8 +65,8 @@ def test_only_segments_nobody_uses_are_unlinked():
 
 @pytest.mark.slow
 def test_a_killed_tp2_replica_leaves_no_worker_and_no_ring_in_dev_shm(tmp_path):
-    from megarl.engines.base import GenerationRequest
-    from megarl.engines.replicas import EngineReplicas
+    from megarl.engines.protocol import GenerationRequest
+    from megarl.engines.remote.replicas import EngineReplicas
     from megarl.models.tiny import TinyShape, make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=0)

@@ -86,8 +86,8 @@ def test_megarl_train_disaggregated_two_replicas_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_restart_gives_the_controller_handles_new_processes(tmp_path):
     """After an engine error the keeper restarts the engines: same handles, fresh processes, same outputs."""
-    from megarl.engines.base import GenerationRequest
-    from megarl.engines.replicas import EngineReplicas
+    from megarl.engines.protocol import GenerationRequest
+    from megarl.engines.remote.replicas import EngineReplicas
     from megarl.models.tiny import TinyShape, make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=0)
@@ -158,7 +158,7 @@ def test_megarl_train_survives_a_replica_killed_just_before_the_sync_audit(tmp_p
 def test_megarl_train_stops_with_a_checkpoint_when_the_audit_fails_past_max_restarts(tmp_path):
     """``engine.max_restarts=0``: the death before the audit stops the run with a checkpoint of step 2 (its update
     done) and exit 75 (requeue), like every engine fault past the limit."""
-    from megarl.checkpoint.keeper import EXIT_REQUEUE
+    from megarl.keeper import EXIT_REQUEUE
 
     proc, rows, left = _train_with_audit_kill(tmp_path, "engine.max_restarts=0")
     assert proc.returncode == EXIT_REQUEUE, proc.stdout[-3000:] + proc.stderr[-4000:]

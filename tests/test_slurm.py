@@ -145,7 +145,7 @@ def test_mpi_sbatch_runs_ranks_started_by_srun_pmix(slurm, tmp_path):
 @pytest.mark.slow
 def test_srun_direct_ranks_find_each_other_through_slurm(slurm, tmp_path):
     """No torchrun: `srun` starts one `megarl train` per task; rank, world and the first node's address
-    come from Slurm (megarl/launch/bootstrap.py)."""
+    come from Slurm (megarl/distributed/bootstrap.py)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     wrap = (f"srun --kill-on-bad-exit=1 {sys.executable} -m megarl.cli train --config configs/tiny_cpu.yaml "

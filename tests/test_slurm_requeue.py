@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from megarl.checkpoint.keeper import EXIT_REQUEUE
+from megarl.keeper import EXIT_REQUEUE
 
 
 def sbatch_functions(calls: str) -> list[str]:
@@ -88,7 +88,7 @@ def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
 PREEMPTED_TRAINER = """
 import multiprocessing as mp, os, signal, subprocess, sys, time
 if __name__ == "__main__":  # (multiprocessing's spawn re-imports this file: no torch there)
-    from megarl.checkpoint.faults import Preemption
+    from megarl.distributed.signals import Preemption
     p = Preemption()
     writer = mp.get_context("spawn").Manager()  # what megatron's checkpoint writer starts at the first save
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -117,8 +117,7 @@ def test_sync_rollback_is_checked_before_launch(tmp_path, capsys):
     """A bad sync.rollback is refused by validation and by `megarl plan`, naming the key and the valid values."""
     import json
 
-    from megarl.config import ConfigError
-    from megarl.config.loader import load_config, validate
+    from megarl.config import ConfigError, load_config, validate
     from megarl.launch.plan import main as plan_main
     from megarl.models.tiny import hf_config
 

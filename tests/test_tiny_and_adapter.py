@@ -4,16 +4,14 @@ import pytest
 import torch
 
 from conftest import run_script
-from megarl.config.schema import TINY_FAMILIES
-from megarl.models.tiny import TinyShape, build_tokenizer, hf_config, make_tiny_model, random_weights
-from megarl.weight_sync.hf_adapter import (
+from megarl.models.hf_adapter import (
     hf_to_megatron,
     load_hf_state_dict,
     megatron_to_hf,
     qkv_from_megatron,
     qkv_to_megatron,
 )
-from megarl.weight_sync.sharding import (
+from megarl.models.sharding import (
     RankCoords,
     global_name,
     grouped_expert_name,
@@ -21,6 +19,8 @@ from megarl.weight_sync.sharding import (
     local_expert_name,
     shard_for_rank,
 )
+from megarl.models.tiny import FAMILIES as TINY_FAMILIES
+from megarl.models.tiny import TinyShape, build_tokenizer, hf_config, make_tiny_model, random_weights
 
 FAMILIES = list(TINY_FAMILIES)
 

@@ -12,7 +12,7 @@ Default run (fast): ``nodes.node_address()`` and ``nodes.local_address_to`` insi
 every single-network variant, a listener on A's loopback is not reachable from B, and a host started outside
 Slurm is told which ``--node`` to pass. Slow: a gloo weight-transfer group (``gloo_transfer.join_group``)
 between A and B ("debian", "multihomed"); and a training run, torchrun in A and a replica host
-(``python -m megarl.engines.host --node 1``) in B with ``engine.replica_nodes_dedicated`` ("own", "debian": no
+(``python -m megarl.engines.remote.host --node 1``) in B with ``engine.replica_nodes_dedicated`` ("own", "debian": no
 ``MEGARL_NODE_ADDR``; "multihomed"): it completes, both replicas run in B's namespace, the weights cross the
 veth, the audit after every sync is <= 1e-4, and nothing is left running.
 """
@@ -168,7 +168,7 @@ def _env() -> dict:
 
 ADDRESSES = """
 import socket, sys
-from megarl.engines.nodes import local_address_to, node_address
+from megarl.engines.remote.nodes import local_address_to, node_address
 try:
     named = socket.gethostbyname(socket.gethostname())
 except OSError:
@@ -222,8 +222,8 @@ def test_the_published_address_is_the_veth_s_in_every_host_name_variant(two_host
 
 GROUP_SENDER = """
 import sys, torch
-from megarl.engines.gloo_transfer import join_group, listen
-from megarl.engines.nodes import node_address
+from megarl.engines.remote.transfer import join_group, listen
+from megarl.engines.remote.nodes import node_address
 sock = listen(node_address())
 host, port = sock.getsockname()
 print(host, port, flush=True)
@@ -234,7 +234,7 @@ print("sent", flush=True)
 
 GROUP_RECEIVER = """
 import sys, torch
-from megarl.engines.gloo_transfer import join_group
+from megarl.engines.remote.transfer import join_group
 group = join_group(sys.argv[1], int(sys.argv[2]), 1, 2, "gloo", 60)
 got = torch.zeros(1000)
 group.broadcast(got, 0).wait()
@@ -295,7 +295,7 @@ def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two
                  "sync.check_every=1", f"train.steps={steps}", "sync.timeout_s=120"]
     config = ["--config", "configs/tiny_cpu.yaml"]
     trainer_log, host_log = tmp_path / "trainer.log", tmp_path / "host.log"
-    host = subprocess.Popen(two_hosts.cmd("b", [sys.executable, "-m", "megarl.engines.host", *config, "--node", "1",
+    host = subprocess.Popen(two_hosts.cmd("b", [sys.executable, "-m", "megarl.engines.remote.host", *config, "--node", "1",
                                                 "--wait-s", "900", *overrides]),
                             cwd=ROOT, env=_env(), stdout=open(host_log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -355,7 +355,7 @@ def test_outside_slurm_the_host_s_node_index_is_asked_for_and_checked(tmp_path, 
     node is 1) is refused by rank 0 at once, naming the valid values."""
     import threading
 
-    from megarl.engines.host import HostPool, connect, main, rendezvous_path
+    from megarl.engines.remote.host import HostPool, connect, main, rendezvous_path
 
     for key in [k for k in os.environ if k.startswith("SLURM")]:
         monkeypatch.delenv(key)

@@ -13,13 +13,14 @@ import pytest
 
 from conftest import ROOT, run_script
 from megarl.cli import main as cli_main
+from megarl.compat.vllm import cpu_attention_head_sizes
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.limits import check_engine_head_size, check_local_engine_memory, cpu_attention_head_sizes
-from megarl.config.limits import cuda_available as _cuda
+from megarl.config.validate.limits import check_engine_head_size, check_local_engine_memory
+from megarl.config.validate.limits import cuda_available as _cuda
+from megarl.engines.protocol import StepReport
 from megarl.models.tiny import TinyShape, hf_config
 from megarl.rollout.controller import STALL_STEPS, ControllerConfig, EngineStalled, PromptItem, RolloutController
-from megarl.rollout.engine_api import StepReport
-from megarl.rollout.simulated import SimulatedEngine, StepTimeModel
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
 
 
 def tiny_args(tmp_path) -> list[str]:
@@ -47,7 +48,7 @@ def test_recover_logs_rank_0_without_a_process_group(capsys):
     process group has not been initialized')."""
     import torch.distributed as dist
 
-    from megarl.checkpoint.keeper import RunKeeper, StopRun
+    from megarl.keeper import RunKeeper, StopRun
 
     assert not dist.is_initialized()
     keeper = types.SimpleNamespace(s=types.SimpleNamespace(controller=None), restarts=0, failing=3,

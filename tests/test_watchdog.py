@@ -1,4 +1,4 @@
-"""The hang watchdog (``megarl/checkpoint/watchdog.py``): a guarded call that never returns ends the process with
+"""The hang watchdog (``megarl/distributed/watchdog.py``): a guarded call that never returns ends the process with
 exit 75 (requeue), its stack dumped and ``$MEGARL_EXIT_FILE`` written by whichever rank hung.
 
 Fast: the thread itself in a fresh interpreter (a real hang, a real ``os._exit``), the guard's slot, the config
@@ -20,12 +20,12 @@ import pytest
 from check_helpers import ended_or_killed, processes_with_env
 
 from conftest import ROOT
-from megarl.checkpoint import watchdog
-from megarl.checkpoint.keeper import EXIT_REQUEUE
+from megarl.distributed import watchdog
+from megarl.keeper import EXIT_REQUEUE
 
 HUNG = textwrap.dedent("""
     import multiprocessing, sys, time
-    from megarl.checkpoint.watchdog import start, guard, on_fire
+    from megarl.distributed.watchdog import start, guard, on_fire
 
     def wedged_collective():
         while True:

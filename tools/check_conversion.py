@@ -49,13 +49,13 @@ def compare(hf_dir: str, ckpt: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarl.checkpoint.dist import load_checkpoint
+    from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import OptimConfig
-    from megarl.trainer import cpu_adapter
-    from megarl.trainer.parallel import build_parallel_state
+    from megarl.distributed.parallel import build_parallel_state
     from megarl.trainer.policy import PolicyTrainer
 
     ps = build_parallel_state()
-    cpu_adapter.activate()
+    activate_cpu()
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     from pathlib import Path
 
-    from megarl.checkpoint.convert import dist_checkpoint_dir
     from megarl.checkpoint.identity import ModelMismatch
+    from megarl.convert.dist_hf import dist_checkpoint_dir
 
     try:
         args.ckpt = str(dist_checkpoint_dir(Path(args.ckpt)))  # (says which policy/ it took)

@@ -66,7 +66,7 @@ def check_layout_args(args) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     warnings.filterwarnings("ignore")
-    from megarl.checkpoint.convert import DTYPE_NAMES, hf_to_mcore, mcore_to_hf
+    from megarl.convert.dist_hf import DTYPE_NAMES, hf_to_mcore, mcore_to_hf
 
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
     try:

@@ -25,11 +25,11 @@ _EXPERT = re.compile(r"\.experts\.(\d+\.)?|\.experts\.experts\.")
 def tensors_of(path: Path) -> tuple[str, dict]:
     """('hf' | 'mcore', name → (shape, dtype name))."""
     if (path / "metadata.json").is_file():
-        from megarl.checkpoint.convert import saved_tensors
+        from megarl.checkpoint.identity import saved_tensors
 
         return "mcore", {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                          for k, v in saved_tensors(path).items()}
-    from megarl.checkpoint.hf_files import HFCheckpoint
+    from megarl.convert.hf_files import HFCheckpoint
 
     ckpt = HFCheckpoint(path)
     return "hf", {k: (shape, str(dtype).removeprefix("torch.")) for k, (_, dtype, shape, _, _) in ckpt.entries.items()}
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         # a run dir has a config.json too (megarl's run config): its checkpoints/ tell it from an HF dir
         run = (path / "checkpoints" / "latest").is_file() or (path / "checkpoints").is_dir()
         if not (path / "metadata.json").is_file() and (run or not (path / "config.json").is_file()):
-            from megarl.checkpoint.convert import dist_checkpoint_dir
+            from megarl.convert.dist_hf import dist_checkpoint_dir
 
             path = dist_checkpoint_dir(path, lambda m: print(m.replace("--ckpt: ", "", 1)))  # its policy
         kind, tensors = tensors_of(path)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     if kind == "mcore":
         qkv = [k for k in tensors if k.endswith("linear_qkv.weight")]
         if qkv:
-            from megarl.checkpoint.convert import saved_tensors
+            from megarl.checkpoint.identity import saved_tensors
 
             chunks = saved_tensors(path)[qkv[0]].chunks
             tp = len({c.offsets[1] for c in chunks})

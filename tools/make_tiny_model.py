@@ -37,7 +37,7 @@ def parse(argv: list[str] | None = None) -> tuple[str, TinyShape, int]:
 def main(argv: list[str] | None = None) -> int:
     path, shape, seed = parse(argv)
     from megarl.config.errors import ConfigError
-    from megarl.config.limits import check_engine_head_size
+    from megarl.config.validate.limits import check_engine_head_size
 
     try:
         check_engine_head_size(hf_config(shape, eos_id=1, pad_id=0), f"--family {shape.family}")

@@ -22,8 +22,14 @@ import argparse
 import json
 import sys
 
-from megarl.rollout.simulated import StepTimeModel
-from megarl.rollout.simulator import SimSettings, lognormal_workload, on_policy_bubble_floor, paper_workload, simulate
+from megarl.rollout.sim.engines import StepTimeModel
+from megarl.rollout.sim.simulator import (
+    SimSettings,
+    lognormal_workload,
+    on_policy_bubble_floor,
+    paper_workload,
+    simulate,
+)
 
 
 def read_lengths(path: str) -> list[int]:

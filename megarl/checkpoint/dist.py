@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.layer_axis import compact_layer_keys
+from megarl.compat.megatron import patch_step_copy
 
 LAYOUT_FILE = "megarl_layout.json"
 """Written beside a dist checkpoint: the parallel layout that saved it."""
@@ -110,7 +111,7 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
     path = readable_path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
-    _patch_step_copy()
+    patch_step_copy()
     saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if load_optimizer else set()
     if load_optimizer and not any(_CHAIN.sub("", k).startswith("optimizer.") for k in saved_keys):
         # saved before its first optimizer step (a policy during the critic's warm-up, a run of train.steps=0): it
@@ -245,32 +246,6 @@ def _saved_group_for(group: dict, saved_groups: list[dict]) -> dict:
             if have == want or (not exact and all(have[i] == want[i] for i in loose)):
                 return {**saved, **dict(zip(ident_keys, want))}
     raise KeyError(f"checkpoint has no optimizer param group like {dict(zip(ident_keys, want))}")
-
-
-def _patch_step_copy() -> None:
-    """megatron-core 0.16.1, torch Adam (no Apex/TE): a 'fully_reshardable' load restores Adam's
-    ``step`` from the param groups into each parameter's state, then copies the loaded tensors into
-    *every* state entry, 'step' included, which the loaded tensors lack (KeyError: 'step'). Keep the
-    restored step for that copy, and the current main param where none was saved."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_megarl_keeps_step", False):
-        return
-
-    def set_states(self, model_param, tensors):
-        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            step = self.optimizer.state.get(main_param, {}).get("step")
-            if "step" not in tensors and step is not None:
-                tensors = {**tensors, "step": step}
-            if "param" not in tensors:  # not saved (see _drop_unsaved_main_params): keep, reload later
-                tensors = {**tensors, "param": main_param}
-        return original(self, model_param, tensors)
-
-    set_states._megarl_keeps_step = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def _fill_param_groups(loaded: dict, optimizer) -> None:

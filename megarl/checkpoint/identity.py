@@ -21,6 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from megarl.models.hf_config import (
     has_qk_norm,
     has_qkv_bias,
@@ -92,10 +95,14 @@ def from_tensors(shapes: dict[str, tuple]) -> dict:
     return out
 
 
+def saved_tensors(ckpt: str | Path) -> dict:
+    """Key → torch's TensorStorageMetadata (global size, dtype, chunks) of a dist checkpoint."""
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
 def model_tensor_shapes(ckpt: str | Path) -> dict[str, tuple]:
     """Name → global shape of the model tensors of the dist checkpoint ``ckpt`` (optimizer state left out)."""
-    from megarl.checkpoint.convert import saved_tensors
-
     return {k: tuple(v.size) for k, v in saved_tensors(ckpt).items() if k.startswith(_MODEL_PREFIXES)}
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megarl.checkpoint.faults import kill_point
+from megarl.testing.faults import kill_point
 
 HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weights of big models) checked by size
 _STEP = re.compile(r"^step_(\d+)$")

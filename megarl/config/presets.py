@@ -6,13 +6,11 @@ section afresh (defaults, then the preset), so the algo keys of earlier layers
 are replaced (``megarl demo algo.preset=ppo`` runs PPO although configs/demo.yaml
 sets GRPO's keys), and algo keys of the same or a later layer win over the
 preset (``algo.preset=dapo algo.clip_high=0.3``). What an override replaced is
-printed once. The README's algorithm table is generated from the same facts.
+said by the caller's ``say`` (the CLI: once per job). The README's algorithm table is generated from the same facts.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 
 from megarl.config.errors import ConfigError
@@ -50,9 +48,10 @@ PRESETS: dict[str, dict] = {
 Layer = tuple[object, str]  # (parsed YAML mapping, where it came from: the file or "override '...'")
 
 
-def apply_layers(cfg: RunConfig, layers: list[Layer], apply: Callable[[object, object, str], None]) -> RunConfig:
+def apply_layers(cfg: RunConfig, layers: list[Layer], apply: Callable[[object, object, str], None],
+                 say: Callable[[str], None] | None = None) -> RunConfig:
     """Apply ``layers`` in order with ``apply`` (the loader's strict mapper); a layer's ``algo.preset`` first resets
-    ``cfg.algo`` to the defaults and that preset. The algo keys of earlier layers it drops are said once."""
+    ``cfg.algo`` to the defaults and that preset. The algo keys of earlier layers it drops are told to ``say``."""
     earlier: list[tuple[str, object, str]] = []  # (algo key, value, source) of the layers applied so far
     for layer, source in layers:
         algo = layer.get("algo") if isinstance(layer, dict) else None
@@ -64,8 +63,8 @@ def apply_layers(cfg: RunConfig, layers: list[Layer], apply: Callable[[object, o
             replaced = [(k, v, src) for k, v, src in earlier if k not in algo]
             cfg.algo = AlgoConfig()
             apply(cfg, {"algo": PRESETS[name]}, f"preset {name!r}")
-            if replaced:
-                _say(f"megarl: algo.preset={name} ({source}) replaces the algo keys set before it: "
+            if replaced and say is not None:
+                say(f"megarl: algo.preset={name} ({source}) replaces the algo keys set before it: "
                      + ", ".join(f"algo.{k}={v} ({src})" for k, v, src in replaced)
                      + "; give them after the preset to keep them")
             earlier = []
@@ -73,12 +72,3 @@ def apply_layers(cfg: RunConfig, layers: list[Layer], apply: Callable[[object, o
         earlier += [(k, v, source) for k, v in algo.items()]
     return cfg
 
-
-def _say(text: str) -> None:
-    """Print on stderr once per job: in the launching process, not again in each torchrun worker it starts, and in
-    the first task of an srun/mpirun job (stdout stays the command's own: ``python -m megarl.launch run-dir``)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
-    rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID") if k in os.environ), "0")
-    if rank == "0":
-        print(text, file=sys.stderr, flush=True)

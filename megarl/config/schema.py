@@ -7,20 +7,21 @@ a field here, or a value of the wrong type, is an error naming the key and file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-TINY_FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen2_moe")
-"""Families ``megarl.models.tiny`` can build (``model.make_tiny``)."""
+# A choice-valued setting is typed ``Literal[...]``: the loader refuses any other value, naming the key, the file
+# and the valid ones (``loader.check_choices``); no per-key check is written for it.
 
 
 @dataclass
 class ModelConfig:
     path: str = "runs/tiny_moe/model"
     """HF checkpoint directory (config.json, *.safetensors, tokenizer) of the policy."""
-    make_tiny: str = ""
+    make_tiny: Literal["", "qwen3_moe", "qwen2", "mixtral", "qwen2_moe"] = ""
     """If set ('qwen3_moe', 'qwen2', 'mixtral', 'qwen2_moe') and ``path`` holds no checkpoint, create a tiny one there."""
     seed: int = 0
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
-    fp8: str = ""
+    fp8: Literal["", "delayed", "tensorwise", "blockwise", "mxfp8"] = ""
     """FP8 training through Transformer Engine: '' (off), 'delayed', 'tensorwise', 'blockwise', 'mxfp8'."""
     transformer_engine: bool = False
     """Build layers from Transformer Engine's spec (fused norm+linear, grouped expert GEMMs) without
@@ -41,13 +42,13 @@ class ParallelConfig:
     """Expert tensor-parallel size (0: the same as tp, megatron's default)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp > 1)."""
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher: 'alltoall' or 'allgather' (gloo at ep > 1 × etp > 1 runs 'allgather')."""
 
 
 @dataclass
 class DataConfig:
-    task: str = "addition"
+    task: Literal["addition"] = "addition"
     """Built-in prompt source used when ``path`` is empty: 'addition' (multi-digit addition with a scratchpad)."""
     path: str = ""
     """Prompt dataset: a .jsonl or .parquet file, a directory or glob of them, or a ``datasets`` save_to_disk dir."""
@@ -69,7 +70,7 @@ class DataConfig:
     """Drop prompts longer than this many tokens, counted as data/prompts_too_long (0: max_model_len − max_new_tokens)."""
     shuffle: bool = True
     """Shuffle the dataset each epoch (seeded by ``seed`` and the epoch)."""
-    on_bad_row: str = "skip"
+    on_bad_row: Literal["skip", "error"] = "skip"
     """A row without a usable prompt or answer: 'skip' (counted as data/bad_rows) or 'error' (stop before training)."""
     max_digits: int = 6
     """Largest operand size in digits."""
@@ -95,19 +96,19 @@ class RolloutConfig:
     """Sampling temperature; the trainer's logprobs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-    mode: str = "sync"
+    mode: Literal["sync", "on_policy", "partial"] = "sync"
     """Rollout scheduling: 'sync' (wait for the longest), 'on_policy' or 'partial' (SortedRL)."""
     oversubscription: float = 2.0
     """SortedRL: groups kept live per update group (the rollout batch is this × prompts_per_step)."""
     staleness_limit: int = 1
     """Partial mode: a sample whose oldest token is more than this many versions old is not resumed."""
-    stale_action: str = "regenerate"
+    stale_action: Literal["regenerate", "drop"] = "regenerate"
     """Partial mode: 'regenerate' a stale sample from scratch, or 'drop' its group and re-queue the prompt."""
     max_discards: int = 2
     """On-policy mode: a prompt discarded this often is protected from early termination."""
     token_budget: int = 0
     """End a phase once this many tokens were generated in it (0: off; needs one useful group)."""
-    dispatch: str = "pull"
+    dispatch: Literal["pull", "lpt"] = "pull"
     """'pull' (FIFO) or 'lpt' (longest first once lengths from earlier epochs are known)."""
     max_update_groups: int = 0
     """Most groups one step trains (0: prompts_per_step); a phase still ends at prompts_per_step useful groups."""
@@ -130,7 +131,7 @@ class EngineConfig:
     """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP colocated replicas."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
-    placement: str = "colocated"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
     """'colocated' (engines inside the trainer's processes) or 'disaggregated' (replicas in processes of their own)."""
     replicas: int = 1
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
@@ -140,7 +141,7 @@ class EngineConfig:
     """Disaggregated: the job's last N nodes host the replicas, engine.replicas / N each (0: all on rank 0's node)."""
     replica_nodes_dedicated: bool = False
     """With engine.replica_nodes=N: those last N nodes run only replicas (a replica host each, no trainer rank; slurm/train.sbatch)."""
-    sleep_level: int = 0
+    sleep_level: Literal[0, 1, 2] = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3
     """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
@@ -152,11 +153,11 @@ class EngineConfig:
 
 @dataclass
 class AlgoConfig:
-    preset: str = ""
+    preset: Literal["", "grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo", "vapo"] = ""
     """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo; replaces algo keys of earlier layers (file before override), keys in its own or a later layer win."""
-    advantage: str = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
     """'grpo' (group mean/std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out), 'gae' (critic)."""
-    policy_loss: str = "ppo"
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
     """'ppo' (token ratio, clipped) or 'gspo' (sequence ratio, length-normalised)."""
     clip_low: float = 0.2
     """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range)."""
@@ -164,17 +165,17 @@ class AlgoConfig:
     """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low)."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative advantages (0: off)."""
-    loss_agg: str = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """'token_mean' (DAPO), 'seq_mean_token_mean' (GRPO), 'seq_mean_token_sum_norm' (Dr. GRPO)."""
     loss_norm_tokens: int = 0
     """Dr. GRPO's constant normaliser in tokens (0: rollout.max_new_tokens)."""
     kl_coef: float = 0.0
     """KL(π_θ ‖ π_ref) penalty coefficient; > 0 keeps a frozen reference model."""
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: 'k1', 'k2' or 'k3'."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss −= coef · entropy)."""
-    tis: str = "none"
+    tis: Literal["none", "token", "sequence"] = "none"
     """Truncated importance sampling of the trainer/engine mismatch: 'none', 'token', 'sequence'."""
     tis_cap: float = 2.0
     """TIS cap C on the importance weight."""
@@ -232,7 +233,7 @@ class OptimConfig:
     """Clip the global gradient norm to this (0: off)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up over this many RL steps."""
-    lr_decay: str = "constant"
+    lr_decay: Literal["constant", "cosine"] = "constant"
     """After warm-up: 'constant' or 'cosine' (down to min_lr at train.steps)."""
     min_lr: float = 0.0
     """Floor of the cosine decay."""
@@ -290,11 +291,11 @@ class SyncConfig:
     """Trainer → engine weight-sync bucket in MiB (peak extra memory of a sync ≈ one bucket + the largest tensor)."""
     check_every: int = 0
     """Every N syncs, compare engine and trainer logprobs on a probe batch → sync/logprob_gap (0: never)."""
-    transport: str = "gloo"
+    transport: Literal["gloo", "nccl"] = "gloo"
     """Disaggregated engines' weight transport: 'gloo' (CPU or GPU) or 'nccl' (CUDA on the trainer and the engines)."""
     timeout_s: float = 300.0
     """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
-    rollback: str = "copy"
+    rollback: Literal["copy", "resync"] = "copy"
     """A load failing mid-way: 'copy' (engine backs up its weights first, ~1 model of host RAM; keeps serving the old version) or 'resync' (no backup; engine unusable until re-synced)."""
 
 

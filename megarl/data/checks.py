@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
+from megarl.data.chat import PromptRenderer, as_messages, load_template
 from megarl.data.readers import RowStore
 from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
 
@@ -59,8 +61,6 @@ def check_data(d, training: bool = True) -> dict[str, RowStore]:
     every row has a usable prompt and answer; ``training``: ``data.path`` does not take in the held-out files
     (``megarl eval`` trains nothing). Raises FileNotFoundError / DataError naming what is wrong.
     Returns the stores it read, by key (``data.path``, ``data.eval_path``), for ``check_run_data``."""
-    from megarl.data.chat import as_messages, load_template
-
     if d.on_bad_row not in ("skip", "error"):
         raise DataError(f"data.on_bad_row must be 'skip' or 'error', got {d.on_bad_row!r}")
     if d.chat_template not in ("auto", "none"):
@@ -140,10 +140,6 @@ def check_usable(store: RowStore, key: str, keys: Keys, render: Callable,
 def _length_renderer(cfg) -> Callable:
     """``render(prompt) -> (text, ids)`` with the model's own tokenizer when it is on disk (the run's rendering, so
     the length check is exact); without one (``model.make_tiny`` not made yet) the messages only, ids None."""
-    from pathlib import Path
-
-    from megarl.data.chat import PromptRenderer, as_messages
-
     d = cfg.data
     model = Path(cfg.model.path)
     if (model / "tokenizer_config.json").is_file() or (model / "tokenizer.json").is_file():
@@ -153,24 +149,19 @@ def _length_renderer(cfg) -> Callable:
     return lambda p: (as_messages(p, d.system_prompt), None)
 
 
-def check_run_data(cfg, stores: dict[str, RowStore] | None = None) -> None:
+def check_run_data(cfg, stores: dict[str, RowStore] | None = None) -> dict[str, dict]:
     """Before launch, after ``check_data`` (``stores``: the ones it read, not read again): the dataset (and eval
-    set) has a usable row in a bounded sample (``check_usable``, with the run's prompt-length limit), and
-    ``reward.fn`` accepts the keyword arguments the run will pass it (the first usable row's other columns).
-    Raises DataError / ValueError naming the key."""
-    from megarl.rewards.base import check_reward_call
-
+    set) has a usable row in a bounded sample (``check_usable``, with the run's prompt-length limit). Returns, by
+    key (``data.eval_path``, ``data.path``), the other columns of the first usable row: the keyword arguments the
+    reward function will get. Raises DataError naming the key."""
     d = cfg.data
     if not d.path:
-        check_reward_call(cfg.reward.fn, {})
-        return
+        return {}
     render = _length_renderer(cfg)
     limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    extras = {}
     for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):
         if spec:  # (each set's columns: a held-out set in another layout hands the reward other ones)
             store = stores[key] if stores and key in stores else RowStore(spec, key)
-            extras = check_usable(store, key, keys_of(d, key), render, limit)
-            try:
-                check_reward_call(cfg.reward.fn, extras)
-            except ValueError as exc:
-                raise ValueError(f"{key}={spec!r}: {exc}") from None
+            extras[key] = check_usable(store, key, keys_of(d, key), render, limit)
+    return extras

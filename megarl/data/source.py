@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megarl.data import encode
+from megarl.data.chat import PromptRenderer
 from megarl.data.checks import check_keys, check_rows
 from megarl.data.readers import RowStore
 from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
@@ -169,8 +170,6 @@ def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0):
     """The prompt source ``data.*`` asks for: the dataset at ``data.path``, else the built-in ``task``."""
     if not d.path:
         return AdditionSource(task, tokenizer)
-    from megarl.data.chat import PromptRenderer
-
     render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt)
     eval_store = RowStore(d.eval_path, "data.eval_path") if d.eval_path else None
     return DatasetSource(RowStore(d.path), render, keys_of(d), d.max_prompt_tokens or default_max_prompt_tokens,

@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.engines.protocol import SlotRequest, StepReport
+from megarl.engines.vllm_engine import VLLMSlotEngine
 from megarl.engines.weight_update import refuse_if_unusable
-from megarl.rollout.engine_api import SlotRequest, StepReport
 
 _SEED_STRIDE = 1_000_003
 
@@ -140,8 +141,6 @@ class ColocatedReplicas:
 def colocated_slot_engine(engine, slots: int, tensor_parallel_size: int):
     """The controller's engine face: the plain slot engine (one engine spans the world, or world 1),
     or ``ColocatedReplicas`` when engine TP is smaller than the world."""
-    from megarl.engines.vllm_engine import VLLMSlotEngine
-
     local = VLLMSlotEngine(engine, slots)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tensor_parallel_size >= world:

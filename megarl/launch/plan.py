@@ -50,8 +50,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.layouts import check_replica_nodes_fit
 from megarl.config.schema import RunConfig
+from megarl.config.validate.layout import check_job_shape, divisors
+from megarl.config.validate.model import model_config
 from megarl.launch.plan_table import format_table
 from megarl.models.hf_config import (
     SUPPORTED_MODEL_TYPES,
@@ -165,22 +166,12 @@ def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
 
 
 def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here: bool = True) -> None:
-    """``validate`` on the job's world size plus what only the job's shape can tell; ConfigError names the key.
-    ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
+    """``validate`` at the job's world size plus what only the job's shape tells (``check_job_shape``);
+    ConfigError names the key. ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     validate(cfg, nodes * gpus_per_node, hf, here)
-    if not cfg.engine.replica_nodes_dedicated:  # replicas spawned on the last N of these nodes (engines/nodes.place)
-        check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, nodes, nodes * gpus_per_node)
-    tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
-    if gpus_per_node % tp:
-        valid = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
-        raise ConfigError(f"parallel.tp={tp} must divide the GPUs per node ({gpus_per_node}) so that a TP group "
-                          f"stays inside a node; valid: {valid}")
-    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
-    if heads % etp or (kv % etp and etp % kv):
-        raise ConfigError(f"engine.tensor_parallel_size={etp} must divide the attention heads ({heads}) and "
-                          f"divide or be a multiple of the KV heads ({kv}) (vLLM's rule)")
+    check_job_shape(cfg, hf, nodes, gpus_per_node)
 
 
 def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
@@ -264,17 +255,13 @@ def check_kv_cache(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32
                           f"{kv['needed'] / GIB:.3g}), or a shorter engine.max_model_len")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
     """Layouts in order of preference: smallest TP·PP, then fewer stages, more experts split, smaller engine TP."""
     world, experts = nodes * gpus_per_node, num_experts(hf)
     out = []
     for tp, pp, ep, etp_one, engine_tp in itertools.product(
-            _divisors(gpus_per_node), _divisors(hf["num_hidden_layers"]), _divisors(experts or 1),
-            (True, False), _divisors(world)):  # engine TP < world: world/TP colocated replicas
+            divisors(gpus_per_node), divisors(hf["num_hidden_layers"]), divisors(experts or 1),
+            (True, False), divisors(world)):  # engine TP < world: world/TP colocated replicas
         if world % (tp * pp):
             continue
         if etp_one and (tp == 1 or not experts):
@@ -419,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             model = Path(args.model)  # the model the checks name (e.g. a head size vLLM cannot run)
             cfg.model.path = str(model.parent if model.is_file() else model)
         else:
-            from megarl.cli import _model_config_for_validation
-
-            hf = _model_config_for_validation(cfg)
+            hf = model_config(cfg)
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
         nodes = trainer_nodes(cfg, args.nodes)

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.checkpoint.run import write_atomic
+
 # The stable scalar names every RL step that trains the policy writes (dashboards and tests rely on them).
 STEP_SCALARS = (
     "reward/mean",
@@ -76,8 +78,6 @@ class MetricsLogger:
         if self.writer is None:
             return
         from torch.utils.tensorboard import SummaryWriter
-
-        from megarl.checkpoint.run import write_atomic
 
         self.jsonl.close()
         path = self.run_dir / "metrics.jsonl"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Families whose HF names the adapter maps (megarl/weight_sync/hf_adapter.py).
+# Families whose HF names the adapter maps (megarl/models/hf_adapter.py).
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "mixtral")
 
 

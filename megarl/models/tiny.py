@@ -27,8 +27,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megarl.config.schema import TINY_FAMILIES as FAMILIES
+from megarl.data.addition import scratchpad
 from megarl.models.hf_config import is_moe_layer, num_experts
+
+FAMILIES = ("qwen3_moe", "qwen2", "mixtral", "qwen2_moe")
+"""The families ``make_tiny_model`` builds (``model.make_tiny``)."""
 
 PAD, IM_START, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -63,8 +66,6 @@ class TinyShape:
 
 def _corpus() -> list[str]:
     """A fixed training corpus for the tiny BPE: chat turns (special tokens left out), LaTeX, scratchpads."""
-    from megarl.data.addition import scratchpad
-
     words = ("the answer is what compute simplify find value of sum product put final in and a to "
              "you are helpful assistant user system please step by think reason so therefore").split()
     latex = [rf"\boxed{{\frac{{{a}}}{{{b}}}}}" for a in range(1, 6) for b in range(2, 8)]

@@ -33,6 +33,8 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
+from megarl.rewards.base import resolve_reward
+
 log = logging.getLogger(__name__)
 RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step", "scored_mean"}
 
@@ -52,8 +54,6 @@ def _exit_with_parent(parent: int) -> None:
 
 def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
     """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
-    from megarl.rewards.base import resolve_reward
-
     # Slurm's preemption signals reach every process of the job step: the trainer acts on them and ends us itself
     # (blocked before any thread starts: a thread inherits the block, none is left for the signal to kill us through)
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))

@@ -72,8 +72,8 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megarl.engines.protocol import SlotEngine, SlotRequest, StepReport
 from megarl.rollout.admission import LONG_WAIT, PromptBuffer, PromptItem
-from megarl.rollout.engine_api import SlotEngine, SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.types import Group, SampleStatus
 

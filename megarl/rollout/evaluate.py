@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from math import comb
 
-from megarl.engines.base import Engine, GenerationRequest
+from megarl.engines.protocol import Engine, GenerationRequest
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

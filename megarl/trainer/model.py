@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.distributed.parallel import ParallelState
+from megarl.models.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.models.hf_config import (
     check_model_math,
     has_qk_norm,
@@ -18,9 +22,7 @@ from megarl.models.hf_config import (
     rms_norm_eps,
     rope_parameters,
 )
-from megarl.trainer.parallel import ParallelState
-from megarl.weight_sync.hf_adapter import hf_to_megatron, load_hf_state_dict
-from megarl.weight_sync.sharding import (
+from megarl.models.sharding import (
     grouped_expert_name,
     layers_per_stage,
     local_expert_name,
@@ -302,3 +304,25 @@ def te_name(name: str, params: dict) -> str:
     candidates = [name[: -len(local)] + fused for local, fused in _TE_FUSED.items() if name.endswith(local)]
     candidates.append(grouped_expert_name(name))
     return next((c for c in candidates if c in params), name)
+
+
+_SAID: set[str] = set()
+
+
+def moe_dispatcher_for(requested: str, ps: ParallelState, backend: str = "",
+                       log: Callable[[str], None] = print) -> str:
+    """The MoE token dispatcher that can run here: megatron's ``alltoall`` at EP > 1 × expert TP > 1 all-gathers
+    uneven token counts over the expert TP group (``dispatch_postprocess``), which gloo refuses
+    ("ProcessGroupGloo::allgather: invalid tensor size"); there ``allgather`` runs instead (same logprobs and
+    step, measured: tests/test_parallel.py), said once on rank 0. ``flex`` needs DeepEP (GPU only).
+    ``backend`` '': the default group's."""
+    if not backend and dist.is_initialized():
+        backend = dist.get_backend()
+    if requested != "alltoall" or ps.ep == 1 or ps.etp == 1 or backend != "gloo":
+        return requested
+    line = (f"parallel.moe_dispatcher: 'alltoall' cannot run on gloo at parallel.ep={ps.ep} × parallel.etp={ps.etp} "
+            "(uneven all-gather over the expert TP group); using 'allgather' (same results)")
+    if ps.rank == 0 and line not in _SAID:
+        _SAID.add(line)
+        log(line)
+    return "allgather"

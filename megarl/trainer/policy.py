@@ -13,18 +13,33 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
-from megarl.checkpoint.faults import injected, kill_point, nonfinite
 from megarl.config.schema import OptimConfig
+from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_config import num_experts
+from megarl.testing.faults import injected, kill_point
+from megarl.trainer.export import gather_hf_weights
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
-from megarl.trainer.model import build_gpt_model, load_hf_weights
-from megarl.trainer.parallel import ParallelState, moe_dispatcher_for
+from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.types import TrainBatch
-from megarl.weight_sync.export import gather_hf_weights
 
 # (logprobs [mb, T] — values for a critic —, microbatch fields) -> (per-token loss [mb, T], {metric: scalar})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:
+    """'' when the loss and every gradient are finite on every rank, else 'loss', 'gradient' or both.
+
+    Each rank holds a part of the model (TP/PP/EP) and the loss lives on the last stage: the
+    verdict is all-reduced so that every rank skips the same step.
+    """
+    loss_bad = any(not torch.isfinite(torch.as_tensor(x)).all() for x in loss_sums)
+    grad_bad = any(not torch.isfinite(g).all() for g in grad_buffers)
+    flags = torch.tensor([float(loss_bad), float(grad_bad)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
 
 
 class ValueHead(torch.nn.Module):

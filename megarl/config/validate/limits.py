@@ -1,0 +1,134 @@
+"""Values torch or vLLM would refuse only after launch: numeric ranges, the engine's sizes against the prompt and
+response lengths, the KV cache against this machine's memory, and the attention head sizes the installed vLLM runs.
+``validate`` calls the config-only checks; ``megarl train``/``eval`` add the machine's memory
+(``check_local_engine_memory``; not ``megarl plan``, which sizes other machines)."""
+
+from __future__ import annotations
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import RolloutConfig, RunConfig
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Numbers out of range in ``optim.*``, ``warmup.*``, ``train.*`` and ``rollout.*`` (``not x >= 0`` catches NaN)."""
+    o, w, t, r = cfg.optim, cfg.warmup, cfg.train, cfg.rollout
+    for key, value in (("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.weight_decay", o.weight_decay),
+                       ("optim.grad_clip", o.grad_clip), ("optim.lr_warmup_steps", o.lr_warmup_steps),
+                       ("optim.moe_aux_loss_coeff", o.moe_aux_loss_coeff), ("optim.moe_z_loss_coeff", o.moe_z_loss_coeff),
+                       ("optim.logprob_chunk", o.logprob_chunk), ("warmup.lr", w.lr), ("warmup.steps", w.steps),
+                       ("train.steps", t.steps), ("train.time_limit_s", t.time_limit_s), ("train.eval_every", t.eval_every),
+                       ("train.export_hf_every", t.export_hf_every), ("rollout.token_budget", r.token_budget)):
+        if not value >= 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {value} (e.g. 0.9 and 0.999)")
+    if o.lr_decay == "cosine" and o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the cosine decays from lr to min_lr)")
+    for key, value in (("optim.micro_batch_size", o.micro_batch_size), ("warmup.batch_size", w.batch_size)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+
+
+def check_engine_sizes(cfg: RunConfig) -> None:
+    """``engine.max_model_len`` against the prompt and response lengths; ``engine.kv_cache_gib`` > 0."""
+    e, d, r = cfg.engine, cfg.data, cfg.rollout
+    if d.max_prompt_tokens and e.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(
+            f"engine.max_model_len={e.max_model_len} < data.max_prompt_tokens ({d.max_prompt_tokens}) + "
+            f"rollout.max_new_tokens ({r.max_new_tokens}) = {d.max_prompt_tokens + r.max_new_tokens}: a prompt the "
+            "data admits would leave its response cut short or be refused by vLLM; raise engine.max_model_len or "
+            "lower data.max_prompt_tokens / rollout.max_new_tokens")
+    if e.max_model_len <= r.max_new_tokens:
+        raise ConfigError(
+            f"engine.max_model_len={e.max_model_len} must exceed rollout.max_new_tokens ({r.max_new_tokens}): "
+            "prompts get max_model_len - max_new_tokens tokens (data.max_prompt_tokens=0), which leaves none")
+    if not e.kv_cache_gib > 0:
+        raise ConfigError(f"engine.kv_cache_gib must be > 0, got {e.kv_cache_gib}")
+
+
+def check_local_engine_memory(cfg: RunConfig, local_processes: int = 1) -> None:
+    """``engine.kv_cache_gib`` against the memory available on this machine, for vLLM's CPU engine (``megarl
+    train``/``eval`` before launching ``local_processes`` processes here; not ``megarl plan``, which sizes other
+    machines). On GPUs vLLM sizes its KV cache from GPU memory: not checked."""
+    e = cfg.engine
+    if cuda_available():
+        return
+    import psutil
+
+    # What each engine process asks vLLM for: colocated, VLLM_CPU_KVCACHE_SPACE (whole GiB, at least 1;
+    # vllm_engine.py), one engine worker per rank; replica processes, kv_cache_memory_bytes (replica_process.py),
+    # replicas × engine TP of them on rank 0's node (engine.replica_nodes=0). vLLM compares each with the memory
+    # available when it starts; they start together.
+    if e.placement == "disaggregated":
+        asked, engines = e.kv_cache_gib, (e.replicas * e.tensor_parallel_size if not e.replica_nodes else 1)
+    else:
+        asked, engines = max(1, int(round(e.kv_cache_gib))), max(1, local_processes)
+    available = psutil.virtual_memory().available / 2**30
+    if asked * engines > available:
+        suggest = max(0.25, int(available / 2 / engines * 4) / 4)
+        each = f"{engines} engine processes × {asked:g} GiB = {asked * engines:g} GiB" if engines > 1 else \
+            f"{asked:g} GiB asked of vLLM's CPU engine"
+        raise ConfigError(
+            f"engine.kv_cache_gib={e.kv_cache_gib:g} ({each}) is more than the {available:.1f} GiB of memory "
+            f"available on this machine; set engine.kv_cache_gib={suggest:g} or less (each engine process holds "
+            "its own KV cache, beside the model and the trainer; a colocated engine takes whole GiB, at least 1)")
+
+
+def check_engine_head_size(hf: dict, where: str) -> None:
+    """A model whose attention head size vLLM's CPU engine cannot run is a config error (without it the engine
+    fails at its first forward, "Unsupported CPU attention configuration", every evaluation and phase). On CUDA
+    vLLM chooses among its GPU attention backends at start; not checked here."""
+    if cuda_available():
+        return
+    from megarl.compat.vllm import cpu_attention_head_sizes  # deferred: it brings torch (config errors stay instant)
+
+    try:
+        sizes = cpu_attention_head_sizes()
+    except ImportError:  # no vLLM here: nothing to ask (the engine could not start either)
+        return
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head = int(hf.get("head_dim") or hidden // heads)
+    if head in sizes:
+        return
+    how = f"head_dim {head}" if hf.get("head_dim") else f"hidden_size {hidden} / num_attention_heads {heads} = {head}"
+    fits = [n for n in range(1, hidden + 1) if hidden % n == 0 and hidden // n in sizes]
+    hint = (f"; with hidden_size {hidden}, num_attention_heads in {fits} would give a supported size"
+            if fits and not hf.get("head_dim") else "")
+    raise ConfigError(f"{where}: attention head size {head} ({how}) cannot run on this machine's vLLM engine: the "
+                      f"installed vLLM's CPU attention supports head sizes {list(sizes)}{hint}")
+
+
+# The rollout keys only some modes read (megarl/rollout/controller.py): set in another mode, they do nothing.
+ROLLOUT_KEYS_READ_IN = {
+    "oversubscription": ("on_policy", "partial"), "buffer_samples": ("on_policy", "partial"),
+    "token_budget": ("on_policy", "partial"), "max_update_groups": ("on_policy", "partial"),
+    "staleness_limit": ("partial",), "stale_action": ("partial",),
+    "max_discards": ("on_policy",), "long_rounds": ("on_policy",), "long_round_groups": ("on_policy",),
+}
+
+
+def unread_keys(cfg: RunConfig) -> list[str]:
+    """Keys set away from their defaults that this run does not read (said before launch, not refused: one
+    config file is often run in several modes)."""
+    r, out = cfg.rollout, []
+    for key, modes in ROLLOUT_KEYS_READ_IN.items():
+        value = getattr(r, key)
+        if r.mode not in modes and value != getattr(RolloutConfig, key):
+            value = str(value).lower() if isinstance(value, bool) else value
+            out.append(f"rollout.{key}={value} is not read in rollout.mode={r.mode} (only in "
+                       f"{' and '.join(modes)} mode)")
+    for key in ("eval_prompt_key", "eval_answer_key"):
+        if getattr(cfg.data, key) and not cfg.data.eval_path:
+            out.append(f"data.{key}={getattr(cfg.data, key)} is not read without data.eval_path")
+    if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
+        out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
+    return out

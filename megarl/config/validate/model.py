@@ -1,0 +1,108 @@
+"""The model a run trains against the config: its shape against the layout, its sequence length and attention
+head size against the engine, and the checkpoint a resume continues from against both the model and the
+algorithm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.layout import check_model_layout
+from megarl.config.validate.limits import check_engine_head_size
+from megarl.models.hf_config import check_sequence_length, num_experts, read_hf_config
+
+# Deferred imports below (each marked): torch comes with megarl.models.tiny and megarl.checkpoint; config errors and
+# ``megarl plan`` on a login node stay instant without it.
+
+
+def model_config(cfg: RunConfig) -> dict:
+    """The HF config the run will use: the checkpoint's, or the tiny model's it will create."""
+    path = Path(cfg.model.path) / "config.json"
+    if path.is_file():
+        return read_hf_config(cfg.model.path)
+    if cfg.model.make_tiny:
+        from megarl.models.tiny import TinyShape, hf_config  # deferred: torch (see above)
+
+        return hf_config(TinyShape(family=cfg.model.make_tiny), eos_id=1, pad_id=0)
+    raise ConfigError(f"model.path: {cfg.model.path} holds no config.json (set model.make_tiny to create a tiny model)")
+
+
+def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
+    """The layout, the sequence length and (``here``: on this machine's vLLM) the attention head size."""
+    p = cfg.parallel
+    check_model_layout(hf, p.tp, p.pp, p.ep, p.etp, p.vpp, model=cfg.model.path)
+    if num_experts(hf) and p.tp > 1 and not p.sequence_parallel:
+        raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
+                          "(megatron-core refuses MoE + TP without it)")
+    if cfg.engine.max_model_len > hf.get("max_position_embeddings", cfg.engine.max_model_len):
+        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({hf['max_position_embeddings']})")
+    try:
+        check_sequence_length(hf, cfg.engine.max_model_len, f"{cfg.model.path}/config.json")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if here:  # (the attention backends of this machine's vLLM build)
+        check_engine_head_size(hf, f"{cfg.model.path}/config.json")
+
+
+def validate_resume_model(cfg: RunConfig, hf: dict) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from holds ``model.path``'s
+    architecture (``checkpoint/identity.py``); ConfigError naming both models otherwise."""
+    from megarl.checkpoint.identity import ModelMismatch, check_same_model  # deferred: torch (see above)
+    from megarl.checkpoint.run import resume_candidate  # deferred: torch (see above)
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return  # nothing to resume, or an incomplete save (the resume itself warns and takes the previous one)
+    try:
+        check_same_model(step / "policy", hf, f"model.path={cfg.model.path}")
+    except ModelMismatch as exc:
+        auto = cfg.train.resume == "auto"
+        raise ConfigError(f"train.resume={cfg.train.resume}{f' in train.run_dir={cfg.train.run_dir}' if auto else ''}: "
+                          f"{exc}{' (train.resume=never starts afresh, setting that run aside)' if auto else ''}") from None
+    except (OSError, EOFError, RuntimeError):
+        return  # an unreadable checkpoint: the resume verifies it and names the problem
+
+
+def check_resume_learners(cfg: RunConfig) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
+    ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so
+    resuming one with PPO, or with a KL penalty added, would fail after the whole launch); ConfigError
+    naming the missing directory, the setting that needs it and the ways out."""
+    from megarl.checkpoint.run import resume_candidate  # deferred: torch (see above)
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
+    needed = needed_learners(cfg.algo)
+    missing = {n: why for n, why in needed.items() if not (step / n / "metadata.json").is_file()}
+    # a trained critic the algorithm would not build: dropped, and in its own run dir the next saves rotate away the
+    # last checkpoints that hold it (a reference is model.path's weights: nothing is lost without one)
+    drops = "critic" not in needed and (step / "critic" / "metadata.json").is_file() and \
+        step.parent.parent.resolve() == Path(cfg.train.run_dir).resolve()
+    if not missing and not drops:
+        return
+    run_cfg = step.parent.parent / "config.json"
+    try:
+        saved = json.loads(run_cfg.read_text())["algo"]
+        was = (f"; the run that saved it had algo.advantage={saved.get('advantage')}, "
+               f"algo.kl_coef={saved.get('kl_coef')} (recorded in {run_cfg})")
+        original = f"algo.advantage={saved.get('advantage')} algo.kl_coef={saved.get('kl_coef')}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        was, original = "", "the algorithm the run was started with"
+    where = f"train.resume={cfg.train.resume}" + (f" in train.run_dir={cfg.train.run_dir}" if cfg.train.resume == "auto"
+                                                  else "")
+    preset = f" of algo.preset={cfg.algo.preset}" if cfg.algo.preset else ""
+    if drops:
+        raise ConfigError(f"{where}: the checkpoint {step} holds a trained critic/, which algo.advantage="
+                          f"{cfg.algo.advantage}{preset} does not use{was}: resuming would drop it, and this run's "
+                          "next saves would rotate away the last checkpoints that hold it. Resume with the original "
+                          f"algorithm ({original}), or continue without the critic in another train.run_dir "
+                          f"(train.resume={step} there keeps this run's checkpoints)")
+    raise ConfigError(f"{where}: the checkpoint {step} has no "
+                      f"{' and no '.join(f'{n}/ ({why})' for n, why in missing.items())}{preset}{was}. "
+                      "Set train.resume=never to start afresh (the earlier run's checkpoints are set aside), "
+                      f"use another train.run_dir, or resume with the original algorithm ({original})")

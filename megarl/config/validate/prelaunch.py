@@ -1,0 +1,69 @@
+"""Every check ``megarl train``, ``eval`` and ``demo`` make before a process starts, in the order they make them:
+the config and the model, the checkpoint a resume continues from, the job's shape, the data and the reward
+function. ``python -m megarl.launch check`` runs the same before ``srun``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megarl.config.errors import ConfigError
+from megarl.config.loader import load_config
+from megarl.config.schema import RunConfig
+from megarl.config.validate.layout import check_job_shape
+from megarl.config.validate.limits import unread_keys
+from megarl.config.validate.model import check_resume_learners, model_config, validate_resume_model
+from megarl.config.validate.settings import validate
+from megarl.data.checks import check_data, check_run_data
+from megarl.models.hf_config import check_weights_format
+from megarl.rewards.base import check_reward_call, import_reward_fn
+
+
+def checked_config(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = "",
+                   notes: bool = True, say: Callable[[str], None] | None = None) -> RunConfig:
+    """The config, after every check made before a process starts (``ConfigError`` naming what is wrong).
+    ``notes``: say which keys set the run will not read (on stderr); ``say``: where the loader's notes go."""
+    cfg = load_config(config, overrides, say=say)
+    hf = model_config(cfg)
+    if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
+        check_weights_format(cfg.model.path)  # vLLM would load a pytorch_model.bin; the trainer reads safetensors
+    validate(cfg, nproc, hf)
+    if command in ("train", "demo"):
+        validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
+        check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
+    if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
+        check_job_shape(cfg, hf, nproc // per_node, per_node)
+    stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
+    check_reward(cfg, check_run_data(cfg, stores))  # a usable row in a sample (prompt length too); its columns
+    if notes:  # (once every check passed: an error comes alone)
+        for note in unread_keys(cfg) + _tiny_model_note(cfg):
+            print(f"megarl: note: {note}", file=sys.stderr)
+    return cfg
+
+
+def check_reward(cfg: RunConfig, extras: dict[str, dict]) -> None:
+    """``reward.fn`` imports as every rank will import it and takes the keyword arguments each set hands it
+    (``extras``: the first usable row's other columns, by key; the built-in task: none)."""
+    if ":" in cfg.reward.fn:  # (the working directory, then PYTHONPATH)
+        try:
+            import_reward_fn(cfg.reward.fn)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if not cfg.data.path:
+        check_reward_call(cfg.reward.fn, {})
+    for key, columns in extras.items():
+        try:
+            check_reward_call(cfg.reward.fn, columns)
+        except ValueError as exc:
+            raise ValueError(f"{key}={getattr(cfg.data, key.split('.')[1])!r}: {exc}") from None
+
+
+def _tiny_model_note(cfg: RunConfig) -> list[str]:
+    """A typo'd path to a real model with ``make_tiny`` left from a copied config (a tiny model in the run dir, as
+    the demo's and configs/tiny_cpu.yaml's, is meant)."""
+    model, run = Path(cfg.model.path).absolute(), Path(cfg.train.run_dir).absolute()
+    if cfg.model.make_tiny and not (model / "config.json").is_file() and run not in model.parents:
+        return [f"model.path={cfg.model.path} holds no model (no config.json): model.make_tiny={cfg.model.make_tiny} "
+                "makes a tiny random one there (set model.make_tiny='' to have a missing model refused)"]
+    return []

@@ -1,0 +1,174 @@
+"""Each section's values on their own and against each other, before anything is launched.
+
+``validate`` is the whole check of a config (the others in this package are its parts); every failure is a
+``ConfigError`` naming the key, its value and what would be valid. Choice-valued keys are refused by their type
+when loaded (``loader.check_choices``); the layout's rules are ``layout.py``'s, the model's ``model.py``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.config.errors import ConfigError
+from megarl.config.loader import check_choices
+from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import validate_algo
+from megarl.config.validate.layout import check_world_layout, validate_replica_nodes
+from megarl.config.validate.limits import check_engine_sizes, check_ranges, cuda_available
+from megarl.config.validate.model import check_model_fits
+
+MAX_OVERSUBSCRIPTION = 64.0
+"""The most live groups per update group: with ``rollout.staleness_limit`` k a group admitted more than k + 1 update
+batches ahead is stale before it trains; 64 leaves room for any limit in use (1e9 admitted without end)."""
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, here: bool = True) -> None:
+    """Every check of ``cfg`` at ``world_size`` processes (and of the model's ``hf_config`` when given); raises
+    ConfigError naming the key and suggesting valid values. ``here``: the run's engines are on this machine
+    (``megarl plan`` sizes a cluster from a login node: it is not)."""
+    check_choices(cfg)
+    check_world_layout(cfg, world_size, hf_config)
+    _validate_rollout(cfg)
+    _validate_engine_and_sync(cfg)
+    validate_algo(cfg)
+    _validate_train(cfg)
+    _validate_model_keys(cfg)
+    _validate_data_reward_eval(cfg)
+    check_ranges(cfg)
+    check_engine_sizes(cfg)
+    if hf_config is not None:
+        check_model_fits(cfg, hf_config, here)
+
+
+def _validate_rollout(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if r.samples_per_prompt < 2:
+        raise ConfigError(f"rollout.samples_per_prompt must be >= 2 for group baselines, got {r.samples_per_prompt}")
+    if r.prompts_per_step < 1 or r.max_new_tokens < 1:
+        raise ConfigError("rollout.prompts_per_step and rollout.max_new_tokens must be >= 1")
+    if r.mode != "sync" and not 1.0 <= r.oversubscription <= MAX_OVERSUBSCRIPTION:
+        raise ConfigError(f"rollout.oversubscription must be in [1.0, {MAX_OVERSUBSCRIPTION:g}] (live groups per update "
+                          f"group: more update batches in flight than that only go stale), got {r.oversubscription}")
+    if r.staleness_limit < 0:
+        raise ConfigError(f"rollout.staleness_limit must be >= 0, got {r.staleness_limit}")
+    if r.max_discards < 1:
+        raise ConfigError(f"rollout.max_discards must be >= 1, got {r.max_discards}")
+    if r.max_update_groups and r.max_update_groups < r.prompts_per_step:
+        raise ConfigError(f"rollout.max_update_groups must be 0 or >= rollout.prompts_per_step ({r.prompts_per_step}), "
+                          f"got {r.max_update_groups}")
+    if r.buffer_samples < 0:
+        raise ConfigError(f"rollout.buffer_samples must be >= 0 (0: no bound), got {r.buffer_samples}")
+    if r.long_round_groups < 0:
+        raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
+
+
+def _validate_engine_and_sync(cfg: RunConfig) -> None:
+    e, s = cfg.engine, cfg.sync
+    if e.slots < 1:
+        raise ConfigError(f"engine.slots must be >= 1, got {e.slots}")
+    if s.bucket_mib <= 0:
+        raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {s.bucket_mib}")
+    if e.replicas < 1 or (e.replicas > 1 and e.placement != "disaggregated"):
+        raise ConfigError(f"engine.replicas={e.replicas}: must be >= 1, and > 1 only with engine.placement=disaggregated")
+    if s.transport == "nccl" and e.placement != "disaggregated":
+        raise ConfigError("sync.transport=nccl applies to engine.placement=disaggregated (colocated engines load "
+                          "in place); set sync.transport=gloo or engine.placement=disaggregated")
+    if s.transport == "nccl" and not cuda_available():
+        raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
+                          "is False here); use sync.transport=gloo")
+    validate_replica_nodes(e)
+    devices = [d for d in e.replica_devices.split(",") if d.strip()]
+    per_node = e.replicas // max(1, e.replica_nodes) * e.tensor_parallel_size
+    if e.placement == "disaggregated" and cuda_available() and len(devices) != per_node:
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
+                          f"(engine.replicas / hosting nodes) × engine.tensor_parallel_size = {per_node} "
+                          "CUDA device ids of each hosting node, apart from the trainer's (e.g. '4,5,6,7')")
+    if devices and e.placement != "disaggregated":
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} places disaggregated replicas; colocated "
+                          "engines run on their trainer rank's own device: leave it empty or set "
+                          "engine.placement=disaggregated")
+    if devices and not cuda_available():
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
+                          "leave it empty (replicas are plain processes on CPU)")
+    if s.timeout_s <= 0:
+        raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {s.timeout_s}")
+    if e.placement == "disaggregated" and e.sleep_level:
+        raise ConfigError("engine.sleep_level applies to colocated engines; set it to 0 with disaggregated placement")
+    if s.check_every < 0:
+        raise ConfigError(f"sync.check_every must be >= 0 (0: never; N: audit every N syncs), got {s.check_every}")
+
+
+def _validate_data_reward_eval(cfg: RunConfig) -> None:
+    """data.*, reward.*, eval.* values (the dataset files themselves: ``megarl.data.checks.check_data``; the reward
+    function's import and signature: ``prelaunch``)."""
+    d, r = cfg.data, cfg.reward
+    if d.max_prompt_tokens < 0 or d.eval_size < 0:
+        raise ConfigError("data.max_prompt_tokens and data.eval_size must be >= 0")
+    if d.path and (cfg.warmup.steps or d.pool_size):
+        raise ConfigError("warmup.steps and data.pool_size work with the built-in task only (they need its "
+                          f"reference responses / problem pool); set them to 0 with data.path={d.path!r}")
+    if d.path and not r.fn:
+        raise ConfigError("reward.fn must be set with data.path: 'math', 'exact', 'addition' or 'package.module:function'")
+    if r.fn and ":" not in r.fn and r.fn not in ("math", "exact", "addition"):
+        raise ConfigError(f"reward.fn {r.fn!r} is not known; valid: 'math', 'exact', 'addition' or 'package.module:function'")
+    if r.workers < 1 or r.timeout_s <= 0:
+        raise ConfigError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers} and {r.timeout_s}")
+    if r.max_failed_steps < 0:
+        raise ConfigError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {r.max_failed_steps}")
+    if r.format_coef and ":" in r.fn:
+        raise ConfigError("reward.format_coef applies to the built-in rewards; fold the format term into your function")
+    if cfg.eval.samples < 1 or cfg.eval.temperature <= 0:
+        raise ConfigError(f"eval.samples must be >= 1 and eval.temperature > 0, got {cfg.eval.samples}, "
+                          f"{cfg.eval.temperature}")
+
+
+def _validate_train(cfg: RunConfig) -> None:
+    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``, ``engine.hang_timeout_s``, ``engine.peer_wait_s``)."""
+    t = cfg.train
+    for key in ("save_every", "max_bad_steps"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    if cfg.engine.max_restarts < 0:
+        raise ConfigError(f"engine.max_restarts must be >= 0, got {cfg.engine.max_restarts}")
+    if cfg.engine.hang_timeout_s < 0:
+        raise ConfigError(f"engine.hang_timeout_s must be >= 0 seconds (0 turns the hang watchdog off), "
+                          f"got {cfg.engine.hang_timeout_s}")
+    if cfg.engine.peer_wait_s <= 0:
+        raise ConfigError(f"engine.peer_wait_s must be > 0 seconds, got {cfg.engine.peer_wait_s}")
+    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+        raise ConfigError(f"train.resume={t.resume!r}: expected 'auto', 'never' or an existing checkpoint directory "
+                          "(run_dir/checkpoints/step_N)")
+    if t.resume not in ("auto", "never"):
+        from megarl.checkpoint.run import step_dir_problem  # deferred: torch (config errors stay instant)
+
+        if problem := step_dir_problem(t.resume):
+            raise ConfigError(f"train.resume={t.resume}: {problem}")
+    if t.deterministic and t.time_limit_s:
+        raise ConfigError(f"train.deterministic=true needs train.time_limit_s=0 (got {t.time_limit_s}): a wall-clock "
+                          "limit stops runs at different steps")
+
+
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine cannot be used here, or None when it can."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (deferred: a GPU-only package, asked only when wanted)
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _validate_model_keys(cfg: RunConfig) -> None:
+    """``model.fp8`` and ``model.transformer_engine`` need Transformer Engine on a GPU."""
+    m = cfg.model
+    if m.fp8 and (why := transformer_engine_error()) is not None:
+        raise ConfigError(f"model.fp8={m.fp8!r} needs Transformer Engine on a GPU, which is not importable here "
+                          f"({why}); install megarl[gpu] on a CUDA machine or set model.fp8=''")
+    if m.transformer_engine and (why := transformer_engine_error()) is not None:
+        raise ConfigError(f"model.transformer_engine=true needs Transformer Engine on a GPU, which is not "
+                          f"importable here ({why}); set model.transformer_engine=false")

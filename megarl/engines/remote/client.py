@@ -1,0 +1,89 @@
+"""The trainer's handle on one disaggregated replica process: a ``SlotEngine`` over a connection.
+
+The connection is a pipe for a replica spawned on rank 0's node, or a TCP link for one spawned on
+another node (``nodes``); either way one command goes out and (for most) one answer comes back.
+A connection that breaks is ``EngineDied`` — an engine error the loop's containment restarts the
+replicas for — and an answer that is ``EngineUnusable`` (the replica's last update failed with no
+backup, ``sync.rollback: resync``) is raised here on the trainer. ``DeathWatch`` ends every replica
+as soon as one dies during a sync, so no blocked transfer waits for its timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from megarl.distributed.watchdog import guard
+from megarl.engines.protocol import SlotRequest, StepReport, TokenEvent, TrackedRequests
+from megarl.engines.remote import nodes
+from megarl.engines.weight_update import UNUSABLE, EngineUnusable
+
+
+class EngineDied(RuntimeError):
+    """A replica process is gone; an engine error the loop's containment restarts the replicas for."""
+
+
+class ReplicaClient(TrackedRequests):
+    """The trainer's handle on one replica: a ``SlotEngine`` over a pipe or a TCP link."""
+
+    def __init__(self, index: int, conn, proc, slots: int) -> None:
+        self.index, self.conn, self.proc, self.slots = index, conn, proc, slots
+        self.weight_version = 0
+        super().__init__()
+
+    def call(self, cmd: str, arg=None, reply: bool = True):
+        """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
+        try:
+            with guard(f"engine replica {self.index}: {cmd}"):  # a replica that never answers → exit 75 (watchdog)
+                self.conn.send((cmd, arg))
+                answer = self.conn.recv() if reply else None
+        except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
+            self.proc.join(1)
+            raise EngineDied(f"engine replica {self.index} ({nodes.where(self.proc)}) is not running "
+                             f"(exit code {self.proc.exitcode})") from exc
+        if isinstance(answer, EngineUnusable):  # its last update failed with no backup (sync.rollback=resync)
+            raise EngineUnusable(f"engine replica {self.index}: {answer}")
+        return answer
+
+    def submit(self, request: SlotRequest) -> None:
+        if self.weight_version == UNUSABLE:
+            raise EngineUnusable(f"engine replica {self.index} refuses to generate: its last weight update failed "
+                                 "with no backup (sync.rollback=resync); it must be re-synced")
+        self.call("submit", request, reply=False)
+        self._active.add(request.request_id)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.call("abort", request_ids, reply=False)
+
+    def step(self) -> StepReport:
+        active = len(self._active)
+        events, elapsed, version = self.call("step")
+        report = []
+        for rid, toks, lps, finished, reason in events:
+            ev = TokenEvent(rid, toks, lps, version=version)
+            if finished:
+                ev.finished, ev.finish_reason = True, reason
+                self._active.discard(rid)
+            report.append(ev)
+        return StepReport(report, elapsed, active)
+
+
+class DeathWatch:
+    """While a rank-0 sync runs: if a replica process dies, end every replica — their transfer group is
+    broken, and ending them makes every blocked send and receive fail at once instead of at the timeout."""
+
+    def __init__(self, replicas) -> None:
+        self.replicas, self.done, self.died = replicas, threading.Event(), ""
+        self.thread = threading.Thread(target=self._run, name="megarl-replica-deathwatch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.1):
+            if why := self.replicas.dead():
+                self.died = why
+                self.replicas._end_all()
+                return
+
+    def stop(self) -> str:
+        self.done.set()
+        self.thread.join()
+        return self.died

@@ -1,0 +1,144 @@
+"""Drive the real ``RolloutController`` over simulated engines with a trace of sample lengths.
+
+A trace is a list of full generation lengths, one per sample; consecutive runs of
+G form a group (one prompt). ``simulate`` runs ``steps`` update phases per mode
+and reports the controller's own metrics. The prompt stream cycles over the trace
+(RL reads its prompts for several epochs), so the length cache that LPT dispatch
+uses fills after the first pass.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
+from megarl.rollout.phase_metrics import PhaseMetrics
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
+
+
+@dataclass
+class SimSettings:
+    group_size: int = 8
+    engines: int = 8
+    slots: int = 64
+    prompts_per_step: int = 0  # 0: every prompt of the trace in one step
+    max_tokens: int = 16384
+    step_time_model: str = "batch"
+    steps: int = 0  # 0: one pass over the trace in sync steps
+    oversubscription: float = 2.0  # live groups / update groups, non-sync modes
+    staleness_limit: int = 2
+    max_discards: int = 2
+    dispatch: str = "pull"
+    long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard
+    buffer_samples: int = 0  # admission budget in unfinished samples (0: every free slot gets a sample)
+    max_update_groups: int = 0  # the update-batch bound (0: prompts_per_step)
+    long_round_groups: int = 0  # on-policy: long-queue prompts per long round (0: prompts_per_step)
+    max_chunk: int = 32  # decode steps one simulated engine step may advance (engines stay this close in time)
+
+
+def paper_workload(seed: int = 0, prompts: int = 512, group_size: int = 8, cap: int = 16384) -> list[int]:
+    """SortedRL-paper-like lengths: 80% of groups ≤ 3K tokens, 15% long (3K–16K), 5% at the 16K cap."""
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(prompts):
+        u = rng.random()
+        for _ in range(group_size):
+            if u < 0.80:
+                lengths.append(rng.randint(100, 3000))
+            elif u < 0.95:
+                lengths.append(int(3000 + (cap - 3000) * math.sqrt(rng.random())))
+            else:
+                lengths.append(cap + rng.randint(0, cap))  # would run past the cap: truncated
+    return lengths
+
+
+def lognormal_workload(seed: int = 0, prompts: int = 4096, group_size: int = 8, cap: int = 8192,
+                       median: float = 1000.0, sigma: float = 1.0) -> list[int]:
+    """Lengths drawn per sample from a lognormal (median ``median`` tokens, shape ``sigma``), some past the cap."""
+    rng = random.Random(seed)
+    return [max(1, int(rng.lognormvariate(math.log(median), sigma))) for _ in range(prompts * group_size)]
+
+
+def sync_closed_form(lengths: list[int], batch: int, cap: int) -> float:
+    """Bubble of synchronous steps with constant step time and one slot per sample:
+    1 − Σ L / (B · L_max) over all batches (slot-time weighted), lengths capped at ``cap``."""
+    busy = total = 0
+    for i in range(0, len(lengths), batch):
+        chunk = [min(x, cap) for x in lengths[i:i + batch]]
+        busy += sum(chunk)
+        total += batch * max(chunk)
+    return 1.0 - busy / total
+
+
+def on_policy_bubble_floor(at_cap: int, tokens: int, phase_s: float, cap: int, slots: int,
+                           model: StepTimeModel) -> float:
+    """The least bubble any on-policy schedule can have that trains ``at_cap`` samples of ``cap`` tokens and
+    generates ``tokens`` tokens in all, with no phase longer than ``phase_s``, under the ``batch`` step model
+    t(a) = b + c·a per decode step with a active sequences (0 under the ``constant`` model).
+
+    On-policy, an at-cap sample runs its ``cap`` decode steps inside one phase. On an engine that runs one, the
+    idle slot-time per step, (S − a)(b + c·a), is concave in a and 0 at a = S, so it is ≥ b·(S − a); with
+    Σ(b + c·a) ≤ phase_s over those steps, Σa ≤ (phase_s − b·cap)/c, hence idle ≥ cap·(S·b + b²/c) − (b/c)·phase_s.
+    The same Σa bound lets one engine finish at most ⌊(phase_s − b·cap)/(c·cap)⌋ at-cap samples in a phase, so at
+    least ⌈at_cap / that⌉ engine-phases pay that idle. Busy slot-time is ≤ (b + c·S) per generated token.
+    """
+    b, c = model.base, model.per_seq if model.kind == "batch" else 0.0
+    if not at_cap or not c:
+        return 0.0
+    per_engine = math.floor((phase_s - b * cap) / (c * cap))
+    if per_engine < 1:
+        return 1.0  # no phase that short can hold an at-cap sample: infeasible
+    idle = math.ceil(at_cap / per_engine) * max(0.0, cap * (slots * b + b * b / c) - (b / c) * phase_s)
+    busy = tokens * (b + c * slots)
+    return idle / (idle + busy)
+
+
+def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
+    g = s.group_size
+    if len(lengths) % g:
+        raise ValueError(f"trace has {len(lengths)} lengths, not a multiple of the group size {g}")
+    n_prompts = len(lengths) // g
+    per_step = s.prompts_per_step or n_prompts
+    steps = s.steps or math.ceil(n_prompts / per_step)
+    counter = {"next": 0}
+
+    def next_prompt() -> PromptItem | None:
+        i = counter["next"]
+        if mode == "sync" and i >= steps * per_step and not s.steps:
+            return None
+        counter["next"] += 1
+        return PromptItem(index=i, prompt_ids=[1], key=i % n_prompts)
+
+    def length_of(key: tuple[int, int]) -> int:
+        index, j = key
+        return lengths[(index % n_prompts) * g + j]
+
+    cfg = ControllerConfig(
+        mode=mode, group_size=g, update_groups=per_step,
+        rollout_groups=per_step if mode == "sync" else max(per_step, int(round(per_step * s.oversubscription))),
+        max_tokens=s.max_tokens, staleness_limit=s.staleness_limit, max_discards=s.max_discards, dispatch=s.dispatch,
+        long_rounds=s.long_rounds and mode == "on_policy", buffer_samples=s.buffer_samples,
+        max_update_groups=s.max_update_groups, long_round_groups=s.long_round_groups,
+    )
+    model = StepTimeModel(s.step_time_model)
+    engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk) for _ in range(s.engines)]
+    ctrl = RolloutController(cfg, engines, next_prompt)
+    total, batches, phase_s, at_cap = PhaseMetrics(), [], [], 0
+    for version in range(steps):
+        groups, m = ctrl.run_phase(version)
+        total.merge(m)
+        at_cap += sum(x.finish_reason == "length" for g in groups for x in g.samples)
+        batches.append(len(groups))
+        phase_s.append(m.duration)
+        if not groups and ctrl.source_done and not ctrl.live:
+            break
+    out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
+           **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
+    out.update(steps=steps, samples_trained=total.samples_trained, at_cap_samples_trained=at_cap,
+               tokens_generated=total.tokens_generated, sim_seconds=total.duration,
+               groups_per_step_mean=sum(batches) / len(batches), groups_per_step_max=max(batches),
+               groups_per_step_min=min(batches), phase_s_mean=sum(phase_s) / len(phase_s), phase_s_max=max(phase_s),
+               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s])
+    return out

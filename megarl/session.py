@@ -1,0 +1,188 @@
+"""Build everything a run needs, in the one order that works with megatron-core and vLLM in one process.
+
+Order: process group + Megatron parallel groups → (rank 0) tiny model if asked →
+vLLM engine (it patches torch.cuda on CPU) → the CPU adapter for megatron-core
+(applied after vLLM so its patches win) → Megatron's RNG seed → trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.curriculum import CurriculumSource, PassRateTracker
+from megarl.algo.filters import is_informative
+from megarl.checkpoint.run import start_run_dir
+from megarl.compat.megatron import activate_cpu
+from megarl.config import RunConfig, to_dict, validate
+from megarl.config.validate.algo import needed_learners
+from megarl.data.addition import AdditionTask
+from megarl.data.source import Prompt, build_prompts
+from megarl.distributed.parallel import ParallelState, build_parallel_state
+from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
+from megarl.engines.memory import sleep_supported
+from megarl.engines.remote.host import rendezvous_path
+from megarl.engines.remote.replicas import EngineReplicas
+from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.logging.metrics import MetricsLogger
+from megarl.models.hf_config import read_hf_config
+from megarl.models.tiny import TinyShape, make_tiny_model
+from megarl.rewards.pool import RewardPool, build_rewards
+from megarl.rollout.controller import ControllerConfig, RolloutController
+from megarl.rollout.leader import LeaderController
+from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
+from megarl.trainer.policy import PolicyTrainer
+from megarl.trainer.rl_update import Learners
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    ps: ParallelState
+    hf_cfg: dict
+    tokenizer: object
+    engine: VLLMEngine
+    trainer: PolicyTrainer
+    learners: Learners
+    task: AdditionTask | None  # the built-in task (None when data.path names a dataset)
+    rewards: RewardPool
+    controller: RolloutController
+    logger: MetricsLogger
+    run_dir: Path
+    stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
+    prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
+    eval_prompts: list[Prompt] | None = None
+    policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
+
+    @property
+    def is_main(self) -> bool:
+        return self.ps.rank == 0
+
+    @property
+    def generator(self):
+        """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
+        faces = self.controller.engines  # (none on the trainer ranks > 0 of disaggregated replicas)
+        return faces[0] if faces and isinstance(faces[0], ColocatedReplicas) else self.engine
+
+
+def ensure_model(cfg: RunConfig) -> None:
+    """Create the tiny checkpoint at ``model.path`` if ``model.make_tiny`` asks for one and none is there."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file() or not cfg.model.make_tiny:
+        return
+    make_tiny_model(path, TinyShape(family=cfg.model.make_tiny), seed=cfg.model.seed)
+    print(f"model.make_tiny: made a tiny random {cfg.model.make_tiny} model at {path}", flush=True)
+
+
+def build_session(cfg: RunConfig) -> Session:
+    # megatron-core warns at import that TE/Apex are absent (expected on CPU; the fallbacks are used).
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (are|is) not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+    set_cpu_engine_env(cfg.engine.kv_cache_gib)
+    import vllm  # noqa: F401  (import before the CPU adapter patches torch.cuda)
+
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    p = cfg.parallel
+    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel, p.vpp)
+    if ps.rank == 0:
+        ensure_model(cfg)
+    dist.barrier()
+    hf_cfg = read_hf_config(cfg.model.path)
+    validate(cfg, ps.world_size, hf_cfg)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    d = cfg.data
+    task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
+    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    rewards = build_rewards(cfg.reward, d)
+    if cfg.engine.placement == "disaggregated":
+        engine, slot_engines = build_engines(cfg)
+    else:
+        engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
+                            cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
+                            enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported(),
+                            peer_wait_s=cfg.engine.peer_wait_s)
+        slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
+    activate_cpu()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    learners = build_learners(cfg, hf_cfg, ps)
+    trainer = learners.policy
+    run_dir = Path(cfg.train.run_dir)
+    if ps.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start_run_dir(cfg.train.resume, run_dir)  # resume=never: the earlier run's files set aside first
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
+    feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
+    # colocated: every rank's controller scores in lockstep, so one rank scores for all; disaggregated: only
+    # rank 0 runs the controller (LeaderController) and shares the scored phase
+    lockstep = cfg.engine.placement == "colocated"
+    score = group_scorer(tokenizer, shared_rewards(rewards) if lockstep else rewards, feed.take_extras)
+    stateful = {}
+    if d.pool_size:
+        pool = task.next_problems(d.pool_size)
+        tracker = PassRateTracker()
+        draw = (CurriculumSource(pool, lambda p: p.prompt, tracker, cfg.algo.curriculum_eps, seed=d.seed)
+                if cfg.algo.curriculum else None)
+        source = pool_prompt_source(pool, tokenizer, d.seed, draw)
+        score = tracking_scorer(score, tracker)
+        stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
+    else:
+        source = feed
+    controller = build_controller(cfg, slot_engines, source, score)
+    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
+                   stateful, prompts, prompts.eval_prompts())
+
+
+def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
+    """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
+    a = cfg.algo
+    common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
+                  transformer_engine=cfg.model.transformer_engine)
+    policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
+    critic = reference = None
+    needed = needed_learners(a)  # the same rule the pre-launch resume check applies
+    if "critic" in needed:
+        critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
+    if "reference" in needed:
+        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, **common)
+    return Learners(policy, critic, reference)
+
+
+def build_engines(cfg: RunConfig):
+    """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
+    e = cfg.engine
+    replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
+                              e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
+                              devices=e.replica_devices, rollback=cfg.sync.rollback,
+                              replica_nodes=e.replica_nodes, hosts_file=str(rendezvous_path(cfg.train.run_dir))
+                              if e.replica_nodes_dedicated else "")
+    return replicas, replicas.clients
+
+
+def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutController:
+    r = cfg.rollout
+    ccfg = ControllerConfig(
+        mode=r.mode, group_size=r.samples_per_prompt, update_groups=r.prompts_per_step,
+        rollout_groups=max(r.prompts_per_step, round(r.prompts_per_step * r.oversubscription)),
+        max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, staleness_limit=r.staleness_limit,
+        stale_action=r.stale_action, max_discards=r.max_discards, token_budget=r.token_budget, dispatch=r.dispatch,
+        release_cap=round(cfg.algo.oversample_cap * r.prompts_per_step) if cfg.algo.dynamic_sampling else 0,
+        max_update_groups=r.max_update_groups, long_rounds=r.long_rounds, buffer_samples=r.buffer_samples,
+        long_round_groups=r.long_round_groups,
+    )
+    keep = is_informative if cfg.algo.dynamic_sampling else None
+    cls = LeaderController if cfg.engine.placement == "disaggregated" else RolloutController
+    return cls(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score, keep_group=keep)
+
