@@ -28,7 +28,7 @@ class KillOnGenerate:
 
     def send(self, message) -> None:
         self.conn.send(message)
-        if message[0] == "generate":
+        if type(message).__name__ == "Generate":
             os.kill(self.proc.pid, signal.SIGKILL)
 
     def __getattr__(self, name):

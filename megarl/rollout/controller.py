@@ -72,26 +72,14 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megarl.engines.protocol import SlotEngine, SlotRequest, StepReport
+from megarl.engines.protocol import SlotEngine
 from megarl.rollout.admission import LONG_WAIT, PromptBuffer, PromptItem
+from megarl.rollout.phase import STALL_STEPS, EngineStalled, Phase
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.types import Group, SampleStatus
 
 __all__ = ["LONG_WAIT", "MODES", "STALL_STEPS", "ControllerConfig", "EngineStalled", "PromptItem", "RolloutController"]
 MODES = ("sync", "on_policy", "partial")
-_DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
-STALL_STEPS = 1000
-"""Steps in a row of one engine that has requests outstanding yet produces no token: the engine is stuck
-(``EngineStalled``). A working engine emits a token within a few steps (a long prompt's chunked prefill takes
-max_model_len / the scheduler's token budget of them); a stuck one returns each step at once, scheduling
-nothing, so a phase would spin forever, past the hang watchdog (every step returns) and past a preemption
-signal (read between RL steps)."""
-
-
-class EngineStalled(RuntimeError):
-    """An engine made no progress for ``STALL_STEPS`` steps in a row: an engine error (the keeper contains it)."""
-
-
 @dataclass
 class ControllerConfig:
     mode: str = "partial"
@@ -151,156 +139,7 @@ class RolloutController(PromptBuffer):
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:
         """Generate until the termination threshold; return the update batch and the phase's metrics."""
-        cfg, m = self.cfg, PhaseMetrics()
-        bound, released = cfg.batch_bound, []
-        if cfg.mode == "partial":
-            self._expire_stale(version, m)
-            for index in [i for i, g in self.live.items() if all(s.status in _DONE for s in g.samples)]:
-                if len(released) < bound:  # held whole past last phase's bound: first in this batch
-                    self._release(index, version, released, m)
-        members = self._long_round(version)
-        if members is not None:
-            m.long_rounds = 1
-        else:
-            self._admit(version, cfg.update_groups if cfg.mode == "sync" else cfg.rollout_groups)
-        pinned = self._pin()
-        queue = self._queue(members, pinned)
-        own = self._balance(queue, members if members is not None else pinned, self.engines)
-        running: dict[str, tuple[int, int]] = {}
-        engine_of: dict[str, int] = {}
-        times = [self.clock] * len(self.engines)
-        phase_tokens, serial, drain_at = 0, 0, None
-        fill = cfg.mode != "sync" and members is None
-        budget = cfg.buffer_samples or float("inf")
-
-        def pending_pinned() -> int:
-            return sum(1 for i in pinned if i in self.live)
-
-        def at_cap() -> bool:
-            """Dynamic sampling's oversampling cap reached: as many groups released, useful or filtered."""
-            return bool(cfg.release_cap) and len(released) + m.groups_filtered >= cfg.release_cap
-
-        def dispatch() -> None:
-            nonlocal serial
-            for k, engine in enumerate(self.engines):
-                mine = own[k]
-                while (mine or queue) and engine.num_active() < engine.slots:
-                    index, j = mine.popleft() if mine else queue.popleft()
-                    s = self.live[index].samples[j]
-                    if s.response_ids:
-                        s.interruptions += 1
-                    s.status = SampleStatus.RUNNING
-                    serial += 1
-                    rid = f"{index}:{j}:{serial}"
-                    engine.submit(SlotRequest(rid, s.prompt_ids + s.response_ids, cfg.max_tokens - len(s.response_ids),
-                                              cfg.temperature, cfg.top_p, key=(index, j), generated=len(s.response_ids)))
-                    running[rid], engine_of[rid] = (index, j), k
-
-        def admit_for_free_slots() -> None:
-            """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
-            free = sum(e.slots - e.num_active() for e in self.engines)
-            while len(self.live) < cfg.rollout_groups or (
-                    len(queue) + sum(map(len, own)) < free and len(running) + len(queue) + cfg.group_size <= budget):
-                index = self._admit_one(version)
-                if index is None:
-                    return
-                entries = self._entries([index])
-                if self.live[index].discards:  # a re-queued prompt goes to the head of the queue
-                    queue.extendleft(reversed(entries))
-                else:
-                    queue.extend(entries)
-
-        def drain() -> None:
-            """Pinned groups hold the rest of the batch: stop admitting, abort every unpinned sample."""
-            nonlocal fill, queue
-            fill = False
-            aborted = [rid for rid, (i, _) in running.items() if i not in pinned]
-            for rid in aborted:
-                index, j = running.pop(rid)
-                self.engines[engine_of.pop(rid)].abort([rid])
-                self.live[index].samples[j].status = SampleStatus.RESUMED
-            queue = collections.deque((i, j) for i, j in queue if i in pinned)
-
-        def done() -> bool:
-            useful = len(released)
-            if cfg.mode == "sync":
-                return not self.live
-            if members is not None:
-                return not any(i in self.live for i in members)
-            if useful >= bound:
-                return True
-            if pending_pinned():
-                return False
-            if at_cap():
-                return True  # oversampling cap: train on the useful groups there are, none included (step skipped)
-            if useful == 0:
-                return False
-            if cfg.token_budget and phase_tokens >= cfg.token_budget:
-                return True
-            return useful >= cfg.update_groups
-
-        if fill:
-            admit_for_free_slots()
-        dispatch()
-        stalled = [0] * len(self.engines)  # each engine's steps in a row without a token
-        while running and not done():
-            k = min((k for k in range(len(self.engines)) if self.engines[k].num_active()), key=lambda k: times[k])
-            report: StepReport = self.engines[k].step()
-            stalled[k] = 0 if any(ev.token_ids or ev.finished for ev in report.events) else stalled[k] + 1
-            if stalled[k] >= STALL_STEPS:
-                raise EngineStalled(f"engine {k} made no progress: {STALL_STEPS} steps in a row produced no token "
-                                    f"while {self.engines[k].num_active()} of its requests were outstanding")
-            times[k] += report.elapsed
-            m.slot_time_busy += report.active * report.elapsed
-            live, slot_time = self.live, self.slot_time
-            for ev in report.events:
-                key = running[ev.request_id]
-                index, j = key
-                s = live[index].samples[j]
-                n = len(ev.token_ids)
-                s.response_ids += ev.token_ids
-                s.logprobs += ev.logprobs
-                s.versions += [version if ev.version is None else ev.version] * n  # the sampling engine's version
-                slot_time[key] = slot_time.get(key, 0.0) + report.elapsed  # it held a slot for the whole step
-                phase_tokens += n
-                m.tokens_generated += n
-                if ev.finished:
-                    del running[ev.request_id], engine_of[ev.request_id]
-                    s.finish_reason = ev.finish_reason
-                    s.status = SampleStatus.FINISHED if ev.finish_reason == "stop" else SampleStatus.TRUNCATED
-                    m.samples_finished += 1
-                    m.len_finished_sum += len(s.response_ids)
-                    if all(x.status in _DONE for x in self.live[index].samples):
-                        self._harvest(index, version, released, m, pinned, members, pending_pinned)
-            if fill and pinned and (len(released) + pending_pinned() >= cfg.update_groups or at_cap()):
-                drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
-                drain_at = times[k]
-            if fill:
-                admit_for_free_slots()
-            elif cfg.mode == "sync" and m.groups_filtered and not at_cap():
-                # sync + dynamic sampling: replace each filtered group until U useful ones (or the cap)
-                target = cfg.update_groups - len(released)
-                if cfg.release_cap:  # never release more than the cap, in flight included
-                    target = min(target, cfg.release_cap - len(released) - m.groups_filtered)
-                before = len(self.live)
-                self._admit(version, target)
-                queue.extend(self._entries(list(self.live)[before:]))
-            dispatch()
-            now = times[k]
-            for kk in range(len(self.engines)):  # an idle engine waits until now
-                if not self.engines[kk].num_active():
-                    times[kk] = max(times[kk], now)
-
-        self._end_phase(running, engine_of, m)
-        end = max(times) if times else self.clock
-        m.duration = end - self.clock
-        m.drain_s = end - drain_at if drain_at is not None else 0.0
-        m.slot_time_total = sum(e.slots for e in self.engines) * m.duration
-        self.clock = end
-        m.buffer_groups = len(self.live)
-        m.prompts_discarded_twice = sum(1 for g in self.live.values() if g.discards >= 2) + sum(
-            1 for q in (self.requeued, self.long_queue) for _, d, _ in q if d >= 2)
-        return self.batch_order(released), m
+        return Phase(self, version).run()
 
     def _harvest(self, index: int, version: int, released: list[Group], m: PhaseMetrics, pinned: set[int],
                  members: set[int] | None, pending_pinned: Callable[[], int]) -> None:
@@ -375,3 +214,4 @@ class RolloutController(PromptBuffer):
         discarded.sort(key=lambda e: e[1] < self.cfg.max_discards)
         self.requeued.extendleft(reversed(discarded))
         self.long_queue.extend(long)
+

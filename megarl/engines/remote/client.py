@@ -13,8 +13,9 @@ from __future__ import annotations
 import threading
 
 from megarl.distributed.watchdog import guard
-from megarl.engines.protocol import SlotRequest, StepReport, TokenEvent, TrackedRequests
+from megarl.engines.protocol import SlotRequest, StepReport, TrackedRequests
 from megarl.engines.remote import nodes
+from megarl.engines.remote.messages import Abort, Step, Submit
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable
 
 
@@ -30,11 +31,11 @@ class ReplicaClient(TrackedRequests):
         self.weight_version = 0
         super().__init__()
 
-    def call(self, cmd: str, arg=None, reply: bool = True):
-        """Send one command (and wait for its reply), or raise ``EngineDied`` if the process is gone."""
+    def call(self, msg, reply: bool = True):
+        """Send one command (``messages.py``) and wait for its reply, or raise ``EngineDied`` if the process is gone."""
         try:
-            with guard(f"engine replica {self.index}: {cmd}"):  # a replica that never answers → exit 75 (watchdog)
-                self.conn.send((cmd, arg))
+            with guard(f"engine replica {self.index}: {type(msg).__name__}"):  # never answering → exit 75 (watchdog)
+                self.conn.send(msg)
                 answer = self.conn.recv() if reply else None
         except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
             self.proc.join(1)
@@ -48,23 +49,19 @@ class ReplicaClient(TrackedRequests):
         if self.weight_version == UNUSABLE:
             raise EngineUnusable(f"engine replica {self.index} refuses to generate: its last weight update failed "
                                  "with no backup (sync.rollback=resync); it must be re-synced")
-        self.call("submit", request, reply=False)
+        self.call(Submit(request), reply=False)
         self._active.add(request.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:
-        self.call("abort", request_ids, reply=False)
+        self.call(Abort(request_ids), reply=False)
 
     def step(self) -> StepReport:
         active = len(self._active)
-        events, elapsed, version = self.call("step")
-        report = []
-        for rid, toks, lps, finished, reason in events:
-            ev = TokenEvent(rid, toks, lps, version=version)
-            if finished:
-                ev.finished, ev.finish_reason = True, reason
-                self._active.discard(rid)
-            report.append(ev)
-        return StepReport(report, elapsed, active)
+        done = self.call(Step())
+        for ev in done.events:
+            if ev.finished:
+                self._active.discard(ev.request_id)
+        return StepReport(done.events, done.elapsed, active)
 
 
 class DeathWatch:

@@ -1,11 +1,11 @@
 """One disaggregated engine replica's process: a vLLM ``LLM`` and the command loop the trainer drives over a pipe.
 
 ``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0,
-or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) and answers one command at a time: submit / abort / step (the SortedRL controller's slot
-engine), generate (evaluation, the audit), init_transfer / update (vLLM's weight-transfer API
-with our ``megarl_gloo`` backend; its reply carries the update's phases and this process's CPU
-time; ``stage_only``: received and cut into views, nothing loaded — the bench's transfer-only figure),
-recv_raw (the bench's transport baseline), close. An update
+or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) and answers one command at a time
+(the typed messages of ``messages.py``): Submit / Abort / Step (the SortedRL controller's slot engine), Generate
+(evaluation, the audit), InitTransfer / Update (vLLM's weight-transfer API with our ``megarl_gloo`` backend; the
+reply carries the update's phases and this process's CPU time; ``stage_only``: received and cut into views,
+nothing loaded — the bench's transfer-only figure), RecvRaw (the bench's transport baseline), Close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
 any failed every worker restores its backup (``gloo_transfer``). With ``sync.rollback: resync``
 there is no backup: a failed update leaves the replica unusable (its version ``UNUSABLE``; step
@@ -18,7 +18,20 @@ import os
 import resource
 import time
 
-from megarl.engines.protocol import SlotRequest
+from megarl.engines.protocol import SlotRequest, TokenEvent
+from megarl.engines.remote.messages import (
+    Abort,
+    Close,
+    Generate,
+    InitTransfer,
+    Outcome,
+    RecvRaw,
+    Step,
+    StepDone,
+    Submit,
+    Update,
+    Updated,
+)
 from megarl.engines.vllm_engine import VLLMEngine, sampled_logprobs
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
 
@@ -77,86 +90,109 @@ def serve(conn, spec: dict) -> None:
     try:
         llm = _llm(spec)
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer, which names the replica)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(Outcome(f"{type(exc).__name__}: {exc}"))
         return
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    version, active, unusable = 0, set(), ""
-    conn.send(("ready", None))
+    replica = _Replica(llm)
+    conn.send(Outcome())
     while True:
         try:
-            cmd, arg = conn.recv()
+            msg = conn.recv()
         except EOFError:  # the trainer is gone: end with it
             return
-        if unusable and cmd in ("submit", "step", "generate"):
-            if cmd != "submit":  # (a submit has no reply: the trainer's client refuses it first)
-                conn.send(EngineUnusable(f"engine replica refuses to generate: {unusable}"))
-        elif cmd == "submit":
-            engine.add_request(arg.request_id, TokensPrompt(prompt_token_ids=arg.prompt_ids), _params(arg))
-            active.add(arg.request_id)
-        elif cmd == "abort":
-            ids = [r for r in arg if r in active]
-            if ids:
-                engine.abort_request(ids)
-            active.difference_update(ids)
-        elif cmd == "step":
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed, events = time.perf_counter() - start, []
-            for out in outputs:
-                if out.request_id in active:
-                    c = out.outputs[0]
-                    events.append((out.request_id, list(c.token_ids), sampled_logprobs(c), out.finished,
-                                   c.finish_reason or "length"))
-                    if out.finished:
-                        active.discard(out.request_id)
-            conn.send((events, elapsed, version))
-        elif cmd == "generate":
-            requests, seed = arg
-            shim = VLLMEngine.__new__(VLLMEngine)
-            shim.llm = llm
-            conn.send(shim.generate(requests, seed))
-        elif cmd == "init_transfer":
-            try:
-                llm.init_weight_transfer_engine({"init_info": arg})
-                conn.send("ok")
-            except Exception as exc:  # noqa: BLE001  (reported to the trainer)
-                conn.send(f"{type(exc).__name__}: {exc}")
-        elif cmd == "update":
-            plan, sources, dtype, new_version, rollback, stage_only = arg
-            if engine.has_unfinished_requests():
-                conn.send(("failed", "requests still in flight", version))
-                continue
-            started = False
-            try:
-                start, used = time.perf_counter(), _usage()
-                if stage_only:  # the bench's transfer-only figure: received and staged, nothing loaded
-                    phases = llm.collective_rpc("megarl_recv_staged", args=(plan, sources, dtype))[0]
-                    phases.update(_used_since(used))
-                    conn.send(("ok", (0.0, time.perf_counter() - start, phases), version))
-                    continue
-                llm.collective_rpc("megarl_set_rollback", args=(rollback,))
-                started = True
-                llm.start_weight_update()
-                backup = llm.collective_rpc("megarl_backup_mib")[0]
-                llm.update_weights({"update_info": {"buckets": plan, "sources": sources, "dtype": dtype}})
-                failures = [f for f in llm.collective_rpc("megarl_update_outcome") if f]
-                if failures:  # every worker restores, also those that loaded: never a mix across TP ranks
-                    llm.collective_rpc("megarl_abandon_update")
-                    raise _WorkersFailed(failures[0])
-                llm.finish_weight_update(weight_version=str(new_version))
-                llm.reset_prefix_cache()
-                version, unusable = new_version, ""
-                phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
-                conn.send(("ok", (backup, time.perf_counter() - start, phases), version))
-            except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
-                why = str(exc) if isinstance(exc, _WorkersFailed) else f"{type(exc).__name__}: {exc}"
-                if started and rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
-                    version, unusable = UNUSABLE, unusable_message(why)
-                conn.send(("failed", unusable or why, version))
-        elif cmd == "recv_raw":
-            conn.send(llm.collective_rpc("megarl_recv_raw", args=tuple(arg))[0])
-        elif cmd == "close":
-            conn.send("closed")
+        if isinstance(msg, Close):
+            conn.send(Outcome())
             return
+        reply = replica.answer(msg)
+        if reply is not None:
+            conn.send(reply)
+
+
+class _Replica:
+    """The replica's state between commands: the version it serves, its requests, why it refuses to generate."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.engine = llm, llm.llm_engine
+        self.version, self.active, self.unusable = 0, set(), ""
+
+    def answer(self, msg):
+        """The reply to ``msg`` (None for the commands that have none)."""
+        if self.unusable and isinstance(msg, (Submit, Step, Generate)):
+            # (a submit has no reply: the trainer's client refuses it first)
+            return None if isinstance(msg, Submit) else EngineUnusable(
+                f"engine replica refuses to generate: {self.unusable}")
+        match msg:
+            case Submit(request):
+                from vllm.inputs import TokensPrompt  # deferred: vLLM (loaded with the engine, in this process only)
+
+                self.engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
+                                        _params(request))
+                self.active.add(request.request_id)
+            case Abort(request_ids):
+                ids = [r for r in request_ids if r in self.active]
+                if ids:
+                    self.engine.abort_request(ids)
+                self.active.difference_update(ids)
+            case Step():
+                return self.step()
+            case Generate(requests, seed):
+                shim = VLLMEngine.__new__(VLLMEngine)
+                shim.llm = self.llm
+                return shim.generate(requests, seed)
+            case InitTransfer(info):
+                try:
+                    self.llm.init_weight_transfer_engine({"init_info": info})
+                    return Outcome()
+                except Exception as exc:  # noqa: BLE001  (reported to the trainer)
+                    return Outcome(f"{type(exc).__name__}: {exc}")
+            case Update():
+                return self.update(msg)
+            case RecvRaw(plan, sources, dtype):
+                return self.llm.collective_rpc("megarl_recv_raw", args=(plan, sources, dtype))[0]
+            case _:
+                return Outcome(f"unknown command {type(msg).__name__}")
+        return None
+
+    def step(self) -> StepDone:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed, events = time.perf_counter() - start, []
+        for out in outputs:
+            if out.request_id in self.active:
+                c = out.outputs[0]
+                ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.version)
+                if out.finished:
+                    ev.finished, ev.finish_reason = True, c.finish_reason or "length"
+                    self.active.discard(out.request_id)
+                events.append(ev)
+        return StepDone(events, elapsed, self.version)
+
+    def update(self, u: Update) -> Updated:
+        """All or nothing across this replica's TP workers (see the module docstring)."""
+        llm = self.llm
+        if self.engine.has_unfinished_requests():
+            return Updated(self.version, "requests still in flight")
+        started = False
+        try:
+            start, used = time.perf_counter(), _usage()
+            if u.stage_only:  # the bench's transfer-only figure: received and staged, nothing loaded
+                phases = llm.collective_rpc("megarl_recv_staged", args=(u.plan, u.groups, u.dtype))[0]
+                return Updated(self.version, seconds=time.perf_counter() - start, phases={**phases, **_used_since(used)})
+            llm.collective_rpc("megarl_set_rollback", args=(u.rollback,))
+            started = True
+            llm.start_weight_update()
+            backup = llm.collective_rpc("megarl_backup_mib")[0]
+            llm.update_weights({"update_info": {"buckets": u.plan, "sources": u.groups, "dtype": u.dtype}})
+            failures = [f for f in llm.collective_rpc("megarl_update_outcome") if f]
+            if failures:  # every worker restores, also those that loaded: never a mix across TP ranks
+                llm.collective_rpc("megarl_abandon_update")
+                raise _WorkersFailed(failures[0])
+            llm.finish_weight_update(weight_version=str(u.version))
+            llm.reset_prefix_cache()
+            self.version, self.unusable = u.version, ""
+            phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
+            return Updated(self.version, backup_mib=backup, seconds=time.perf_counter() - start, phases=phases)
+        except Exception as exc:  # noqa: BLE001  (the replica restored its weights; the trainer counts it)
+            why = str(exc) if isinstance(exc, _WorkersFailed) else f"{type(exc).__name__}: {exc}"
+            if started and u.rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
+                self.version, self.unusable = UNUSABLE, unusable_message(why)
+            return Updated(self.version, self.unusable or why)

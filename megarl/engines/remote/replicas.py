@@ -41,6 +41,7 @@ from megarl.engines.protocol import Completion
 from megarl.engines.remote import nodes, reaper, transfer
 from megarl.engines.remote.client import DeathWatch, EngineDied, ReplicaClient
 from megarl.engines.remote.host import HostPool
+from megarl.engines.remote.messages import Close, Generate, InitTransfer, RecvRaw, Update
 from megarl.engines.remote.process import serve
 from megarl.engines.remote.transfer import GlooSender, join_group
 from megarl.engines.weight_update import EngineUnusable, SyncError, WeightLoadError
@@ -169,9 +170,9 @@ class EngineReplicas:
             if not c.conn.poll(start_timeout_s):
                 raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) did not start within "
                                    f"{start_timeout_s:.0f}s")
-            status, detail = c.conn.recv()
-            if status != "ready":
-                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) failed to start: {detail}")
+            started = c.conn.recv()
+            if started.error:
+                raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) failed to start: {started.error}")
 
     def _connect(self, senders: list[int]) -> None:
         """Every sending rank opens a group that every worker of every replica joins (collective)."""
@@ -187,14 +188,14 @@ class EngineReplicas:
         self.sender, errors = None, []
         try:
             for c in self.clients:
-                c.call("init_transfer", {"groups": groups, "world_size": world, "rank_offset": 1 + c.index * tp,
-                                         "backend": self.transport, "timeout_s": self.timeout_s}, reply=False)
+                c.call(InitTransfer({"groups": groups, "world_size": world, "rank_offset": 1 + c.index * tp,
+                                     "backend": self.transport, "timeout_s": self.timeout_s}), reply=False)
             if self.rank in senders:
                 host, port, sock = mine
                 device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "nccl" else None
                 group = join_group(host, port, 0, world, self.transport, self.timeout_s, listen_socket=sock)
                 self.sender = GlooSender(group, device)
-            errors = [f"replica {c.index}: {r}" for c in self.clients if (r := self._reply(c)) != "ok"]
+            errors = [f"replica {c.index}: {r.error}" for c in self.clients if (r := self._reply(c)).error]
         except Exception as exc:  # noqa: BLE001  (every rank raises below)
             errors.append(f"trainer rank {self.rank}: {type(exc).__name__}: {exc}")
         errors = [e for part in collectives.gather(errors) for e in part]
@@ -225,7 +226,7 @@ class EngineReplicas:
         out = None
         if self.leader:
             try:
-                out = ("ok", self.clients[replica].call("generate", (requests, seed)))
+                out = ("ok", self.clients[replica].call(Generate(requests, seed)))
             except EngineUnusable as exc:
                 out = ("unusable", str(exc))
             except Exception as exc:  # noqa: BLE001  (every rank raises it, none waits for an answer)
@@ -269,8 +270,8 @@ class EngineReplicas:
         try:
             groups = [senders.index(s) for s in sources]
             for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
-                c.call("update", (plan, groups, str(dtype).removeprefix("torch."), version, self.rollback,
-                                 stage_only), reply=False)
+                c.call(Update(plan, groups, str(dtype).removeprefix("torch."), version, self.rollback, stage_only),
+                       reply=False)
             # the fill (gathers, re-layout, cast) asks for no CUDA device: without the trainer's cuda→cpu mode
             # its torch calls cost ~25% less (measured), as in the colocated load (``protocol.load``)
             with cpu_suspended():
@@ -312,14 +313,14 @@ class EngineReplicas:
             if died:
                 raise EngineDied(died)
             for c in self.clients:
-                status, detail, served = self._reply(c)
-                c.weight_version = served
-                if status != "ok":
-                    failed.append(f"replica {c.index}: {detail}")
+                u = self._reply(c)
+                c.weight_version = u.version
+                if u.error:
+                    failed.append(f"replica {c.index}: {u.error}")
                 else:
-                    backup, slowest = max(backup, detail[0]), max(slowest, detail[1])
-                    loading = max(loading, detail[2].get("load_s", 0.0))
-                    self.last_phases.append(detail[2])
+                    backup, slowest = max(backup, u.backup_mib), max(slowest, u.seconds)
+                    loading = max(loading, u.phases.get("load_s", 0.0))
+                    self.last_phases.append(u.phases)
         except EngineDied as exc:
             self._end_all()  # their transfer group is broken: a live replica may wait on it forever
             return [str(exc)], [c.weight_version for c in self.clients], (0.0, 0.0, 0.0), True
@@ -344,7 +345,7 @@ class EngineReplicas:
         plan = [[("raw", (b.numel(),))] for b in buckets]
         self._connect([0])
         for c in self.clients:
-            c.call("recv_raw", (plan, [0] * len(plan), str(buckets[0].dtype).removeprefix("torch.")), reply=False)
+            c.call(RecvRaw(plan, [0] * len(plan), str(buckets[0].dtype).removeprefix("torch.")), reply=False)
         start = time.perf_counter()
         self.sender.send(iter(buckets), [b.numel() for b in buckets], buckets[0].dtype)
         for c in self.clients:
@@ -356,7 +357,7 @@ class EngineReplicas:
         for c in self.clients:
             if c.proc.is_alive():
                 try:
-                    c.conn.send(("close", None))
+                    c.conn.send(Close())
                     if c.conn.poll(10):
                         c.conn.recv()
                 except (BrokenPipeError, EOFError, OSError):

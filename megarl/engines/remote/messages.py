@@ -1,0 +1,99 @@
+"""What the trainer and a replica process say to each other: one typed message per command, one per reply.
+
+Every command goes over the replica's connection (a pipe, or a TCP link to another node) as one of the
+dataclasses below; the replica answers those marked *reply* with the reply type named. ``Submit`` and ``Abort``
+have no reply (the controller's next ``Step`` reports their effect); ``Update``'s reply comes after the transfer.
+
+| command | reply |
+| --- | --- |
+| ``Submit(request)`` | none |
+| ``Abort(request_ids)`` | none |
+| ``Step()`` | ``StepDone(events, elapsed, version)`` |
+| ``Generate(requests, seed)`` | ``list[list[Completion]]`` |
+| ``InitTransfer(info)`` | ``Outcome`` |
+| ``Update(plan, groups, dtype, version, rollback, stage_only)`` | ``Updated`` |
+| ``RecvRaw(plan, sources, dtype)`` | ``int`` (bytes received) |
+| ``Close()`` | ``Outcome`` |
+
+A replica that refuses to generate (its last update failed with no backup) answers ``Step`` and ``Generate``
+with an ``EngineUnusable`` instead. At start it sends ``Outcome`` once: ready, or why it could not start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.engines.protocol import GenerationRequest, SlotRequest, TokenEvent
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: SlotRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Step:
+    pass
+
+
+@dataclass(frozen=True)
+class Generate:
+    requests: list[GenerationRequest]
+    seed: int
+
+
+@dataclass(frozen=True)
+class InitTransfer:
+    info: dict  # the transfer groups, world size, this replica's first rank, backend, timeout (``transfer``)
+
+
+@dataclass(frozen=True)
+class Update:
+    plan: list  # per bucket: its (HF name, shape) pieces
+    groups: list[int]  # per bucket: the transfer group (sending trainer rank) it comes over
+    dtype: str  # the buckets' dtype ('float32', 'bfloat16', ...)
+    version: int  # the weight version the replica serves once loaded
+    rollback: str  # 'copy' (back up first) | 'resync' (no backup: unusable if the load fails)
+    stage_only: bool = False  # the bench's transfer-only figure: received and staged, nothing loaded
+
+
+@dataclass(frozen=True)
+class RecvRaw:
+    plan: list
+    sources: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """'' when the command succeeded, else why not."""
+
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StepDone:
+    events: list[TokenEvent]
+    elapsed: float
+    version: int
+
+
+@dataclass(frozen=True)
+class Updated:
+    """An ``Update``'s outcome: ``error`` '' when loaded; the replica's version either way."""
+
+    version: int
+    error: str = ""
+    backup_mib: float = 0.0
+    seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # vLLM's load, waiting for buckets, snapshot, CPU time (bench)

@@ -1,0 +1,235 @@
+"""One generation phase of the SortedRL controller, as an object whose steps read in the order they run.
+
+    Phase(controller, version).run():
+        release_held()            partial: stale samples expire; groups held past the last bound come first
+        admit()                   a long round's groups, or admission up to the live target; queue; engine shares
+        admit_for_free_slots()    (on_policy / partial) more groups while a free slot has nothing to run
+        dispatch()                fill every engine's free slots
+        while running and not done():
+            step()                one step of the engine furthest behind in time:
+                                    record() its tokens → complete groups harvested (released or held)
+                                    drain() when pinned groups hold the rest of the batch
+                                    admit_for_free_slots() | replace_filtered() (sync + dynamic sampling)
+                                    dispatch()
+        end()                     abort what still runs (kept or discarded by mode), the phase's metrics
+
+The controller (``controller.py``) owns what outlives a phase (live groups, queues, the partial buffer); a phase
+owns what it is running now (requests, engine clocks, the batch it releases).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from megarl.engines.protocol import SlotRequest, StepReport
+from megarl.rollout.phase_metrics import PhaseMetrics
+from megarl.types import Group, SampleStatus
+
+DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
+STALL_STEPS = 1000
+"""Steps in a row of one engine that has requests outstanding yet produces no token: the engine is stuck
+(``EngineStalled``). A working engine emits a token within a few steps (a long prompt's chunked prefill takes
+max_model_len / the scheduler's token budget of them); a stuck one returns each step at once, scheduling
+nothing, so a phase would spin forever, past the hang watchdog (every step returns) and past a preemption
+signal (read between RL steps)."""
+
+
+class EngineStalled(RuntimeError):
+    """An engine made no progress for ``STALL_STEPS`` steps in a row: an engine error (the keeper contains it)."""
+
+
+class Phase:
+    """One generation phase of a ``RolloutController``; ``run`` calls its steps in the order they happen."""
+
+    def __init__(self, c, version: int) -> None:
+        self.c, self.cfg, self.version = c, c.cfg, version
+        self.m = PhaseMetrics()
+        self.released: list[Group] = []
+        self.running: dict[str, tuple[int, int]] = {}  # request id → (group index, sample index)
+        self.engine_of: dict[str, int] = {}  # request id → engine
+        self.times = [c.clock] * len(c.engines)  # each engine's clock
+        self.stalled = [0] * len(c.engines)  # each engine's steps in a row without a token
+        self.tokens, self.serial, self.drain_at = 0, 0, None
+        self.budget = self.cfg.buffer_samples or float("inf")
+        self.members: set[int] | None = None  # a long round's groups (None: not a long round)
+        self.pinned: set[int] = set()
+
+    def run(self) -> tuple[list[Group], PhaseMetrics]:
+        self.release_held()
+        self.admit()
+        if self.fill:
+            self.admit_for_free_slots()
+        self.dispatch()
+        while self.running and not self.done():
+            self.step()
+        return self.end()
+
+    # ---- before the first step ----------------------------------------------------------
+    def release_held(self) -> None:
+        """Partial mode: stale samples expire, and groups held whole past the last bound come first in this batch."""
+        c = self.c
+        if self.cfg.mode != "partial":
+            return
+        c._expire_stale(self.version, self.m)
+        for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
+            if len(self.released) < self.cfg.batch_bound:
+                c._release(index, self.version, self.released, self.m)
+
+    def admit(self) -> None:
+        """A long round's groups, or admission up to the phase's live target; then the queue and each engine's share."""
+        c, cfg = self.c, self.cfg
+        self.members = c._long_round(self.version)
+        if self.members is not None:
+            self.m.long_rounds = 1
+        else:
+            c._admit(self.version, cfg.update_groups if cfg.mode == "sync" else cfg.rollout_groups)
+        self.pinned = c._pin()
+        self.queue = c._queue(self.members, self.pinned)
+        self.own = c._balance(self.queue, self.members if self.members is not None else self.pinned, c.engines)
+        self.fill = cfg.mode != "sync" and self.members is None
+
+    # ---- what each step does ------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Fill every engine's free slots: its own share first (long rounds, pinned), then the shared queue."""
+        c, cfg = self.c, self.cfg
+        for k, engine in enumerate(c.engines):
+            mine = self.own[k]
+            while (mine or self.queue) and engine.num_active() < engine.slots:
+                index, j = mine.popleft() if mine else self.queue.popleft()
+                s = c.live[index].samples[j]
+                if s.response_ids:
+                    s.interruptions += 1
+                s.status = SampleStatus.RUNNING
+                self.serial += 1
+                rid = f"{index}:{j}:{self.serial}"
+                engine.submit(SlotRequest(rid, s.prompt_ids + s.response_ids, cfg.max_tokens - len(s.response_ids),
+                                          cfg.temperature, cfg.top_p, key=(index, j), generated=len(s.response_ids)))
+                self.running[rid], self.engine_of[rid] = (index, j), k
+
+    def admit_for_free_slots(self) -> None:
+        """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
+        c, cfg = self.c, self.cfg
+        free = sum(e.slots - e.num_active() for e in c.engines)
+        while len(c.live) < cfg.rollout_groups or (
+                len(self.queue) + sum(map(len, self.own)) < free
+                and len(self.running) + len(self.queue) + cfg.group_size <= self.budget):
+            index = c._admit_one(self.version)
+            if index is None:
+                return
+            entries = c._entries([index])
+            if c.live[index].discards:  # a re-queued prompt goes to the head of the queue
+                self.queue.extendleft(reversed(entries))
+            else:
+                self.queue.extend(entries)
+
+    def step(self) -> None:
+        """One step of the engine furthest behind in time; its tokens go to their samples, complete groups are
+        harvested; then the admissions and the dispatch that step allows."""
+        c, cfg, m = self.c, self.cfg, self.m
+        k = min((k for k in range(len(c.engines)) if c.engines[k].num_active()), key=lambda k: self.times[k])
+        report: StepReport = c.engines[k].step()
+        self.stalled[k] = 0 if any(ev.token_ids or ev.finished for ev in report.events) else self.stalled[k] + 1
+        if self.stalled[k] >= STALL_STEPS:
+            raise EngineStalled(f"engine {k} made no progress: {STALL_STEPS} steps in a row produced no token "
+                                f"while {c.engines[k].num_active()} of its requests were outstanding")
+        self.times[k] += report.elapsed
+        m.slot_time_busy += report.active * report.elapsed
+        for ev in report.events:
+            self.record(ev, report.elapsed)
+        if self.fill and self.pinned and (len(self.released) + self.pending_pinned() >= cfg.update_groups
+                                          or self.at_cap()):
+            self.drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
+            self.drain_at = self.times[k]
+        if self.fill:
+            self.admit_for_free_slots()
+        elif cfg.mode == "sync" and m.groups_filtered and not self.at_cap():
+            self.replace_filtered()
+        self.dispatch()
+        now = self.times[k]
+        for kk in range(len(c.engines)):  # an idle engine waits until now
+            if not c.engines[kk].num_active():
+                self.times[kk] = max(self.times[kk], now)
+
+    def record(self, ev, elapsed: float) -> None:
+        """An engine's new tokens of one sample; a finished sample may complete its group."""
+        c, m = self.c, self.m
+        key = self.running[ev.request_id]
+        index, j = key
+        s = c.live[index].samples[j]
+        n = len(ev.token_ids)
+        s.response_ids += ev.token_ids
+        s.logprobs += ev.logprobs
+        s.versions += [self.version if ev.version is None else ev.version] * n  # the sampling engine's version
+        c.slot_time[key] = c.slot_time.get(key, 0.0) + elapsed  # it held a slot for the whole step
+        self.tokens += n
+        m.tokens_generated += n
+        if ev.finished:
+            del self.running[ev.request_id], self.engine_of[ev.request_id]
+            s.finish_reason = ev.finish_reason
+            s.status = SampleStatus.FINISHED if ev.finish_reason == "stop" else SampleStatus.TRUNCATED
+            m.samples_finished += 1
+            m.len_finished_sum += len(s.response_ids)
+            if all(x.status in DONE for x in c.live[index].samples):
+                c._harvest(index, self.version, self.released, m, self.pinned, self.members, self.pending_pinned)
+
+    def drain(self) -> None:
+        """Pinned groups hold the rest of the batch: stop admitting, abort every unpinned sample."""
+        c = self.c
+        self.fill = False
+        aborted = [rid for rid, (i, _) in self.running.items() if i not in self.pinned]
+        for rid in aborted:
+            index, j = self.running.pop(rid)
+            c.engines[self.engine_of.pop(rid)].abort([rid])
+            c.live[index].samples[j].status = SampleStatus.RESUMED
+        self.queue = collections.deque((i, j) for i, j in self.queue if i in self.pinned)
+
+    def replace_filtered(self) -> None:
+        """Sync + dynamic sampling: replace each filtered group until U useful ones (or the cap)."""
+        c, cfg = self.c, self.cfg
+        target = cfg.update_groups - len(self.released)
+        if cfg.release_cap:  # never release more than the cap, in flight included
+            target = min(target, cfg.release_cap - len(self.released) - self.m.groups_filtered)
+        before = len(c.live)
+        c._admit(self.version, target)
+        self.queue.extend(c._entries(list(c.live)[before:]))
+
+    # ---- when it ends -------------------------------------------------------------------
+    def pending_pinned(self) -> int:
+        return sum(1 for i in self.pinned if i in self.c.live)
+
+    def at_cap(self) -> bool:
+        """Dynamic sampling's oversampling cap reached: as many groups released, useful or filtered."""
+        cap = self.cfg.release_cap
+        return bool(cap) and len(self.released) + self.m.groups_filtered >= cap
+
+    def done(self) -> bool:
+        cfg, useful = self.cfg, len(self.released)
+        if cfg.mode == "sync":
+            return not self.c.live
+        if self.members is not None:
+            return not any(i in self.c.live for i in self.members)
+        if useful >= cfg.batch_bound:
+            return True
+        if self.pending_pinned():
+            return False
+        if self.at_cap():
+            return True  # oversampling cap: train on the useful groups there are, none included (step skipped)
+        if useful == 0:
+            return False
+        if cfg.token_budget and self.tokens >= cfg.token_budget:
+            return True
+        return useful >= cfg.update_groups
+
+    def end(self) -> tuple[list[Group], PhaseMetrics]:
+        """Abort what still runs (kept or discarded by mode), advance the clock, fill in the phase's metrics."""
+        c, m = self.c, self.m
+        c._end_phase(self.running, self.engine_of, m)
+        end = max(self.times) if self.times else c.clock
+        m.duration = end - c.clock
+        m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0
+        m.slot_time_total = sum(e.slots for e in c.engines) * m.duration
+        c.clock = end
+        m.buffer_groups = len(c.live)
+        m.prompts_discarded_twice = sum(1 for g in c.live.values() if g.discards >= 2) + sum(
+            1 for q in (c.requeued, c.long_queue) for _, d, _ in q if d >= 2)
+        return c.batch_order(self.released), m
