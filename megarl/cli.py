@@ -34,6 +34,7 @@ from megarl.config.validate.model import model_config
 from megarl.config.validate.prelaunch import checked_config
 from megarl.distributed.bootstrap import detect, init_distributed
 from megarl.launch.plan import main as plan_main
+from megarl.logging.console import configure as configure_console
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -53,6 +54,7 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    configure_console()
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
     if argv[:1] in (["train"], ["demo"], ["eval"]) and any(a in ("-h", "--help") for a in argv[1:]):

@@ -16,6 +16,7 @@ head, not a policy); ``step_N/reference`` is evaluated, as what it is: the froze
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +27,9 @@ from megarl.engines.protocol import GenerationRequest
 from megarl.rollout.evaluate import evaluate
 from megarl.session import build_session
 from megarl.weight_sync.protocol import sync_weights
+
+log = logging.getLogger(__name__)
+
 
 NO_EVAL_PATH = "megarl eval needs data.eval_path (the held-out prompts) when data.path is set"
 """Why a dataset run has nothing to evaluate on: ``megarl eval`` refuses with it, ``megarl train`` says it once."""
@@ -95,7 +99,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     note = checkpoint_note(kind, path)
     s = build_session(cfg)
     if note and s.is_main:
-        print(f"megarl eval: note: {note}", flush=True)
+        log.info(f"megarl eval: note: {note}")
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
         sync_weights(s.engine, s.trainer, cfg.sync, version=0)  # the loop's protocol: streamed, all or nothing

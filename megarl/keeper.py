@@ -37,6 +37,7 @@ with ``EXIT_REQUEUE`` after dumping every thread's stack (``megarl/distributed/w
 
 from __future__ import annotations
 
+import logging
 import pickle
 import traceback
 
@@ -54,6 +55,9 @@ from megarl.distributed.watchdog import start as start_watchdog
 from megarl.engines.vllm_engine import EngineRestartRefused
 from megarl.testing.faults import injected, kill_checkpoint_writer, set_step
 from megarl.weight_sync.protocol import sync_weights
+
+log = logging.getLogger(__name__)
+
 
 EXIT_REQUEUE = 75
 """``megarl train``'s exit status when an engine fault stopped the run (``StopRun``: ``engine.max_restarts`` failures
@@ -78,8 +82,8 @@ class BadSteps:
         self.in_a_row += 1
         self.total += 1
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
-                  f"({self.in_a_row} in a row)", flush=True)
+            log.info(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
+                     f"({self.in_a_row} in a row)")
         if self.limit and self.in_a_row >= self.limit:
             return (f"step {step}: {self.in_a_row} steps in a row with a non-finite {', '.join(what)} "
                     f"(train.max_bad_steps={self.limit}); stopping")
@@ -108,7 +112,7 @@ class RunKeeper:
         start is kept, and the processes the session starts inherit the block; see ``distributed.signals``)."""
         self.s, self.cfg = s, s.cfg
         t = s.cfg.train
-        self.say = print if s.is_main else (lambda *a, **k: None)
+        self.say = log.info if s.is_main else (lambda *a, **k: None)
         if not isinstance(s.controller.next_prompt, IndexedSource):
             s.controller.next_prompt = IndexedSource(s.controller.next_prompt)
         self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
@@ -173,7 +177,7 @@ class RunKeeper:
         if injected("checkpoint_writer_dies"):
             kill_checkpoint_writer()
         if why := drop_dead_checkpoint_writer():
-            print(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}", flush=True)
+            log.info(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}")
         if injected("checkpoint_writer_dies_mid_save"):
             kill_checkpoint_writer()
         try:
@@ -317,7 +321,7 @@ class RunKeeper:
         where = traceback.format_exception_only(exc)[-1].strip()
         limit = self.cfg.engine.max_restarts
         then = f"restart {self.failing}/{limit}" if self.failing <= limit else f"no restart left ({limit} in a row)"
-        print(f"rank {rank_and_world()[0]} {what} ({where}); {done}; {then}", flush=True)
+        log.info(f"rank {rank_and_world()[0]} {what} ({where}); {done}; {then}")
         if self.failing > limit:
             raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts={limit}); "
                           f"last: {where}") from exc

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 CPU_SOURCES = [CSRC / "cpu" / "weight_sync_ops.cpp"]
 CUDA_SOURCE = CSRC / "cuda" / "weight_sync_kernels.cu"

@@ -8,6 +8,7 @@ vLLM engine (it patches torch.cuda on CPU) → the CPU adapter for megatron-core
 from __future__ import annotations
 
 import json
+import logging
 import random
 import warnings
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from megarl.engines.memory import sleep_supported
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.logging.console import configure as configure_console
 from megarl.logging.metrics import MetricsLogger
 from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
@@ -39,6 +41,8 @@ from megarl.rollout.leader import LeaderController
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,10 +81,11 @@ def ensure_model(cfg: RunConfig) -> None:
     if (path / "config.json").is_file() or not cfg.model.make_tiny:
         return
     make_tiny_model(path, TinyShape(family=cfg.model.make_tiny), seed=cfg.model.seed)
-    print(f"model.make_tiny: made a tiny random {cfg.model.make_tiny} model at {path}", flush=True)
+    log.info(f"model.make_tiny: made a tiny random {cfg.model.make_tiny} model at {path}")
 
 
 def build_session(cfg: RunConfig) -> Session:
+    configure_console()  # (a script that builds a session without the CLI logs alike)
     # megatron-core warns at import that TE/Apex are absent (expected on CPU; the fallbacks are used).
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (are|is) not installed.*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")

@@ -15,6 +15,7 @@ torchrun). Every step calls into a room and nothing else:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -35,6 +36,8 @@ from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
 from megarl.weight_sync.protocol import sync_weights
 
+log = logging.getLogger(__name__)
+
 CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubble_ratio", "timing/gen_s",
                 "timing/train_s", "eval/pass_at_1")
 
@@ -52,8 +55,8 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
                      else s.controller.run_phase(version))  # generate, reward (at release)
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
-        print(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped",
-              flush=True)  # (its reward failures and bad rows are still logged: that is when they matter)
+        # (its reward failures and bad rows are still logged: that is when they matter)
+        log.info(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped")
         return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     updates = s.trainer.updates
@@ -88,7 +91,7 @@ def run(cfg: RunConfig) -> dict:
         make_deterministic()
     preemption = Preemption()  # before the session (minutes at scale): a signal while it starts is kept
     s = build_session(cfg)
-    say = print if s.is_main else (lambda *a, **k: None)
+    say = log.info if s.is_main else (lambda *a, **k: None)
     keeper = RunKeeper(s, preemption)
     steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
     if not steps:

@@ -94,8 +94,8 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     from megarl.algo.losses import ppo_clip_loss, value_loss
     from megarl.config.schema import OptimConfig
-    from megarl.distributed import parallel
     from megarl.models.hf_config import num_experts
+    from megarl.trainer import model as trainer_model
     from megarl.trainer.export import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
@@ -130,7 +130,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
             json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"], "metrics": metrics,
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
-                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(parallel._SAID), "grad_norms": norms}, f)
+                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(trainer_model._SAID), "grad_norms": norms}, f)
     dist.barrier()
     # gloo's threads ended before the interpreter's teardown: once in a full suite run, a rank left to exit with
     # them alive aborted ("terminate called without an active exception", SIGABRT) after writing its results

@@ -73,7 +73,7 @@ def test_nccl_transport_and_replica_devices_are_refused_without_cuda():
     cfg = load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=nccl"])
     with pytest.raises(ConfigError, match=r"sync.transport=nccl needs CUDA .*use sync.transport=gloo"):
         validate(cfg, 2)
-    with pytest.raises(ConfigError, match=r"sync.transport must be 'gloo' or 'nccl', got 'tcp'"):
+    with pytest.raises(ConfigError, match=r"sync.transport must be one of 'gloo', 'nccl'; got 'tcp'"):
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "sync.transport=tcp"]), 1)
     with pytest.raises(ConfigError, match=r"engine.replica_devices='0,1' names CUDA devices, but CUDA is absent"):
         validate(load_config("configs/demo.yaml", ["engine.placement=disaggregated", "engine.replica_devices=0,1"]), 1)

@@ -135,7 +135,7 @@ def test_errors_name_the_problem_before_any_output(tmp_path, capsys):
     model = make_hf_model(tmp_path / "model", "llama_tied_llama3", seed=1)
     to_mcore = ["hf-to-mcore", "--hf", model, "--out", tmp_path / "out"]
     fails(tmp_path, capsys, [*to_mcore, "--tp", 3], "--tp 3 must divide", "valid: [1, 2]")
-    fails(tmp_path, capsys, [*to_mcore, "--pp", 3], "--pp 3", "valid pp × vpp: [1, 2, 4]")
+    fails(tmp_path, capsys, [*to_mcore, "--pp", 3], "--pp 3", "valid: [1, 2, 4]")
     fails(tmp_path, capsys, [*to_mcore, "--ep", 2], "--ep 2 needs an MoE model")
     fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", model, "--out", tmp_path / "out"], "not a megatron dist checkpoint")
     fails(tmp_path, capsys, ["hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out"],

@@ -13,7 +13,7 @@ from megarl.config import ConfigError, load_config, validate
 
 
 def test_sleep_level_is_checked_before_launch():
-    with pytest.raises(ConfigError, match="engine.sleep_level must be 0, 1 or 2, got 3"):
+    with pytest.raises(ConfigError, match="engine.sleep_level must be one of 0, 1, 2; got 3"):
         validate(load_config(None, ["engine.sleep_level=3"]), 1)
     with pytest.raises(ConfigError, match="sync.check_every must be >= 0"):
         validate(load_config(None, ["sync.check_every=-1"]), 1)

@@ -129,10 +129,10 @@ def test_remote_replica_links_handshake_liveness_and_ending():
 def test_a_preemption_signal_ends_the_wait_for_other_nodes(monkeypatch, capsys):
     """SIGTERM while rank 0 waits for replicas (or engine hosts) on other nodes: the wait went on for its whole
     timeout (600 s by default) in silence, and Slurm then killed the job; it now ends within a second, saying why."""
+    from megarl.distributed import signals
     from megarl.engines.remote.nodes import Rendezvous
-    from megarl.testing import faults
 
-    monkeypatch.setattr(faults, "_signalled", "SIGTERM")
+    monkeypatch.setattr(signals, "_signalled", "SIGTERM")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"engine replicas \[3\] .* before SIGTERM \(preemption\) ended the wait"):
         Rendezvous("127.0.0.1").accept([3], 600)

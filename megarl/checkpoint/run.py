@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.testing.faults import kill_point
+
+log = logging.getLogger(__name__)
 
 HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weights of big models) checked by size
 _STEP = re.compile(r"^step_(\d+)$")
@@ -165,7 +168,7 @@ class RunCheckpoints:
             if not problem:
                 return path
             warnings.warn(f"checkpoint {path} is unusable: {problem}; trying the previous one", stacklevel=2)
-            print(f"warning: checkpoint {path} is unusable: {problem}; trying the previous one", flush=True)
+            log.info(f"warning: checkpoint {path} is unusable: {problem}; trying the previous one")
         return None
 
 
@@ -261,8 +264,8 @@ def start_run_dir(resume: str, run_dir: str | Path) -> None:
 
 def _say_set_aside(resume: str, run_dir: str | Path, moved: Path | None) -> None:
     if moved is not None:
-        print(f"train.resume={resume}: starting fresh in {run_dir}; the earlier run's "
-              f"{', '.join(p.name for p in sorted(moved.iterdir()))} set aside in {moved}", flush=True)
+        log.info(f"train.resume={resume}: starting fresh in {run_dir}; the earlier run's "
+                 f"{', '.join(p.name for p in sorted(moved.iterdir()))} set aside in {moved}")
 
 
 def resolve_resume(resume: str, run_dir: str | Path, keep: int) -> Path | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.watchdog import on_fire
+
+log = logging.getLogger(__name__)
 
 
 def run_unique_shm_names() -> None:
@@ -83,7 +86,7 @@ def shut_down_keeping_default_group(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as exc:  # noqa: BLE001  (a half-dead engine: the new one is what matters)
-        print(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}", flush=True)
+        log.info(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group = destroy
 

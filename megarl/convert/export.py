@@ -10,6 +10,7 @@ renamed, so a directory named ``step_<N>`` is always complete.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from megarl.convert.hf_files import ShardedWriter, copy_aux_files
 from megarl.models.hf_config import DTYPE_NAMES, num_experts, torch_dtype
 from megarl.weight_sync.streaming import StreamingSync
+
+log = logging.getLogger(__name__)
 
 
 def export_dtype(hf_cfg: dict) -> torch.dtype:
@@ -69,5 +72,5 @@ def export_policy(s, step: int, final: bool = False) -> Path | None:
         return None
     path = export_hf(s.trainer, s.cfg.model.path, Path(s.run_dir) / "hf" / f"step_{step}")
     if path is not None:
-        print(f"exported the policy as an HF checkpoint: {path}", flush=True)
+        log.info(f"exported the policy as an HF checkpoint: {path}")
     return path

@@ -14,7 +14,7 @@ from megarl.data.chat import PromptRenderer, as_messages, load_template
 from megarl.data.readers import RowStore
 from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
 
-log = logging.getLogger("megarl.data.source")
+log = logging.getLogger(__name__)
 
 
 def check_keys(store: RowStore, keys: Keys, key: str = "data.path") -> None:

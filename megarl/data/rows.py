@@ -14,7 +14,7 @@ from typing import NamedTuple
 from megarl.data.chat import PromptError
 from megarl.data.readers import MISSING, BadRow, get_field
 
-log = logging.getLogger("megarl.data.source")
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):

@@ -29,6 +29,7 @@ from megarl.data.readers import RowStore
 from megarl.data.rows import DataError, Keys, keys_of, parse_and_render
 
 log = logging.getLogger(__name__)
+
 LOG_FIRST_BAD = 5
 
 

@@ -15,7 +15,10 @@ memory: there each call is skipped, said once in the log.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 
 def on_gpu() -> bool:
@@ -125,7 +128,7 @@ def handover(session) -> Handover:
     """The run's hand-over (kept on the session), as its config asks."""
     h = getattr(session, "handover", None)
     if h is None:
-        say = print if session.is_main else (lambda *a, **k: None)
+        say = log.info if session.is_main else (lambda *a, **k: None)
         h = Handover(session.engine, session.trainer, session.cfg.engine.sleep_level,
                      session.cfg.trainer.offload_during_rollout, say)
         session.handover = h

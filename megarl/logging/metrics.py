@@ -8,12 +8,16 @@ checkpoint's step (``resume_at``), so the file reads as one uninterrupted run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 
 from megarl.checkpoint.run import write_atomic
+
+log = logging.getLogger(__name__)
+
 
 # The stable scalar names every RL step that trains the policy writes (dashboards and tests rely on them).
 STEP_SCALARS = (
@@ -85,7 +89,7 @@ class MetricsLogger:
         kept = [r for r in records if r["step"] <= step and not r.get("final")]
         dropped = sum(1 for r in records if r["step"] > step and not r.get("final"))
         if dropped and step >= 0:  # steps an earlier attempt logged after its last checkpoint: they run again
-            print(f"metrics.jsonl: {dropped} lines past step {step} dropped (those steps run again)", flush=True)
+            log.info(f"metrics.jsonl: {dropped} lines past step {step} dropped (those steps run again)")
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.jsonl = open(path, "a")
         self.writer.close()  # TensorBoard hides the dropped steps' events on purge_step

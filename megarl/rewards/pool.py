@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 from megarl.rewards.base import resolve_reward
 
 log = logging.getLogger(__name__)
+
 RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step", "scored_mean"}
 
 

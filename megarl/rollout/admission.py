@@ -32,7 +32,6 @@ class PromptItem:
     extras: dict | None = None  # the row's other columns: the reward's keyword arguments for this prompt's group
 
 
-
 @dataclass
 class LiveGroup:
     """A group in flight: its samples, its prompt, how often it was discarded, when it was first admitted."""
@@ -41,7 +40,6 @@ class LiveGroup:
     samples: list[Sample]
     discards: int = 0
     admitted_version: int = 0
-
 
 
 class PromptBuffer:

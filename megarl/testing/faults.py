@@ -34,6 +34,7 @@ when they are unset. Product code calls them at named hook points only (``inject
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import time
@@ -41,6 +42,8 @@ import time
 from megarl.compat.megatron import checkpoint_writer_process
 from megarl.distributed.collectives import rank_and_world
 from megarl.distributed.signals import signalled
+
+log = logging.getLogger(__name__)
 
 _step = 0  # the RL step being run (1-based), for the test hooks
 _seen: collections.Counter = collections.Counter()
@@ -65,8 +68,8 @@ def on_last_rank() -> bool:
 
 def hang_forever() -> None:
     """The ``engine_hang`` test hook: block like a wedged collective (sleeping, so the watchdog thread runs)."""
-    print(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT "
-          "(a test hook)", flush=True)
+    log.info(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT "
+             "(a test hook)")
     while True:
         time.sleep(3600)
 
@@ -84,8 +87,8 @@ def arm_forward_fault(model) -> None:
             if step == _step:
                 calls[step] += 1
                 if calls[step] == nth:
-                    print(f"rank {rank_and_world()[0]}: forward error injected by "
-                          f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)", flush=True)
+                    log.info(f"rank {rank_and_world()[0]}: forward error injected by "
+                             f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)")
                     raise RuntimeError("forward fault injected by MEGARL_TEST_FAULT (a test hook)")
         return inner(*args, **kwargs)
 
@@ -110,8 +113,8 @@ def kill_point(point: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     delay = os.environ.get("MEGARL_TEST_SLOW_STOP")
     if point == "checkpoint_write" and delay and signalled():
-        print(f"rank {rank_and_world()[0]}: checkpoint after {signalled()} slowed by {delay} s "
-              "(MEGARL_TEST_SLOW_STOP, a test hook)", flush=True)
+        log.info(f"rank {rank_and_world()[0]}: checkpoint after {signalled()} slowed by {delay} s "
+                 "(MEGARL_TEST_SLOW_STOP, a test hook)")
         time.sleep(float(delay))
 
 
@@ -120,7 +123,7 @@ def kill_replica(engine, k: int) -> None:
     engine has none: nothing happens)."""
     clients = getattr(engine, "clients", None) or []
     if k < len(clients):
-        print(f"engine replica {k} killed by MEGARL_TEST_FAULT (a test hook)", flush=True)
+        log.info(f"engine replica {k} killed by MEGARL_TEST_FAULT (a test hook)")
         clients[k].proc.kill()
         clients[k].proc.join(30)
 
@@ -129,8 +132,8 @@ def kill_checkpoint_writer() -> None:
     """SIGKILL megatron's checkpoint-writer Manager process of this process, if one runs (a test hook)."""
     process = checkpoint_writer_process()
     if process is not None and process.is_alive():
-        print(f"rank {rank_and_world()[0]}: checkpoint writer helper (pid {process.pid}) killed by "
-              "MEGARL_TEST_FAULT (a test hook)", flush=True)
+        log.info(f"rank {rank_and_world()[0]}: checkpoint writer helper (pid {process.pid}) killed by "
+                 "MEGARL_TEST_FAULT (a test hook)")
         process.kill()
         process.join(10)
 

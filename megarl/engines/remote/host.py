@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import signal
@@ -36,6 +37,10 @@ from pathlib import Path
 from megarl.config import ConfigError, load_config
 from megarl.engines.remote import reaper
 from megarl.engines.remote.nodes import accept_within, serve_remote, waited
+from megarl.logging.console import configure as configure_console
+
+log = logging.getLogger(__name__)
+
 
 RENDEZVOUS_FILE = "engine_hosts.json"
 
@@ -199,8 +204,8 @@ def _on_sigterm(signum, frame) -> None:
     if _noticed:  # Slurm repeats it (at the end of GraceTime, then before its SIGKILL)
         return
     _noticed = True
-    print("megarl: replica host: SIGTERM while linked to trainer rank 0: serving on until rank 0 (which checkpoints "
-          "first) ends its link", flush=True)
+    log.info("megarl: replica host: SIGTERM while linked to trainer rank 0: serving on until rank 0 (which checkpoints "
+             "first) ends its link")
 
 
 def serve_host(conn, node: int, name: str) -> None:
@@ -213,8 +218,8 @@ def serve_host(conn, node: int, name: str) -> None:
             try:
                 cmd, arg = conn.recv()
             except (EOFError, OSError):
-                print(f"megarl: replica host on node {node} ({name}): trainer rank 0's link ended; ending replicas "
-                      f"{sorted(procs)}", flush=True)
+                log.info(f"megarl: replica host on node {node} ({name}): trainer rank 0's link ended; ending replicas "
+                         f"{sorted(procs)}")
                 _end(procs, grace_s=0.0)
                 return
             if cmd != "spawn":
@@ -237,9 +242,9 @@ def serve_host(conn, node: int, name: str) -> None:
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 continue
             pids = {k: p.pid for k, p in procs.items()}
-            print(f"megarl: replica host on node {node} ({name}): spawned replicas {pids} (index: pid)"
-                  + (f"; the previous ones had exited with {ended}" if ended else "")
-                  + (f"; ended {killed} at rank 0's word" if killed else ""), flush=True)
+            log.info(f"megarl: replica host on node {node} ({name}): spawned replicas {pids} (index: pid)"
+                     + (f"; the previous ones had exited with {ended}" if ended else "")
+                     + (f"; ended {killed} at rank 0's word" if killed else ""))
             conn.send(("spawned", pids))
     finally:
         _end(procs)
@@ -259,6 +264,7 @@ def node_of(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     ap = argparse.ArgumentParser(prog="python -m megarl.engines.remote.host",
                                  description="Run the engine replicas of one dedicated engine node for trainer rank 0.")
     ap.add_argument("--config")
@@ -284,12 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarl: replica host on {name}: {exc}", file=sys.stderr)
         return 2
     path = rendezvous_path(cfg.train.run_dir)
-    print(f"megarl: replica host on node {node} ({name}), pid {os.getpid()}: waiting for trainer rank 0 in {path}",
-          flush=True)
+    log.info(f"megarl: replica host on node {node} ({name}), pid {os.getpid()}: waiting for trainer rank 0 in {path}")
     conn, rank0 = connect(path, args.wait_s)
     conn.send(("host", node, name, os.getpid()))
     _linked = True
-    print(f"megarl: replica host on node {node} ({name}): linked to trainer rank 0 at {rank0}", flush=True)
+    log.info(f"megarl: replica host on node {node} ({name}): linked to trainer rank 0 at {rank0}")
     serve_host(conn, node, name)
     return 0
 

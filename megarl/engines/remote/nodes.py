@@ -27,6 +27,7 @@ With ``engine.replica_nodes_dedicated`` those nodes run no trainer rank: a repli
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +38,8 @@ from multiprocessing.connection import Client, Listener
 from megarl.config.validate.layout import check_replica_nodes_fit, check_replica_share
 from megarl.distributed.signals import signalled
 from megarl.engines.remote.process import serve
+
+log = logging.getLogger(__name__)
 
 
 def node_index(rank: int) -> int:
@@ -171,8 +174,8 @@ def accept_within(listener, address: tuple, count: int, timeout_s: float, greet,
         elapsed = time.monotonic() - start
         if thread.is_alive() and elapsed >= note_at:
             note_at += 60.0
-            print(f"megarl: {name}: {len(got)} of {count} connected after {elapsed:.0f}s (waiting up to "
-                  f"{timeout_s:.0f}s)", flush=True)
+            log.info(f"megarl: {name}: {len(got)} of {count} connected after {elapsed:.0f}s (waiting up to "
+                     f"{timeout_s:.0f}s)")
     stop.set()
     if thread.is_alive():
         try:

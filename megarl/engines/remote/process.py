@@ -34,6 +34,7 @@ from megarl.engines.remote.messages import (
 )
 from megarl.engines.vllm_engine import VLLMEngine, sampled_logprobs
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
+from megarl.logging.console import configure as configure_console
 
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -87,6 +88,7 @@ class _WorkersFailed(Exception):
 
 def serve(conn, spec: dict) -> None:
     """A replica's main loop: one command from the trainer at a time (see the module docstring)."""
+    configure_console()
     try:
         llm = _llm(spec)
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer, which names the replica)

@@ -28,6 +28,7 @@ rank 0 over TCP (``nodes``); starting and restarting them is then collective. En
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import multiprocessing as mp
 import socket
@@ -45,6 +46,8 @@ from megarl.engines.remote.messages import Close, Generate, InitTransfer, RecvRa
 from megarl.engines.remote.process import serve
 from megarl.engines.remote.transfer import GlooSender, join_group
 from megarl.engines.weight_update import EngineUnusable, SyncError, WeightLoadError
+
+log = logging.getLogger(__name__)
 
 
 class EngineReplicas:
@@ -165,7 +168,7 @@ class EngineReplicas:
                 c = ReplicaClient(k, conn, proc, self._args["slots"])
             self.clients.append(c)
             if isinstance(proc, nodes.RemoteProcess):
-                print(f"megarl: engine replica {k}: {nodes.where(proc)}", flush=True)
+                log.info(f"megarl: engine replica {k}: {nodes.where(proc)}")
         for c in self.clients:
             if not c.conn.poll(start_timeout_s):
                 raise RuntimeError(f"engine replica {c.index} ({nodes.where(c.proc)}) did not start within "

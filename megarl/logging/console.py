@@ -1,0 +1,34 @@
+"""megarl's console: every module logs through ``logging.getLogger(__name__)``; ``configure`` sends the ``megarl``
+loggers to the terminal, one plain line per record (what a user reads in a job's log): INFO to stdout, WARNING and
+above to stderr. Called by every entry point (the CLI, a session's build, a replica process, a replica host);
+idempotent. The step's progress line is the metrics logger's own (``metrics.MetricsLogger.progress``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def configure(level: int = logging.INFO) -> None:
+    """Attach megarl's two console handlers once per process (stdout below WARNING, stderr from it)."""
+    root = logging.getLogger("megarl")
+    root.setLevel(level)
+    if any(getattr(h, "megarl_console", False) for h in root.handlers):
+        return
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(_Below(logging.WARNING))
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.megarl_console = True
+        root.addHandler(handler)
