@@ -133,7 +133,7 @@ def build_session(cfg: RunConfig) -> Session:
     # colocated: every rank's controller scores in lockstep, so one rank scores for all; disaggregated: only
     # rank 0 runs the controller (LeaderController) and shares the scored phase
     lockstep = cfg.engine.placement == "colocated"
-    score = group_scorer(tokenizer, shared_rewards(rewards) if lockstep else rewards, feed.take_extras)
+    score = group_scorer(tokenizer, shared_rewards(rewards) if lockstep else rewards)
     stateful = {}
     if d.pool_size:
         pool = task.next_problems(d.pool_size)

@@ -1,43 +1,46 @@
-"""Shared fixtures and markers.
+"""Markers, by what a test needs (each folder's tests carry its marker; ``tests/README.md``):
 
-Markers: ``gpu`` (needs CUDA; skipped here), ``slow`` (long; run with ``-m slow``).
-Engine and distributed tests run their real stack in a subprocess, one per model
-or layout, because megatron-core and vLLM keep process-global state.
+- ``unit``: pure Python and torch, no engine, one process (``tests/unit/``);
+- ``engine``: the real vLLM CPU engine (``tests/engine/``);
+- ``distributed``: two or more processes on gloo, megatron-core (and vLLM) across them (``tests/distributed/``);
+- ``cluster``: a real Slurm, Open MPI, network namespaces or shellcheck (``tests/cluster/``);
+- ``gpu``: needs CUDA, skipped without it (``tests/gpu/``, and single tests elsewhere);
+- ``slow``: long; ``make test`` leaves them out (``-m "not slow"``), ``make test-all`` runs them.
+
+Engine and distributed tests run their real stack in a subprocess (``helpers.scripts.run_script`` on a script
+of ``tests/workers/``), one per model or layout, because megatron-core and vLLM keep process-global state.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.* (under any import mode)
+
+FOLDERS = {"unit": "pure Python and torch, one process", "engine": "the real vLLM CPU engine",
+           "distributed": "two or more processes on gloo", "cluster": "Slurm, MPI, network namespaces, shellcheck",
+           "gpu": "needs a CUDA GPU"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    for name, what in FOLDERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
     config.addinivalue_line("markers", "slow: long-running; selected with -m slow")
 
 
 def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().relative_to(root).parts[0]
+        if folder in FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def run_script(args: list[str], timeout: int = 900, env: dict | None = None) -> dict:
-    """Run a helper script in a fresh interpreter; it prints one JSON object as its last line."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    last = [line for line in proc.stdout.splitlines() if line.startswith("{")][-1]
-    return json.loads(last)

@@ -133,7 +133,7 @@ def run_dir_of(ckpt: Path) -> Path | None:
 
 def launch_dir_of(run: Path) -> Path | None:
     """The directory a run was launched from, when its ``config.json`` records ``train.run_dir`` relative:
-    the run dir's absolute path less those trailing parts (``/work/x/runs/a`` recorded as ``runs/a`` → ``/work/x``)."""
+    the run dir's absolute path less those trailing parts (``/home/u/x/runs/a`` recorded as ``runs/a`` → ``/home/u/x``)."""
     try:
         recorded = Path(json.loads((run / "config.json").read_text())["train"]["run_dir"])
     except (OSError, ValueError, KeyError, TypeError):

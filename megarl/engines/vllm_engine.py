@@ -146,8 +146,8 @@ class VLLMEngine:
     def drop_held_requests(self) -> None:
         """Abort every request vLLM still holds after a ``generate`` that raised. vLLM leaves that batch in its
         scheduler (already scheduled, never updated): it keeps its slots and KV blocks, and the next phase's
-        requests then wait behind it while each engine step schedules nothing and returns no token (the
-        fresh-user trial's silent spin after an evaluation gave up on a failing engine)."""
+        requests then wait behind it while each engine step schedules nothing and returns no token (a silent spin
+        after an evaluation gave up on a failing engine)."""
         try:
             engine = self.llm.llm_engine
             held = list(engine.output_processor.request_states)

@@ -45,7 +45,7 @@ CHATML_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyShape:
-    """The shape of a tiny model; defaults fit the 2-core CPU machine."""
+    """The shape of a tiny model; defaults fit a small CPU machine (the demo and the tests)."""
 
     family: str = "qwen3_moe"
     vocab_size: int = 384

@@ -21,28 +21,16 @@ class PromptFeed:
 
     def __init__(self, prompts) -> None:
         self.prompts = prompts
-        self.pending: dict[str, list[dict]] = {}  # only from a checkpoint written before extras rode on the items
 
     def __call__(self) -> PromptItem:
         p = self.prompts.next()
         return PromptItem(p.index, p.ids, p.text, p.answer, key=p.key, extras=p.extras)
 
-    def take_extras(self, group: Group) -> dict:
-        """The extras of a group without its own (restored from an older checkpoint): its prompt text's."""
-        queue = self.pending.get(group.prompt_text)
-        if not queue:
-            return {}
-        extras = queue.pop(0)
-        if not queue:
-            del self.pending[group.prompt_text]
-        return extras
-
-    def state_dict(self) -> dict:  # (an older checkpoint's text-keyed extras, until its groups are scored)
-        return {"source": self.prompts.state_dict(), **({"pending": self.pending} if self.pending else {})}
+    def state_dict(self) -> dict:
+        return {"source": self.prompts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["source"])
-        self.pending = {k: list(v) for k, v in state.get("pending", {}).items()}
 
 
 def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], object] | None = None
@@ -58,15 +46,13 @@ def pool_prompt_source(pool: list, tokenizer, seed: int, draw: Callable[[], obje
     return next_prompt
 
 
-def group_scorer(tokenizer, rewards: RewardPool, extras_of: Callable[[Group], dict] | None = None
-                 ) -> Callable[[Group], None]:
-    """Decode each sample of a released group and fill in its reward (the row's extras as keyword args: the group's
-    own, else ``extras_of(group)``)."""
+def group_scorer(tokenizer, rewards: RewardPool) -> Callable[[Group], None]:
+    """Decode each sample of a released group and fill in its reward (its row's extra columns as keyword args)."""
 
     def score(group: Group) -> None:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        row = group.extras if group.extras is not None else extras_of(group) if extras_of is not None else {}
+        row = group.extras or {}
         scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r

@@ -7,7 +7,7 @@ when they are unset. Product code calls them at named hook points only (``inject
   model files of a run checkpoint, before its manifest).
 - ``MEGARL_TEST_SLOW_STOP=SECONDS`` — a checkpoint saved after this process received a preemption signal sleeps
   SECONDS at ``checkpoint_write`` (its model files written, its manifest not yet): a checkpoint that takes longer
-  than Slurm's GraceTime, so that the SIGKILL lands mid-save (``tests/test_slurm.py``).
+  than Slurm's GraceTime, so that the SIGKILL lands mid-save (``tests/cluster/test_slurm.py``).
 - ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
   gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
   only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
@@ -28,7 +28,7 @@ when they are unset. Product code calls them at named hook points only (``inject
 - ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
   1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
   at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
-  around the step can reach (``tests/test_watchdog.py``).
+  around the step can reach (``tests/distributed/test_watchdog.py``).
 """
 
 from __future__ import annotations

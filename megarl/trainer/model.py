@@ -314,7 +314,7 @@ def moe_dispatcher_for(requested: str, ps: ParallelState, backend: str = "",
     """The MoE token dispatcher that can run here: megatron's ``alltoall`` at EP > 1 × expert TP > 1 all-gathers
     uneven token counts over the expert TP group (``dispatch_postprocess``), which gloo refuses
     ("ProcessGroupGloo::allgather: invalid tensor size"); there ``allgather`` runs instead (same logprobs and
-    step, measured: tests/test_parallel.py), said once on rank 0. ``flex`` needs DeepEP (GPU only).
+    step, measured: tests/distributed/test_parallel.py), said once on rank 0. ``flex`` needs DeepEP (GPU only).
     ``backend`` '': the default group's."""
     if not backend and dist.is_initialized():
         backend = dist.get_backend()

@@ -1,0 +1,53 @@
+"""Rank bootstrap: what each launcher's environment means, without starting anything (pure Python)."""
+
+import subprocess
+import sys
+
+from helpers.scripts import ROOT
+from megarl.distributed.bootstrap import detect, tasks_per_node
+
+
+def test_torchrun_environment_wins():
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+           "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}
+    got = detect(env)
+    assert (got.source, got.rank, got.world_size, got.local_rank, got.local_world_size) == ("torchrun", 3, 4, 1, 2)
+    assert (got.master_addr, got.master_port) == ("10.0.0.1", 29500)
+
+
+def test_srun_direct_takes_rank_from_slurm_and_port_from_the_job():
+    env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x3),2", "SLURM_JOB_ID": "1234", "MASTER_ADDR": "10.1.1.1"}
+    got = detect(env)
+    assert (got.source, got.rank, got.world_size, got.local_rank, got.local_world_size) == ("slurm", 5, 8, 1, 2)
+    assert got.master_addr == "10.1.1.1" and got.master_port == 20000 + 1234
+    assert detect({**env, "MASTER_PORT": "4242"}).master_port == 4242
+
+
+def test_the_batch_shell_alone_is_a_single_process():
+    # sbatch's shell: SLURM_PROCID=0 and SLURM_NTASKS, but no step of several tasks.
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    assert detect(env).source == "single" and detect({}).world_size == 1
+
+
+def test_mpirun_inside_an_allocation_is_mpi_not_slurm():
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+    got = detect(env)
+    assert (got.source, got.rank, got.world_size, got.local_rank, got.local_world_size) == ("mpi", 1, 2, 1, 2)
+    hydra = detect({"PMI_RANK": "0", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "3"})
+    assert (hydra.source, hydra.world_size, hydra.local_world_size) == ("mpi", 3, 3)
+    pmix = detect({"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"})
+    assert (pmix.source, pmix.rank, pmix.world_size) == ("mpi", 1, 2)
+
+
+def test_tasks_per_node_expands_slurms_counts():
+    assert tasks_per_node("4(x2),3") == [4, 4, 3] and tasks_per_node("1") == [1]
+
+
+def test_launch_modules_import_neither_torch_nor_mpi4py():
+    code = ("import sys, megarl.distributed.bootstrap, megarl.launch.plan, megarl.distributed.bootstrap as b; b.detect(); "
+            "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,48 @@
+"""Sleep mode and trainer offload around the loop's phases (``megarl/engines/memory.py``).
+
+On CPU vLLM has no sleep mode and the trainer's state is in host memory: the calls are skipped
+with one log line each and the run's results are unchanged. The real path is ``gpu``-marked.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.scripts import run_script
+from megarl.config import ConfigError, load_config, validate
+
+
+def test_sleep_level_is_checked_before_launch():
+    with pytest.raises(ConfigError, match="engine.sleep_level must be one of 0, 1, 2; got 3"):
+        validate(load_config(None, ["engine.sleep_level=3"]), 1)
+    with pytest.raises(ConfigError, match="sync.check_every must be >= 0"):
+        validate(load_config(None, ["sync.check_every=-1"]), 1)
+    assert load_config(None, ["trainer.offload_during_rollout=true"]).trainer.offload_during_rollout
+
+
+def test_cpu_skips_sleep_and_offload_with_one_line_each():
+    from megarl.engines.memory import Handover
+
+    lines = []
+    h = Handover(object(), object(), sleep_level=2, offload=True, log=lines.append)
+    for _ in range(3):
+        h.to_train()
+        h.to_generate()
+    assert len(lines) == 2
+    assert "engine.sleep_level=2" in lines[0] and "skipped" in lines[0]
+    assert "trainer.offload_during_rollout" in lines[1] and "skipped" in lines[1]
+    assert not h.sleep.asleep and not h.offload.offloaded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_and_restores_engine_memory_with_equal_outputs(tmp_path, level):
+    r = run_script(["tests/workers/memory_checks.py", str(tmp_path), str(level)])
+    assert r["freed_bytes"] > 0.5 * r["weights_bytes"]  # weights (and KV) left the device while asleep
+    assert r["same_tokens"] and r["max_logprob_diff"] <= 1e-5  # and came back (level 2: from the sync)
+
+
+@pytest.mark.gpu
+def test_trainer_offload_moves_state_to_host_and_back_with_equal_results(tmp_path):
+    r = run_script(["tests/workers/memory_checks.py", str(tmp_path), "offload"])
+    assert r["freed_bytes"] > 0 and r["losses_equal"]

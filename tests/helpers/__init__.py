@@ -1,0 +1,1 @@
+"""What the tests and their worker scripts share (imported as ``helpers.*``: tests/ is on their path)."""

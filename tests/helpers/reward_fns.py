@@ -1,0 +1,25 @@
+"""User reward functions the reward tests name by dotted path (``helpers.reward_fns:NAME``); they run in the pool."""
+
+import os
+import time
+
+
+def hang_or_raise(response: str, answer: str, **_) -> float:
+    """Sleeps forever on 'hang', raises on 'boom', dies on 'exit'; otherwise 1.0 when response == answer."""
+    if response == "hang":
+        time.sleep(10**6)
+    if response == "boom":
+        raise RuntimeError("a bad row")
+    if response == "exit":
+        os._exit(3)
+    return 1.0 if response == answer else 0.0
+
+
+def with_extras(response: str, answer: str, difficulty: int, source: str = "") -> dict:
+    """A dict result that uses row extras: ``score`` plus ``difficulty`` and a ``long`` flag."""
+    return {"score": float(response.strip() == answer) * (2.0 if source == "olympiad" else 1.0),
+            "difficulty": difficulty, "long": float(len(response) > 10)}
+
+
+def not_a_number(response: str, answer: str, **_):
+    return "high"

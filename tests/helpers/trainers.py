@@ -1,0 +1,77 @@
+"""Trainer set-ups the worker scripts share: the parallel layouts they run, a fixed batch, a trainer at a layout."""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = {
+    "single": dict(),
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_sp_etp1": dict(tp=2, etp=1, sequence_parallel=True),
+    "tp2_full_logits": dict(tp=2, logprob_chunk=0),
+    "single_aux_loss": dict(moe_aux_loss_coeff=0.1),
+    "single_z_loss": dict(moe_z_loss_coeff=0.1),
+    "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
+    # one microbatch of 8 rows; interleaving pads a second, all-padding one (PP=2 microbatches)
+    "single_mbs8": dict(micro_batch_size=8),
+    "pp2_vpp2_mbs8": dict(pp=2, vpp=2, micro_batch_size=8),
+    "dp2": dict(),
+    # a batch of one row on two data-parallel ranks (a dynamic-sampling step with few useful samples, or a
+    # mini-batch smaller than DP): the rank without a row gets a padding row instead of failing in the schedule
+    "single_one_row": dict(rows=1),
+    "dp2_one_row": dict(rows=1),
+    "ep2_alltoall": dict(ep=2, moe_dispatcher="alltoall"),
+    "ep2_allgather": dict(ep=2, moe_dispatcher="allgather"),
+    # four processes (torchrun --nproc-per-node 4): combined layouts (PP × DP)
+    "ep2_pp2": dict(ep=2, pp=2),
+    "ep2_pp2_mbs8": dict(ep=2, pp=2, micro_batch_size=8),
+    "ep2_tp2": dict(ep=2, tp=2, sequence_parallel=True),
+    "ep2_tp2_etp1": dict(ep=2, tp=2, etp=1, sequence_parallel=True),
+    # expert TP 2 asking for alltoall: on gloo megarl runs the allgather dispatcher (trainer/parallel.py)
+    "ep2_tp2_etp2": dict(ep=2, tp=2, etp=2, sequence_parallel=True, moe_dispatcher="alltoall"),
+}
+
+
+def fixed_batch(vocab: int, n: int = 8, prompt: int = 5, seq: int = 20):
+    from megarl.algo.batch import build_batch
+
+    g = torch.Generator().manual_seed(1234)
+    prompts, responses, logps = [], [], []
+    for i in range(n):
+        length = 4 + (i * 5) % (seq - prompt - 3)
+        prompts.append(torch.randint(2, vocab, (prompt,), generator=g).tolist())
+        responses.append(torch.randint(2, vocab, (length,), generator=g).tolist())
+        logps.append((-torch.rand(length, generator=g) - 2.5).tolist())
+    adv = (torch.rand(n, generator=g) * 2 - 1).tolist()
+    return build_batch(prompts, responses, logps, adv, loss_agg="token_mean", seq_len=seq)
+
+
+def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
+    """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
+
+    Logprobs come from hidden states in chunks of 8 positions (several chunks per sequence),
+    or from full vocab-parallel logits where the layout says ``logprob_chunk=0``. A layout's
+    OptimConfig keys (router losses, chunking) go to the optimizer config.
+    """
+    import dataclasses
+
+    from megarl.compat.megatron import activate_cpu
+    from megarl.distributed.parallel import build_parallel_state
+    from megarl.models.hf_config import read_hf_config
+    from megarl.trainer.policy import PolicyTrainer
+
+    spec = dict(LAYOUTS[layout])
+    spec.pop("rows", None)
+    dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    optim_keys = {f.name for f in dataclasses.fields(optim)}
+    optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
+    ps = build_parallel_state(**spec)
+    activate_cpu()
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = read_hf_config(model_dir)
+    return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head)

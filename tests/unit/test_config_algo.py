@@ -1,0 +1,129 @@
+"""``algo.*`` config: presets apply where they are given, and out-of-range or contradictory keys stop the run
+before launch (megarl/config/presets.py, megarl/config/validate/algo.py). Pure config: fast."""
+
+import dataclasses
+import sys
+
+import pytest
+
+from helpers.scripts import ROOT
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.presets import PRESETS
+from megarl.models.tiny import TinyShape, hf_config
+
+
+def say(text: str) -> None:  # what the CLI passes in the process that speaks for the job
+    print(text, file=sys.stderr)
+
+MOE = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_preset_on_the_command_line_replaces_the_files_algo_keys(preset, capsys):
+    """README: `megarl demo algo.preset=NAME` runs that preset although configs/demo.yaml sets GRPO's keys."""
+    got = load_config(DEMO, [f"algo.preset={preset}"], say=say).algo
+    assert dataclasses.asdict(got) == dataclasses.asdict(load_config(None, [f"algo.preset={preset}"]).algo)
+    for key, value in PRESETS[preset].items():
+        assert getattr(got, key) == value, key
+    err = capsys.readouterr().err
+    assert f"algo.preset={preset}" in err and f"algo.clip_high=0.28 ({DEMO})" in err  # says what it replaced
+    validate(load_config(DEMO, [f"algo.preset={preset}"]), 1, MOE)
+
+
+def test_preset_on_the_demo_runs_ppo_and_later_keys_win(capsys):
+    a = load_config(DEMO, ["algo.preset=ppo"]).algo
+    assert (a.advantage, a.whiten_advantages, a.kl_coef, a.clip_high) == ("gae", True, 0.001, 0.2)
+    a = load_config(DEMO, ["algo.preset=ppo", "algo.clip_high=0.3"]).algo
+    assert a.advantage == "gae" and a.clip_high == pytest.approx(0.3)
+    a = load_config(DEMO, ["algo.clip_high=0.3", "algo.preset=ppo"], say=say).algo  # an earlier override too
+    assert a.clip_high == pytest.approx(0.2)
+    assert "algo.clip_high=0.3 (override 'algo.clip_high=0.3')" in capsys.readouterr().err
+
+
+def test_keys_in_the_presets_own_layer_win(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("algo:\n  preset: dapo\n  clip_high: 0.3\n")
+    a = load_config(path, ["algo.kl_coef=0.01"], say=say).algo
+    assert a.dynamic_sampling and a.clip_high == pytest.approx(0.3) and a.kl_coef == pytest.approx(0.01)
+    assert capsys.readouterr().err == ""  # nothing earlier was replaced
+    with pytest.raises(ConfigError, match=r"override 'algo.preset=PPO': algo.preset 'PPO' is not known; valid: grpo"):
+        load_config(path, ["algo.preset=PPO"])
+
+
+def test_the_note_is_said_once_per_job_not_by_each_torchrun_worker(monkeypatch, capsys):
+    """The CLI says the note in the process that speaks for the job (the launcher, or rank 0 of an srun/mpirun job),
+    not again in each worker; ``load_config`` itself says nothing unless given ``say``."""
+    from megarl.cli import main as cli_main
+
+    load_config(DEMO, ["algo.preset=ppo"])
+    assert capsys.readouterr().err == ""
+    refused = ["train", "--config", str(DEMO), "algo.preset=ppo", "rollout.samples_per_prompt=1"]  # after the load
+    assert cli_main(refused) == 2
+    assert "algo.preset=ppo" in capsys.readouterr().err
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli_main(refused) == 2
+    err = capsys.readouterr().err
+    assert "replaces the algo keys" not in err and "samples_per_prompt" in err
+
+
+def test_ppo_value_targets_use_its_lambda():
+    a = load_config(None, ["algo.preset=ppo"]).algo
+    assert a.lam == a.lam_critic == pytest.approx(0.95)
+    assert load_config(None, ["algo.preset=vapo"]).algo.lam_critic == 1.0  # VAPO's decoupled λ
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.kl_coef=-0.1"], r"algo.kl_coef must be >= 0 .*got -0.1"),
+    # the reviewed pitfalls: a ratio biased by the sampler's nucleus, a KL term with no expected gradient
+    (["rollout.top_p=0.95"], r"rollout.top_p=0.95 with algo.tis=none: .*nucleus.*Set rollout.top_p=1"),
+    (["algo.preset=gspo", "rollout.top_p=0.9"], r"rollout.top_p=0.9 with algo.tis=none"),
+    (["algo.kl_coef=0.01", "algo.kl_estimator=k1"], r"algo.kl_estimator=k1 .*zero expected gradient.*Use k2"),
+    (["algo.entropy_coef=-0.01"], r"algo.entropy_coef must be >= 0 .*got -0.01"),
+    (["algo.critic_lr=-1"], r"algo.critic_lr must be > 0 .*got -1"),
+    (["algo.critic_lr=0"], r"algo.critic_lr must be > 0"),
+    (["algo.gamma=2"], r"algo.gamma must be in \[0, 1\].*got 2"),
+    (["algo.lam=1.5"], r"algo.lam must be in \[0, 1\].*got 1.5"),
+    (["algo.lam_critic=-0.1"], r"algo.lam_critic must be in \[0, 1\]"),
+    (["algo.lam=.nan"], r"algo.lam must be in \[0, 1\]"),
+    (["algo.preset=dapo", "algo.oversample_cap=0"], r"algo.oversample_cap must be >= 1 with algo.dynamic_sampling.*got 0"),
+    (["algo.dynamic_sampling=true", "algo.oversample_cap=0.5"], r"algo.oversample_cap must be >= 1"),
+    (["algo.overlong_cache=-5"], r"algo.overlong_cache must be >= 0 .*got -5"),
+    (["algo.loss_norm_tokens=-3"], r"algo.loss_norm_tokens must be >= 0 .*got -3"),
+    (["algo.value_clip=-1"], r"algo.value_clip must be >= 0 .*got -1"),
+    (["algo.clip_low=1.5"], r"algo.clip_low must be in \[0, 1\) .*got 1.5"),
+    (["algo.clip_low=1"], r"algo.clip_low must be in \[0, 1\)"),
+    (["algo.clip_high=-0.1"], r"algo.clip_high must be >= 0"),
+    (["algo.positive_nll_coef=-1"], r"algo.positive_nll_coef must be >= 0"),
+    (["algo.length_adaptive_alpha=-1"], r"algo.length_adaptive_alpha must be >= 0"),
+    (["algo.overlong_penalty=-1"], r"algo.overlong_penalty must be >= 0"),
+    (["algo.curriculum_eps=0"], r"algo.curriculum_eps must be > 0"),
+    (["algo.preset=vapo", "train.steps=2"], r"algo.critic_warmup_steps=2 must be < train.steps \(2\)"),
+    (["algo.advantage=gae", "algo.critic_warmup_steps=20"], r"algo.critic_warmup_steps=20 must be < train.steps \(20\)"),
+    (["algo.advantage=grpo", "algo.critic_warmup_steps=2"],
+     r"algo.critic_warmup_steps=2 with algo.advantage=grpo \(a group advantage: no critic is built.*skip the policy"),
+    (["algo.advantage=rloo", "algo.whiten_advantages=true"], r"algo.whiten_advantages=true with algo.advantage=rloo"),
+    (["algo.length_adaptive_alpha=0.05"], r"algo.length_adaptive_alpha=0.05 with algo.advantage=grpo"),
+    (["algo.lam=0.9", "algo.critic_lr=0.01"],
+     r"algo.lam=0.9, algo.critic_lr=0.01 with algo.advantage=grpo .*would be ignored"),
+    (["algo.preset=ppo", "algo.advantage=dr_grpo", "algo.whiten_advantages=false"],
+     r"algo.lam_critic=0.95 \(from algo.preset=ppo\).* with algo.advantage=dr_grpo"),
+    (["algo.policy_loss=gspo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=gspo"),
+    (["algo.preset=gspo", "algo.dual_clip=3"], r"algo.dual_clip.*algo.policy_loss=gspo"),
+])
+def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overrides, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 1, MOE)
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["algo.preset=ppo"], ["algo.preset=vapo"], ["algo.preset=dapo", "algo.oversample_cap=1"],
+    ["algo.preset=gspo", "algo.tis=token"], ["algo.oversample_cap=0"],  # no dynamic sampling: the cap is unused
+    ["rollout.top_p=0.9", "algo.tis=sequence"], ["algo.kl_estimator=k1", "algo.kl_coef=0"],
+    ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
+])
+def test_defaults_presets_and_edges_validate(overrides):
+    validate(load_config(None, overrides), 1, MOE)
