@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by the example launch scripts: check the layout with `megarl plan`, then submit
 # slurm/train.sbatch with the same arguments. The caller sets NODES, GPUS_PER_NODE,
-# GPU_MEM_GIB, RUN_DIR, PLAN_MODEL (array), SBATCH_ARGS (array) and ARGS (array: the flags).
+# GPU_MEM_GIB, RUN_DIR (through run_dir: made absolute), PLAN_MODEL (array), SBATCH_ARGS (array) and
+# ARGS (array: the flags).
 #   -h, --help    print the script's usage (its header comment) and stop (nothing is submitted)
 #   PLAN_ONLY=1   print the plan and stop (nothing is submitted)
 #   MODEL_ON_NODES=1  submit although MODEL_PATH has no config.json on this machine (the plan then used the
@@ -10,11 +11,40 @@
 #                 installs it, else python3)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# What every launch script reads from the environment, and the script's own default of each.
+env_help() {
+    local name what default
+    while IFS='|' read -r name what; do
+        default=$(sed -n "s/^$name=\${$name:-\([^}]*\)}.*/\1/p" "$1" | head -n 1)
+        printf '  %-15s %s%s\n' "$name" "$what" "${default:+ (default $default)}"
+    done <<'VARS'
+NODES|nodes of the job (sbatch --nodes)
+GPUS_PER_NODE|GPUs (on CPU: processes) per node
+GPU_MEM_GIB|memory per GPU (on CPU: per process) that megarl plan sizes against
+MODEL_PATH|the HF checkpoint directory, as the compute nodes see it
+RUN_DIR|the run directory (checkpoints, logs, TensorBoard); a relative one is from where you launch
+MODEL_ON_NODES|1: submit although MODEL_PATH has no config.json on this machine
+PLAN_ONLY|1: print the plan and stop (nothing is submitted)
+PYTHON|the interpreter megarl is installed in (default: the repository's .venv/bin/python, else python3)
+VARS
+}
+
+# RUN_DIR made absolute (a relative one is taken from where the script is launched), so that the job, its logs
+# and the messages below name one place, whatever directory a later job or command runs in.
+run_dir() {
+    local dir=$1
+    [[ $dir == /* ]] || dir=$PWD/$dir
+    echo "$dir"
+}
+
 # --help / -h anywhere among the script's arguments (sourcing keeps them): its header comment, then exit
 for arg in "$@"; do
     if [[ $arg == -h || $arg == --help ]]; then
         sed -n '2,/^[^#]/{/^#/!d;/shellcheck/d;s/^# \{0,1\}//;p}' "$0"
-        echo "(PLAN_ONLY=1 prints the plan alone; any key=value is passed on to megarl train)"
+        echo
+        echo "Environment (default in this script):"
+        env_help "$0"
+        echo "Any key=value is passed on to megarl train."
         exit 0
     fi
 done
@@ -25,11 +55,12 @@ if [[ -z ${PYTHON:-} ]]; then
     fi
 fi
 export PYTHON GPUS_PER_NODE
+PLAN_ARGS=()  # more megarl plan flags (tiny_cpu.sh: --cpu)
 
 submit() {
     local status=0
     "$PYTHON" -m megarl.cli plan --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" --gpu-mem-gib "$GPU_MEM_GIB" \
-        "${PLAN_MODEL[@]}" "${ARGS[@]}" || status=$?
+        "${PLAN_MODEL[@]}" "${PLAN_ARGS[@]}" "${ARGS[@]}" || status=$?
     if ((status == 1)) && ! "$PYTHON" -c 'import megarl.launch.plan, torch' 2>/dev/null; then
         # exit 1 is also Python's for a crash: an interpreter that cannot import megarl did not plan anything
         echo "could not run megarl plan with PYTHON=$PYTHON (it cannot import megarl or torch); set" \
@@ -48,6 +79,13 @@ submit() {
             "fail on its nodes). Set MODEL_PATH to the HF checkpoint's directory, or MODEL_ON_NODES=1 if it exists" \
             "on the compute nodes only" >&2
         exit 2
+    fi
+    local reach
+    if ! reach=$(sinfo -h -o %P 2>&1); then  # (sbatch would fail after the run dir was made, leaving it empty)
+        echo "no Slurm to submit to (sinfo: ${reach:-not found}): nothing submitted. On a cluster, run this on a" \
+            "login node (SLURM_CONF set if your site needs it); to try megarl's local two-node Slurm:" \
+            "eval \"\$(tests/cluster/slurm_cluster.sh start DIR)\" as root (docs/cluster.md)" >&2
+        exit 1
     fi
     mkdir -p "$RUN_DIR/logs"
     local job

@@ -3,7 +3,7 @@
 # trainer TP 8 with sequence parallelism, one vLLM engine with TP 8 colocated on the same GPUs.
 #
 #   MODEL_PATH=/models/Qwen2.5-32B examples/qwen2.5-32b.sh [key=value ...]
-#   PLAN_ONLY=1 examples/qwen2.5-32b.sh parallel.pp=2     # try another layout: print the plan only
+#   PLAN_ONLY=1 examples/qwen2.5-32b.sh parallel.tp=4 parallel.pp=2 engine.tensor_parallel_size=4   # another layout
 set -euo pipefail
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -13,6 +13,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPU_MEM_GIB=${GPU_MEM_GIB:-141}
 MODEL_PATH=${MODEL_PATH:-/models/Qwen2.5-32B}
 RUN_DIR=${RUN_DIR:-runs/qwen2.5-32b}
+RUN_DIR=$(run_dir "$RUN_DIR")
 plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen2.5-32b.json"
 SBATCH_ARGS=(--job-name=megarl-32b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
 

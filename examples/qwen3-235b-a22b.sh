@@ -14,6 +14,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPU_MEM_GIB=${GPU_MEM_GIB:-141}
 MODEL_PATH=${MODEL_PATH:-/models/Qwen3-235B-A22B}
 RUN_DIR=${RUN_DIR:-runs/qwen3-235b-a22b}
+RUN_DIR=$(run_dir "$RUN_DIR")
 plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen3-235b-a22b.json"
 SBATCH_ARGS=(--job-name=megarl-235b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
 

@@ -4,7 +4,7 @@
 # optimizer; one vLLM engine with TP 16 colocated.
 #
 #   MODEL_PATH=/models/Qwen3-30B-A3B examples/qwen3-30b-a3b.sh [key=value ...]
-#   PLAN_ONLY=1 examples/qwen3-30b-a3b.sh parallel.ep=8
+#   PLAN_ONLY=1 examples/qwen3-30b-a3b.sh engine.kv_cache_gib=8    # print the plan only
 set -euo pipefail
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -14,6 +14,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPU_MEM_GIB=${GPU_MEM_GIB:-80}
 MODEL_PATH=${MODEL_PATH:-/models/Qwen3-30B-A3B}
 RUN_DIR=${RUN_DIR:-runs/qwen3-30b-a3b}
+RUN_DIR=$(run_dir "$RUN_DIR")
 plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen3-30b-a3b.json"
 SBATCH_ARGS=(--job-name=megarl-30b-a3b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
 

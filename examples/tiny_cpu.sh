@@ -15,7 +15,9 @@ NODES=${NODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-1}  # processes per node (CPU)
 GPU_MEM_GIB=${GPU_MEM_GIB:-8}      # memory per process
 RUN_DIR=${RUN_DIR:-runs/tiny_cpu}
+RUN_DIR=$(run_dir "$RUN_DIR")
 PLAN_MODEL=()                      # the config's make_tiny shape
+PLAN_ARGS=(--cpu)                  # CPU processes: no CUDA runtime in the plan
 SBATCH_ARGS=(--job-name=megarl-tiny)
 
 MODEL=(--config "$ROOT/configs/tiny_cpu.yaml" model.path="$RUN_DIR/model")

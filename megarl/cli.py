@@ -52,14 +52,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    configure_console()
-    if argv[:1] == ["plan"]:
-        return plan_main(argv[1:])
-    if argv[:1] in (["train"], ["demo"], ["eval"]) and any(a in ("-h", "--help") for a in argv[1:]):
-        print(_command_help(argv[0]))
-        return 0
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``train|demo|eval`` arguments (``demo`` without ``--config``: configs/demo.yaml)."""
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train", "demo", "eval", "plan"],
                         help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint; "
@@ -72,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.command == "demo" and not args.config:
         args.config = str(DEMO_CONFIG)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    configure_console()
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
+    if argv[:1] in (["train"], ["demo"], ["eval"]) and any(a in ("-h", "--help") for a in argv[1:]):
+        print(_command_help(argv[0]))
+        return 0
+    args = parse(argv)
     launch = detect()  # torchrun, srun or mpirun started this process (or nobody did)
     notes = not args.worker and launch.rank == 0  # (--worker: spawned by this command, which said them)
     args.worker = args.worker or launch.world_size > 1

@@ -94,6 +94,12 @@ def run(cfg: RunConfig) -> dict:
     say = log.info if s.is_main else (lambda *a, **k: None)
     keeper = RunKeeper(s, preemption)
     steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
+    if steps and steps >= cfg.train.steps:  # a finished run resubmitted: nothing to train, nothing to export again
+        say(f"nothing to train: the run in {s.run_dir} finished at step {steps} (train.steps={cfg.train.steps}; "
+            "train.resume=never starts afresh, setting it aside)")
+        s.logger.close()
+        return {"pass_at_1_before": keeper.run.get("pass_at_1_before", float("nan")), "pass_at_1_after": float("nan"),
+                "steps": steps, "run_dir": str(s.run_dir), "stopped": "", "error": False, "requeue": False}
     if not steps:
         if cfg.warmup.steps:
             supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -174,8 +175,8 @@ def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here:
     check_job_shape(cfg, hf, nodes, gpus_per_node)
 
 
-def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
-    """Memory per GPU in GiB, by part (see the module docstring for each formula)."""
+def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32", cpu: bool = False) -> dict:
+    """Memory per GPU (``cpu``: per process, no CUDA runtime) in GiB, by part (see the module docstring)."""
     w = WEIGHT_BYTES[precision]
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     emb = counts.embedding + counts.head if lay.pp == 1 else max(counts.embedding, counts.head)
@@ -216,7 +217,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "logits": logits / GIB,
         "engine_weights": counts.total * w / lay.engine_tp / GIB,
         "kv_cache": cfg.engine.kv_cache_gib,  # reserved whatever the rollout needs (kv_cache_memory_bytes)
-        "overhead": OVERHEAD_GIB,
+        "overhead": 0.0 if cpu else OVERHEAD_GIB,
     }
     parts["total"] = sum(parts.values())
     parts["optimizer_without_distributed"] = opt_full / GIB
@@ -272,7 +273,7 @@ def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
 
 
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
-         propose: bool = False, precision: str = "fp32") -> dict:
+         propose: bool = False, precision: str = "fp32", cpu: bool = False) -> dict:
     """Counts, layout and memory: of the config's layout (ConfigError if impossible), or with
     ``propose`` of the first valid layout that fits (else the one closest to fitting). Checked for the cluster,
     not for this machine (a login node's vLLM build does not say which attention head sizes the GPUs run)."""
@@ -289,7 +290,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                 check_kv_cache(hf, cfg, cand, precision)
             except ConfigError:
                 continue
-            total = memory_gib(counts, hf, cfg, cand, precision)["total"]
+            total = memory_gib(counts, hf, cfg, cand, precision, cpu)["total"]
             if total <= gpu_mem_gib:
                 lay = cand
                 break
@@ -299,7 +300,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
             check_kv_cache(hf, cfg, layout_of(cfg, nodes, gpus_per_node), precision)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         lay = lay or best[1]
-    mem = memory_gib(counts, hf, cfg, lay, precision)
+    mem = memory_gib(counts, hf, cfg, lay, precision, cpu)
     info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
                                     "kv_cache_needed", "kv_cache_sequences", "kv_cache_sequences_held")}
     return {
@@ -309,6 +310,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                    "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
                    "engine_replicas": lay.world // lay.engine_tp},
         "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gib": gpu_mem_gib, "precision": precision,
+        "device": "cpu" if cpu else "gpu",
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
         "overrides": lay.overrides(), "sized_at": sizing(cfg),
     }
@@ -324,15 +326,38 @@ def sizing(cfg: RunConfig) -> dict:
 
 
 def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
-                   precision: str) -> list[str]:
-    """When no layout fits: the changes of the job that would (bf16, more nodes), each checked by a plan."""
+                   precision: str, explicit: bool = False, cpu: bool = False) -> list[str]:
+    """When the plan does not fit: the nearest changes that would, each checked by a plan of its own — the layout
+    ``megarl plan`` proposes for this job (``explicit``: the config named one), a KV cache that leaves room,
+    bf16, more nodes."""
     hints = []
-    if precision == "fp32" and plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, True, "bf16")["fits"]:
+    if explicit:
+        try:
+            proposal = plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, True, precision, cpu)
+        except ConfigError:
+            proposal = None
+        if proposal is not None and proposal["fits"]:
+            mine = set(layout_of(cfg, nodes, gpus_per_node).overrides())
+            hints.append(" ".join(o for o in proposal["overrides"] if o not in mine) + " (the layout megarl plan "
+                         f"proposes for this job: {proposal['memory_gib_per_gpu']['total']:.2f} GiB)")
+        mine = plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, False, precision, cpu)
+        over = mine["memory_gib_per_gpu"]["total"] - gpu_mem_gib
+        smaller = math.floor((cfg.engine.kv_cache_gib - over) * 4) / 4  # (a quarter GiB below what would just fit)
+        if smaller > 0:
+            lower = replace(cfg, engine=replace(cfg.engine, kv_cache_gib=smaller))
+            try:
+                if plan(hf, lower, nodes, gpus_per_node, gpu_mem_gib, False, precision, cpu)["fits"]:
+                    held = kv_cache_use(hf, lower, layout_of(lower, nodes, gpus_per_node), precision)["held"]
+                    hints.append(f"engine.kv_cache_gib={smaller:g} (holds {held} sequences at engine.max_model_len "
+                                 "at once)")
+            except ConfigError:  # it cannot hold one sequence
+                pass
+    if precision == "fp32" and plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, not explicit, "bf16", cpu)["fits"]:
         hints.append("--precision bf16 (megatron's mixed precision; megarl builds fp32 today)")
     for more in (2, 4, 8, 16):
         try:
-            if plan(hf, cfg, nodes * more, gpus_per_node, gpu_mem_gib, True, precision)["fits"]:
-                hints.append(f"--nodes {nodes * more} (× {gpus_per_node} GPUs)")
+            if plan(hf, cfg, nodes * more, gpus_per_node, gpu_mem_gib, True, precision, cpu)["fits"]:
+                hints.append(f"--nodes {nodes * more} (× {gpus_per_node} {'processes' if cpu else 'GPUs'})")
                 break
         except ConfigError:
             continue
@@ -395,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
     ap.add_argument("--precision", choices=sorted(WEIGHT_BYTES), default="fp32",
                     help="fp32: what megarl builds today; bf16: megatron mixed precision")
+    ap.add_argument("--cpu", action="store_true", help="size CPU processes (the tiny runs): --gpus-per-node is then "
+                    "processes per node and --gpu-mem-gib the memory of each; no CUDA runtime overhead")
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides, as for megarl train")
@@ -410,12 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
         nodes = trainer_nodes(cfg, args.nodes)
-        res = plan(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision)
+        res = plan(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, propose, args.precision, args.cpu)
         if not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
             res["sizing_note"] = ("the schema defaults, the tiny CPU demo's; give your run's with --config FILE "
                                   "or key=value")
-        if propose and not res["fits"]:
-            res["would_fit"] = what_would_fit(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, args.precision)
+        if not res["fits"]:
+            res["would_fit"] = what_would_fit(hf, cfg, nodes, args.gpus_per_node, args.gpu_mem_gib, args.precision,
+                                              explicit=not propose, cpu=args.cpu)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 2

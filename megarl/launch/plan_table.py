@@ -20,16 +20,21 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def gib(x: float, width: int = 0) -> str:
-    """GiB with two decimals, or in MiB (so marked) when that would show 0.00 (tiny models)."""
-    return f"{x:>{width}.2f}" if x == 0 or abs(x) >= 0.005 else f"{x * 1024:>{width}.2f} MiB"
+def unit_of(res: dict) -> tuple[str, float]:
+    """The table's one unit: GiB, or MiB where a part would show as 0.00 GiB (the tiny models)."""
+    small = any(0 < v < 0.005 for v in res["memory_gib_per_gpu"].values())
+    return ("MiB", 1024.0) if small else ("GiB", 1.0)
+
+
+def amount(x_gib: float, res: dict, width: int = 0) -> str:
+    """``x_gib`` in the table's unit, two decimals."""
+    return f"{x_gib * unit_of(res)[1]:>{width}.2f}"
 
 
 def kv_note(res: dict) -> str:
     """engine.kv_cache_gib (the row's value) against what the rollout's sequences need at engine.max_model_len."""
     want, held, need = res["kv_cache_sequences"], res["kv_cache_sequences_held"], res["kv_cache_needed"]
-    amount = gib(need) if gib(need).endswith("MiB") else f"{gib(need)} GiB"
-    note = f"engine.kv_cache_gib; {want} sequences at engine.max_model_len need {amount}"
+    note = f"engine.kv_cache_gib; {want} sequences at engine.max_model_len need {amount(need, res)} {unit_of(res)[0]}"
     if held < want:
         note += f": it holds {held} at once, vLLM runs fewer"
     return note
@@ -37,30 +42,39 @@ def kv_note(res: dict) -> str:
 
 def format_table(res: dict) -> str:
     lay, mem = res["layout"], res["memory_gib_per_gpu"]
+    unit = unit_of(res)[0]
+    device = "CPU process" if res.get("device") == "cpu" else "GPU"
+    per = "process" if res.get("device") == "cpu" else "GPU"
     lines = [
         f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
         f"{params(res['params_active'])} active per token",
-        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], 'GPU')} of {res['gpu_mem_gib']:g} GiB, "
+        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} of {res['gpu_mem_gib']:g} GiB, "
         f"precision {res['precision']}",
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "
         + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else "") +
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
         f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
         f"{'   [proposed]' if res['proposed'] else ''}",
-        "memory per GPU (GiB)",
+        f"memory per {per} ({unit})",
     ]
-    notes = {"optimizer": f"without the distributed optimizer: {gib(res['optimizer_without_distributed'])}",
-             "activations": f"no recompute; full recompute: {gib(res['activations_full_recompute'])}",
+    notes = {"optimizer": f"without the distributed optimizer: {amount(res['optimizer_without_distributed'], res)}",
+             "activations": f"no recompute; full recompute: {amount(res['activations_full_recompute'], res)}",
              "kv_cache": kv_note(res)}
     for key, label in ROWS:
-        lines.append(f"  {label:<22}{gib(mem[key], 9)}   {notes.get(key, '')}".rstrip())
+        if key == "overhead" and res.get("device") == "cpu":
+            continue
+        lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<22}{gib(mem['total'], 9)}   of {res['gpu_mem_gib']:g} → {verdict}")
+    lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict}")
     lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
                  + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
+    if not res["proposed"] and not res["fits"]:
+        lines.append("this layout does not fit at these sizes. "
+                     + (f"Would fit: {'; '.join(res['would_fit'])}; or" if res.get("would_fit") else "Try")
+                     + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
     if res["proposed"] and not res["fits"]:
-        lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], 'GPU')} fits in "
-                     f"{res['gpu_mem_gib']:g} GiB per GPU at these sizes; the one shown is the closest. "
+        lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} fits in "
+                     f"{res['gpu_mem_gib']:g} GiB per {per} at these sizes; the one shown is the closest. "
                      + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
                         f"None fits with --precision bf16 or up to --nodes {16 * res['nodes']} either; try")
                      + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")

@@ -2,9 +2,11 @@
 # A real two-node (or, with SLURM_TEST_NODES, larger) Slurm on this one machine, for the tests (Debian's slurm-wlm and munge).
 #
 #   tests/cluster/slurm_cluster.sh start DIR   # munged, slurmctld, slurmd n1 and n2; prints `export SLURM_CONF=...`
+#   eval "$(tests/cluster/slurm_cluster.sh start DIR)"   # ... and sets SLURM_CONF in this shell (sbatch needs it)
 #   SLURM_TEST_NODES=3 tests/cluster/slurm_cluster.sh start DIR   # a third node, n3 at 127.0.0.3 (2 to 9 nodes)
 #   tests/cluster/slurm_cluster.sh stop DIR    # stops exactly the daemons `start` recorded in DIR/pids
 #
+# Needs root (SlurmUser=root) and Debian's slurmctld slurmd slurm-client munge (`.ci/run` installs them).
 # Everything runs as ordinary processes (no systemd); ports are picked free; munge gets its own
 # key and socket, so nothing outside DIR (and one /tmp directory for munge) is touched.
 # Nodes: n1 at 127.0.0.1 and n2 at 127.0.0.2 (nI at 127.0.0.I up to SLURM_TEST_NODES, default 2), 1 CPU

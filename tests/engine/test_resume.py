@@ -193,6 +193,20 @@ def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the
     assert sent and "step 1: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
     assert RunCheckpoints(run).steps()[0] == 1 and "eval after RL" not in out
 
+def test_a_finished_run_resubmitted_says_it_has_nothing_to_train(baseline, tmp_path):
+    """A requeued or resubmitted job whose run is done: it says so and changes nothing (no step, no re-export)."""
+    model, run, records, _ = baseline
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    exported = {p: p.stat().st_mtime_ns for p in (again / "hf").rglob("*") if p.is_file()}
+    out = train(model, again)
+    assert f"nothing to train: the run in {again} finished at step {STEPS} (train.steps={STEPS};" in out, out[-3000:]
+    assert f"step {STEPS + 1}" not in out and "eval after RL" not in out
+    assert exported and {p: p.stat().st_mtime_ns for p in (again / "hf").rglob("*") if p.is_file()} == exported
+    assert [deterministic_view(r) for r in read_metrics(again / "metrics.jsonl")] == \
+        [deterministic_view(r) for r in records]
+
+
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(baseline, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(baseline[1], run)

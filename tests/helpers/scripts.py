@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 
-def test_env(env: dict | None = None) -> dict:
+def worker_env(env: dict | None = None) -> dict:
     """The environment a worker runs in: tests/ on PYTHONPATH (``helpers.*``, the test reward functions in
     ``helpers.reward_fns``, for the worker and every process it starts), two OpenMP threads unless told."""
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
@@ -23,7 +23,7 @@ def test_env(env: dict | None = None) -> dict:
 def run_script(args: list[str], timeout: int = 900, env: dict | None = None) -> dict:
     """Run a worker script in a fresh interpreter; it prints one JSON object as its last line."""
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=test_env(env))
+                          env=worker_env(env))
     if proc.returncode != 0:
         raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")][-1]

@@ -52,15 +52,20 @@ def test_plan_shows_a_tiny_models_size(tmp_path, capsys):
     import json
 
     from megarl.launch.plan import main
-    from megarl.launch.plan_table import gib, params
+    from megarl.launch.plan_table import params
     from megarl.models.tiny import TinyShape, hf_config
 
     assert params(131_776) == "131.78 K" and params(32.76e9) == "32.76 B" and params(3.05e6) == "3.05 M"
-    assert gib(0.0005) == "0.51 MiB" and gib(14.22) == "14.22"
     (tmp_path / "config.json").write_text(json.dumps(hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)))
     assert main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "0.00 B" not in out and " K parameters" in out and " MiB" in out, out
+    out = capsys.readouterr().out  # one unit for the whole table: MiB, where a part would read 0.00 GiB
+    assert "0.00 B" not in out and " K parameters" in out and "memory per GPU (MiB)" in out, out
+    rows = out.split("memory per GPU (MiB)")[1].split("  total")[0]
+    assert " GiB" not in rows.replace("GiB:", "").split("need")[0] and " 0.00 " not in rows, out
+    assert main(["--model", str(tmp_path), "--nodes", "2", "--gpus-per-node", "1", "--cpu"]) == 0
+    out = capsys.readouterr().out  # CPU processes (the tiny runs): no CUDA overhead, the whole table in MiB
+    assert "2 nodes × 1 CPU process of 80 GiB" in out and "memory per process (MiB)" in out, out
+    assert "runtime overhead" not in out and " GiB →" in out and "0.00 " not in out.split("memory per")[1], out
 
 
 def test_make_tiny_model_offers_every_tiny_family():
