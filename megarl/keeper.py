@@ -157,7 +157,7 @@ class RunKeeper:
         protocol = getattr(self.s.engine, "sync_protocol", None)
         if protocol is not None:  # sync/failures goes on counting (it restarted at 0 after a resume)
             protocol.failures += self.run.get("sync_failures", 0)
-        self.s.logger.resume_at(step)
+        self.s.logger.resume_at(step, finished=step >= t.steps)  # a finished run keeps its final eval
         self.saved_at = step
         live = self.s.controller.state_dict()
         self.say(f"resumed from {path} at step {step}: {len(live['live'])} groups in the rollout buffer "

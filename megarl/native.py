@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("megarl.native")  # by name: run as `python -m`, __name__ is "__main__"
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 CPU_SOURCES = [CSRC / "cpu" / "weight_sync_ops.cpp"]

@@ -18,15 +18,32 @@ class _Below(logging.Filter):
         return record.levelno < self.level
 
 
+class _Console(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stdout``/``sys.stderr`` is at the time of the record (a test's capture,
+    a redirect made after ``configure``), not the stream that was current when it was attached."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name_of_stream = name
+
+    @property
+    def stream(self):
+        return getattr(sys, self.name_of_stream)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; the property always reads sys
+        pass
+
+
 def configure(level: int = logging.INFO) -> None:
     """Attach megarl's two console handlers once per process (stdout below WARNING, stderr from it)."""
     root = logging.getLogger("megarl")
     root.setLevel(level)
     if any(getattr(h, "megarl_console", False) for h in root.handlers):
         return
-    out = logging.StreamHandler(sys.stdout)
+    out = _Console("stdout")
     out.addFilter(_Below(logging.WARNING))
-    err = logging.StreamHandler(sys.stderr)
+    err = _Console("stderr")
     err.setLevel(logging.WARNING)
     for handler in (out, err):
         handler.setFormatter(logging.Formatter("%(message)s"))

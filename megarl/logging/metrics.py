@@ -77,8 +77,9 @@ class MetricsLogger:
         if self.jsonl is not None and (self.run_dir / "metrics.jsonl").stat().st_size:
             self.resume_at(-1)
 
-    def resume_at(self, step: int) -> None:
-        """Continue a run from its checkpoint at ``step``: drop later metrics.jsonl lines and TB events."""
+    def resume_at(self, step: int, finished: bool = False) -> None:
+        """Continue a run from its checkpoint at ``step``: drop later metrics.jsonl lines and TB events (and the final
+        records, which the run writes again, unless it is ``finished``: then it writes nothing more)."""
         if self.writer is None:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -86,7 +87,7 @@ class MetricsLogger:
         self.jsonl.close()
         path = self.run_dir / "metrics.jsonl"
         records = read_metrics(path)
-        kept = [r for r in records if r["step"] <= step and not r.get("final")]
+        kept = [r for r in records if r["step"] <= step and (finished or not r.get("final"))]
         dropped = sum(1 for r in records if r["step"] > step and not r.get("final"))
         if dropped and step >= 0:  # steps an earlier attempt logged after its last checkpoint: they run again
             log.info(f"metrics.jsonl: {dropped} lines past step {step} dropped (those steps run again)")

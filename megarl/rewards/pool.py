@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection, wait
 
 from megarl.rewards.base import resolve_reward
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("megarl.rewards.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
 RESERVED = {"mean", "pass_rate", "errors", "timeouts", "errors_step", "timeouts_step", "scored_mean"}
 

@@ -160,7 +160,7 @@ def _start_slurm(tmp_path, **env: str):
 
     if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0:
         pytest.skip("missing system tool: slurm-wlm and munge (installed by .ci/run), run as root")
-    cluster, script = tmp_path / "slurm", str(ROOT / "tests" / "slurm_cluster.sh")
+    cluster, script = tmp_path / "slurm", str(ROOT / "tests" / "cluster" / "slurm_cluster.sh")
     up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
                         env={**os.environ, **env})
     return cluster, script, up

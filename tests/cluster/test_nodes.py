@@ -200,7 +200,7 @@ def test_slurm_two_node_job_trains_with_both_replicas_under_node_1s_step(tmp_pat
     from test_slurm import logs, steps_logged, submit_tiny, wait_for
 
     cluster = tmp_path / "slurm"
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    script = str(ROOT / "tests" / "cluster" / "slurm_cluster.sh")
     up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
     try:
         assert up.returncode == 0, up.stderr

@@ -24,7 +24,7 @@ DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 
 def _cluster(tmp_path_factory, **env):
     cluster = tmp_path_factory.mktemp("slurm")
-    script = str(ROOT / "tests" / "slurm_cluster.sh")
+    script = str(ROOT / "tests" / "cluster" / "slurm_cluster.sh")
     proc = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
     try:

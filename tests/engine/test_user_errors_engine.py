@@ -49,7 +49,9 @@ def test_recover_logs_rank_0_without_a_process_group(capsys):
     import torch.distributed as dist
 
     from megarl.keeper import RunKeeper, StopRun
+    from megarl.logging.console import configure
 
+    configure()  # as every entry point does (its handlers write to the sys.stdout of the moment: capsys's here)
     assert not dist.is_initialized()
     keeper = types.SimpleNamespace(s=types.SimpleNamespace(controller=None), restarts=0, failing=3,
                                    cfg=load_config(None, ["engine.max_restarts=3"]))

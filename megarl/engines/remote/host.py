@@ -39,7 +39,7 @@ from megarl.engines.remote import reaper
 from megarl.engines.remote.nodes import accept_within, serve_remote, waited
 from megarl.logging.console import configure as configure_console
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("megarl.engines.remote.host")  # by name: run as `python -m`, __name__ is "__main__"
 
 
 RENDEZVOUS_FILE = "engine_hosts.json"
