@@ -37,8 +37,10 @@ with ``EXIT_REQUEUE`` after dumping every thread's stack (``megarl/distributed/w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
+import time
 import traceback
 
 import torch.distributed as dist
@@ -48,11 +50,12 @@ from megarl.checkpoint.run import RunCheckpoints, resolve_resume
 from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
 from megarl.compat.megatron import drop_dead_checkpoint_writer
 from megarl.data.rows import DataError
-from megarl.distributed.collectives import any_rank, rank_and_world
+from megarl.distributed.collectives import any_rank, rank_and_world, share
 from megarl.distributed.signals import Preemption
 from megarl.distributed.watchdog import guard
 from megarl.distributed.watchdog import start as start_watchdog
 from megarl.engines.vllm_engine import EngineRestartRefused
+from megarl.rollout.pipeline import Rollout, staleness
 from megarl.testing.faults import injected, kill_checkpoint_writer, set_step
 from megarl.weight_sync.protocol import sync_weights
 
@@ -96,6 +99,10 @@ class BadSteps:
         self.in_a_row, self.total = state["in_a_row"], state["total"]
 
 
+def _line(exc: BaseException) -> str:
+    return traceback.format_exception_only(exc)[-1].strip()
+
+
 class SaveFailed(RuntimeError):
     """A run checkpoint could not be written because a helper process of megatron's writer died during the save
     (not a fault of the run's state): ``megarl train`` exits ``EXIT_REQUEUE``, and the rerun resumes from the last
@@ -130,6 +137,7 @@ class RunKeeper:
         self.saved_at = -1
         self.trained_to = 0  # the steps done when a weight sync stopped the run (StopRun: that step's update is made)
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
+        s.pipeline.generate = self.generate  # rank 0's thread generates through the same containment
 
     def learners(self) -> list[tuple[str, object]]:
         lr = self.s.learners
@@ -181,7 +189,7 @@ class RunKeeper:
         if injected("checkpoint_writer_dies_mid_save"):
             kill_checkpoint_writer()
         try:
-            with guard(f"checkpoint save of step {step}"):
+            with guard(f"checkpoint save of step {step}"), self.s.pipeline.hold():  # (no phase runs: queue + buffer)
                 path = self.ckpts.save(step, write)
         except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
             raise SaveFailed(
@@ -208,8 +216,10 @@ class RunKeeper:
         every = self.cfg.train.save_every
         if self.preemption.due() and not self.stopped:
             self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
-        if self.stopped or (every and step % every == 0):
-            self.save(step)
+        with self.s.pipeline.hold() if self.stopped or (every and step % every == 0) else contextlib.nullcontext():
+            self.s.pipeline.step_done(self.s.policy_version)  # (async: the phase k batches ahead may start)
+            if self.stopped or (every and step % every == 0):
+                self.save(step)
         if self.stopped:
             self.say(f"step {step}: {self.stopped}; checkpoint saved, stopping")
         return bool(self.stopped)
@@ -227,28 +237,71 @@ class RunKeeper:
         if self.saved_at != step:
             self.save(step)
 
-    # ---- engine errors ----------------------------------------------------------------------
-    def run_phase(self, step: int, version: int):
-        """``controller.run_phase(version)`` of 0-based ``step``, surviving engine errors (see the module docstring)."""
-        c = self.s.controller
+    # ---- generation -------------------------------------------------------------------------
+    def next_rollout(self, step: int, version: int) -> Rollout:
+        """The batch 0-based ``step`` trains at ``version``: generated ahead by the pipeline (``rollout.overlap``)
+        or now, surviving engine errors either way (see the module docstring); on every rank."""
         set_step(step + 1)  # the test hooks' step (1-based)
         self._check_rewards()
+        p, start = self.s.pipeline, time.perf_counter()
+        rollout, error = p.take()
+        what = ("fatal", str(error)) if isinstance(error, DataError) else ("error", _line(error)) if error else \
+            ("ahead", rollout) if rollout is not None else ("now", None)
+        kind, detail = share(what) if self.s.ps.world_size > 1 else what
+        if kind == "fatal":
+            self.fatal = True
+            raise StopRun(f"data error (not an engine fault, not requeued): {detail}")
+        if kind == "error":
+            self._recover(error or RuntimeError(detail), f"step {step + 1}: engine error in a phase generated ahead",
+                          "its prompts re-queued, the phase runs again now", self.s.policy_version)
+        if kind == "ahead":
+            rollout = detail
+        else:
+            rollout = self._phase_now(step, version)
+            p.generated_now()
+        p.after_take()
+        rollout.phase.staleness = staleness(rollout.groups, version)  # against the version that trains it
+        rollout.metrics.update({"timing/trainer_wait_s": time.perf_counter() - start,
+                                "pipeline/queue_groups": float(p.queued_groups())})
+        return rollout
+
+    def _phase_now(self, step: int, version: int) -> Rollout:
+        """One phase in this thread, on every rank: an engine error restores the controller, restarts the engines,
+        syncs them and runs the phase again (``engine.max_restarts`` in a row at most)."""
         while True:
-            snapshot = pickle.dumps(c.state_dict())
-            c.next_prompt.mark()
             try:
-                result = c.run_phase(version=version)
+                rollout = self.generate(version, self.s.pipeline.generated, self.s.controller.run_phase)
                 self.failing = 0
-                return result
+                return rollout
             except Exception as exc:  # the engine failed mid-phase (or the data: no usable row)
-                drawn = list(c.next_prompt.recent)
-                c.load_state_dict(pickle.loads(snapshot))
-                c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
                 if isinstance(exc, DataError):  # not the engine's fault: no restart, no requeue (exit 1)
                     self.fatal = True
                     raise StopRun(f"data error (not an engine fault, not requeued): {exc}") from exc
+                c = self.s.controller
                 self._recover(exc, f"step {step + 1}: engine error mid-phase",
-                              f"{len(c.live)} live groups restored, {len(drawn)} new prompts re-queued", version)
+                              f"{len(c.live)} live groups restored, the phase's new prompts re-queued", version)
+
+    def generate(self, version: int, batch: int, run=None) -> Rollout:
+        """One phase for batch ``batch``, trained at ``version`` (``run``: the controller's ``run_phase``, or
+        rank 0's own ``generate`` in the pipeline's thread): a failure puts the controller back as it was before
+        the phase, its new prompts re-queued and its reward figures dropped (its groups run again)."""
+        c, s = self.s.controller, self.s
+        run = run or getattr(c, "generate", c.run_phase)
+        snapshot = pickle.dumps(c.state_dict())
+        c.next_prompt.mark()
+        for k, engine in enumerate(c.engines):  # a phase that starts from the same state samples alike (resume)
+            if hasattr(engine, "reseed"):
+                engine.reseed(self.cfg.train.seed * 1_000_003 + batch * 7_919 + k)
+        try:
+            with s.timeline.span("rollout", f"generate batch {batch}"):
+                groups, phase = run(version)
+        except Exception:
+            drawn = list(c.next_prompt.recent)
+            c.load_state_dict(pickle.loads(snapshot))
+            c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
+            s.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
+            raise
+        return Rollout(groups, phase, {**s.rewards.step_metrics(), **s.prompts.metrics()}, batch)
 
     def _check_rewards(self) -> None:
         """``StopRun`` (not requeued) when every reward call failed in ``reward.max_failed_steps`` steps in a row
@@ -270,7 +323,7 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                with guard(f"evaluation at step {step}"):
+                with guard(f"evaluation at step {step}"), self.s.pipeline.hold():
                     value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
@@ -292,14 +345,23 @@ class RunKeeper:
         every rank agrees) the engines are restarted (``_restart``: counted, logged, ``StopRun`` past
         ``engine.max_restarts`` failures in a row) and the sync runs again, with the audit it owes. A failed load
         is not an error here: the protocol contains it (``sync/failures``; the engine keeps its old weights)."""
+        p = self.s.pipeline
+        ahead = p.boundary()  # one_step: the phase in flight ends first (an error of it: engines restarted)
+        if any_rank(ahead is not None):
+            self._restart(ahead or RuntimeError("a phase generated ahead failed on rank 0"),
+                          "engine error in a phase generated ahead", "its prompts re-queued")
         while True:
             metrics, error = {}, None
             try:
-                metrics = sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version=version)
+                with p.sync() as in_flight, self.s.timeline.span(self.s.trainer_track, "sync"):
+                    in_flight = any_rank(in_flight)  # (every rank's protocol agrees: async, a phase running)
+                    metrics = sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version, in_flight)
+                    metrics["sync/in_flight"] = float(in_flight)  # loaded between two engine steps, requests running
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank restarts, or none)
                 error = exc
             if not any_rank(error is not None):
                 return metrics
+            p.stop_ahead()  # async: the phase in flight ends (its error, if any, put aside) before a restart
             try:
                 self._restart(error or RuntimeError("the weight sync failed on another rank"),
                               f"weight sync to version {version}: engine error", "the sync and its audit run again")

@@ -25,6 +25,7 @@ from megarl.config import RunConfig, to_dict, validate
 from megarl.config.validate.algo import needed_learners
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
+from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState, build_parallel_state
 from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
 from megarl.engines.memory import sleep_supported
@@ -33,11 +34,13 @@ from megarl.engines.remote.replicas import EngineReplicas
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.console import configure as configure_console
 from megarl.logging.metrics import MetricsLogger
+from megarl.logging.timeline import Timeline, write_trace
 from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
 from megarl.rollout.leader import LeaderController
+from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
@@ -63,6 +66,21 @@ class Session:
     prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
     eval_prompts: list[Prompt] | None = None
     policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
+    pipeline: Pipeline | None = None  # who waits for whom: rollout.overlap (rank 0's generating thread)
+    timeline: Timeline | None = None  # spans of this process: the pipeline's figures and train.trace
+
+    @property
+    def trainer_track(self) -> str:
+        return f"trainer rank {self.ps.rank}"
+
+    def close(self) -> None:
+        """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
+        self.pipeline.close()
+        if self.cfg.train.trace:
+            events = gather(self.timeline.events())
+            if self.is_main:
+                log.info(f"trace: {write_trace(self.run_dir / 'trace.json', events)} (Perfetto, chrome://tracing)")
+        self.logger.close()
 
     @property
     def is_main(self) -> bool:
@@ -145,9 +163,23 @@ def build_session(cfg: RunConfig) -> Session:
         stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
     else:
         source = feed
-    controller = build_controller(cfg, slot_engines, source, score)
+    timeline = Timeline(ps.rank, keep_all=cfg.train.trace)
+    controller = build_controller(cfg, slot_engines, source, traced_scorer(score, timeline))
+    controller.on_engine_step = lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True)
+    pipeline = Pipeline(cfg.rollout.overlap, None, cfg.rollout.staleness_limit, leader=ps.rank == 0)
+    controller.engine_turn = pipeline.gate.step
     return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
-                   stateful, prompts, prompts.eval_prompts())
+                   stateful, prompts, prompts.eval_prompts(), pipeline=pipeline, timeline=timeline)
+
+
+def traced_scorer(score, timeline: Timeline):
+    """``score`` with a span on the timeline's ``reward`` track per released group."""
+
+    def scored(group) -> None:
+        with timeline.span("reward", "reward"):
+            score(group)
+
+    return scored
 
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:

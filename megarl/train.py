@@ -30,6 +30,7 @@ from megarl.engines.memory import handover
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.keeper import RunKeeper, StopRun
 from megarl.rollout.evaluate import evaluate as evaluate_prompts
+from megarl.rollout.pipeline import Rollout
 from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
@@ -51,16 +52,19 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     cfg, t0 = s.cfg, time.time()
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank alike (engine TP); replicas derive own streams
     version = s.policy_version  # updates made so far: staleness counts updates, not steps (a skipped step makes none)
-    groups, phase = (keeper.run_phase(step, version) if keeper  # the keeper survives engine errors
-                     else s.controller.run_phase(version))  # generate, reward (at release)
+    start = time.perf_counter()  # (the timeline's clock)
+    rollout = (keeper.next_rollout(step, version) if keeper  # generated ahead or now (rollout.overlap); rewarded
+               else Rollout(*s.controller.run_phase(version), {**s.rewards.step_metrics(), **s.prompts.metrics()}))
+    groups, phase = rollout.groups, rollout.phase
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         # (its reward failures and bad rows are still logged: that is when they matter)
         log.info(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped")
-        return {"timing/gen_s": t1 - t0, **s.rewards.step_metrics(), **s.prompts.metrics(), **phase.summary()}
+        return {"timing/gen_s": t1 - t0, **rollout.metrics, **phase.summary()}
     handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     updates = s.trainer.updates
-    metrics = rl_update(s.learners, groups, cfg, pad_id(s.tokenizer), step)  # advantage, train
+    with s.timeline.span(s.trainer_track, "train"):
+        metrics = rl_update(s.learners, groups, cfg, pad_id(s.tokenizer), step)  # advantage, train
     t2 = time.time()
     handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
     sync = {}
@@ -74,8 +78,7 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
-        **s.rewards.step_metrics(),  # reward/errors, reward/timeouts (+ _step), reward/<name> of dict rewards
-        **s.prompts.metrics(),  # data/epoch, data/bad_rows, data/prompts_too_long
+        **rollout.metrics,  # reward/errors, timeouts (+ _step), reward/<name>; data/epoch, bad_rows; pipeline/*
         "response/len_mean": sum(lengths) / len(lengths),
         "response/len_max": max(lengths),
         "timing/gen_s": t1 - t0,
@@ -83,6 +86,8 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
         **sync,
         **metrics,
         **phase.summary(),
+        "timing/step_s": time.perf_counter() - start,  # the step's wall time: generation (or waiting for it) to sync
+        **s.timeline.step_metrics(start, time.perf_counter(), s.trainer_track),  # engine idle, overlap
     }
 
 
@@ -97,7 +102,7 @@ def run(cfg: RunConfig) -> dict:
     if steps and steps >= cfg.train.steps:  # a finished run resubmitted: nothing to train, nothing to export again
         say(f"nothing to train: the run in {s.run_dir} finished at step {steps} (train.steps={cfg.train.steps}; "
             "train.resume=never starts afresh, setting it aside)")
-        s.logger.close()
+        s.close()
         return {"pass_at_1_before": keeper.run.get("pass_at_1_before", float("nan")), "pass_at_1_after": float("nan"),
                 "steps": steps, "run_dir": str(s.run_dir), "stopped": "", "error": False, "requeue": False}
     if not steps:
@@ -138,7 +143,7 @@ def run(cfg: RunConfig) -> dict:
     result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
               "error": keeper.error, "requeue": keeper.requeue}
     if keeper.stopped:  # preempted or a fault: the checkpoint is saved, leave at once
-        s.logger.close()
+        s.close()
         return {**result, "pass_at_1_after": float("nan")}
     keeper.finish(steps)
     export_policy(s, steps, final=True)  # run_dir/hf/step_N
@@ -147,6 +152,6 @@ def run(cfg: RunConfig) -> dict:
         after = keeper.evaluate(lambda: evaluate(s), steps)
         s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
         say(f"eval after RL: pass@1 {after:.3f}")
-    s.logger.close()
+    s.close()
     return {**result, "pass_at_1_after": after}
 

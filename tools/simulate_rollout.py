@@ -14,6 +14,14 @@ phase_s_mean/max, wait_phases_max (starvation), steps, samples_trained, …
 ``bubble_floor``: the least bubble any on-policy schedule could have that trains the same
 at-cap samples and generates the same tokens with no phase longer than the sync run's
 longest (``on_policy_bubble_floor``; 0 under the constant step model).
+
+``--overlap none|one_step|async|all`` models the trainer and the weight sync too (``overlap_wall``): one more
+line per mode and overlap with wall_s, samples_per_s, speedup_vs_sync (against sync rollout without overlap),
+engine_utilisation and trainer_utilisation. Training costs ``--train-s-per-token`` per trained token (default:
+what makes training ``--train-share`` of a sync step, 0.25) and each sync ``--sync-s`` (default: 1% of the mean
+sync step).
+
+    python tools/simulate_rollout.py --workload sortedrl-paper --overlap all
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from megarl.rollout.sim.simulator import (
     on_policy_bubble_floor,
     paper_workload,
     simulate,
+    with_trainer,
 )
 
 
@@ -81,7 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer-samples", type=int, help="admission budget in unfinished samples (default: none)")
     p.add_argument("--prompts", type=int, help="prompts in a built-in workload's trace (default: 512 or 4096)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap", choices=["none", "one_step", "async", "all"],
+                   help="model the trainer and the sync under rollout.overlap (default: generation only)")
+    p.add_argument("--train-s-per-token", type=float, help="trainer seconds per trained token (with --overlap)")
+    p.add_argument("--train-share", type=float, default=0.25,
+                   help="without --train-s-per-token: training's share of a sync step (default 0.25)")
+    p.add_argument("--sync-s", type=float, help="seconds per weight sync (default: 1%% of the mean sync step)")
     args = p.parse_args(argv)
+    if not 0 < args.train_share < 1:
+        raise SystemExit(f"--train-share must be in (0, 1), got {args.train_share}")
+    for name in ("train_s_per_token", "sync_s"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
 
     s = SimSettings()
     if args.workload == "sortedrl-paper":
@@ -111,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--max-update-groups must be >= --prompts-per-step ({s.prompts_per_step})")
     guards = {"long_rounds": [True], "drain": [False], "both": [True, False]}[args.guard]
     runs = [("sync", False)] + [("on_policy", g) for g in guards] + [("partial", False)]
-    sync_phase_s = None
+    sync_phase_s, baseline = None, None
+    overlaps = ["none", "one_step", "async"] if args.overlap == "all" else [args.overlap] if args.overlap else []
     for mode, long_rounds in runs:
-        if args.mode in ("all", mode) or (mode == "sync" and args.mode == "on_policy"):
+        if args.mode in ("all", mode) or (mode == "sync" and (args.mode == "on_policy" or overlaps)):
             s.long_rounds = long_rounds
             out = simulate(lengths, mode, s)
             if mode == "sync":
@@ -123,8 +144,29 @@ def main(argv: list[str] | None = None) -> int:
                                                              sync_phase_s, s.max_tokens, s.slots,
                                                              StepTimeModel(s.step_time_model))
             if args.mode in ("all", mode):
-                print(json.dumps(out), flush=True)
+                print(json.dumps({k: v for k, v in out.items() if k not in BULKY}), flush=True)
+            if mode == "sync" and overlaps:
+                baseline = trainer_costs(out, args)
+            for overlap in overlaps if args.mode in ("all", mode) else []:
+                line = with_trainer(out, overlap, baseline[0], baseline[1], s.staleness_limit)
+                line["speedup_vs_sync"] = line["samples_per_s"] / baseline[2]
+                print(json.dumps(line), flush=True)
     return 0
+
+
+BULKY = ("phase_s_exact", "phase_trained_tokens", "slot_s_busy", "slot_capacity")
+
+
+def trainer_costs(sync: dict, args) -> tuple[float, float, float]:
+    """Train seconds per token and sync seconds (given, or from the sync run: training ``--train-share`` of a step,
+    a sync 1% of one), and the sync run's samples per second with them (the baseline of ``speedup_vs_sync``)."""
+    gen, tokens = sum(sync["phase_s_exact"]), sum(sync["phase_trained_tokens"])
+    per_token = args.train_s_per_token
+    if per_token is None:
+        per_token = args.train_share / (1 - args.train_share) * gen / tokens
+    steps = len(sync["phase_s_exact"])
+    sync_s = args.sync_s if args.sync_s is not None else 0.01 * (gen + per_token * tokens) / steps
+    return per_token, sync_s, with_trainer(sync, "none", per_token, sync_s, 0)["samples_per_s"]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 - ``controller``: the SortedRL controller's ``state_dict`` — live groups with their samples
   (tokens, per-token behaviour logprobs and policy versions, statuses), re-queued prompts, the
   per-prompt length cache, released prompt indices;
+- ``pipeline``: the batches generated ahead and not yet trained (``rollout.overlap``), and its counts;
 - ``source``: prompts drawn so far (``IndexedSource``) and the source's own ``state_dict`` when
   it has one; ``stateful``: the data cursor of the task stream, the curriculum's pass-rate
   tracker and RNG, the reward runner's counters — each through its ``state_dict`` or, for
@@ -108,6 +109,7 @@ def capture(s, step: int, run: dict) -> dict:
         "policy_version": s.policy_version,
         "lr": s.trainer.optimizer.param_groups[0]["lr"],
         "controller": s.controller.state_dict(),
+        "pipeline": s.pipeline.state_dict(),  # batches generated ahead (rollout.overlap), taken inside its hold
         "source": s.controller.next_prompt.state_dict(),
         "stateful": {name: state_of(obj) for name, obj in stateful(s).items()},
         "run": dict(run),
@@ -125,6 +127,8 @@ def apply(s, state: dict) -> None:
     """Put a captured state back into a freshly built session (source replay first, then the rest)."""
     s.controller.next_prompt.load_state_dict(state["source"])
     s.controller.load_state_dict(state["controller"])
+    if "pipeline" in state:
+        s.pipeline.load_state_dict(state["pipeline"])
     s.policy_version = state.get("policy_version", state["step"])  # (checkpoints before it: one update a step)
     objs = stateful(s)
     for name, value in state["stateful"].items():

@@ -101,7 +101,8 @@ class RolloutConfig:
     oversubscription: float = 2.0
     """SortedRL: groups kept live per update group (the rollout batch is this × prompts_per_step)."""
     staleness_limit: int = 1
-    """Partial mode: a sample whose oldest token is more than this many versions old is not resumed."""
+    """k: partial mode does not resume a sample whose oldest token is more than k versions old; rollout.overlap=async
+    starts no phase whose batch would train more than k versions after the engine's weights."""
     stale_action: Literal["regenerate", "drop"] = "regenerate"
     """Partial mode: 'regenerate' a stale sample from scratch, or 'drop' its group and re-queue the prompt."""
     max_discards: int = 2
@@ -118,6 +119,10 @@ class RolloutConfig:
     """SortedRL admission budget: unfinished samples live at most while admitting for free slots (0: one per free slot)."""
     long_round_groups: int = 0
     """On-policy long rounds: long-queue prompts per round, topped up with new ones (0: prompts_per_step; fewer: shorter rounds, more bubble)."""
+    overlap: Literal["none", "one_step", "async"] = "none"
+    """Generation beside training (disaggregated engines): 'none' (they take turns), 'one_step' (the next phase is
+    generated with the previous weights while this batch trains; staleness 1), 'async' (engines never wait: batches
+    queue, weights load between engine steps, at most staleness_limit versions ahead)."""
 
 
 @dataclass
@@ -179,6 +184,9 @@ class AlgoConfig:
     """Truncated importance sampling of the trainer/engine mismatch: 'none', 'token', 'sequence'."""
     tis_cap: float = 2.0
     """TIS cap C on the importance weight."""
+    decoupled_ppo: bool = False
+    """AReaL's decoupled PPO for stale samples: clip against the proximal policy (the trainer's logprobs before the
+    update), weight by min(π_prox/π_behaviour, tis_cap) per token (algo.tis=token's computation, named)."""
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -283,6 +291,9 @@ class TrainConfig:
     """Steps in a row with a non-finite loss or gradient (each skipped, weights untouched) that stop the run."""
     export_hf_every: int = 0
     """Export the policy as an HF checkpoint to run_dir/hf/step_N every N steps (0: only at the end)."""
+    trace: bool = False
+    """Write run_dir/trace.json, a Chrome trace (Perfetto, chrome://tracing): generate, reward, train and sync spans,
+    one track per engine replica and trainer rank."""
 
 
 @dataclass

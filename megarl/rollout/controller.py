@@ -69,6 +69,7 @@ Invariants (each is tested):
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,6 +136,8 @@ class RolloutController(PromptBuffer):
         self.score = score or (lambda group: None)
         self.keep_group = keep_group or (lambda group: True)  # dynamic sampling hook
         self.batch_order = batch_order or (lambda groups: groups)  # selective batching hook
+        self.engine_turn = contextlib.nullcontext  # the pipeline's EngineGate.step when a sync may come in flight
+        self.on_engine_step: Callable[[int, float, float], None] | None = None  # (engine, start, end) of each step
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:
@@ -187,8 +190,9 @@ class RolloutController(PromptBuffer):
         m.wait_phases_max = max(m.wait_phases_max, version - g.admitted_version)
         released.append(group)
 
-    def _end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics) -> None:
-        """Abort what is still running: keep it (partial) or discard it and re-queue its prompt (on-policy)."""
+    def _end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics, released: int = 1) -> None:
+        """Abort what is still running: keep it (partial) or discard it and re-queue its prompt (on-policy). An
+        on-policy phase that ``released`` nothing keeps it too: no update follows, so its tokens stay on policy."""
         by_engine: dict[int, list[str]] = collections.defaultdict(list)
         for rid in running:
             by_engine[engine_of[rid]].append(rid)
@@ -196,7 +200,7 @@ class RolloutController(PromptBuffer):
             self.engines[k].abort(rids)
         for index, j in running.values():
             self.live[index].samples[j].status = SampleStatus.RESUMED
-        if self.cfg.mode != "on_policy":
+        if self.cfg.mode != "on_policy" or not released:
             return
         discarded, long = [], []
         for index in list(self.live):

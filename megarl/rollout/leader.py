@@ -20,14 +20,18 @@ from megarl.rollout.controller import RolloutController
 class LeaderController(RolloutController):
     """The SortedRL controller on rank 0, whose phases every trainer rank receives (see the module docstring)."""
 
+    def generate(self, version: int):
+        """The phase on rank 0 alone (the pipeline's thread, which shares nothing: the trainer's thread does)."""
+        return super().run_phase(version)
+
     def run_phase(self, version: int):
         rank, world = rank_and_world()
         if world == 1:
-            return super().run_phase(version)
+            return self.generate(version)
         payload = None
         if rank == 0:
             try:
-                payload = ("ok", super().run_phase(version))
+                payload = ("ok", self.generate(version))
             except Exception as exc:  # noqa: BLE001  (every rank raises it: the keeper's containment)
                 share(("error", f"{type(exc).__name__}: {exc}"))
                 raise

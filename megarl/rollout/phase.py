@@ -20,6 +20,7 @@ owns what it is running now (requests, engine clocks, the batch it releases).
 from __future__ import annotations
 
 import collections
+import time
 
 from megarl.engines.protocol import SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics
@@ -55,14 +56,18 @@ class Phase:
         self.pinned: set[int] = set()
 
     def run(self) -> tuple[list[Group], PhaseMetrics]:
-        self.release_held()
-        self.admit()
-        if self.fill:
-            self.admit_for_free_slots()
-        self.dispatch()
+        engines = self.c.engine_turn  # one engine step at a time (an in-flight weight sync comes between two)
+        with engines():
+            self.release_held()
+            self.admit()
+            if self.fill:
+                self.admit_for_free_slots()
+            self.dispatch()
         while self.running and not self.done():
-            self.step()
-        return self.end()
+            with engines():
+                self.step()
+        with engines():
+            return self.end()
 
     # ---- before the first step ----------------------------------------------------------
     def release_held(self) -> None:
@@ -127,7 +132,10 @@ class Phase:
         harvested; then the admissions and the dispatch that step allows."""
         c, cfg, m = self.c, self.cfg, self.m
         k = min((k for k in range(len(c.engines)) if c.engines[k].num_active()), key=lambda k: self.times[k])
+        start = time.perf_counter()
         report: StepReport = c.engines[k].step()
+        if c.on_engine_step is not None:  # (the timeline: one track per engine)
+            c.on_engine_step(k, start, time.perf_counter())
         self.stalled[k] = 0 if any(ev.token_ids or ev.finished for ev in report.events) else self.stalled[k] + 1
         if self.stalled[k] >= STALL_STEPS:
             raise EngineStalled(f"engine {k} made no progress: {STALL_STEPS} steps in a row produced no token "
@@ -159,7 +167,9 @@ class Phase:
         n = len(ev.token_ids)
         s.response_ids += ev.token_ids
         s.logprobs += ev.logprobs
-        s.versions += [self.version if ev.version is None else ev.version] * n  # the sampling engine's version
+        version = self.version if ev.version is None else ev.version  # the sampling engine's version
+        s.versions += [version] * n
+        m.sampled_versions[version] += n
         c.slot_time[key] = c.slot_time.get(key, 0.0) + elapsed  # it held a slot for the whole step
         self.tokens += n
         m.tokens_generated += n
@@ -223,7 +233,7 @@ class Phase:
     def end(self) -> tuple[list[Group], PhaseMetrics]:
         """Abort what still runs (kept or discarded by mode), advance the clock, fill in the phase's metrics."""
         c, m = self.c, self.m
-        c._end_phase(self.running, self.engine_of, m)
+        c._end_phase(self.running, self.engine_of, m, len(self.released))
         end = max(self.times) if self.times else c.clock
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0

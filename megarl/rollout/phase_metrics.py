@@ -37,6 +37,7 @@ class PhaseMetrics:
     samples_finished: int = 0
     interruptions: int = 0
     staleness: Counter = field(default_factory=Counter)  # versions behind → trained tokens
+    sampled_versions: Counter = field(default_factory=Counter)  # engine weight version → tokens sampled in the phase
     buffer_groups: int = 0
     prompts_discarded_twice: int = 0
     groups_over_bound: int = 0  # completed past the update-batch bound: held (partial) or discarded (on-policy)
@@ -54,8 +55,8 @@ class PhaseMetrics:
 
     def merge(self, other: "PhaseMetrics") -> None:
         for name in self.__dataclass_fields__:
-            if name == "staleness":
-                self.staleness.update(other.staleness)
+            if name in ("staleness", "sampled_versions"):
+                getattr(self, name).update(getattr(other, name))
             elif name in ("buffer_groups", "prompts_discarded_twice"):  # snapshots, not sums
                 setattr(self, name, getattr(other, name))
             elif name == "wait_phases_max":
@@ -88,5 +89,7 @@ class PhaseMetrics:
             "rollout/wait_phases_max": float(self.wait_phases_max),
             "rollout/staleness_mean": sum(k * v for k, v in self.staleness.items()) / total_stale,
             "rollout/staleness_max": float(max(self.staleness, default=0)),
+            # >1: the engines' weights moved while the phase ran (rollout.overlap=async's in-flight loads)
+            "rollout/phase_versions": float(len(self.sampled_versions)),
         }
         return out

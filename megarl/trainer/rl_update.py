@@ -65,15 +65,23 @@ def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, s
     return metrics
 
 
+def proximal_level(a) -> str | None:
+    """The level of the truncated IS weight π_prox/π_behaviour when the loss clips against the proximal policy
+    (``algo.tis``, or ``algo.decoupled_ppo``: per token), None when it clips against the behaviour policy."""
+    if a.tis != "none":
+        return a.tis
+    return "token" if a.decoupled_ppo else None
+
+
 def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
     a = cfg.algo
     batch, rewards = rollout_batch(groups, cfg, pad_id)
     mask = batch.loss_mask
     out: dict[str, float] = {}
-    if a.tis != "none":  # decoupled: ratio against the trainer's own (proximal) logprobs, IS weight for the rest
-        prox = learners.policy.logprobs(batch)
+    if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
+        prox = learners.policy.logprobs(batch)  # (the policy before this update: AReaL's proximal policy)
         out.update(mismatch_metrics(prox, batch.old_logprobs, mask))
-        batch.is_weight = truncated_is_weights(prox, batch.old_logprobs, mask, a.tis, a.tis_cap)
+        batch.is_weight = truncated_is_weights(prox, batch.old_logprobs, mask, level, a.tis_cap)
         batch.old_logprobs = prox
     if learners.reference is not None:
         batch.ref_logprobs = learners.reference.logprobs(batch)

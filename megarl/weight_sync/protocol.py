@@ -147,12 +147,15 @@ class WeightSyncProtocol:
         self.audit_owed = False  # an audit that an engine error interrupted: the next complete sync runs it
         self.stages: list[Stage] = []  # the stages the last sync went through, in order
 
-    def run(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-        """Sync the trainer's weights (or ``weights``, e.g. a test's) as ``version``; returns the metrics."""
+    def run(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+            in_flight: bool = False) -> dict[str, float]:
+        """Sync the trainer's weights (or ``weights``, e.g. a test's) as ``version``; returns the metrics.
+        ``in_flight`` (disaggregated replicas, ``rollout.overlap=async``): between two engine steps, requests
+        running on; the audit, which needs idle engines, is owed to the next sync that has them."""
         engine, start = self.engine, time.perf_counter()
         remote = hasattr(engine, "clients")  # disaggregated replicas (``engines.replicas``)
         self.stages = [Stage.PAUSE]
-        engine.pause() if remote else pause(engine)
+        engine.pause(in_flight) if remote else pause(engine)
         metrics: dict[str, float] = {}
         try:
             self.stages.append(Stage.STREAM_LOAD)
@@ -160,7 +163,7 @@ class WeightSyncProtocol:
             if weights is None and injected("sync_error"):
                 weights = broken_half_way(stream.weights(), sum(len(e.hf) for b in stream.buckets() for e in b))
             if remote:  # each replica loads, resets its prefix cache and bumps its version, or restores
-                metrics.update(engine.sync_stream(stream, version, weights))
+                metrics.update(engine.sync_stream(stream, version, weights, in_flight))
                 self.stages += [Stage.RESET_CACHE, Stage.BUMP]
             else:
                 # zero_copy: on one rank, tensors that need no re-layout go to the engine as views
@@ -182,7 +185,9 @@ class WeightSyncProtocol:
             resume(engine)
         metrics["timing/sync_s"] = time.perf_counter() - start
         due = self.check_every and self.syncs and (self.syncs % self.check_every == 0 or self.audit_owed)
-        if due and Stage.BUMP in self.stages:
+        if due and in_flight:
+            self.audit_owed = True
+        elif due and Stage.BUMP in self.stages:
             self.stages.append(Stage.AUDIT)
             self.audit_owed = True  # until it completes
             if injected("replica_dies_before_audit"):
@@ -194,7 +199,7 @@ class WeightSyncProtocol:
         return metrics
 
 
-def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
+def sync_weights(engine, trainer, sync_cfg, version: int, in_flight: bool = False) -> dict[str, float]:
     """The loop's entry point: this engine's protocol (kept on the engine), run as ``version``."""
     proto = getattr(engine, "sync_protocol", None)
     if proto is None or proto.trainer is not trainer:
@@ -202,4 +207,4 @@ def sync_weights(engine, trainer, sync_cfg, version: int) -> dict[str, float]:
                                    rollback=sync_cfg.rollback)
         engine.sync_protocol = proto
     with guard(f"weight sync to version {version}"):  # a wedged collective ends the process (exit 75)
-        return proto.run(version)
+        return proto.run(version, in_flight=in_flight)

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from helpers.runs import final_state, no_prompt_lost_or_twice, reap, start
+from helpers.runs import train as run_train
 from helpers.scripts import ROOT
 from megarl.checkpoint.run import RunCheckpoints, verify
 from megarl.checkpoint.session_state import buffer_digest
@@ -38,50 +40,12 @@ def _args(model, run_dir, *extra):
             *extra]
 
 
-def _env(**extra):
-    return {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), **extra}
-
-
 def _start(model, run_dir, *extra, env=None, out=None):
-    """The run in its own session (process group), so that what it leaves behind can be killed with it."""
-    return subprocess.Popen(_args(model, run_dir, *extra), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=_env(**(env or {})), start_new_session=True)
-
-
-def _reap(proc):
-    """Kill the run's process group, as Slurm kills a job's processes: a SIGKILLed run leaves megatron's
-    checkpoint-writer Manager process orphaned otherwise."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return start(_args(model, run_dir, *extra), env=env, out=out)
 
 
 def train(model, run_dir, *extra, env=None, rc=0):
-    log = run_dir.parent / f"{run_dir.name}.{time.time_ns()}.log"
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = _start(model, run_dir, *extra, env=env, out=f)
-        try:
-            code = proc.wait(timeout=900)
-        finally:
-            _reap(proc)
-    out = log.read_text()
-    assert code == rc, f"exit {code}, expected {rc}:\n{out[-6000:]}"
-    return out
-
-
-def final_state(run_dir):
-    ckpts = RunCheckpoints(run_dir)
-    return pickle.loads((ckpts.root / f"step_{ckpts.steps()[0]:06d}" / "state.pkl").read_bytes())
-
-
-def no_prompt_lost_or_twice(state):
-    """Every drawn prompt is in exactly one of: live (buffer), re-queued (or the long-prompt queue), released."""
-    c = state["controller"]
-    live, requeued, released = set(c["live"]), [item.index for item, *_ in [*c["requeued"], *c.get("long_queue", [])]], c["released"]
-    everything = sorted([*live, *requeued, *released])
-    assert everything == list(range(state["source"]["drawn"])), "a prompt was lost or is held twice"
+    return run_train(_args(model, run_dir, *extra), run_dir, env=env, rc=rc)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +121,7 @@ def test_sigusr1_saves_exits_0_and_the_next_start_resumes(baseline, tmp_path):
                 t0 = time.time()
         assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
     finally:
-        _reap(proc)
+        reap(proc)
     out = "".join(lines)
     assert time.time() - t0 < 120
     m = re.search(r"step (\d+): SIGUSR1 received; checkpoint saved, stopping", out)
@@ -188,7 +152,7 @@ def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the
                 sent = True
         assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
     finally:
-        _reap(proc)
+        reap(proc)
     out = "".join(lines)
     assert sent and "step 1: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
     assert RunCheckpoints(run).steps()[0] == 1 and "eval after RL" not in out

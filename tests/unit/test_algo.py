@@ -291,3 +291,15 @@ def test_lr_schedule_warmup_then_cosine():
                              "optim.lr_warmup_steps=2", "train.steps=10"])
     assert [policy_lr(cfg, s) for s in range(3, 6)] == [0.5, 1.0, 1.0]
     assert policy_lr(load_config(None, ["optim.lr=1.0", "optim.lr_warmup_steps=2"]), 0) == 0.5
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy_with_a_token_is_weight():
+    from megarl.config.schema import AlgoConfig
+    from megarl.trainer.rl_update import proximal_level
+
+    assert proximal_level(AlgoConfig()) is None  # plain PPO: the ratio against the behaviour logprobs
+    assert proximal_level(AlgoConfig(decoupled_ppo=True)) == "token"
+    assert proximal_level(AlgoConfig(decoupled_ppo=True, tis="sequence")) == "sequence"
+    prox, beh = torch.log(torch.tensor([[0.5, 0.9]])), torch.log(torch.tensor([[0.1, 0.9]]))
+    w = truncated_is_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(decoupled_ppo=True)), cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0]]))  # min(π_prox/π_behaviour, cap) per token

@@ -177,3 +177,26 @@ def test_cli_accepts_overrides_after_options(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "parallel.tp × parallel.pp = 3×1 must divide the world size 2" in proc.stderr
+
+
+@pytest.mark.parametrize("overlap", ["one_step", "async"])
+def test_overlap_needs_disaggregated_engines_and_says_why(overlap):
+    with pytest.raises(ConfigError, match=f"rollout.overlap={overlap} needs engine.placement=disaggregated"):
+        validate(load_config(None, [f"rollout.overlap={overlap}"]), 1, MOE)
+    with pytest.raises(ConfigError, match=r"rollout.overlap.*'none', 'one_step', 'async'"):
+        load_config(None, ["rollout.overlap=always"])
+    validate(load_config(None, [f"rollout.overlap={overlap}", "engine.placement=disaggregated"]), 1, MOE)
+
+
+def test_async_staleness_is_read_and_plain_ppo_past_2_is_noted():
+    from megarl.config.validate.limits import unread_keys
+
+    def notes(*overrides):
+        return unread_keys(load_config(None, ["engine.placement=disaggregated", *overrides]))
+
+    assert any("rollout.staleness_limit=3 is not read" in n for n in notes("rollout.staleness_limit=3"))
+    assert not any("staleness_limit" in n and "not read" in n
+                   for n in notes("rollout.staleness_limit=3", "rollout.overlap=async"))
+    assert any("algo.decoupled_ppo=true" in n for n in notes("rollout.staleness_limit=3", "rollout.overlap=async"))
+    assert not any("decoupled_ppo" in n for n in notes("rollout.staleness_limit=3", "rollout.overlap=async",
+                                                        "algo.decoupled_ppo=true"))

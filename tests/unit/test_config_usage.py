@@ -84,7 +84,8 @@ def test_keys_the_mode_does_not_read_are_said_before_launch(tmp_path, capsys):
     base = [f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2", f"train.run_dir={tmp_path / 'run'}"]
     assert main(["check", *base, "rollout.staleness_limit=3", "rollout.long_rounds=false"]) == 0
     err = capsys.readouterr().err
-    assert "rollout.staleness_limit=3 is not read in rollout.mode=sync (only in partial mode)" in err, err
+    assert ("rollout.staleness_limit=3 is not read in rollout.mode=sync with rollout.overlap=none (only in partial "
+            "mode and with rollout.overlap=async)") in err, err
     assert "rollout.long_rounds=false is not read in rollout.mode=sync (only in on_policy mode)" in err
     # a model.path with no model (a typo) and model.make_tiny left set from a copied config: a random model
     assert f"model.path={tmp_path / 'model'} holds no model (no config.json): model.make_tiny=qwen2 makes" in err

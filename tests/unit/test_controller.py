@@ -239,3 +239,22 @@ def test_dynamic_sampling_cap_ends_a_phase_with_no_useful_group(mode):
     ctrl.cfg.release_cap = 6
     groups, m = ctrl.run_phase(0)
     assert len(groups) + m.groups_filtered < 6 + 8 and all(g.prompt_index % 7 == 0 for g in groups)
+
+
+def test_on_policy_keeps_the_unfinished_samples_of_a_phase_that_released_nothing():
+    """No group released, no update follows: the samples still running were sampled by the policy the next phase
+    runs too (same version), so they are kept and resumed, not discarded and re-queued."""
+    ctrl, _ = make("on_policy", heavy_lengths(30, seed=8), keep=lambda g: False, update=2, rollout=4, prompts=300)
+    ctrl.cfg.release_cap = 6
+    groups, m = ctrl.run_phase(0)
+    assert groups == [] and not ctrl.requeued  # (its tokens_wasted: the filtered groups)
+    begun = {i: [len(s.response_ids) for s in g.samples] for i, g in ctrl.live.items()
+             if any(s.response_ids for s in g.samples)}
+    assert begun, "the cap ended the phase with long samples still running"
+    ctrl.keep_group = lambda g: True
+    ctrl.run_phase(0)  # the same version: what was begun goes on from where it was
+    for i, before in begun.items():
+        g = ctrl.live.get(i)
+        if g is not None:
+            assert all(len(s.response_ids) >= n for s, n in zip(g.samples, before))
+            assert all(v == 0 for s in g.samples for v in s.versions)

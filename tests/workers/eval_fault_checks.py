@@ -74,7 +74,7 @@ def main(run_dir: str, *overrides: str) -> None:
         with contextlib.redirect_stdout(log):
             skipped = keeper.evaluate(lambda: evaluate(s), 0)
             try:
-                keeper.run_phase(0, 0)
+                keeper.next_rollout(0, 0)
                 stop = ""
             except StopRun as exc:
                 stop = str(exc)

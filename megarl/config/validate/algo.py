@@ -87,7 +87,7 @@ def _combinations(cfg: RunConfig) -> None:
                           f"oversample_cap × rollout.prompts_per_step released groups, useful or not; below 1 no "
                           f"phase could fill its batch, and 0 would loop forever on uninformative groups), "
                           f"got {a.oversample_cap}")
-    if 0 < r.top_p < 1 and a.tis == "none":  # (out of (0, 1]: the range check says so)
+    if 0 < r.top_p < 1 and a.tis == "none" and not a.decoupled_ppo:  # (out of (0, 1]: the range check says so)
         raise ConfigError(f"rollout.top_p={r.top_p} with algo.tis=none: the engine's behaviour logprobs are of the "
                           "nucleus it samples from (renormalised), the trainer's of the whole vocabulary, so the "
                           "importance ratio starts near the nucleus mass instead of 1 (with GSPO's clip band every "

@@ -111,7 +111,7 @@ def check_engine_head_size(hf: dict, where: str) -> None:
 ROLLOUT_KEYS_READ_IN = {
     "oversubscription": ("on_policy", "partial"), "buffer_samples": ("on_policy", "partial"),
     "token_budget": ("on_policy", "partial"), "max_update_groups": ("on_policy", "partial"),
-    "staleness_limit": ("partial",), "stale_action": ("partial",),
+    "stale_action": ("partial",),
     "max_discards": ("on_policy",), "long_rounds": ("on_policy",), "long_round_groups": ("on_policy",),
 }
 
@@ -129,6 +129,13 @@ def unread_keys(cfg: RunConfig) -> list[str]:
     for key in ("eval_prompt_key", "eval_answer_key"):
         if getattr(cfg.data, key) and not cfg.data.eval_path:
             out.append(f"data.{key}={getattr(cfg.data, key)} is not read without data.eval_path")
+    if r.staleness_limit != RolloutConfig.staleness_limit and r.mode != "partial" and r.overlap != "async":
+        out.append(f"rollout.staleness_limit={r.staleness_limit} is not read in rollout.mode={r.mode} with "
+                   f"rollout.overlap={r.overlap} (only in partial mode and with rollout.overlap=async)")
+    if r.overlap == "async" and r.staleness_limit > 2 and cfg.algo.tis == "none" and not cfg.algo.decoupled_ppo:
+        out.append(f"rollout.overlap=async with rollout.staleness_limit={r.staleness_limit}: plain PPO against the "
+                   "behaviour policy was found unstable beyond staleness 2 (AReaL); algo.decoupled_ppo=true clips "
+                   "against the proximal policy instead")
     if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
         out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
     return out

@@ -64,6 +64,10 @@ def _validate_rollout(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if r.overlap != "none" and cfg.engine.placement != "disaggregated":
+        raise ConfigError(f"rollout.overlap={r.overlap} needs engine.placement=disaggregated: colocated engines run in "
+                          "the trainer's own processes (and on its devices), so generation and training cannot run at "
+                          "once; set engine.placement=disaggregated or rollout.overlap=none")
 
 
 def _validate_engine_and_sync(cfg: RunConfig) -> None:

@@ -15,7 +15,7 @@ import threading
 from megarl.distributed.watchdog import guard
 from megarl.engines.protocol import SlotRequest, StepReport, TrackedRequests
 from megarl.engines.remote import nodes
-from megarl.engines.remote.messages import Abort, Step, Submit
+from megarl.engines.remote.messages import Abort, Seed, Step, Submit
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable
 
 
@@ -51,6 +51,10 @@ class ReplicaClient(TrackedRequests):
                                  "with no backup (sync.rollback=resync); it must be re-synced")
         self.call(Submit(request), reply=False)
         self._active.add(request.request_id)
+
+    def reseed(self, seed: int) -> None:
+        """The replica's sampling stream from here on (a phase that starts from the same state samples alike)."""
+        self.call(Seed(seed), reply=False)
 
     def _abort(self, request_ids: list[str]) -> None:
         self.call(Abort(request_ids), reply=False)

@@ -7,6 +7,7 @@ have no reply (the controller's next ``Step`` reports their effect); ``Update``'
 | command | reply |
 | --- | --- |
 | ``Submit(request)`` | none |
+| ``Seed(seed)`` | none (the engine's sampling stream from here on) |
 | ``Abort(request_ids)`` | none |
 | ``Step()`` | ``StepDone(events, elapsed, version)`` |
 | ``Generate(requests, seed)`` | ``list[list[Completion]]`` |
@@ -42,6 +43,11 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Seed:
+    seed: int
+
+
+@dataclass(frozen=True)
 class Generate:
     requests: list[GenerationRequest]
     seed: int
@@ -60,6 +66,7 @@ class Update:
     version: int  # the weight version the replica serves once loaded
     rollback: str  # 'copy' (back up first) | 'resync' (no backup: unusable if the load fails)
     stage_only: bool = False  # the bench's transfer-only figure: received and staged, nothing loaded
+    in_flight: bool = False  # between two engine steps with requests running (rollout.overlap=async): they go on
 
 
 @dataclass(frozen=True)

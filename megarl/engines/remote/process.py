@@ -18,6 +18,8 @@ import os
 import resource
 import time
 
+import torch
+
 from megarl.engines.protocol import SlotRequest, TokenEvent
 from megarl.engines.remote.messages import (
     Abort,
@@ -26,6 +28,7 @@ from megarl.engines.remote.messages import (
     InitTransfer,
     Outcome,
     RecvRaw,
+    Seed,
     Step,
     StepDone,
     Submit,
@@ -136,6 +139,8 @@ class _Replica:
                 self.active.difference_update(ids)
             case Step():
                 return self.step()
+            case Seed(seed):
+                torch.manual_seed(seed)  # the sampler's stream (no per-request generators: see FACTS)
             case Generate(requests, seed):
                 shim = VLLMEngine.__new__(VLLMEngine)
                 shim.llm = self.llm
@@ -171,7 +176,7 @@ class _Replica:
     def update(self, u: Update) -> Updated:
         """All or nothing across this replica's TP workers (see the module docstring)."""
         llm = self.llm
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() and not u.in_flight:
             return Updated(self.version, "requests still in flight")
         started = False
         try:
@@ -189,6 +194,8 @@ class _Replica:
                 llm.collective_rpc("megarl_abandon_update")
                 raise _WorkersFailed(failures[0])
             llm.finish_weight_update(weight_version=str(u.version))
+            # in flight, running requests hold KV blocks: the reset is refused (False) and the prefix cache keeps KV
+            # computed under the previous weights; each token still carries the version that sampled it
             llm.reset_prefix_cache()
             self.version, self.unusable = u.version, ""
             phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}

@@ -241,20 +241,25 @@ class EngineReplicas:
             raise EngineDied(f"generation on engine replica {replica} failed: {out[1]}")
         return out[1]
 
-    def pause(self) -> None:
+    def pause(self, in_flight: bool = False) -> None:
+        """Refuse a sync while requests run, unless it is ``in_flight`` (they go on under the new weights)."""
+        if in_flight:
+            return
         busy = collectives.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
         if busy:
             raise SyncError(f"weight sync refused: replicas {busy} still have requests in flight; end the phase first")
 
-    def sync_stream(self, sync, version: int, weights=None) -> dict[str, float]:
-        """Send a ``StreamingSync``'s buckets: each from the trainer rank that owns it (``weights``: a test's stream)."""
+    def sync_stream(self, sync, version: int, weights=None, in_flight: bool = False) -> dict[str, float]:
+        """Send a ``StreamingSync``'s buckets: each from the trainer rank that owns it (``weights``: a test's stream);
+        ``in_flight``: between two engine steps, the replicas' running requests going on."""
         plan, sources = plan_buckets(sync), [entries[0].source for entries in sync.buckets()]
         if weights is not None or self.world == 1:
-            return self.load(plan, flat_buckets(sync, plan, weights), version, sync.dtype, [0] * len(plan))
-        return self.load(plan, sync.owned_buckets(), version, sync.dtype, sources)
+            return self.load(plan, flat_buckets(sync, plan, weights), version, sync.dtype, [0] * len(plan),
+                             in_flight=in_flight)
+        return self.load(plan, sync.owned_buckets(), version, sync.dtype, sources, in_flight=in_flight)
 
     def load(self, plan: list, buckets, version: int, dtype: torch.dtype = torch.float32,
-             sources: list[int] | None = None, stage_only: bool = False) -> dict[str, float]:
+             sources: list[int] | None = None, stage_only: bool = False, in_flight: bool = False) -> dict[str, float]:
         """Broadcast ``buckets`` (this rank's flat tensors, in ``plan`` order; bucket i comes from trainer rank
         ``sources[i]``, all 0 if None) to every replica; all-or-nothing per replica, and the same outcome on
         every trainer rank. ``stage_only`` (the bench's transfer-only figure): the replicas receive the buckets
@@ -273,8 +278,8 @@ class EngineReplicas:
         try:
             groups = [senders.index(s) for s in sources]
             for c in self.clients:  # (rank 0 only; a replica already gone: the watchdog ends the others)
-                c.call(Update(plan, groups, str(dtype).removeprefix("torch."), version, self.rollback, stage_only),
-                       reply=False)
+                c.call(Update(plan, groups, str(dtype).removeprefix("torch."), version, self.rollback, stage_only,
+                              in_flight), reply=False)
             # the fill (gathers, re-layout, cast) asks for no CUDA device: without the trainer's cuda→cpu mode
             # its torch calls cost ~25% less (measured), as in the colocated load (``protocol.load``)
             with cpu_suspended():

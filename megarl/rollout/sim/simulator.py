@@ -95,6 +95,31 @@ def on_policy_bubble_floor(at_cap: int, tokens: int, phase_s: float, cap: int, s
     return idle / (idle + busy)
 
 
+def overlap_wall(gen_s: list[float], train_s: list[float], sync_s: float, overlap: str, k: int = 1) -> float:
+    """Wall time of the steps when batch b takes ``gen_s[b]`` of the engines, then ``train_s[b]`` and a weight sync
+    of ``sync_s`` of the trainer, under ``rollout.overlap`` (megarl/rollout/pipeline.py's timelines):
+
+    - ``none``: they take turns, Σ (gen + train + sync);
+    - ``one_step``: batch b+1 is generated while b trains; the sync waits for both (the phase boundary);
+    - ``async``: phases back to back, each also paying ``sync_s`` for the load that lands in it (the engines stop
+      between two steps for it); phase b starts only once step b − k − 1 is done (k = the staleness limit); the
+      trainer takes batch b once it is generated and it is free.
+    """
+    n = len(gen_s)
+    if overlap == "none":
+        return sum(gen_s) + sum(train_s) + n * sync_s
+    if overlap == "one_step":
+        return gen_s[0] + sum(max(train_s[b], gen_s[b + 1] if b + 1 < n else 0.0) + sync_s for b in range(n))
+    engines = trainer = 0.0
+    done: list[float] = []
+    for b in range(n):
+        start = max(engines, done[b - k - 1] if b - k - 1 >= 0 else 0.0)
+        engines = start + gen_s[b] + sync_s
+        trainer = max(trainer, engines) + train_s[b] + sync_s
+        done.append(trainer)
+    return trainer
+
+
 def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
     g = s.group_size
     if len(lengths) % g:
@@ -125,13 +150,14 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
     model = StepTimeModel(s.step_time_model)
     engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk) for _ in range(s.engines)]
     ctrl = RolloutController(cfg, engines, next_prompt)
-    total, batches, phase_s, at_cap = PhaseMetrics(), [], [], 0
+    total, batches, phase_s, phase_tokens, at_cap = PhaseMetrics(), [], [], [], 0
     for version in range(steps):
         groups, m = ctrl.run_phase(version)
         total.merge(m)
         at_cap += sum(x.finish_reason == "length" for g in groups for x in g.samples)
         batches.append(len(groups))
         phase_s.append(m.duration)
+        phase_tokens.append(m.len_trained_sum)
         if not groups and ctrl.source_done and not ctrl.live:
             break
     out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
@@ -140,5 +166,17 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
                tokens_generated=total.tokens_generated, sim_seconds=total.duration,
                groups_per_step_mean=sum(batches) / len(batches), groups_per_step_max=max(batches),
                groups_per_step_min=min(batches), phase_s_mean=sum(phase_s) / len(phase_s), phase_s_max=max(phase_s),
-               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s])
+               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s], phase_s_exact=phase_s, phase_trained_tokens=phase_tokens,
+               slot_s_busy=total.slot_time_busy, slot_capacity=s.engines * s.slots)
     return out
+
+
+def with_trainer(out: dict, overlap: str, train_s_per_token: float, sync_s: float, k: int) -> dict:
+    """A ``simulate`` result with the trainer and the sync modelled (``overlap_wall``): end-to-end wall time,
+    trained samples per second, and the engines' and the trainer's utilisation."""
+    gen = out["phase_s_exact"]
+    train = [train_s_per_token * t for t in out["phase_trained_tokens"]]
+    wall = overlap_wall(gen, train, sync_s, overlap, k)
+    return {"mode": out["mode"], "guard": out["guard"], "overlap": overlap, "wall_s": wall, "samples_per_s": out["samples_trained"] / wall,
+            "engine_utilisation": out["slot_s_busy"] / (out["slot_capacity"] * wall),
+            "trainer_utilisation": sum(train) / wall, "train_share_of_step": sum(train) / (sum(gen) + sum(train))}

@@ -1,0 +1,63 @@
+"""Real ``megarl train`` runs in a process group of their own, and what a run checkpoint must hold."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import time
+
+from helpers.scripts import ROOT
+
+
+def run_env(**extra) -> dict:
+    return {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), **extra}
+
+
+def start(args: list[str], env: dict | None = None, out=None) -> subprocess.Popen:
+    """The run in its own session (process group), so that what it leaves behind can be killed with it."""
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=run_env(**(env or {})),
+                            start_new_session=True)
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Kill the run's process group, as Slurm kills a job's processes: a SIGKILLed run leaves megatron's
+    checkpoint-writer Manager process (and disaggregated engine replicas) orphaned otherwise."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def train(args: list[str], run_dir, env: dict | None = None, rc: int = 0, timeout: float = 900) -> str:
+    """Run ``args`` to its end (exit ``rc``), logging beside ``run_dir``; its output."""
+    log = run_dir.parent / f"{run_dir.name}.{time.time_ns()}.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = start(args, env=env, out=f)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            reap(proc)
+    out = log.read_text()
+    assert code == rc, f"exit {code}, expected {rc}:\n{out[-6000:]}"
+    return out
+
+
+def final_state(run_dir) -> dict:
+    from megarl.checkpoint.run import RunCheckpoints
+
+    ckpts = RunCheckpoints(run_dir)
+    return pickle.loads((ckpts.root / f"step_{ckpts.steps()[0]:06d}" / "state.pkl").read_bytes())
+
+
+def no_prompt_lost_or_twice(state: dict) -> None:
+    """Every drawn prompt is in exactly one of: live (buffer), re-queued (or the long-prompt queue), released;
+    the batches generated ahead and not yet trained (``rollout.overlap``) hold released ones, each once."""
+    c = state["controller"]
+    live, requeued, released = set(c["live"]), [item.index for item, *_ in [*c["requeued"], *c.get("long_queue", [])]], c["released"]
+    everything = sorted([*live, *requeued, *released])
+    assert everything == list(range(state["source"]["drawn"])), "a prompt was lost or is held twice"
+    ahead = [g.prompt_index for r in pickle.loads(state["pipeline"]["queue"]) for g in r.groups] if "pipeline" in state else []
+    assert len(set(ahead)) == len(ahead) and set(ahead) <= set(released), "a batch generated ahead lost or doubled"

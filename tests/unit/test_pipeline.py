@@ -1,0 +1,96 @@
+"""The pipeline's who-waits-for-whom (``rollout/pipeline.py``) and the timeline's figures (``logging/timeline.py``),
+with a plain function as the phase: the bound on how far ahead async runs, one_step's one batch ahead, hold."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from megarl.logging.timeline import Timeline, write_trace
+from megarl.rollout.phase_metrics import PhaseMetrics
+from megarl.rollout.pipeline import Pipeline, Rollout
+
+
+def _pipeline(mode, k=1):
+    started = []  # (batch, trained at version, steps done when it started)
+
+    def generate(version, batch):
+        started.append((batch, version, p.done))
+        time.sleep(0.01)
+        return Rollout([], PhaseMetrics(), {}, batch)
+
+    p = Pipeline(mode, generate, k)
+    return p, started
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_async_starts_a_phase_only_within_k_versions_of_the_one_that_trains_it(k):
+    p, started = _pipeline("async", k)
+    for step in range(6):
+        rollout, error = p.take()
+        assert error is None and rollout.batch == step
+        time.sleep(0.03)  # training: the thread runs ahead meanwhile, as far as k lets it
+        p.step_done(step + 1)
+    p.close()
+    assert [b for b, _, _ in started][:6] == list(range(6))
+    assert all(batch - done <= k for batch, _, done in started)  # never more than k batches ahead of training
+    assert all(version == batch for batch, version, _ in started)  # trained at the version of its turn
+    assert any(batch - done == k for batch, _, done in started)  # and it did run ahead
+
+
+def test_one_step_generates_the_next_batch_while_this_one_trains():
+    p, started = _pipeline("one_step")
+    rollout, _ = p.take()
+    assert rollout is None  # the first batch: the caller generates it now
+    p.generated_now()
+    for step in range(3):
+        p.after_take()  # batch step + 1 starts with the weights now
+        assert p.boundary() is None  # the sync waits for it
+        p.step_done(step + 1)
+        rollout, _ = p.take()
+        assert rollout.batch == step + 1
+    assert [(b, v, d) for b, v, d in started] == [(1, 1, 0), (2, 2, 1), (3, 3, 2)]
+
+
+def test_hold_lets_no_phase_start_and_waits_for_the_one_running():
+    p, started = _pipeline("async", 3)
+    p.take()
+    with p.hold():
+        n = len(started)
+        assert not p._busy
+        time.sleep(0.05)
+        assert len(started) == n  # nothing started inside
+        state = p.state_dict()
+    p.close()
+    restored = Pipeline("async", None, 3)
+    restored.load_state_dict(state)
+    assert [r.batch for r in restored.queue] == [r.batch for r in p.queue][:len(restored.queue)]
+    assert restored.generated == state["generated"]
+
+
+def test_a_step_sees_a_span_still_open_and_the_overlap_in_its_window(tmp_path):
+    t = Timeline(keep_all=True)
+    gate = threading.Event()
+
+    def phase():
+        with t.span("rollout", "generate batch 1"):
+            gate.wait()
+
+    worker = threading.Thread(target=phase)
+    start = time.perf_counter()
+    worker.start()
+    with t.span("trainer rank 0", "train"):
+        time.sleep(0.05)
+    figures = t.step_metrics(start, time.perf_counter(), "trainer rank 0")  # the phase outlasts the step
+    gate.set()
+    worker.join()
+    assert figures["pipeline/overlap_fraction"] > 0.8 and figures["timing/engine_idle_s"] < 0.01
+    path = write_trace(tmp_path / "trace.json", [t.events()])
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert set(spans) == {"generate batch 1", "train"} and all(e["dur"] > 0 for e in spans.values())
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {"rollout", "trainer rank 0"}
