@@ -42,16 +42,29 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("overlap") / "model", TinyShape(family="qwen2"), seed=3)
 
 
-def test_one_step_is_deterministic_and_a_kill_9_resumes_exactly(model, tmp_path):
-    """Staleness exactly 1 from the second step on (each batch generated with the weights before its update);
-    a run killed in step 3's optimizer step, resumed from step 2's checkpoint (the batch generated ahead in it),
-    writes the uninterrupted run's metrics."""
-    ref = tmp_path / "ref"
+@pytest.fixture(scope="module")
+def one_step(model, tmp_path_factory):
+    ref = tmp_path_factory.mktemp("one_step") / "ref"
     _train(model, ref, "rollout.overlap=one_step")
-    steps = _steps(ref)
+    return ref
+
+
+def test_one_step_trains_each_batch_one_version_after_the_weights_that_sampled_it(one_step):
+    """Staleness exactly 1 from the second step on (the first batch is generated before any update), and the
+    batch generated ahead of the last step is in the final checkpoint."""
+    steps = _steps(one_step)
     assert len(steps) == STEPS and steps[0]["rollout/staleness_max"] == 0
     assert all(r["rollout/staleness_max"] == 1 and r["rollout/staleness_mean"] > 0 for r in steps[1:])
-    assert "pipeline" in final_state(ref) and final_state(ref)["pipeline"]["generated"] == STEPS + 1
+    state = final_state(one_step)
+    assert state["pipeline"]["generated"] == STEPS + 1 and state["pipeline"]["done"] == STEPS
+    no_prompt_lost_or_twice(state)
+
+
+@pytest.mark.slow
+def test_one_step_is_deterministic_and_a_kill_9_resumes_exactly(model, one_step, tmp_path):
+    """A run killed in step 3's optimizer step, resumed from step 2's checkpoint (the batch generated ahead in
+    it), writes the metrics of the uninterrupted run (itself a second run of the same config)."""
+    ref = one_step
     run = tmp_path / "run"
     _train(model, run, "rollout.overlap=one_step", env={"MEGARL_TEST_KILL": "optimizer_step@3"},
            rc=-signal.SIGKILL)
