@@ -289,9 +289,7 @@ class RunKeeper:
         run = run or getattr(c, "generate", c.run_phase)
         snapshot = pickle.dumps(c.state_dict())
         c.next_prompt.mark()
-        for k, engine in enumerate(c.engines):  # a phase that starts from the same state samples alike (resume)
-            if hasattr(engine, "reseed"):
-                engine.reseed(self.cfg.train.seed * 1_000_003 + batch * 7_919 + k)
+        c.phase_seed = self.cfg.train.seed * 1_000_003 + batch * 7_919  # the same state samples alike (resume)
         try:
             with s.timeline.span("rollout", f"generate batch {batch}"):
                 groups, phase = run(version)

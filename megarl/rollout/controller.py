@@ -138,6 +138,7 @@ class RolloutController(PromptBuffer):
         self.batch_order = batch_order or (lambda groups: groups)  # selective batching hook
         self.engine_turn = contextlib.nullcontext  # the pipeline's EngineGate.step when a sync may come in flight
         self.on_engine_step: Callable[[int, float, float], None] | None = None  # (engine, start, end) of each step
+        self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:

@@ -58,6 +58,7 @@ class Phase:
     def run(self) -> tuple[list[Group], PhaseMetrics]:
         engines = self.c.engine_turn  # one engine step at a time (an in-flight weight sync comes between two)
         with engines():
+            self.reseed()
             self.release_held()
             self.admit()
             if self.fill:
@@ -70,6 +71,14 @@ class Phase:
             return self.end()
 
     # ---- before the first step ----------------------------------------------------------
+    def reseed(self) -> None:
+        """The engines' sampling streams from the controller's ``phase_seed`` (inside the phase: an engine that
+        fails to take it fails the phase, which the keeper contains on every rank alike)."""
+        if self.c.phase_seed is not None:
+            for k, engine in enumerate(self.c.engines):
+                if hasattr(engine, "reseed"):
+                    engine.reseed(self.c.phase_seed + k)
+
     def release_held(self) -> None:
         """Partial mode: stale samples expire, and groups held whole past the last bound come first in this batch."""
         c = self.c

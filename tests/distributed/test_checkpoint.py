@@ -11,21 +11,22 @@ from helpers.hf_models import make_hf_model
 from helpers.scripts import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
+SLOW = pytest.mark.slow  # (each case is two 2-process runs: the default run keeps one of each kind)
 CASES = [
     ("qwen2", "tp2", "single"),
-    ("qwen2", "pp2", "single"),
+    pytest.param("qwen2", "pp2", "single", marks=SLOW),
     ("qwen3_moe", "pp2_vpp2", "single"),  # interleaved chunks ('model0', 'model1') into one model
-    ("qwen2", "single", "pp2_vpp2"),
-    ("qwen2", "dp2", "single"),
+    pytest.param("qwen2", "single", "pp2_vpp2", marks=SLOW),
+    pytest.param("qwen2", "dp2", "single", marks=SLOW),
     ("qwen3_moe", "ep2_alltoall", "single"),  # the MoE chained-optimizer case (chained_0. prefixes)
-    ("qwen3_moe", "single", "tp2_sp"),
-    ("qwen3_moe", "tp2_sp_etp1", "single"),  # experts reduced apart: a chain of plain optimizers
-    ("qwen3_moe", "single", "tp2_sp_etp1"),
+    pytest.param("qwen3_moe", "single", "tp2_sp", marks=SLOW),
+    pytest.param("qwen3_moe", "tp2_sp_etp1", "single", marks=SLOW),  # experts reduced apart: plain optimizers
+    pytest.param("qwen3_moe", "single", "tp2_sp_etp1", marks=SLOW),
     # into the distributed optimizer (DP > 1): Adam's step per parameter, main params from a plain one
     ("qwen2", "dp2", "dp2"),
-    ("qwen2", "single", "dp2"),
-    ("qwen3_moe", "ep2_alltoall", "ep2_alltoall"),
-    ("qwen3_moe", "single", "ep2_alltoall"),  # expert groups unflagged at EP=1
+    pytest.param("qwen2", "single", "dp2", marks=SLOW),
+    pytest.param("qwen3_moe", "ep2_alltoall", "ep2_alltoall", marks=SLOW),
+    pytest.param("qwen3_moe", "single", "ep2_alltoall", marks=SLOW),  # expert groups unflagged at EP=1
 ]
 
 
