@@ -190,7 +190,8 @@ class RunKeeper:
             kill_checkpoint_writer()
         try:
             with guard(f"checkpoint save of step {step}"), self.s.pipeline.hold():  # (no phase runs: queue + buffer)
-                path = self.ckpts.save(step, write)
+                with self.s.timeline.span(self.s.trainer_track, "checkpoint"):
+                    path = self.ckpts.save(step, write)
         except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
             raise SaveFailed(
                 f"checkpoint save of step {step} failed: a helper process of megatron's checkpoint writer died "
@@ -322,7 +323,8 @@ class RunKeeper:
             value, error = float("nan"), None
             try:
                 with guard(f"evaluation at step {step}"), self.s.pipeline.hold():
-                    value = fn()
+                    with self.s.timeline.span(self.s.trainer_track, "evaluate"):
+                        value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
             if not any_rank(error is not None):

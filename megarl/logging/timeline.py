@@ -2,8 +2,8 @@
 trainer rank), for the pipeline's per-step figures and ``train.trace``'s Chrome trace.
 
 Tracks: ``rollout`` (one span per generation phase), ``replica K`` (its engine steps, contiguous ones merged into
-one ``generate`` span), ``reward`` (each released group scored), ``trainer rank R`` (``train``, ``sync``). The
-per-step figures come from the spans inside a step's window:
+one ``generate`` span), ``reward`` (each released group scored), ``trainer rank R`` (``train``, ``sync``,
+``checkpoint``, ``evaluate``). The per-step figures come from the spans inside a step's window:
 
 - ``timing/engine_idle_s``: the step's wall time in which no phase ran;
 - ``pipeline/overlap_fraction``: the share of it in which a phase ran *and* the trainer trained.

@@ -151,7 +151,7 @@ def test_megarl_train_with_two_colocated_replicas(tmp_path):
     """The real command: 2 processes, engine TP 1, partial mode. One replica's engine fails in step 2: every
     rank raises it after the step's exchange and recovers its engine in place; the run completes and its final
     checkpoint holds every prompt exactly once."""
-    from test_resume import final_state, no_prompt_lost_or_twice
+    from helpers.runs import final_state, no_prompt_lost_or_twice
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "--nproc", "2",
