@@ -77,9 +77,7 @@ class EngineGate:
         try:
             yield
         finally:
-            with self._cond:
-                self._owner = ""
-                self._cond.notify_all()
+            self._release()
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -92,9 +90,12 @@ class EngineGate:
         try:
             yield
         finally:
-            with self._cond:
-                self._owner = ""
-                self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._owner = ""
+            self._cond.notify_all()
 
 
 class Pipeline:

@@ -8,23 +8,17 @@ no prompt across a kill -9, loads weights while a phase runs, and with k = 0 giv
 from __future__ import annotations
 
 import signal
-import sys
 
 import pytest
 
-from helpers.runs import final_state, no_prompt_lost_or_twice, train
+from helpers.runs import final_state, no_prompt_lost_or_twice, tiny_partial_run, train
 from megarl.logging.metrics import deterministic_view, read_metrics
 
 STEPS = 4
 
 
 def _args(model, run_dir, *extra):
-    return [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "model.make_tiny=qwen2",
-            f"model.path={model}", f"train.run_dir={run_dir}", "warmup.steps=20", "warmup.batch_size=16",
-            f"train.steps={STEPS}", "train.save_every=2", "train.time_limit_s=0", "train.deterministic=true",
-            "data.eval_size=4", "rollout.mode=partial", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=40", "engine.max_model_len=96", "engine.slots=16", "engine.kv_cache_gib=0.25",
-            "optim.micro_batch_size=16", "data.max_digits=2", "engine.placement=disaggregated", *extra]
+    return tiny_partial_run(model, run_dir, STEPS, "engine.placement=disaggregated", *extra)
 
 
 def _train(model, run_dir, *extra, **kw):

@@ -15,12 +15,11 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers.runs import final_state, no_prompt_lost_or_twice, reap, start
+from helpers.runs import final_state, no_prompt_lost_or_twice, reap, start, tiny_partial_run
 from helpers.runs import train as run_train
 from helpers.scripts import ROOT
 from megarl.checkpoint.run import RunCheckpoints, verify
@@ -31,13 +30,7 @@ STEPS = 6
 
 
 def _args(model, run_dir, *extra):
-    return [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "model.make_tiny=qwen2",
-            f"model.path={model}", f"train.run_dir={run_dir}", "warmup.steps=20", "warmup.batch_size=16",
-            f"train.steps={STEPS}", "train.save_every=2", "train.time_limit_s=0", "train.deterministic=true",
-            "data.eval_size=4", "rollout.mode=partial", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=40", "engine.max_model_len=96", "engine.slots=16", "engine.kv_cache_gib=0.25",
-            "optim.micro_batch_size=16", "optim.lr_decay=cosine", "algo.entropy_coef=0.01", "data.max_digits=2",
-            *extra]
+    return tiny_partial_run(model, run_dir, STEPS, "optim.lr_decay=cosine", "algo.entropy_coef=0.01", *extra)
 
 
 def _start(model, run_dir, *extra, env=None, out=None):

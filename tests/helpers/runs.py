@@ -6,9 +6,21 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 
 from helpers.scripts import ROOT
+
+
+def tiny_partial_run(model, run_dir, steps: int, *extra: str) -> list[str]:
+    """``megarl train`` of a tiny model for ``steps`` RL steps, partial rollout, deterministic, a checkpoint every
+    2 steps: the resume and overlap tests' run (``extra``: their own overrides)."""
+    return [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "model.make_tiny=qwen2",
+            f"model.path={model}", f"train.run_dir={run_dir}", "warmup.steps=20", "warmup.batch_size=16",
+            f"train.steps={steps}", "train.save_every=2", "train.time_limit_s=0", "train.deterministic=true",
+            "data.eval_size=4", "rollout.mode=partial", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=40", "engine.max_model_len=96", "engine.slots=16", "engine.kv_cache_gib=0.25",
+            "optim.micro_batch_size=16", "data.max_digits=2", *extra]
 
 
 def run_env(**extra) -> dict:

@@ -14,6 +14,13 @@ from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.rollout.pipeline import Pipeline, Rollout
 
 
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
 def _pipeline(mode, k=1):
     started = []  # (batch, trained at version, steps done when it started)
 
@@ -32,7 +39,8 @@ def test_async_starts_a_phase_only_within_k_versions_of_the_one_that_trains_it(k
     for step in range(6):
         rollout, error = p.take()
         assert error is None and rollout.batch == step
-        time.sleep(0.03)  # training: the thread runs ahead meanwhile, as far as k lets it
+        _wait_for(lambda: p.generated >= min(step + 1 + k, 6))  # training: the thread runs ahead, as far as k lets it
+        time.sleep(0.02)  # (and no further: a phase past the bound would start now)
         p.step_done(step + 1)
     p.close()
     assert [b for b, _, _ in started][:6] == list(range(6))
@@ -73,15 +81,17 @@ def test_hold_lets_no_phase_start_and_waits_for_the_one_running():
 
 def test_a_step_sees_a_span_still_open_and_the_overlap_in_its_window(tmp_path):
     t = Timeline(keep_all=True)
-    gate = threading.Event()
+    opened, gate = threading.Event(), threading.Event()
 
     def phase():
         with t.span("rollout", "generate batch 1"):
+            opened.set()
             gate.wait()
 
     worker = threading.Thread(target=phase)
-    start = time.perf_counter()
     worker.start()
+    opened.wait()
+    start = time.perf_counter()
     with t.span("trainer rank 0", "train"):
         time.sleep(0.05)
     figures = t.step_metrics(start, time.perf_counter(), "trainer rank 0")  # the phase outlasts the step
