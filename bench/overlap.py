@@ -16,6 +16,7 @@ medians. ``--controller`` adds the SortedRL controller's cost per token event, o
 with a trainer's matmuls running in the same process (as rank 0 runs it beside training under overlap).
 
     .venv/bin/python bench/overlap.py [--steps 12] [--repeats 3] [--controller]
+    .venv/bin/python bench/overlap.py --controller-only
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
             "staleness_max": max(r["rollout/staleness_max"] for r in steps)}
 
 
-def controller_cost(events_wanted: int = 400_000) -> dict:
+def controller_cost() -> dict:
     """µs of Python per token event of the real controller on simulated engines (64 slots × 4 engines), alone and
     with a matmul loop in the main thread (a trainer's kernels, which release the GIL as torch's do)."""
     import torch
@@ -104,10 +105,14 @@ def main() -> int:
     p.add_argument("--sync-threads", default="1,2", help="OMP threads per process tried for none (the best counts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--controller", action="store_true", help="also the controller's cost per token event")
+    p.add_argument("--controller-only", action="store_true", help="only the controller's cost per token event")
     p.add_argument("overrides", nargs="*", help="more key=value settings for every run")
     args = p.parse_args()
     if args.steps <= args.skip or args.repeats < 1:
         raise SystemExit("--steps must exceed --skip, --repeats >= 1")
+    if args.controller_only:
+        print(json.dumps(controller_cost()), flush=True)
+        return 0
     args.overrides.append(f"rollout.samples_per_prompt={args.samples_per_prompt}")
     sync_threads = [int(t) for t in args.sync_threads.split(",")]
     rounds = []

@@ -136,6 +136,7 @@ class RunKeeper:
         self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
         self.saved_at = -1
         self.trained_to = 0  # the steps done when a weight sync stopped the run (StopRun: that step's update is made)
+        self.requeued = 0  # the new prompts the last failed phase re-queued
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
         s.pipeline.generate = self.generate  # rank 0's thread generates through the same containment
 
@@ -280,7 +281,7 @@ class RunKeeper:
                     raise StopRun(f"data error (not an engine fault, not requeued): {exc}") from exc
                 c = self.s.controller
                 self._recover(exc, f"step {step + 1}: engine error mid-phase",
-                              f"{len(c.live)} live groups restored, the phase's new prompts re-queued", version)
+                              f"{len(c.live)} live groups restored, {self.requeued} new prompts re-queued", version)
 
     def generate(self, version: int, batch: int, run=None) -> Rollout:
         """One phase for batch ``batch``, trained at ``version`` (``run``: the controller's ``run_phase``, or
@@ -298,6 +299,7 @@ class RunKeeper:
             drawn = list(c.next_prompt.recent)
             c.load_state_dict(pickle.loads(snapshot))
             c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
+            self.requeued = len(drawn)
             s.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
             raise
         return Rollout(groups, phase, {**s.rewards.step_metrics(), **s.prompts.metrics()}, batch)

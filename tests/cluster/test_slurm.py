@@ -103,6 +103,7 @@ def test_two_node_job_of_the_tiny_config_completes_and_writes_metrics(slurm, tmp
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # (~3 min: the default run keeps the two-node job and test_slurm_requeue's requeue logic)
 def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm, tmp_path):
     run_dir = tmp_path / "run"
     steps = 40  # ~0.3 s each: the signal lands mid-run

@@ -12,12 +12,16 @@ import torch
 from helpers.scripts import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
+SLOW = pytest.mark.slow  # (each layout is a 2-process run: the default run keeps one of each kind)
 LAYOUTS = [
-    ("qwen2", "tp2"), ("qwen2", "tp2_sp"), ("qwen2", "tp2_full_logits"), ("qwen2", "pp2"), ("qwen2", "pp2_vpp2"),
-    ("qwen2", "dp2"), ("qwen3_moe", "pp2_vpp2"),
-    ("qwen3_moe", "tp2_sp"), ("qwen3_moe", "tp2_sp_etp1"), ("qwen3_moe", "pp2"), ("qwen3_moe", "dp2"),
-    ("qwen3_moe", "ep2_alltoall"), ("qwen3_moe", "ep2_allgather"),
-    ("mixtral", "ep2_alltoall"), ("qwen2_moe", "tp2_sp"), ("qwen2_moe", "ep2_allgather"), ("qwen2_moe", "pp2"),
+    pytest.param("qwen2", "tp2", marks=SLOW), ("qwen2", "tp2_sp"), pytest.param("qwen2", "tp2_full_logits", marks=SLOW),
+    pytest.param("qwen2", "pp2", marks=SLOW), ("qwen2", "pp2_vpp2"), ("qwen2", "dp2"),
+    pytest.param("qwen3_moe", "pp2_vpp2", marks=SLOW), pytest.param("qwen3_moe", "tp2_sp", marks=SLOW),
+    ("qwen3_moe", "tp2_sp_etp1"), pytest.param("qwen3_moe", "pp2", marks=SLOW),
+    pytest.param("qwen3_moe", "dp2", marks=SLOW), ("qwen3_moe", "ep2_alltoall"),
+    pytest.param("qwen3_moe", "ep2_allgather", marks=SLOW), pytest.param("mixtral", "ep2_alltoall", marks=SLOW),
+    pytest.param("qwen2_moe", "tp2_sp", marks=SLOW), ("qwen2_moe", "ep2_allgather"),
+    pytest.param("qwen2_moe", "pp2", marks=SLOW),
 ]
 _RUNS: dict = {}
 

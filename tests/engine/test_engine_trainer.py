@@ -17,7 +17,8 @@ def family_checks(family: str, tmp_path_factory) -> dict:
     return _RESULTS[family]
 
 
-@pytest.fixture(params=["qwen3_moe", "qwen2", "mixtral", "qwen2_moe"])
+@pytest.fixture(params=["qwen3_moe", "qwen2", pytest.param("mixtral", marks=pytest.mark.slow),
+                        pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def checks(request, tmp_path_factory):
     return family_checks(request.param, tmp_path_factory)
 

@@ -39,7 +39,7 @@ def test_async_starts_a_phase_only_within_k_versions_of_the_one_that_trains_it(k
     for step in range(6):
         rollout, error = p.take()
         assert error is None and rollout.batch == step
-        _wait_for(lambda: p.generated >= min(step + 1 + k, 6))  # training: the thread runs ahead, as far as k lets it
+        _wait_for(lambda n=min(step + 1 + k, 6): p.generated >= n)  # training: the thread runs ahead as far as k lets
         time.sleep(0.02)  # (and no further: a phase past the bound would start now)
         p.step_done(step + 1)
     p.close()
