@@ -111,8 +111,7 @@ def test_engine_tp_must_divide_the_world(world, engine_tp, ok):
 
 
 def test_plan_counts_replicas_and_refuses_an_engine_tp_that_splits_the_world():
-    from test_plan import QWEN25_32B, RUN
-
+    from helpers.plans import QWEN25_32B, RUN
     from megarl.config import ConfigError, load_config
     from megarl.launch.plan import plan
 

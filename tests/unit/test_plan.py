@@ -8,14 +8,12 @@ import sys
 import pytest
 import torch
 
+from helpers.plans import QWEN25_32B, RUN
 from helpers.scripts import ROOT
 from megarl.config import ConfigError, load_config
 from megarl.launch.plan import GIB, check_layout, count_params, main, plan
 
 # config.json values as published on the Hugging Face Hub (only the keys a plan reads, plus the type).
-QWEN25_32B = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
-              "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 1000000.0}
 QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
                  "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
                  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
@@ -38,9 +36,6 @@ MODELS = {"qwen2.5-32b": QWEN25_32B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-235b
 PUBLISHED = {"qwen2.5-32b": (32.5e9, 32.5e9), "qwen3-30b-a3b": (30.5e9, 3.3e9),
              "qwen3-235b-a22b": (235e9, 22e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
 
-# What the big examples run with (examples/*.sh): long responses, one sequence per microbatch.
-RUN = ["optim.micro_batch_size=1", "engine.max_model_len=4096", "optim.logprob_chunk=1024",
-       "rollout.prompts_per_step=32", "rollout.samples_per_prompt=8", "engine.slots=64"]
 
 
 @pytest.mark.parametrize("name", MODELS)
