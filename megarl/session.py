@@ -22,6 +22,7 @@ from megarl.algo.filters import is_informative
 from megarl.checkpoint.run import start_run_dir
 from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
+from megarl.config.schema import resolved_engine_dtype
 from megarl.config.validate.algo import needed_learners
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
@@ -133,7 +134,7 @@ def build_session(cfg: RunConfig) -> Session:
         engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
                             cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
                             enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported(),
-                            peer_wait_s=cfg.engine.peer_wait_s)
+                            peer_wait_s=cfg.engine.peer_wait_s, **engine_numerics(cfg))
         slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
     activate_cpu()
     from megatron.core import tensor_parallel
@@ -186,7 +187,7 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
-                  transformer_engine=cfg.model.transformer_engine)
+                  transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
     critic = reference = None
     needed = needed_learners(a)  # the same rule the pre-launch resume check applies
@@ -197,6 +198,13 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     return Learners(policy, critic, reference)
 
 
+def engine_numerics(cfg: RunConfig) -> dict:
+    """The engines' dtype (``engine.dtype``, 'auto': the trainer's precision), graphs and GPU memory share."""
+    e = cfg.engine
+    return dict(dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
+                gpu_memory_utilization=e.gpu_memory_utilization)
+
+
 def build_engines(cfg: RunConfig):
     """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
     e = cfg.engine
@@ -204,7 +212,7 @@ def build_engines(cfg: RunConfig):
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback,
                               replica_nodes=e.replica_nodes, hosts_file=str(rendezvous_path(cfg.train.run_dir))
-                              if e.replica_nodes_dedicated else "")
+                              if e.replica_nodes_dedicated else "", **engine_numerics(cfg))
     return replicas, replicas.clients
 
 

@@ -87,6 +87,7 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     if dist.get_rank() == 0:
         ps = trainer.ps  # the layout it was saved at (loading reshards to any): for inspect_checkpoint
         layout = {k: getattr(ps, k) for k in ("world_size", "tp", "pp", "vpp", "ep", "etp", "dp", "sequence_parallel")}
+        layout["precision"] = getattr(trainer, "precision", "fp32")  # trainer.precision: what its optimizer state is
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
         old = path.with_name(path.name + ".old")
         if path.exists():  # never a moment without a complete checkpoint on disk
@@ -96,6 +97,15 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
+
+
+def saved_precision(path: str | Path) -> str:
+    """The ``trainer.precision`` a checkpoint directory was saved in ('fp32' for one saved before it was recorded:
+    every earlier run was fp32); '' when the directory has no layout file."""
+    try:
+        return json.loads((Path(path) / LAYOUT_FILE).read_text()).get("precision", "fp32")
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def readable_path(path: str | Path) -> Path:

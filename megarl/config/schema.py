@@ -152,6 +152,14 @@ class EngineConfig:
     """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
     hang_timeout_s: float = 1800.0
     """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process with exit 75 (requeue); 0 off."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The engines' weights and activations: 'auto' (the trainer's precision: bf16 → 'bfloat16', fp32 →
+    'float32'), or one named; the weight sync casts to it on the way."""
+    enforce_eager: Literal["auto", True, False] = "auto"
+    """vLLM without CUDA graphs: 'auto' (eager on CPU, where vLLM requires it; CUDA graphs on GPUs), true or false."""
+    gpu_memory_utilization: float = 0.0
+    """GPU engines: the share of each GPU vLLM may take (weights + KV cache) instead of ``kv_cache_gib``
+    (0: ``kv_cache_gib`` sizes the KV cache exactly). Not used on CPU."""
     peer_wait_s: float = 60.0
     """Colocated engine TP > 1: a rank whose engine step failed waits this long for the engine's other ranks, then exits 75 (they are stuck in vLLM's collectives)."""
 
@@ -312,6 +320,10 @@ class SyncConfig:
 
 @dataclass
 class TrainerConfig:
+    precision: Literal["bf16", "fp32"] = "fp32"
+    """'bf16': megatron's mixed precision (bf16 weights and activations, fp32 main parameters, gradients and Adam
+    state; logprobs and the loss in fp32 from bf16 logits); 'fp32': everything fp32. The critic and the
+    reference follow it; FP8 (``model.fp8``) runs on bf16."""
     offload_during_rollout: bool = False
     """Move the optimizer state and gradient buffers to host memory while the engines generate (GPU)."""
 
@@ -358,3 +370,10 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def resolved_engine_dtype(cfg: RunConfig) -> str:
+    """``engine.dtype`` as vLLM takes it: 'auto' is the trainer's precision (bf16 → 'bfloat16', fp32 → 'float32')."""
+    if cfg.engine.dtype != "auto":
+        return cfg.engine.dtype
+    return "bfloat16" if cfg.trainer.precision == "bf16" else "float32"

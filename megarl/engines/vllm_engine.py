@@ -50,13 +50,24 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-sync "RotaryEmbedding: Failed to load weights" is noise
 
 
-def kv_cache_args(kv_cache_gib: float, gpu: bool) -> dict:
+def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float = 0.0) -> dict:
     """``LLM``'s KV cache argument for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
     exactly that much (vLLM's per-GPU size; it then ignores ``gpu_memory_utilization``, whose default 0.9 would
-    take the GPU the colocated trainer shares); the plan's KV line is this. On CPU nothing: the environment
-    (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB) sizes it, as ``check_local_engine_memory``
-    expects."""
-    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if gpu else {}
+    take the GPU the colocated trainer shares); the plan's KV line is this. With ``engine.gpu_memory_utilization``
+    set, that share of the GPU instead (vLLM sizes the KV cache from what is left after the weights). On CPU
+    nothing: the environment (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB) sizes it, as
+    ``check_local_engine_memory`` expects."""
+    if not gpu:
+        return {}
+    if gpu_memory_utilization:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+
+
+def numerics_args(dtype: str, enforce_eager, gpu: bool) -> dict:
+    """``LLM``'s dtype and graph arguments: ``engine.dtype`` as resolved (``config.engine_dtype``) and
+    ``engine.enforce_eager`` ('auto': eager on CPU, where vLLM runs no CUDA graphs; CUDA graphs on GPUs)."""
+    return {"dtype": dtype, "enforce_eager": (not gpu) if enforce_eager == "auto" else bool(enforce_eager)}
 
 
 class VLLMEngine:
@@ -68,13 +79,13 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
-                 enable_sleep_mode: bool = False, peer_wait_s: float = 60.0) -> None:
+                 enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
+                 enforce_eager="auto", gpu_memory_utilization: float = 0.0) -> None:
         set_cpu_engine_env(kv_cache_gib)
         self.peer_wait_s = peer_wait_s
         self._args = dict(
             model=str(model_dir),
-            dtype="float32",
-            enforce_eager=True,
+            **numerics_args(dtype, enforce_eager, on_gpu()),
             max_model_len=max_model_len,
             distributed_executor_backend="external_launcher",
             tensor_parallel_size=tensor_parallel_size,
@@ -83,7 +94,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
-            **kv_cache_args(kv_cache_gib, on_gpu()),
+            **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
         )
         self.llm = self._start()
         arm_forward_fault(self.worker.model_runner.get_model())  # a test hook; nothing unless asked for

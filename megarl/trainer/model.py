@@ -83,6 +83,8 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         gradient_accumulation_fusion=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,  # megatron's mixed precision: bf16 weights and activations (fp32 main params
+        # and gradients are the optimizer's and DDP's: ``PolicyTrainer``)
         tensor_model_parallel_size=ps.tp,
         pipeline_model_parallel_size=ps.pp,
         virtual_pipeline_model_parallel_size=ps.vpp if ps.vpp > 1 else None,

@@ -42,13 +42,17 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:
     return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
 
 
+# trainer.precision → the dtype of the model's weights and activations
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 class ValueHead(torch.nn.Module):
     """The critic's scalar head in place of GPTModel's output layer: V = w·h + b per position."""
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool) -> None:
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
-        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
@@ -76,12 +80,17 @@ def count_expert_grads_once(optimizer) -> None:
 
 class PolicyTrainer:
     """``head='lm'``: the policy (logprobs); ``head='value'``: a critic on the same backbone (values).
-    ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty)."""
+    ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty).
+
+    ``precision='bf16'`` is megatron's mixed precision: the model's weights and activations in bf16, gradients
+    accumulated and reduced in fp32 (DDP's buffers), fp32 main parameters and Adam state in the optimizer (the
+    distributed optimizer shards them), each step's result cast back into the bf16 weights. Logits are bf16 (as an
+    engine's are), their log-softmax, the loss and the advantages fp32."""
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
                  trainable: bool = True, entropy: bool = False, fp8: str = "",
-                 transformer_engine: bool = False) -> None:
+                 transformer_engine: bool = False, precision: str = "fp32") -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -91,17 +100,20 @@ class PolicyTrainer:
 
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        self.precision, self.dtype = precision, PRECISIONS[precision]
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
         moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
                                         moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
-                                        transformer_engine=transformer_engine)
+                                        transformer_engine=transformer_engine, dtype=self.dtype)
                         for vp in range(ps.vpp)]
         last = self.modules[-1]  # the loss is computed after this chunk (on the last pipeline stage)
         if head == "value" and ps.is_last_stage:
-            last.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel)
+            last.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel, self.dtype)
         load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
         # Logprobs straight from hidden states in sequence chunks (no [tokens × vocab] logits) when
         # entropy (which needs full logits) is not asked for; vocab-parallel under TP either way.
@@ -140,7 +152,8 @@ class PolicyTrainer:
                 adam_beta2=optim.adam_beta2,
                 clip_grad=optim.grad_clip,
                 use_distributed_optimizer=distributed,
-                params_dtype=torch.float32,
+                bf16=precision == "bf16",  # fp32 main params and Adam state beside the bf16 weights
+                params_dtype=self.dtype,
             ),
             self.chunks,
         )

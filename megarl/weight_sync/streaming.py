@@ -287,7 +287,10 @@ _SYNCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def engine_dtype(engine) -> torch.dtype:
-    """The dtype the engine's weights are in (vLLM's model config), float32 when it does not say."""
+    """The dtype the engine's weights are in (replicas in processes of their own say it; an in-process engine's is
+    vLLM's model config), float32 when it does not say."""
+    if isinstance(named := getattr(engine, "weights_dtype", None), torch.dtype):
+        return named
     llm = getattr(engine, "llm", None)
     dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32

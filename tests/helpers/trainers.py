@@ -31,6 +31,13 @@ LAYOUTS = {
     "ep2_tp2_etp1": dict(ep=2, tp=2, etp=1, sequence_parallel=True),
     # expert TP 2 asking for alltoall: on gloo megarl runs the allgather dispatcher (trainer/parallel.py)
     "ep2_tp2_etp2": dict(ep=2, tp=2, etp=2, sequence_parallel=True, moe_dispatcher="alltoall"),
+    # bf16 mixed precision (trainer.precision): fp32 main params, gradients and Adam state beside bf16 weights
+    "bf16_single": dict(precision="bf16"),
+    "bf16_tp2_sp": dict(precision="bf16", tp=2, sequence_parallel=True),
+    "bf16_pp2": dict(precision="bf16", pp=2),
+    # at 2 processes EP 2 leaves the dense part DP 2: the distributed optimizer shards its fp32 main params
+    "bf16_ep2_distopt": dict(precision="bf16", ep=2, distributed_optimizer=True),
+    "bf16_dp2_distopt": dict(precision="bf16", distributed_optimizer=True),
 }
 
 
@@ -64,6 +71,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
 
     spec = dict(LAYOUTS[layout])
     spec.pop("rows", None)
+    precision = spec.pop("precision", "fp32")
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
     optim_keys = {f.name for f in dataclasses.fields(optim)}
     optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
@@ -74,4 +82,5 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = read_hf_config(model_dir)
-    return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head)
+    return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head,
+                                    precision=precision)

@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers.scripts import ROOT
 from megarl.config import ConfigError, RunConfig, load_config, parse_override, validate
@@ -163,12 +164,33 @@ def test_fp8_without_transformer_engine_is_a_config_error():
 
     with pytest.raises(ConfigError, match="model.fp8 must be"):
         validate(load_config(None, ["model.fp8=e5m2"]), 1, MOE)
+    with pytest.raises(ConfigError, match="model.fp8='delayed' runs on megatron's bf16 mixed precision; set "
+                                          "trainer.precision=bf16"):
+        validate(load_config(None, ["model.fp8=delayed", "trainer.precision=fp32"]), 1, MOE)
     if transformer_engine_error() is None:
         pytest.skip("gpu: Transformer Engine is importable here; the FP8 path is tested in test_fp8_gpu.py")
     with pytest.raises(ConfigError, match="needs Transformer Engine"):
-        validate(load_config(None, ["model.fp8=delayed"]), 1, MOE)
+        validate(load_config(None, ["model.fp8=delayed", "trainer.precision=bf16"]), 1, MOE)
     with pytest.raises(ConfigError, match="model.transformer_engine=true needs Transformer Engine"):
         validate(load_config(None, ["model.transformer_engine=true"]), 1, MOE)
+
+
+def test_precision_and_engine_numerics_keys():
+    from megarl.config.schema import resolved_engine_dtype
+
+    assert resolved_engine_dtype(load_config(None, ["trainer.precision=bf16"])) == "bfloat16"
+    assert resolved_engine_dtype(load_config(None, ["trainer.precision=fp32"])) == "float32"
+    assert resolved_engine_dtype(load_config(None, ["trainer.precision=bf16", "engine.dtype=float32"])) == "float32"
+    with pytest.raises(ConfigError, match="trainer.precision must be one of 'bf16', 'fp32'; got 'fp16'"):
+        load_config(None, ["trainer.precision=fp16"])
+    with pytest.raises(ConfigError, match="engine.dtype must be one of 'auto', 'bfloat16', 'float16', 'float32'"):
+        load_config(None, ["engine.dtype=half"])
+    with pytest.raises(ConfigError, match=r"engine.gpu_memory_utilization must be in \[0, 1\)"):
+        validate(load_config(None, ["engine.gpu_memory_utilization=1.5"]), 1, MOE)
+    validate(load_config(None, ["engine.enforce_eager=true"]), 1, MOE)
+    if not torch.cuda.is_available():  # vLLM's CPU backend has no CUDA graphs to ask for
+        with pytest.raises(ConfigError, match="engine.enforce_eager=false asks vLLM for CUDA graphs"):
+            validate(load_config(None, ["engine.enforce_eager=false"]), 1, MOE)
 
 
 def test_cli_accepts_overrides_after_options(tmp_path):

@@ -38,7 +38,8 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     ref = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), trainable=False)
     # recipe 'none': Transformer Engine's spec (grouped expert GEMMs) in full precision, no FP8.
     fp8 = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16),
-                        fp8="" if recipe == "none" else recipe, transformer_engine=True)
+                        fp8="" if recipe == "none" else recipe, transformer_engine=True,
+                        precision="fp32" if recipe == "none" else "bf16")  # FP8 runs on bf16 mixed precision
     gap = ((ref.logprobs(batch) - fp8.logprobs(batch)).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
     before = {n: p.detach().clone() for n, p in fp8.modules[0].named_parameters()}
     metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))

@@ -67,6 +67,24 @@ def validate_resume_model(cfg: RunConfig, hf: dict) -> None:
         return  # an unreadable checkpoint: the resume verifies it and names the problem
 
 
+def check_resume_precision(cfg: RunConfig) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from was saved in ``trainer.precision``
+    (a bf16 run's optimizer holds fp32 main params that an fp32 run's has not, and the other way round); ConfigError
+    naming both precisions and the ways out."""
+    from megarl.checkpoint.dist import saved_precision  # deferred: torch (see above)
+    from megarl.checkpoint.run import resume_candidate  # deferred: torch (see above)
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return
+    saved = saved_precision(step / "policy")
+    if saved and saved != cfg.trainer.precision:
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision}: the checkpoint {step} that train.resume="
+                          f"{cfg.train.resume} continues from was saved with trainer.precision={saved}; resume with "
+                          f"trainer.precision={saved}, or start afresh in it (train.resume=never, or another "
+                          f"train.run_dir with model.path set to an HF export of that run)")
+
+
 def check_resume_learners(cfg: RunConfig) -> None:
     """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
     ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so

@@ -13,7 +13,12 @@ from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate.layout import check_job_shape
 from megarl.config.validate.limits import unread_keys
-from megarl.config.validate.model import check_resume_learners, model_config, validate_resume_model
+from megarl.config.validate.model import (
+    check_resume_learners,
+    check_resume_precision,
+    model_config,
+    validate_resume_model,
+)
 from megarl.config.validate.settings import validate
 from megarl.data.checks import check_data, check_run_data
 from megarl.models.hf_config import check_weights_format
@@ -32,6 +37,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     if command in ("train", "demo"):
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
         check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
+        check_resume_precision(cfg)  # ... in the trainer's precision
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap

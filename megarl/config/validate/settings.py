@@ -100,6 +100,12 @@ def _validate_engine_and_sync(cfg: RunConfig) -> None:
                           "leave it empty (replicas are plain processes on CPU)")
     if s.timeout_s <= 0:
         raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {s.timeout_s}")
+    if not 0.0 <= e.gpu_memory_utilization < 1.0:
+        raise ConfigError(f"engine.gpu_memory_utilization must be in [0, 1) (a share of each GPU; 0: engine.kv_cache_gib "
+                          f"sizes the KV cache), got {e.gpu_memory_utilization}")
+    if e.enforce_eager is False and not cuda_available():
+        raise ConfigError("engine.enforce_eager=false asks vLLM for CUDA graphs, and CUDA is absent here (vLLM's CPU "
+                          "backend runs eager only); set engine.enforce_eager=auto")
     if e.placement == "disaggregated" and e.sleep_level:
         raise ConfigError("engine.sleep_level applies to colocated engines; set it to 0 with disaggregated placement")
     if s.check_every < 0:
@@ -170,6 +176,9 @@ def transformer_engine_error() -> str | None:
 def _validate_model_keys(cfg: RunConfig) -> None:
     """``model.fp8`` and ``model.transformer_engine`` need Transformer Engine on a GPU."""
     m = cfg.model
+    if m.fp8 and cfg.trainer.precision != "bf16":
+        raise ConfigError(f"model.fp8={m.fp8!r} runs on megatron's bf16 mixed precision; set trainer.precision=bf16 "
+                          f"(got {cfg.trainer.precision!r}) or model.fp8=''")
     if m.fp8 and (why := transformer_engine_error()) is not None:
         raise ConfigError(f"model.fp8={m.fp8!r} needs Transformer Engine on a GPU, which is not importable here "
                           f"({why}); install megarl[gpu] on a CUDA machine or set model.fp8=''")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import SlotRequest, TokenEvent
 from megarl.engines.remote.messages import (
     Abort,
@@ -35,7 +36,7 @@ from megarl.engines.remote.messages import (
     Update,
     Updated,
 )
-from megarl.engines.vllm_engine import VLLMEngine, sampled_logprobs
+from megarl.engines.vllm_engine import VLLMEngine, kv_cache_args, numerics_args, sampled_logprobs
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
 from megarl.logging.console import configure as configure_console
 
@@ -58,10 +59,13 @@ def _llm(spec: dict):
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     from vllm import LLM
 
-    return LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-               tensor_parallel_size=spec["tp"], seed=spec["seed"], logprobs_mode="processed_logprobs",
-               enable_prefix_caching=True, max_num_seqs=spec["slots"],
-               kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30),
+    gpu = on_gpu()
+    # on CPU the KV cache is sized by bytes too (VLLM_CPU_KVCACHE_SPACE is whole GiB; a replica's may be less)
+    kv = kv_cache_args(spec["kv_cache_gib"], gpu, spec["gpu_memory_utilization"]) if gpu else {
+        "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
+    return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu),
+               max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
+               logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=spec["slots"], **kv,
                worker_extension_cls="megarl.engines.remote.transfer.GlooWorkerExtension",
                weight_transfer_config={"backend": "megarl_gloo"})
 

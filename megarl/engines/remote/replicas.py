@@ -60,7 +60,8 @@ class EngineReplicas:
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
-                 replica_nodes: int = 0, hosts_file: str = "") -> None:
+                 replica_nodes: int = 0, hosts_file: str = "", dtype: str = "float32", enforce_eager="auto",
+                 gpu_memory_utilization: float = 0.0) -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = collectives.rank_and_world()
         self.leader = self.rank == 0
@@ -75,9 +76,11 @@ class EngineReplicas:
         self._local: list = []  # the replica processes this rank spawned for rank 0 (another node's leader)
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
-                          start_timeout_s=start_timeout_s,
+                          start_timeout_s=start_timeout_s, dtype=dtype, enforce_eager=enforce_eager,
+                          gpu_memory_utilization=gpu_memory_utilization,
                           devices=[d.strip() for d in devices.split(",") if d.strip()])
         self.transport, self.timeout_s = transport, timeout_s
+        self.weights_dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
         self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
         self.versions = [0] * replicas  # what each replica serves (known on every trainer rank)
         self.senders: list[int] | None = None  # the trainer ranks whose groups the replicas joined
@@ -143,7 +146,8 @@ class EngineReplicas:
         """Replica ``k``'s spec, the ``j``-th replica of its node (its slice of ``engine.replica_devices``)."""
         a, tp = self._args, self._args["tp"]
         return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
-                    slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]))
+                    slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
+                    dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"])
 
     def _spawn_on_hosts(self, rendezvous) -> None:
         """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""
