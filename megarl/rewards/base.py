@@ -1,7 +1,8 @@
 """The reward protocol and how a ``reward.fn`` name becomes a function.
 
 A reward function is ``fn(response: str, answer: str, **row_extras) -> float | dict``:
-``row_extras`` are the dataset row's other columns; a dict result carries ``score``
+``row_extras`` are the dataset row's other columns (and ``finish_reason``, 'stop' or 'length', where the
+function names that parameter); a dict result carries ``score``
 and any extra numbers, which are logged as ``reward/<name>`` means. ``reward.fn`` is
 a built-in name (``math``, ``exact``, ``addition``; see ``builtin.py``) or a dotted
 path ``package.module:function``. Functions run in the sandboxed pool (``pool.py``).
@@ -66,6 +67,15 @@ def import_reward_fn(path: str) -> Callable[..., float | dict]:
             sys.path.remove(cwd)
 
 
+def takes_finish_reason(fn) -> bool:
+    """Whether ``fn`` names a ``finish_reason`` parameter: it is then called with the sample's ('stop': it ended
+    with EOS, 'length': cut at ``rollout.max_new_tokens``), as DAPO's overlong shaping needs."""
+    try:
+        return "finish_reason" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
 def check_reward_call(spec: str, extras: dict) -> None:
     """Before launch: a user's ``reward.fn`` imports and accepts ``fn(response, answer, **extras)`` (``extras``:
     a usable row's other columns); ValueError naming ``reward.fn`` otherwise. Built-ins take any extras."""
@@ -77,7 +87,7 @@ def check_reward_call(spec: str, extras: dict) -> None:
     except (TypeError, ValueError):  # a builtin or C callable without a signature: the run will tell
         return
     try:
-        sig.bind("response", "answer", **extras)
+        sig.bind("response", "answer", **extras, **({"finish_reason": "stop"} if takes_finish_reason(fn) else {}))
     except TypeError as exc:
         raise ValueError(f"reward.fn={spec!r}: def {getattr(fn, '__name__', '?')}{sig} cannot be called as "
                          f"fn(response, answer, **row_extras) with this dataset's other columns "

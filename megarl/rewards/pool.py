@@ -33,7 +33,7 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from megarl.rewards.base import resolve_reward
+from megarl.rewards.base import resolve_reward, takes_finish_reason
 
 log = logging.getLogger("megarl.rewards.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
@@ -65,6 +65,7 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
         conn.send(("failed", repr(exc)))
         return
     conn.send(("ready", None))
+    takes_finish = takes_finish_reason(fn)
     while True:
         try:
             msg = conn.recv()
@@ -72,9 +73,9 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
             return
         if msg is None:
             return
-        idx, response, answer, extras = msg
+        idx, response, answer, extras, finish = msg
         try:
-            out = fn(response, answer, **extras)
+            out = fn(response, answer, **extras, **({"finish_reason": finish} if takes_finish else {}))
             if isinstance(out, dict):
                 extra = {k: float(v) for k, v in out.items() if k != "score"}
                 out = out["score"]
@@ -182,8 +183,9 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and w.task is None and queue:
                     idx, item = queue.popleft()
-                    response, answer, row = (*item, {})[:3] if len(item) == 2 else item
-                    w.conn.send((idx, response, answer, row or {}))
+                    # (response, answer[, row extras[, finish_reason]])
+                    response, answer, row, finish = (list(item) + [{}, ""][len(item) - 2:])[:4]
+                    w.conn.send((idx, response, answer, row or {}, finish))
                     w.task = (idx, time.time() + self.timeout_s)
             busy = [w for w in self._workers if w.task or not w.ready]
             deadlines = [w.task[1] for w in busy if w.task]

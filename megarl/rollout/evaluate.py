@@ -23,7 +23,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _correct(engine: Engine, tokenizer, prompts, requests, rewards, seed: int) -> list[list[bool]]:
     outs = engine.generate(requests, seed=seed)
-    items = [(tokenizer.decode(o.token_ids, skip_special_tokens=True), p.answer, p.extras)
+    items = [(tokenizer.decode(o.token_ids, skip_special_tokens=True), p.answer, p.extras, o.finish_reason)
              for p, out in zip(prompts, outs) for o in out]
     scores, extras = rewards.score_detailed(items)
     flat = [e.get("correct", s) >= 1.0 for s, e in zip(scores, extras)]

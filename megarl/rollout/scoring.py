@@ -53,7 +53,7 @@ def group_scorer(tokenizer, rewards: RewardPool) -> Callable[[Group], None]:
         for s in group.samples:
             s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
         row = group.extras or {}
-        scores = rewards.score([(s.text, group.answer, row) for s in group.samples])
+        scores = rewards.score([(s.text, group.answer, row, s.finish_reason) for s in group.samples])
         for s, r in zip(group.samples, scores):
             s.reward = r
 

@@ -23,3 +23,8 @@ def with_extras(response: str, answer: str, difficulty: int, source: str = "") -
 
 def not_a_number(response: str, answer: str, **_):
     return "high"
+
+
+def overlong_penalty(response: str, answer: str, finish_reason: str, **_) -> float:
+    """DAPO-style shaping that needs to know whether the sample was cut at the length cap."""
+    return -1.0 if finish_reason == "length" else float(response.strip() == answer)

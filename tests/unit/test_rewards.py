@@ -77,6 +77,36 @@ def test_user_reward_by_dotted_path_gets_row_extras_and_dict_metrics():
         pool.close()
 
 
+def test_a_reward_that_names_finish_reason_sees_whether_the_sample_was_cut():
+    from megarl.rewards.base import check_reward_call
+
+    check_reward_call("helpers.reward_fns:overlong_penalty", {})  # finish_reason is given, not a row column
+    pool = RewardPool("helpers.reward_fns:overlong_penalty", workers=1, timeout_s=20)
+    try:
+        assert pool.score([("42", "42", {}, "stop"), ("42", "42", {}, "length"), ("41", "42", {}, "stop")]) == [
+            1.0, -1.0, 0.0]
+    finally:
+        pool.close()
+    pool = RewardPool("helpers.reward_fns:with_extras", workers=1, timeout_s=20)
+    try:  # a function that does not name it is called as before
+        assert pool.score([("42", "42", {"difficulty": 1}, "length")]) == [1.0]
+    finally:
+        pool.close()
+    from megarl.models.tiny import build_tokenizer
+    from megarl.rollout.scoring import group_scorer
+    from megarl.types import Group, Sample
+
+    tok = build_tokenizer()
+    samples = [Sample([1, 2], tok("42", add_special_tokens=False)["input_ids"]) for _ in range(2)]
+    samples[0].finish_reason, samples[1].finish_reason = "stop", "length"
+    pool = RewardPool("helpers.reward_fns:overlong_penalty", workers=1, timeout_s=20)
+    try:  # a released group's samples carry theirs to the reward
+        group_scorer(tok, pool)(Group(0, "q", "42", samples))
+        assert [s.reward for s in samples] == [1.0, -1.0]
+    finally:
+        pool.close()
+
+
 def test_bad_reward_fn_is_a_clear_error_before_scoring():
     for spec, words in (("helpers.reward_fns:nope", "no callable 'nope'"), ("no_such_mod:f", "cannot import"),
                         ("mathh", "built-in"),
