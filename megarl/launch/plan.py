@@ -36,8 +36,9 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   fewer at once). A cache that cannot hold one such sequence is refused (vLLM would not start).
   Plus 2 GiB runtime overhead.
 
-Precision ``fp32`` is what megarl's trainer and engine build today (w = 4); ``bf16`` models
-megatron's mixed precision (w = 2). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
+w is the trainer's ``trainer.precision`` (bf16: 2 B, megatron's mixed precision; fp32: 4 B); the engine's
+weights and KV cache take ``engine.dtype``'s bytes (auto: the trainer's). The plan prints the bytes per
+parameter it assumes. Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ OVERHEAD_GIB = 2.0
 """CUDA context, NCCL buffers and allocator slack per GPU."""
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def engine_bytes(cfg: RunConfig, precision: str) -> int:
+    """Bytes of one engine weight or KV value: ``engine.dtype`` ('auto': the trainer's ``precision``)."""
+    return ENGINE_BYTES[cfg.engine.dtype] if cfg.engine.dtype != "auto" else WEIGHT_BYTES[precision]
+
+
+def bytes_per_param(cfg: RunConfig, precision: str) -> dict:
+    """What the plan assumes each parameter costs: the trainer's weights, fp32 gradients, the optimizer's state
+    (Adam m, v; bf16 adds the fp32 main weights) before the distributed optimizer divides it, the engine's copy."""
+    return {"weights": WEIGHT_BYTES[precision], "gradients": 4, "optimizer": OPTIMIZER_BYTES[precision],
+            "engine": engine_bytes(cfg, precision)}
 LAYOUT_KEYS = {*(f"parallel.{k}" for k in ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")),
                "engine.tensor_parallel_size"}
 """Setting any of these (file or command line) means: check this layout; none: propose one."""
@@ -215,7 +229,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "optimizer": opt / GIB,
         "activations": act / GIB,
         "logits": logits / GIB,
-        "engine_weights": counts.total * w / lay.engine_tp / GIB,
+        "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,
         "kv_cache": cfg.engine.kv_cache_gib,  # reserved whatever the rollout needs (kv_cache_memory_bytes)
         "overhead": 0.0 if cpu else OVERHEAD_GIB,
     }
@@ -236,7 +250,7 @@ def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32")
     sequences = r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1)
     concurrent = min(cfg.engine.slots, int(sequences))
     kv_heads = -(-hf["num_key_value_heads"] // lay.engine_tp)
-    per_token = 2 * hf["num_hidden_layers"] * kv_heads * _head_dim(hf) * WEIGHT_BYTES[precision]
+    per_token = 2 * hf["num_hidden_layers"] * kv_heads * _head_dim(hf) * engine_bytes(cfg, precision)
     per_sequence = cfg.engine.max_model_len * per_token
     held = min(concurrent, int(cfg.engine.kv_cache_gib * GIB // per_sequence))
     return {"per_token": per_token, "per_sequence": per_sequence, "sequences": concurrent,
@@ -273,10 +287,12 @@ def candidates(hf: dict, nodes: int, gpus_per_node: int) -> list[Layout]:
 
 
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
-         propose: bool = False, precision: str = "fp32", cpu: bool = False) -> dict:
+         propose: bool = False, precision: str = "", cpu: bool = False) -> dict:
     """Counts, layout and memory: of the config's layout (ConfigError if impossible), or with
     ``propose`` of the first valid layout that fits (else the one closest to fitting). Checked for the cluster,
-    not for this machine (a login node's vLLM build does not say which attention head sizes the GPUs run)."""
+    not for this machine (a login node's vLLM build does not say which attention head sizes the GPUs run).
+    ``precision``: the trainer's to size ('': the config's ``trainer.precision``)."""
+    precision = precision or cfg.trainer.precision
     counts = count_params(hf)
     if not propose:
         lay = layout_of(cfg, nodes, gpus_per_node)
@@ -310,6 +326,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                    "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
                    "engine_replicas": lay.world // lay.engine_tp},
         "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_mem_gib": gpu_mem_gib, "precision": precision,
+        "bytes_per_param": bytes_per_param(cfg, precision),
         "device": "cpu" if cpu else "gpu",
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
         "overrides": lay.overrides(), "sized_at": sizing(cfg),
@@ -353,7 +370,7 @@ def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu
             except ConfigError:  # it cannot hold one sequence
                 pass
     if precision == "fp32" and plan(hf, cfg, nodes, gpus_per_node, gpu_mem_gib, not explicit, "bf16", cpu)["fits"]:
-        hints.append("--precision bf16 (megatron's mixed precision; megarl builds fp32 today)")
+        hints.append("trainer.precision=bf16 (megatron's mixed precision)")
     for more in (2, 4, 8, 16):
         try:
             if plan(hf, cfg, nodes * more, gpus_per_node, gpu_mem_gib, True, precision, cpu)["fits"]:
@@ -418,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
-    ap.add_argument("--precision", choices=sorted(WEIGHT_BYTES), default="fp32",
-                    help="fp32: what megarl builds today; bf16: megatron mixed precision")
+    ap.add_argument("--precision", choices=sorted(WEIGHT_BYTES), default=None,
+                    help="the trainer's precision to size (default: the config's trainer.precision): bf16 is "
+                    "megatron's mixed precision, fp32 everything in fp32; engines follow unless engine.dtype says")
     ap.add_argument("--cpu", action="store_true", help="size CPU processes (the tiny runs): --gpus-per-node is then "
                     "processes per node and --gpu-mem-gib the memory of each; no CUDA runtime overhead")
     ap.add_argument("--config", help="YAML config file")
@@ -428,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.precision:
+            cfg.trainer.precision = args.precision
+        args.precision = cfg.trainer.precision
         if args.model:
             hf = read_model(args.model)
             model = Path(args.model)  # the model the checks name (e.g. a head size vLLM cannot run)

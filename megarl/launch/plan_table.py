@@ -49,7 +49,8 @@ def format_table(res: dict) -> str:
         f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
         f"{params(res['params_active'])} active per token",
         f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} of {res['gpu_mem_gib']:g} GiB, "
-        f"precision {res['precision']}",
+        f"precision {res['precision']}" + (" (bytes per parameter: " + ", ".join(
+            f"{k} {v}" for k, v in res["bytes_per_param"].items()) + ")" if res.get("bytes_per_param") else ""),
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "
         + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else "") +
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
@@ -76,7 +77,7 @@ def format_table(res: dict) -> str:
         lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} fits in "
                      f"{res['gpu_mem_gib']:g} GiB per {per} at these sizes; the one shown is the closest. "
                      + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
-                        f"None fits with --precision bf16 or up to --nodes {16 * res['nodes']} either; try")
+                        f"None fits with trainer.precision=bf16 or up to --nodes {16 * res['nodes']} either; try")
                      + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
     lines.append("settings  " + " ".join(res["overrides"]))
     return "\n".join(lines)

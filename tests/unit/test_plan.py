@@ -103,6 +103,29 @@ def test_memory_of_a_dense_layout_matches_the_hand_calculation():
                                              "engine.tensor_parallel_size=8", "engine.kv_cache_gib=16"])["fits"]
 
 
+def test_precision_sizes_the_trainer_and_the_engine_and_the_plan_states_its_bytes_per_parameter(tmp_path, capsys):
+    """trainer.precision=bf16: 2 B weights, fp32 gradients, 12 B of optimizer state (fp32 main weights + Adam);
+    the engine in bf16 too unless engine.dtype says otherwise; the table says what it assumed."""
+    job = ["parallel.tp=8", "parallel.sequence_parallel=true", "engine.tensor_parallel_size=8", "engine.kv_cache_gib=16"]
+    fp32 = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=fp32"])
+    bf16 = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=bf16"])
+    mixed = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=bf16", "engine.dtype=float32"])
+    m32, m16, mix = (r["memory_gib_per_gpu"] for r in (fp32, bf16, mixed))
+    assert m16["weights"] == pytest.approx(m32["weights"] / 2) and m16["gradients"] == pytest.approx(m32["gradients"])
+    assert m16["optimizer"] == pytest.approx(m32["optimizer"] * 12 / 8)
+    assert m16["engine_weights"] == pytest.approx(m32["engine_weights"] / 2) == pytest.approx(mix["engine_weights"] / 2)
+    assert res_bytes(bf16) == {"weights": 2, "gradients": 4, "optimizer": 12, "engine": 2}
+    assert res_bytes(mixed)["engine"] == 4 and res_bytes(fp32) == {"weights": 4, "gradients": 4, "optimizer": 8,
+                                                                    "engine": 4}
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_32B))
+    main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "8", "--precision", "bf16", *job])
+    assert "precision bf16 (bytes per parameter: weights 2, gradients 4, optimizer 12, engine 2)" in capsys.readouterr().out
+
+
+def res_bytes(res: dict) -> dict:
+    return res["bytes_per_param"]
+
+
 def test_memory_of_an_moe_layout_matches_the_hand_calculation():
     """Qwen3-30B-A3B, 2 nodes × 8: TP 2, EP 16 (expert TP 1), DP 8, distributed optimizer."""
     res = _plan(QWEN3_30B_A3B, 2, 8, 80, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=16",
@@ -294,7 +317,7 @@ def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, cap
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "141"]) == 1
     out = capsys.readouterr().out  # without --config: the tiny demo's sizes, said so
     assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "the schema defaults" in out
-    assert "None fits with --precision bf16 or up to --nodes 16 either" in out, out
+    assert "None fits with trainer.precision=bf16 or up to --nodes 16 either" in out, out
 
 
 def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
