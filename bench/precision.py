@@ -78,7 +78,6 @@ def trainer_part(model: str, precision: str, rows: int, seq: int, steps: int) ->
 
 def engine_part(model: str, precision: str, new: int) -> dict:
     """Fresh process: decode tokens/s of the engine in the trainer's dtype, one sync into it, the logprob gap."""
-    import torch
 
     from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 

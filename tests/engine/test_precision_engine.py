@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from helpers.runs import train, tiny_partial_run
+from helpers.runs import tiny_partial_run, train
 from helpers.scripts import ROOT, run_script
 from megarl.logging.metrics import deterministic_view, read_metrics
 
