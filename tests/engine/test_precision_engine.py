@@ -82,3 +82,12 @@ def test_resuming_a_bf16_checkpoint_in_fp32_is_refused_before_launch(model, base
     assert "trainer.precision=fp32: the checkpoint" in proc.stderr
     assert "was saved with trainer.precision=bf16" in proc.stderr
     assert read_metrics(run / "metrics.jsonl")[-1].get("final")  # nothing launched: the run as the baseline left it
+
+
+@pytest.mark.slow  # (the default run keeps the in-process engine's exact sync above)
+def test_sync_into_a_bf16_replica_in_its_own_process_lands_the_trainers_weights_exactly(tmp_path):
+    out = run_script(["tests/workers/bf16_replica_checks.py", str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
+    assert out["replica_dtype"] == "torch.bfloat16" and out["version"] == 1
+    assert out["sync_bytes"] == 2 * out["params"]  # bf16 buckets: half of what an fp32 replica is sent
+    # what the replica computes is, bit for bit, what a fresh bf16 engine on the trainer's exported weights computes
+    assert out["equal_to_exported"] and not out["equal_to_original"]
