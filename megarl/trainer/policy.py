@@ -28,7 +28,7 @@ from megarl.types import TrainBatch
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
-def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:
+def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor], device=None) -> str:
     """'' when the loss and every gradient are finite on every rank, else 'loss', 'gradient' or both.
 
     Each rank holds a part of the model (TP/PP/EP) and the loss lives on the last stage: the
@@ -36,7 +36,7 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor]) -> str:
     """
     loss_bad = any(not torch.isfinite(torch.as_tensor(x)).all() for x in loss_sums)
     grad_bad = any(not torch.isfinite(g).all() for g in grad_buffers)
-    flags = torch.tensor([float(loss_bad), float(grad_bad)])
+    flags = torch.tensor([float(loss_bad), float(grad_bad)], device=device)  # (NCCL reduces device tensors only)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
@@ -115,6 +115,12 @@ class PolicyTrainer:
         if head == "value" and ps.is_last_stage:
             last.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel, self.dtype)
         load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
+        # built on the host (use_cpu_initialization); on a GPU the model, its DDP buffers and each microbatch live on
+        # this rank's device, and what leaves the trainer (logprobs, values) comes back to the host
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if self.device is not None:
+            for m in self.modules:
+                m.cuda(self.device)
         # Logprobs straight from hidden states in sequence chunks (no [tokens × vocab] logits) when
         # entropy (which needs full logits) is not asked for; vocab-parallel under TP either way.
         self.chunk = optim.logprob_chunk if head == "lm" and not entropy else 0
@@ -204,7 +210,8 @@ class PolicyTrainer:
                              else last.output_layer.weight)
 
         def forward_step(data_iter, model):
-            mb = dict(next(data_iter))
+            mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
+                  for k, v in next(data_iter).items()}
             output = model(mb["input_ids"], mb["position_ids"], None)
 
             def loss_func(logits):
@@ -217,7 +224,7 @@ class PolicyTrainer:
                     if with_entropy:
                         mb["entropy"] = token_entropy(logits, temperature)
                 if loss_fn is None:  # forward only: hand the logprobs (or values) back
-                    return torch.zeros((), requires_grad=False), {"logprobs": out.detach()}
+                    return torch.zeros((), requires_grad=False), {"logprobs": out.detach().cpu()}
                 per_token, metrics = loss_fn(out, mb)
                 loss = (per_token * mb["weights"]).sum() * scale
                 report = {k: v.detach().float() for k, v in metrics.items()}
@@ -282,7 +289,7 @@ class PolicyTrainer:
         grads = [b.grad_data for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
         if injected("nan_grad") and grads:
             grads[0][0] = float("nan")
-        bad = nonfinite([o["loss_sum"] for o in out], grads)
+        bad = nonfinite([o["loss_sum"] for o in out], grads, self.device)
         if bad:  # skip the step: weights and optimizer state stay as they are
             self.last_nonfinite, ok, grad_norm = bad, False, float("nan")
         else:
@@ -299,7 +306,7 @@ class PolicyTrainer:
                 from megatron.core import parallel_state as mpu
 
                 keys = sorted(k for k in metrics if k not in ("grad_norm", "skipped"))
-                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
                 torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
                 for k, v in zip(keys, values.tolist()):
                     metrics[k] = v if k == "loss" else v / self.ps.dp

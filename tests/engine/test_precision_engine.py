@@ -43,6 +43,7 @@ def test_sync_into_a_bf16_engine_is_bit_exact_and_sends_half_the_bytes(model):
         assert r["bucket_dtype"] == "torch.bfloat16"
         assert r["bytes"] == 2 * r["params"]  # what an fp32 engine is sent: 4 bytes a parameter
         assert r["gap"] < 0.05  # trainer and engine logprobs of the same bf16 weights, through different kernels
+        assert r["eager"] is True  # engine.enforce_eager=auto on CPU (no CUDA graphs to capture)
     assert out["bf16"]["trainer_dtypes"] == ["torch.bfloat16"] and out["fp32"]["trainer_dtypes"] == ["torch.float32"]
 
 

@@ -6,7 +6,7 @@ A trainer in bf16 and one in fp32 each take two PPO steps and stream their weigh
 engine through the loop's sync (``streaming_sync``: buckets in the engine's dtype). After each sync every engine
 weight is read back: plain tensors (embedding, norms, lm_head) as they are, the linear layers that vLLM's CPU
 backend repacked for oneDNN through the layer itself on an identity matrix (exact: one product of 1.0 per output,
-accumulated in fp32, rounded to bf16). Prints, per trainer, how many HF tensors equal the trainer's own bit for
+accumulated in fp32, rounded to bf16; on a GPU they are plain tensors). Prints, per trainer, how many HF tensors equal the trainer's own bit for
 bit (the bf16 trainer's as they are, the fp32 trainer's rounded to bf16), the bytes sent, and the trainer/engine
 logprob gap.
 """
@@ -34,10 +34,10 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
         if not isinstance(weight, torch.Tensor):
             continue
         if weight.numel() == 0 and hasattr(module, "quant_method"):  # repacked: read through the layer
-            eye = torch.eye(module.input_size_per_partition, dtype=weight.dtype)
-            out[f"{name}.weight"] = module.quant_method.apply(module, eye).t().contiguous()
-        else:
-            out[f"{name}.weight"] = weight.detach().clone()
+            eye = torch.eye(module.input_size_per_partition, dtype=weight.dtype, device=weight.device)
+            out[f"{name}.weight"] = module.quant_method.apply(module, eye).t().contiguous().cpu()
+        else:  # (on a GPU every weight is a plain tensor)
+            out[f"{name}.weight"] = weight.detach().cpu()
     return out
 
 
@@ -84,7 +84,7 @@ def main(model_dir: str) -> None:
                                                                    mb["loss_mask"], 0.2, 0.28))
         sync = streaming_sync(trainer, engine, 1 / 16)
         engine.update_weights(sync.weights())
-        want = {k: v.to(torch.bfloat16) for k, v in as_engine_names(dict(trainer.hf_weights())).items()}
+        want = {k: v.to(torch.bfloat16).cpu() for k, v in as_engine_names(dict(trainer.hf_weights())).items()}
         got = engine_weights(engine)
         results[precision] = {
             "names": sorted(want) == sorted(got), "tensors": len(want),
@@ -93,6 +93,7 @@ def main(model_dir: str) -> None:
             "bucket_dtype": str(sync.dtype), "bytes": sync.stats.bytes,
             "params": sum(t.numel() for t in dict(trainer.hf_weights()).values()),
             "gap": logprob_gap(engine, trainer, seed=3),
+            "eager": engine._args["enforce_eager"],  # engine.enforce_eager=auto: eager on CPU, CUDA graphs on GPUs
         }
     print(json.dumps(results), flush=True)
 
