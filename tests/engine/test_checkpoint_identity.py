@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from test_convert_checkpoint import convert, fails, safetensors_bytes
 
+from helpers.conversion import convert, fails, safetensors_bytes
 from helpers.hf_models import make_hf_model
 from helpers.scripts import ROOT, run_script
 
