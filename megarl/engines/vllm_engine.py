@@ -65,7 +65,7 @@ def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float 
 
 
 def numerics_args(dtype: str, enforce_eager, gpu: bool) -> dict:
-    """``LLM``'s dtype and graph arguments: ``engine.dtype`` as resolved (``config.engine_dtype``) and
+    """``LLM``'s dtype and graph arguments: ``engine.dtype`` as resolved (``config.schema.resolved_engine_dtype``) and
     ``engine.enforce_eager`` ('auto': eager on CPU, where vLLM runs no CUDA graphs; CUDA graphs on GPUs)."""
     return {"dtype": dtype, "enforce_eager": (not gpu) if enforce_eager == "auto" else bool(enforce_eager)}
 

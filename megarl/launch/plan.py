@@ -83,6 +83,8 @@ def bytes_per_param(cfg: RunConfig, precision: str) -> dict:
     (Adam m, v; bf16 adds the fp32 main weights) before the distributed optimizer divides it, the engine's copy."""
     return {"weights": WEIGHT_BYTES[precision], "gradients": 4, "optimizer": OPTIMIZER_BYTES[precision],
             "engine": engine_bytes(cfg, precision)}
+
+
 LAYOUT_KEYS = {*(f"parallel.{k}" for k in ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")),
                "engine.tensor_parallel_size"}
 """Setting any of these (file or command line) means: check this layout; none: propose one."""
