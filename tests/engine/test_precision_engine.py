@@ -65,6 +65,7 @@ def test_a_bf16_run_checkpoints_fp32_main_params_and_its_engine_tracks_the_train
         [k for k in saved if not k.startswith("optimizer.")])  # one fp32 main copy of every weight
 
 
+@pytest.mark.slow  # (two more runs; the default run keeps test_resume's fp32 kill -9 and this file's bf16 checkpoint)
 def test_kill_9_in_the_optimizer_step_then_resume_is_exact_in_bf16(model, baseline, tmp_path):
     ref_run, ref = baseline
     run = tmp_path / "run"
