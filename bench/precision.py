@@ -36,10 +36,8 @@ PROMPTS = ["What is 17 + 25?", "Name the capital of France.", "Write one sentenc
            "What colour is the sky on a clear day?", "Spell the word 'bench' backwards."]
 
 
-def _trainer(model: str, precision: str, rows: int, seq: int, steps: int, trainable: bool = True):
-    import torch
-
-    from megarl.algo.losses import nll_loss
+def _trainer(model: str, precision: str, micro_batch: int, trainable: bool = True):
+    """SmolLM2 in a megatron-core trainer of ``precision`` (one process), and its HF config."""
     from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import OptimConfig
     from megarl.distributed.parallel import build_parallel_state
@@ -52,9 +50,9 @@ def _trainer(model: str, precision: str, rows: int, seq: int, steps: int, traina
 
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = read_hf_config(model)
-    trainer = PolicyTrainer(cfg, model, ps, OptimConfig(lr=1e-6, micro_batch_size=rows, logprob_chunk=64),
+    trainer = PolicyTrainer(cfg, model, ps, OptimConfig(lr=1e-6, micro_batch_size=micro_batch, logprob_chunk=64),
                             trainable=trainable, precision=precision)
-    return trainer, cfg, lambda lp, mb: nll_loss(lp, mb["loss_mask"]), torch
+    return trainer, cfg
 
 
 def trainer_part(model: str, precision: str, rows: int, seq: int, steps: int) -> dict:
@@ -62,8 +60,13 @@ def trainer_part(model: str, precision: str, rows: int, seq: int, steps: int) ->
     import torch
 
     from megarl.algo.batch import build_batch
+    from megarl.algo.losses import nll_loss
 
-    trainer, cfg, loss, _ = _trainer(model, precision, rows, seq, steps)
+    trainer, cfg = _trainer(model, precision, rows)
+
+    def loss(lp, mb):
+        return nll_loss(lp, mb["loss_mask"])
+
     g = torch.Generator().manual_seed(0)
     batch = build_batch([torch.randint(2, cfg["vocab_size"], (8,), generator=g).tolist() for _ in range(rows)],
                         [torch.randint(2, cfg["vocab_size"], (seq - 8,), generator=g).tolist() for _ in range(rows)])
@@ -86,10 +89,11 @@ def engine_part(model: str, precision: str, new: int) -> dict:
     from transformers import AutoTokenizer
 
     from megarl.algo.batch import build_batch
+    from megarl.config.schema import PRECISION_DTYPES
     from megarl.engines.protocol import GenerationRequest
     from megarl.weight_sync.streaming import streaming_sync
 
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
+    dtype = PRECISION_DTYPES[precision]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29577"))
     engine = VLLMEngine(model, max_model_len=256, kv_cache_gib=0.5, seed=0, max_num_seqs=16, dtype=dtype)
@@ -101,7 +105,7 @@ def engine_part(model: str, precision: str, new: int) -> dict:
     start = time.perf_counter()
     outs = engine.generate(requests, seed=0)
     decode = sum(len(o[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    trainer, *_ = _trainer(model, precision, 1, 8, 0, trainable=False)
+    trainer, _ = _trainer(model, precision, 1, trainable=False)
     sync = streaming_sync(trainer, engine, 64)
     start = time.perf_counter()
     engine.update_weights(sync.weights())

@@ -372,8 +372,10 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+PRECISION_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+"""``trainer.precision`` → the (torch and vLLM) name of the dtype its weights are in."""
+
+
 def resolved_engine_dtype(cfg: RunConfig) -> str:
-    """``engine.dtype`` as vLLM takes it: 'auto' is the trainer's precision (bf16 → 'bfloat16', fp32 → 'float32')."""
-    if cfg.engine.dtype != "auto":
-        return cfg.engine.dtype
-    return "bfloat16" if cfg.trainer.precision == "bf16" else "float32"
+    """``engine.dtype`` as vLLM takes it: 'auto' is the trainer's precision (``PRECISION_DTYPES``)."""
+    return PRECISION_DTYPES[cfg.trainer.precision] if cfg.engine.dtype == "auto" else cfg.engine.dtype

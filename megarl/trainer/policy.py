@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import OptimConfig
+from megarl.config.schema import PRECISION_DTYPES, OptimConfig
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_config import num_experts
 from megarl.testing.faults import injected, kill_point
@@ -40,10 +40,6 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor], device=None) ->
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
-
-
-# trainer.precision → the dtype of the model's weights and activations
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class ValueHead(torch.nn.Module):
@@ -100,9 +96,9 @@ class PolicyTrainer:
 
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        self.precision, self.dtype = precision, PRECISIONS[precision]
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+        self.precision, self.dtype = precision, getattr(torch, PRECISION_DTYPES[precision])
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
         moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
