@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import LAYOUTS, build_trainer, fixed_batch  # noqa: E402
 
 
@@ -62,10 +63,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
                        "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(trainer_model._SAID), "grad_norms": norms}, f)
-    dist.barrier()
-    # gloo's threads ended before the interpreter's teardown: once in a full suite run, a rank left to exit with
-    # them alive aborted ("terminate called without an active exception", SIGABRT) after writing its results
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import build_trainer, fixed_batch  # noqa: E402
 
 
@@ -42,9 +41,7 @@ def main(layout: str, model_dir: str, out_dir: str, steps: str) -> None:
             json.dump({"layout": layout, "steps": history, "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(),
                        "main_dtypes": main_dtypes, "model_dtypes": model_dtypes, "grad_dtypes": grad_dtypes,
                        "optimizers": sorted({type(o).__name__ for o in chain})}, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

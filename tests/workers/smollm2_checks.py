@@ -29,7 +29,7 @@ def transformers_logprobs(model_dir: str, batch, dtype: torch.dtype) -> torch.Te
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     with torch.no_grad():
-        logits = model(batch.input_ids, attention_mask=(batch.input_ids >= 0).long()).logits.float()
+        logits = model(batch.input_ids).logits.float()  # (padding follows each row's tokens: causal, nothing masked)
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
 
 
