@@ -32,11 +32,12 @@ from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
 from megarl.engines.memory import sleep_supported
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
+from megarl.engines.routes import captures_routes
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.console import configure as configure_console
 from megarl.logging.metrics import MetricsLogger
 from megarl.logging.timeline import Timeline, write_trace
-from megarl.models.hf_config import read_hf_config
+from megarl.models.hf_config import num_experts, read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
@@ -129,12 +130,12 @@ def build_session(cfg: RunConfig) -> Session:
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.reward, d)
     if cfg.engine.placement == "disaggregated":
-        engine, slot_engines = build_engines(cfg)
+        engine, slot_engines = build_engines(cfg, hf_cfg)
     else:
         engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
                             cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
                             enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported(),
-                            peer_wait_s=cfg.engine.peer_wait_s, **engine_numerics(cfg))
+                            peer_wait_s=cfg.engine.peer_wait_s, **engine_numerics(cfg, hf_cfg))
         slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
     activate_cpu()
     from megatron.core import tensor_parallel
@@ -188,7 +189,8 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
                   transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision)
-    policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0, **common)
+    policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
+                           routing_replay=a.routing_replay, **common)
     critic = reference = None
     needed = needed_learners(a)  # the same rule the pre-launch resume check applies
     if "critic" in needed:
@@ -198,21 +200,23 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     return Learners(policy, critic, reference)
 
 
-def engine_numerics(cfg: RunConfig) -> dict:
-    """The engines' dtype (``engine.dtype``, 'auto': the trainer's precision), graphs and GPU memory share."""
-    e = cfg.engine
+def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
+    """The engines' dtype (``engine.dtype``, 'auto': the trainer's precision), graphs and GPU memory share, and the
+    expert count of the routes they capture (MoE: routing replay and its agreement metrics; 0: none)."""
+    e, experts = cfg.engine, num_experts(hf_cfg)
     return dict(dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
-                gpu_memory_utilization=e.gpu_memory_utilization)
+                gpu_memory_utilization=e.gpu_memory_utilization,
+                route_experts=experts if captures_routes(experts, e.placement, e.tensor_parallel_size) else 0)
 
 
-def build_engines(cfg: RunConfig):
+def build_engines(cfg: RunConfig, hf_cfg: dict):
     """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
     e = cfg.engine
     replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback,
                               replica_nodes=e.replica_nodes, hosts_file=str(rendezvous_path(cfg.train.run_dir))
-                              if e.replica_nodes_dedicated else "", **engine_numerics(cfg))
+                              if e.replica_nodes_dedicated else "", **engine_numerics(cfg, hf_cfg))
     return replicas, replicas.clients
 
 

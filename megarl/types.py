@@ -5,7 +5,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+def no_route(dtype) -> int:
+    """The expert id of a position the engine did not route (padding, never fed): no expert's (uint8 routes: 255,
+    int16: −1)."""
+    return 255 if str(dtype).endswith("uint8") else -1
 
 
 class SampleStatus(enum.Enum):
@@ -32,6 +39,25 @@ class Sample:
     text: str = ""
     finish_reason: str = ""  # 'stop' | 'length' once done
     interruptions: int = 0  # times generation was stopped and later resumed (partial mode)
+    routes: list | None = None  # the engine's experts per input position: uint8 arrays [positions, MoE layers, k]
+
+    def add_routes(self, first: int, new: np.ndarray) -> None:
+        """Routes of positions ``first``.. (``engines.routes``), appended. Positions already known keep theirs: a
+        resumed sample's re-prefilled tokens keep the routes of the phase that sampled them. A gap raises (cached
+        prefix rows are never routed: prefix caching must be off)."""
+        parts = self.routes if self.routes is not None else []
+        have = sum(len(p) for p in parts)
+        if first > have:
+            raise RuntimeError(f"routing replay: routes start at position {first} but only {have} are known")
+        if len(new) > have - first:
+            parts.append(new[have - first:])
+        self.routes = parts
+
+    def route_array(self) -> np.ndarray | None:
+        """The routes as one array [positions, MoE layers, k] (None: none captured)."""
+        if not self.routes:
+            return None
+        return self.routes[0] if len(self.routes) == 1 else np.concatenate(self.routes)
 
 
 @dataclass
@@ -70,6 +96,7 @@ class TrainBatch:
     nll_scale: torch.Tensor | None = None  # per-token factor of that term under ``weights`` (``positive_nll_scale``)
     old_values: torch.Tensor | None = None  # critic values at rollout time
     returns: torch.Tensor | None = None  # value targets
+    routes: torch.Tensor | None = None  # routing replay: experts per input position [N, T, MoE layers, k] (uint8)
 
     @property
     def size(self) -> int:
@@ -91,6 +118,8 @@ class TrainBatch:
             extra = v[:1].expand(n, *v.shape[1:]).clone()
             if k in ("loss_mask", "weights", "positive", "nll_scale", "is_weight"):
                 extra.zero_()
+            if k == "routes":
+                extra.fill_(no_route(v.dtype))
             return torch.cat([v, extra])
 
         return TrainBatch(**{k: pad(k, v) for k, v in self.as_dict().items()})
@@ -98,7 +127,9 @@ class TrainBatch:
     def pad_columns(self, n: int) -> "TrainBatch":
         """Append ``n`` label positions that count for nothing (zero mask and weight; positions continue)."""
         def pad(k, v):
-            extra = torch.zeros(v.shape[0], n, dtype=v.dtype)
+            extra = torch.zeros(v.shape[0], n, *v.shape[2:], dtype=v.dtype)
+            if k == "routes":
+                extra.fill_(no_route(v.dtype))
             if k == "position_ids":
                 extra = v[:, -1:] + 1 + torch.arange(n).unsqueeze(0)
             return torch.cat([v, extra], dim=1)

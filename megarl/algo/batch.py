@@ -15,9 +15,10 @@ token) but equal weights under ``token_mean`` and ``seq_mean_token_sum_norm``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from megarl.types import TrainBatch
+from megarl.types import TrainBatch, no_route
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[list[float]] | None = None,
@@ -51,6 +52,22 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logpro
     weights = aggregation_weights(mask, loss_agg, norm_tokens)
     positions = torch.arange(width).unsqueeze(0).expand(n, -1).contiguous()
     return TrainBatch(input_ids, positions, labels, mask, weights, old, adv)
+
+
+def batch_routes(routes: list, width: int) -> torch.Tensor | None:
+    """The samples' routes (each uint8/int16 [input positions, MoE layers, k], or None: not captured) as one
+    [rows, width, MoE layers, k] tensor; positions beyond a sample's routes hold ``no_route`` (the trainer routes
+    them itself). None when no sample has routes."""
+    known = [r for r in routes if r is not None]
+    if not known:
+        return None
+    layers, k, dtype = known[0].shape[1], known[0].shape[2], known[0].dtype
+    out = np.full((len(routes), width, layers, k), no_route(dtype), dtype=dtype)
+    for i, r in enumerate(routes):
+        if r is not None:
+            n = min(len(r), width)
+            out[i, :n] = r[:n]
+    return torch.from_numpy(out)
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str, norm_tokens: int = 1) -> torch.Tensor:

@@ -233,6 +233,9 @@ class AlgoConfig:
     """Draw prompts from a finite pool ∝ p(1−p) + ε of their pass rates (needs data.pool_size)."""
     curriculum_eps: float = 0.05
     """ε of the curriculum weights."""
+    routing_replay: Literal["none", "rollout", "trainer"] = "none"
+    """MoE routing replay: 'rollout' (R3: the trainer routes each token to the experts the engine used), 'trainer'
+    (R2: the trainer's own routes of the step's first forward, replayed in its updates), 'none'. MoE models only."""
 
 
 @dataclass

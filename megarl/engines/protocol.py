@@ -96,6 +96,8 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str = ""  # 'stop' | 'length' when finished
     version: int | None = None  # the weight version of the engine that sampled these tokens (None: not known)
+    routes: object = None  # routing replay: experts of the positions fed in this step, [rows, MoE layers, k] uint8
+    route_start: int = 0  # the position (in prompt + response) of the first of those rows
 
 
 @dataclass

@@ -37,6 +37,7 @@ from megarl.distributed.collectives import any_rank, rank_and_world
 from megarl.distributed.watchdog import end_process, guard
 from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent, TrackedRequests
+from megarl.engines.routes import RouteCapture
 from megarl.engines.weight_update import refuse_if_unusable
 from megarl.testing.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
 
@@ -80,8 +81,11 @@ class VLLMEngine:
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
-                 enforce_eager="auto", gpu_memory_utilization: float = 0.0) -> None:
+                 enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
+        """``route_experts``: the MoE model's expert count when each token's routes are captured (routing
+        replay, ``engines.routes``; prefix caching is then off), 0 otherwise."""
         set_cpu_engine_env(kv_cache_gib)
+        self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
         self._args = dict(
             model=str(model_dir),
@@ -91,7 +95,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            enable_prefix_caching=not route_experts,  # cached prompt rows are never routed (engines.routes)
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
@@ -103,7 +107,10 @@ class VLLMEngine:
         from vllm import LLM
 
         run_unique_shm_names()
-        return LLM(**self._args)
+        llm = LLM(**self._args)
+        if self.route_experts:
+            self.routes = RouteCapture(llm, self.route_experts)
+        return llm
 
     def restart(self) -> None:
         """After the engine failed mid-phase: the caller then pushes the trainer's weights (``update_weights``).
@@ -251,6 +258,8 @@ class VLLMSlotEngine(TrackedRequests):
 
     def reset(self) -> None:
         self.stalled = False
+        if self.engine.routes is not None:
+            self.engine.routes.pending.clear()
         super().reset()
 
     def submit(self, request: SlotRequest) -> None:
@@ -273,6 +282,8 @@ class VLLMSlotEngine(TrackedRequests):
 
     def _abort(self, request_ids: list[str]) -> None:
         self.engine.llm.llm_engine.abort_request(request_ids)
+        if self.engine.routes is not None:
+            self.engine.routes.forget(request_ids)
 
     def step(self) -> StepReport:
         with guard(f"vLLM engine step (RL step {current_step()})"):  # never returning → exit 75 (watchdog.py)
@@ -305,6 +316,9 @@ class VLLMSlotEngine(TrackedRequests):
             problem, outputs = _logged(exc, "vLLM's step"), []
         self._agree(problem, "in vLLM's step")
         elapsed = time.perf_counter() - start
+        routes = self.engine.routes
+        if routes is not None:
+            routes.collect()
         events = []
         for out in outputs:
             if out.request_id not in self._active:
@@ -312,6 +326,8 @@ class VLLMSlotEngine(TrackedRequests):
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c))
             ev.version = getattr(self.engine, "weight_version", None)  # set by the sync protocol (None before it ran)
+            if routes is not None:
+                ev.route_start, ev.routes = routes.pop(out.request_id)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)

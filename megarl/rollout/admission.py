@@ -102,7 +102,7 @@ class PromptBuffer:
                 s = g.samples[j]
                 m.tokens_wasted += len(s.response_ids)
                 self.slot_time.pop((index, j), None)
-                s.response_ids, s.logprobs, s.versions = [], [], []
+                s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
                 s.status, s.finish_reason = SampleStatus.QUEUED, ""
 
     def _entries(self, indices) -> list[tuple[int, int]]:

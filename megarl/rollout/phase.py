@@ -176,6 +176,8 @@ class Phase:
         n = len(ev.token_ids)
         s.response_ids += ev.token_ids
         s.logprobs += ev.logprobs
+        if ev.routes is not None:  # routing replay: earlier phases' routes of these positions stay
+            s.add_routes(ev.route_start, ev.routes)
         version = self.version if ev.version is None else ev.version  # the sampling engine's version
         s.versions += [version] * n
         m.sampled_versions[version] += n

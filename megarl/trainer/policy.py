@@ -22,6 +22,15 @@ from megarl.testing.faults import injected, kill_point
 from megarl.trainer.export import gather_hf_weights
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
+from megarl.trainer.routing import (
+    RouteStats,
+    assemble_recorded,
+    attach_taps,
+    clear_targets,
+    moe_columns,
+    recorded_rows,
+    set_targets,
+)
 from megarl.types import TrainBatch
 
 # (logprobs [mb, T] — values for a critic —, microbatch fields) -> (per-token loss [mb, T], {metric: scalar})
@@ -86,7 +95,7 @@ class PolicyTrainer:
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
                  trainable: bool = True, entropy: bool = False, fp8: str = "",
-                 transformer_engine: bool = False, precision: str = "fp32") -> None:
+                 transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none") -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -134,6 +143,13 @@ class PolicyTrainer:
             )
             for vp, m in enumerate(self.modules)
         ]
+        # MoE: every router's top-k through a tap (trainer/routing.py), which replays a batch's ``routes`` when
+        # algo.routing_replay asks and always measures how often the trainer's own routes agree with them
+        self.routing_replay = routing_replay
+        columns = moe_columns(hf_cfg, hf_cfg["num_hidden_layers"]) if num_experts(hf_cfg) and head == "lm" else {}
+        self.taps = {id(c): attach_taps(m, columns) for c, m in zip(self.chunks, self.modules)} if columns else {}
+        self.route_columns = columns
+        self.route_stats: dict[str, float] = {}  # of the last pass that had routes (moe/route_agreement, ...)
         for m in self.modules:
             m.config.no_sync_func = [c.no_sync for c in self.chunks] if ps.vpp > 1 else self.chunks[0].no_sync
             m.config.finalize_model_grads_func = finalize_model_grads
@@ -205,9 +221,15 @@ class PolicyTrainer:
             output_weight = (last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights
                              else last.output_layer.weight)
 
+        stats, passes = RouteStats(), {}
+
         def forward_step(data_iter, model):
             mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
                   for k, v in next(data_iter).items()}
+            if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
+                stats.microbatch = passes[id(model)] = passes.get(id(model), -1) + 1
+                set_targets(taps, mb.pop("routes", None), self.routing_replay != "none", stats, self.ps.tp_rank,
+                            self.ps.tp, self.ps.sequence_parallel)
             output = model(mb["input_ids"], mb["position_ids"], None)
 
             def loss_func(logits):
@@ -230,16 +252,25 @@ class PolicyTrainer:
 
             return output, loss_func
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            # The interleaved schedule reads one iterator per chunk, each over every microbatch.
-            data_iterator=[iter(mbs) for _ in self.chunks] if self.ps.vpp > 1 else iter(mbs),
-            model=self.chunks,
-            num_microbatches=len(mbs),
-            seq_length=batch.seq_len,
-            micro_batch_size=min(self.optim_cfg.micro_batch_size, batch.size),
-            forward_only=forward_only,
-        )
+        try:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                # The interleaved schedule reads one iterator per chunk, each over every microbatch.
+                data_iterator=[iter(mbs) for _ in self.chunks] if self.ps.vpp > 1 else iter(mbs),
+                model=self.chunks,
+                num_microbatches=len(mbs),
+                seq_length=batch.seq_len,
+                micro_batch_size=min(self.optim_cfg.micro_batch_size, batch.size),
+                forward_only=forward_only,
+            )
+        finally:
+            for taps in self.taps.values():
+                clear_targets(taps)
+        if batch.routes is not None and self.taps:  # every rank (a collective)
+            from megatron.core import parallel_state as mpu
+
+            self.route_stats = stats.metrics(mpu.get_pipeline_model_parallel_group())
+        return out
 
     @torch.no_grad()
     def _from_last_stage(self, value):
@@ -272,6 +303,31 @@ class PolicyTrainer:
                 torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
                 local = torch.cat(parts, dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
+
+    def record_routes(self, batch: TrainBatch) -> torch.Tensor:
+        """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
+        [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks)."""
+        taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
+        for tap in taps:
+            tap.recorded = []
+        saved, self.routing_replay = self.routing_replay, "none"
+        try:  # (the engine's routes, where the batch has them, only measured against: ``route_stats``)
+            self.logprobs(batch)
+        finally:
+            self.routing_replay = saved
+        local = self._local(batch)
+        split = self.ps.sequence_parallel and self.ps.tp > 1
+        seq_local = local.seq_len // self.ps.tp if split else local.seq_len
+        mine = {}
+        for chunk_taps in self.taps.values():
+            mine.update(recorded_rows(chunk_taps, seq_local))
+        rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
+        piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
+        pieces = [None] * dist.get_world_size() if dist.is_initialized() else [piece]
+        if dist.is_initialized():
+            dist.all_gather_object(pieces, piece)
+        k = self.tcfg.moe_router_topk
+        return assemble_recorded(pieces, batch.size, batch.seq_len, len(self.route_columns), k)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
@@ -306,7 +362,10 @@ class PolicyTrainer:
                 torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
                 for k, v in zip(keys, values.tolist()):
                     metrics[k] = v if k == "loss" else v / self.ps.dp
-        return self._from_last_stage(metrics)  # every stage reports the loss (rank 0 logs)
+        metrics = self._from_last_stage(metrics)
+        if batch.routes is not None:  # measured on every rank, over every rank
+            metrics.update(self.route_stats)
+        return metrics  # every stage reports the loss (rank 0 logs)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model under HF names (gathered across TP/PP/EP), for the engines."""

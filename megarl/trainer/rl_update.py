@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_to_tokens
-from megarl.algo.batch import aggregation_weights, build_batch, per_token, positive_nll_scale
+from megarl.algo.batch import aggregation_weights, batch_routes, build_batch, per_token, positive_nll_scale
 from megarl.algo.curriculum import minibatch_rows
 from megarl.algo.filters import overlong_mask
 from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
@@ -41,6 +41,7 @@ def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[Tra
     batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
                         norm_tokens=norm_tokens(cfg))
+    batch.routes = batch_routes([s.route_array() for s in samples], batch.seq_len)
     if a.overlong_filter:
         batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)
     rewards = shaped_rewards(groups, a, cfg.rollout.max_new_tokens)
@@ -78,6 +79,10 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     batch, rewards = rollout_batch(groups, cfg, pad_id)
     mask = batch.loss_mask
     out: dict[str, float] = {}
+    engine_routes, agreement = batch.routes, {}
+    if a.routing_replay == "trainer" and learners.policy.taps:  # R2: this step's first routes, replayed in its updates
+        batch.routes = learners.policy.record_routes(batch)
+        agreement = dict(learners.policy.route_stats) if engine_routes is not None else {}  # own vs the engine's
     if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
         prox = learners.policy.logprobs(batch)  # (the policy before this update: AReaL's proximal policy)
         out.update(mismatch_metrics(prox, batch.old_logprobs, mask))
@@ -109,4 +114,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     for key in ("kl_ref", "entropy", "dual_clip_frac"):
         if key in policy:
             out[f"loss/{key}"] = policy[key]
+    if a.routing_replay != "trainer":  # routing agreement with the engine (trainer/routing.py); R2's: measured above
+        agreement = {k: v for k, v in policy.items() if k.startswith("moe/")}
+    out.update(agreement)
     return out

@@ -37,6 +37,14 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
     if num_experts(hf) and p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
                           "(megatron-core refuses MoE + TP without it)")
+    replay = cfg.algo.routing_replay
+    if replay != "none" and not num_experts(hf):
+        raise ConfigError(f"algo.routing_replay={replay}: {cfg.model.path} is a dense model (no experts to route to); "
+                          "'none' is the only value for it")
+    if replay == "rollout" and cfg.engine.placement == "disaggregated" and cfg.engine.tensor_parallel_size > 1:
+        raise ConfigError(f"algo.routing_replay=rollout with engine.placement=disaggregated at "
+                          f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}: a replica's routes are "
+                          "captured in its driver worker, which only a replica of engine TP 1 has in its own process")
     if cfg.engine.max_model_len > hf.get("max_position_embeddings", cfg.engine.max_model_len):
         raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
                           f"max_position_embeddings ({hf['max_position_embeddings']})")

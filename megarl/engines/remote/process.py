@@ -36,6 +36,7 @@ from megarl.engines.remote.messages import (
     Update,
     Updated,
 )
+from megarl.engines.routes import RouteCapture
 from megarl.engines.vllm_engine import VLLMEngine, kv_cache_args, numerics_args, sampled_logprobs
 from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
 from megarl.logging.console import configure as configure_console
@@ -65,7 +66,8 @@ def _llm(spec: dict):
         "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
     return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu),
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
-               logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=spec["slots"], **kv,
+               logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
+               enable_prefix_caching=not spec.get("route_experts"),  # cached prompt rows are never routed
                worker_extension_cls="megarl.engines.remote.transfer.GlooWorkerExtension",
                weight_transfer_config={"backend": "megarl_gloo"})
 
@@ -101,7 +103,7 @@ def serve(conn, spec: dict) -> None:
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer, which names the replica)
         conn.send(Outcome(f"{type(exc).__name__}: {exc}"))
         return
-    replica = _Replica(llm)
+    replica = _Replica(llm, spec.get("route_experts", 0))
     conn.send(Outcome())
     while True:
         try:
@@ -119,9 +121,10 @@ def serve(conn, spec: dict) -> None:
 class _Replica:
     """The replica's state between commands: the version it serves, its requests, why it refuses to generate."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, route_experts: int = 0) -> None:
         self.llm, self.engine = llm, llm.llm_engine
         self.version, self.active, self.unusable = 0, set(), ""
+        self.routes = RouteCapture(llm, route_experts) if route_experts else None
 
     def answer(self, msg):
         """The reply to ``msg`` (None for the commands that have none)."""
@@ -140,6 +143,8 @@ class _Replica:
                 ids = [r for r in request_ids if r in self.active]
                 if ids:
                     self.engine.abort_request(ids)
+                    if self.routes is not None:
+                        self.routes.forget(ids)
                 self.active.difference_update(ids)
             case Step():
                 return self.step()
@@ -167,10 +172,14 @@ class _Replica:
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed, events = time.perf_counter() - start, []
+        if self.routes is not None:
+            self.routes.collect()
         for out in outputs:
             if out.request_id in self.active:
                 c = out.outputs[0]
                 ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.version)
+                if self.routes is not None:
+                    ev.route_start, ev.routes = self.routes.pop(out.request_id)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                     self.active.discard(out.request_id)

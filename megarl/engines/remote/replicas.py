@@ -61,7 +61,7 @@ class EngineReplicas:
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
                  replica_nodes: int = 0, hosts_file: str = "", dtype: str = "float32", enforce_eager="auto",
-                 gpu_memory_utilization: float = 0.0) -> None:
+                 gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = collectives.rank_and_world()
         self.leader = self.rank == 0
@@ -77,7 +77,7 @@ class EngineReplicas:
         self._args = dict(model=str(model_dir), replicas=replicas, tp=tensor_parallel_size,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
                           start_timeout_s=start_timeout_s, dtype=dtype, enforce_eager=enforce_eager,
-                          gpu_memory_utilization=gpu_memory_utilization,
+                          gpu_memory_utilization=gpu_memory_utilization, route_experts=route_experts,
                           devices=[d.strip() for d in devices.split(",") if d.strip()])
         self.transport, self.timeout_s = transport, timeout_s
         self.weights_dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
@@ -147,7 +147,8 @@ class EngineReplicas:
         a, tp = self._args, self._args["tp"]
         return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
                     slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
-                    dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"])
+                    dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"],
+                    route_experts=a["route_experts"])
 
     def _spawn_on_hosts(self, rendezvous) -> None:
         """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""

@@ -1,0 +1,159 @@
+"""MoE routing replay in megatron-core's routers, and the trainer/engine routing agreement.
+
+megatron-core's ``TopKRouter`` asks its ``router_replay`` object for the top-k
+(``moe_utils.topk_routing_with_score_function`` → ``router_replay.get_replay_topk(scores, topk, ...,
+default_compute_topk)``; mcore 0.16). megatron's own ``RouterReplay`` keeps every instance in one class-wide
+list (all models of the process) and its targets in a list that grows per forward; megarl puts a ``RouteTap``
+of its own in each router's slot instead:
+
+- the router's own top-k is always computed (a ``topk`` over [tokens, experts]: cheap) and, where the engine's
+  routes are known, compared with them: per (token, layer) whether the two top-k *sets* agree;
+- with replay on, the engine's experts are returned instead, with their scores gathered from the router's own
+  (the softmax over the chosen experts and its gradient come from the trainer's logits); rows the engine never
+  routed (padding, positions it skipped) carry ``engines.routes.no_route`` (no expert id) and keep the trainer's
+  own choice.
+
+Routes reach a microbatch as ``routes`` [b, s, MoE layers, k] (uint8: ``engines.routes``); a router sees its
+layer's [s·b, k] rows, sequence-major as megatron flattens [s, b, h], and under sequence parallelism only this
+TP rank's sequence chunk. Each router's MoE column comes from its global ``layer_number`` (1-based; pipeline
+stages and virtual chunks hold their own layers). The trainer runs no activation recompute, so a forward's
+targets are all a backward needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_config import is_moe_layer
+from megarl.types import no_route
+
+
+def moe_columns(hf_cfg: dict, num_layers: int) -> dict[int, int]:
+    """Global layer index → its column among the MoE layers (dense layers have none)."""
+    cols = [i for i in range(num_layers) if is_moe_layer(hf_cfg, i)]
+    return {layer: c for c, layer in enumerate(cols)}
+
+
+class RouteStats:
+    """Agreement counts of one pass: per (token, layer) agreement, and per token whether any layer differed."""
+
+    def __init__(self) -> None:
+        self.agree = 0.0
+        self.pairs = 0.0
+        self.flipped: dict[int, torch.Tensor] = {}  # microbatch → [tokens] any layer differed on this rank
+        self.valid: dict[int, torch.Tensor] = {}  # microbatch → [tokens] the engine routed it
+        self.microbatch = 0
+
+    def add(self, same: torch.Tensor, valid: torch.Tensor) -> None:
+        self.agree += float((same & valid).sum())
+        self.pairs += float(valid.sum())
+        key = self.microbatch
+        differ = ~same & valid
+        self.flipped[key] = differ if key not in self.flipped else self.flipped[key] | differ
+        self.valid[key] = valid
+
+    def metrics(self, pp_group=None) -> dict[str, float]:
+        """``moe/route_agreement`` and ``moe/route_flip_tokens`` over every rank (a collective when
+        torch.distributed runs: pipeline stages OR their tokens' flips, then every count is summed)."""
+        keys = sorted(self.valid)
+        flips = torch.cat([self.flipped[k] for k in keys]).float() if keys else torch.zeros(0)
+        valid = torch.cat([self.valid[k] for k in keys]).float() if keys else torch.zeros(0)
+        if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1 and len(flips):
+            dist.all_reduce(flips, op=dist.ReduceOp.MAX, group=pp_group)  # same tokens on every stage
+        totals = torch.tensor([self.agree, self.pairs, float(flips.sum()), float(valid.sum())], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(totals)  # copies of a token on several ranks cancel in the ratios
+        agree, pairs, flipped, tokens = totals.tolist()
+        if not pairs:
+            return {}
+        return {"moe/route_agreement": agree / pairs, "moe/route_flip_tokens": flipped / max(tokens, 1.0)}
+
+
+class RouteTap:
+    """One router's replay slot (duck-typed ``RouterReplay``)."""
+
+    def __init__(self, column: int) -> None:
+        self.column = column
+        self.target: torch.Tensor | None = None  # [tokens, k] int64; rows of no expert id: not routed
+        self.replay = False
+        self.stats: RouteStats | None = None
+        self.recorded: list[torch.Tensor] | None = None  # the router's own top-k per forward (R2)
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.recorded is not None:
+            self.recorded.append(own.detach().to("cpu", torch.uint8 if scores.shape[1] < 255 else torch.int16))
+        target = self.target
+        if target is None:
+            return probs, own
+        target = target.to(own.device)
+        if target.shape != own.shape:
+            raise RuntimeError(f"routing replay: MoE column {self.column} got routes of shape {tuple(target.shape)} "
+                               f"for {tuple(own.shape)} router rows")
+        valid = (target[:, 0] >= 0) & (target[:, 0] < scores.shape[1])
+        if self.stats is not None:
+            same = (own.sort(dim=1).values == target.sort(dim=1).values).all(dim=1)
+            self.stats.add(same.cpu(), valid.cpu())
+        if not self.replay:
+            return probs, own
+        chosen = torch.where(valid.unsqueeze(1), target, own)
+        return scores.gather(1, chosen), chosen
+
+
+def attach_taps(chunk, columns: dict[int, int]) -> list[RouteTap]:
+    """A ``RouteTap`` in every MoE router of one model chunk (replacing megatron's own replay slot)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    taps = []
+    for module in chunk.modules():
+        if isinstance(module, TopKRouter):
+            tap = RouteTap(columns[module.layer_number - 1])
+            module.router_replay = tap
+            taps.append(tap)
+    return taps
+
+
+def set_targets(taps: list[RouteTap], routes: torch.Tensor | None, replay: bool, stats: RouteStats | None,
+                tp_rank: int = 0, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Each tap's rows of a microbatch's ``routes`` [b, s, MoE layers, k] (None: no target, own routing)."""
+    for tap in taps:
+        tap.replay, tap.stats = replay, stats
+        if routes is None:
+            tap.target = None
+            continue
+        layer = routes[:, :, tap.column, :]  # [b, s, k]
+        if sequence_parallel and tp > 1:
+            s = layer.shape[1] // tp
+            layer = layer[:, tp_rank * s:(tp_rank + 1) * s]
+        tap.target = layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long()  # [s·b, k], sequence-major
+
+
+def clear_targets(taps: list[RouteTap]) -> None:
+    for tap in taps:
+        tap.target, tap.replay, tap.stats = None, False, None
+
+
+def recorded_rows(taps: list[RouteTap], seq_local: int) -> dict[int, torch.Tensor]:
+    """What this rank's taps recorded in one forward pass, per MoE column: [rows, local sequence, k] uint8, rows in
+    microbatch order; the taps stop recording."""
+    out = {}
+    for tap in taps:
+        parts = [ids.view(seq_local, -1, ids.shape[-1]).transpose(0, 1) for ids in tap.recorded or []]
+        if parts:
+            out[tap.column] = torch.cat(parts)
+        tap.recorded = None
+    return out
+
+
+def assemble_recorded(pieces: list[tuple], rows: int, seq_len: int, layers: int, k: int) -> torch.Tensor:
+    """Every rank's ``(row offset, row count, sequence offset, {column: [rows', seq', k]})`` as one
+    [rows, seq_len, layers, k] tensor (the pieces tile it: DP ranks by rows, TP ranks by sequence chunks under SP,
+    pipeline stages by layers; padding rows and columns beyond the batch are cut)."""
+    dtype = next((ids.dtype for *_, columns in pieces for ids in columns.values()), torch.uint8)
+    out = torch.full((rows, seq_len, layers, k), no_route(dtype), dtype=dtype)
+    for row0, count, seq0, columns in pieces:
+        for column, ids in columns.items():
+            block = ids[:count, : max(0, seq_len - seq0)]
+            out[row0:row0 + block.shape[0], seq0:seq0 + block.shape[1], column] = block
+    return out

@@ -1,0 +1,119 @@
+"""MoE routing replay (``algo.routing_replay``): routes captured from real vLLM CPU engines, replayed by the
+megatron-core trainer at every layout, carried through the partial buffer, run checkpoints and a kill -9 resume."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from helpers.runs import final_state, tiny_partial_run, train
+from helpers.scripts import run_script
+from megarl.logging.metrics import deterministic_view, read_metrics
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+SLOW = pytest.mark.slow  # (a 2-process trainer each: the default run keeps TP 2 + SP)
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """Tiny MoE models and the routes an engine captured for them: fp32 (agrees with the fp32 trainer) and bf16
+    (its rounding flips some routes), with half the samples aborted and resumed."""
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    root, out = tmp_path_factory.mktemp("routes"), {}
+
+    def capture(family: str, dtype: str):
+        if (family, dtype) not in out:
+            model = root / family
+            if not model.exists():
+                make_tiny_model(model, TinyShape(family=family), seed=3)
+            samples = root / f"{family}-{dtype}.pt"
+            report = run_script(["tests/workers/route_capture_checks.py", str(model), str(samples), dtype], env=ENV)
+            out[family, dtype] = model, samples, report
+        return out[family, dtype]
+
+    return capture
+
+
+def replay(captured, family: str, dtype: str, layout: str = "single") -> dict:
+    model, samples, _ = captured(family, dtype)
+    launcher = [] if layout == "single" else TORCHRUN
+    return run_script([*launcher, "tests/workers/routing_checks.py", str(model), str(samples), layout], env=ENV)
+
+
+def test_the_engine_captures_every_routed_position_and_a_resumed_sample_keeps_its_earlier_routes(captured):
+    *_, report = captured("qwen3_moe", "float32")
+    assert report["samples"] == 8 and report["interrupted"] >= 1
+    assert report["lengths_ok"], "routes must cover exactly the trainer's input positions (prompt + response - 1)"
+    assert report["kept"], "a resumed sample's re-prefilled positions must keep the routes of its first request"
+    assert report["dtype"] == "uint8" and report["shape"] == [4, 2] and 0 <= report["max_id"] < 4
+    assert report["prefix_caching"] is False  # cached prompt rows are never routed
+
+
+def test_replay_changes_nothing_where_the_engine_and_trainer_agree(captured):
+    r = replay(captured, "qwen3_moe", "float32")
+    assert r["checked"] > 1000 and r["differ"] == 0
+    assert r["agreement"] == 1.0 and r["flip_tokens"] == 0.0
+    assert r["replay_vs_own_max"] <= 1e-6
+    assert r["gap_own"][1] < 1e-5 and r["gap_replayed"][1] < 1e-5
+
+
+def test_a_bf16_engine_flips_routes_and_replay_routes_every_token_to_the_engines_experts(captured):
+    r = replay(captured, "qwen3_moe", "bfloat16")
+    assert r["differ"] == 0, "every token must be dispatched to exactly the engine's experts"
+    assert r["agreement"] < 1.0 and r["flip_tokens"] > 0.0  # the trainer's own routes differ somewhere
+    assert r["step_agreement"] is not None and r["step_loss"] is not None  # a training step replays too
+    assert r["gap_replayed"][0] < r["gap_own"][0] and r["gap_replayed"][1] < r["gap_own"][1]
+    # R2: the trainer's own routes recorded on every rank, replayed: its logprobs unchanged, agreement 1
+    assert r["r2_vs_own_max"] == 0.0 and r["r2_agreement"] == 1.0 and r["r2_unrouted"] == 0
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", pytest.param("pp2", marks=SLOW), pytest.param("pp2_vpp2", marks=SLOW),
+                                    pytest.param("ep2_alltoall", marks=SLOW), pytest.param("dp2", marks=SLOW)])
+def test_replay_is_the_same_at_every_layout(captured, layout):
+    one, got = replay(captured, "qwen3_moe", "bfloat16"), replay(captured, "qwen3_moe", "bfloat16", layout)
+    assert got["differ"] == 0 and got["checked"] == one["checked"]
+    for key in ("agreement", "flip_tokens", "agreement_in_replayed_pass", "r2_routes", "r2_shape"):
+        assert got[key] == one[key], key
+    for key in ("gap_own", "gap_replayed"):
+        assert got[key] == pytest.approx(one[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", pytest.param("mixtral", marks=SLOW)])
+def test_replay_in_other_moe_families(captured, family):
+    """Qwen2-MoE: a shared expert and a dense last layer (``mlp_only_layers``: no routes); Mixtral's names."""
+    *_, report = captured(family, "bfloat16")
+    assert report["lengths_ok"] and report["shape"] == ([3, 2] if family == "qwen2_moe" else [4, 2])
+    r = replay(captured, family, "bfloat16")
+    assert r["differ"] == 0 and r["gap_replayed"][1] < r["gap_own"][1]
+
+
+def _run_args(model, run_dir, *extra):
+    return tiny_partial_run(model, run_dir, 4, "model.make_tiny=qwen3_moe", "algo.routing_replay=rollout",
+                            "trainer.precision=bf16", "algo.entropy_coef=0.01", *extra)
+
+
+def test_a_partial_run_replays_logs_agreement_and_checkpoints_the_buffers_routes(tmp_path):
+    run = tmp_path / "run"
+    train(_run_args(tmp_path / "model", run), run)
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss/policy" in r]
+    assert len(steps) == 4 and all(0.5 < r["moe/route_agreement"] <= 1.0 for r in steps)
+    assert all(0.0 <= r["moe/route_flip_tokens"] <= 1.0 for r in steps)
+    live = [s for _, samples, *_ in final_state(run)["controller"]["live"].values() for s in samples
+            if s.response_ids]
+    assert live, "the partial buffer should hold unfinished samples at the end of a step"
+    for s in live:  # every position the engine fed, routed: prompt + response - 1
+        assert len(s.route_array()) == len(s.prompt_ids) + len(s.response_ids) - 1
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_restores_the_routes_and_gives_the_same_metrics(tmp_path):
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    train(_run_args(tmp_path / "model", base), base)
+    args = _run_args(tmp_path / "model", killed)
+    train(args, killed, env={"MEGARL_TEST_KILL": "optimizer_step@3:1"}, rc=-signal.SIGKILL)
+    train(args, killed)
+    assert deterministic_view(read_metrics(killed / "metrics.jsonl")) == deterministic_view(
+        read_metrics(base / "metrics.jsonl"))

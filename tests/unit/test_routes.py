@@ -1,0 +1,57 @@
+"""Routing replay's bookkeeping without an engine: a sample's routes across resumes, the batch's routes tensor and
+its padding, the settings refused before launch."""
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.algo.batch import batch_routes, build_batch
+from megarl.config import ConfigError, load_config, validate
+from megarl.models.tiny import TinyShape, hf_config
+from megarl.types import Sample, no_route
+
+MOE = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
+DENSE = hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)
+
+
+def rows(first: int, n: int, value=None) -> np.ndarray:
+    """n routes [n, 2 layers, k 2] whose first expert id is the position (or ``value``)."""
+    out = np.zeros((n, 2, 2), dtype=np.uint8)
+    out[:, :, 0] = np.arange(first, first + n)[:, None] if value is None else value
+    out[:, :, 1] = 1
+    return out
+
+
+def test_a_resumed_sample_keeps_its_earlier_routes_and_a_gap_is_refused():
+    s = Sample(prompt_ids=[5, 6, 7])
+    s.add_routes(0, rows(0, 3))  # prefill: positions 0..2
+    s.add_routes(3, rows(3, 1))  # a decode step
+    s.add_routes(0, rows(0, 5, value=9))  # resumed: re-prefilled 0..4 under new weights; only 4 is new
+    got = s.route_array()
+    assert got.shape == (5, 2, 2) and got[:4, 0, 0].tolist() == [0, 1, 2, 3] and got[4, 0, 0] == 9
+    with pytest.raises(RuntimeError, match="start at position 7 but only 5 are known"):
+        s.add_routes(7, rows(7, 1))
+    assert Sample(prompt_ids=[1]).route_array() is None
+
+
+def test_the_batch_routes_pad_with_no_expert_and_survive_the_trainers_padding():
+    batch = build_batch([[3, 4], [3, 4, 5]], [[6, 7, 8], [6]], [[-1.0] * 3, [-1.0]])
+    batch.routes = batch_routes([rows(0, 4), None], batch.seq_len)
+    assert batch.routes.shape == (2, 4, 2, 2) and batch.routes.dtype == torch.uint8
+    assert batch.routes[0, :, 0, 0].tolist() == [0, 1, 2, 3]
+    assert (batch.routes[1] == no_route(torch.uint8)).all()  # a sample without routes: the trainer routes it
+    padded = batch.pad_rows(1).pad_columns(2)
+    assert padded.routes.shape == (3, 6, 2, 2)
+    assert (padded.routes[2] == 255).all() and (padded.routes[:, 4:] == 255).all()
+    assert no_route(np.int16) == -1 and batch_routes([None, None], 4) is None
+
+
+def test_routing_replay_on_a_dense_model_is_refused_before_launch():
+    with pytest.raises(ConfigError, match="algo.routing_replay=rollout: .* is a dense model"):
+        validate(load_config(None, ["algo.routing_replay=rollout"]), 1, DENSE)
+    validate(load_config(None, ["algo.routing_replay=trainer"]), 1, MOE)
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size=2: a replica's routes"):
+        validate(load_config(None, ["algo.routing_replay=rollout", "engine.placement=disaggregated",
+                                    "engine.tensor_parallel_size=2"]), 2, MOE)
+    with pytest.raises(ConfigError, match="algo.routing_replay must be one of"):
+        load_config(None, ["algo.routing_replay=r3"])

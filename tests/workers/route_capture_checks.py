@@ -1,0 +1,79 @@
+"""Routes captured from a real vLLM CPU engine (``engines.routes``), saved for the trainer's replay checks.
+
+    python tests/workers/route_capture_checks.py MODEL_DIR OUT.pt DTYPE
+
+An engine of ``DTYPE`` (float32 / bfloat16) that captures routes samples 8 responses through the slot face the
+controller drives; half of them are aborted after a few steps and resumed from their tokens (the partial
+buffer's path: the resumed request re-prefills every earlier position, whose routes must stay those of the
+first request). Saves the samples (prompt, response, behaviour logprobs, routes) and prints what was checked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+
+def main(model_dir: str, out: str, dtype: str) -> None:
+    from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine, set_cpu_engine_env
+
+    set_cpu_engine_env(0.25)
+    from megarl.distributed.parallel import init_process_group
+    from megarl.engines.protocol import SlotRequest
+    from megarl.models.hf_config import num_experts, read_hf_config
+    from megarl.types import Sample
+
+    init_process_group()
+    hf = read_hf_config(model_dir)
+    engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, seed=0, max_num_seqs=8, dtype=dtype,
+                        route_experts=num_experts(hf))
+    slots = VLLMSlotEngine(engine, slots=8)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, hf["vocab_size"], (5 + i % 3,), generator=g).tolist() for i in range(4)]
+    samples = {f"{i}:{j}": Sample(prompt_ids=p) for i, p in enumerate(prompts) for j in range(2)}  # groups of 2
+
+    def submit(rid: str, s: Sample, serial: int) -> str:
+        request = f"{rid}:{serial}"
+        slots.submit(SlotRequest(request, s.prompt_ids + s.response_ids, 24 - len(s.response_ids), 1.0))
+        return request
+
+    def run(running: dict, steps: int | None = None) -> None:
+        n = 0
+        while running and (steps is None or n < steps):
+            for ev in slots.step().events:
+                s = running[ev.request_id]
+                s.response_ids += ev.token_ids
+                s.logprobs += ev.logprobs
+                if ev.routes is not None:
+                    s.add_routes(ev.route_start, ev.routes)
+                if ev.finished:
+                    del running[ev.request_id]
+            n += 1
+
+    torch.manual_seed(0)
+    running = {submit(k, s, 0): s for k, s in samples.items()}
+    run(running, steps=4)
+    interrupted = {}
+    for request, s in list(running.items())[::2]:  # every other unfinished sample: aborted, resumed later
+        slots.abort([request])
+        del running[request]
+        interrupted[request] = (s, s.route_array().copy(), len(s.response_ids))
+    run(running)
+    resumed = {submit(request.rsplit(":", 1)[0], s, 1): s for request, (s, _, _) in interrupted.items()}
+    run(resumed)
+    kept = all(np.array_equal(s.route_array()[:len(before)], before) for s, before, _ in interrupted.values())
+    lengths_ok = all(len(s.route_array()) == len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples.values())
+    first = next(iter(samples.values())).route_array()
+    torch.save([dict(prompt=s.prompt_ids, response=s.response_ids, logprobs=s.logprobs, routes=s.route_array())
+                for s in samples.values()], out)
+    print(json.dumps({"samples": len(samples), "interrupted": len(interrupted), "kept": kept,
+                      "lengths_ok": lengths_ok, "dtype": str(first.dtype), "shape": list(first.shape[1:]),
+                      "prefix_caching": engine._args["enable_prefix_caching"],
+                      "max_id": int(max(s.route_array().max() for s in samples.values()))}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
