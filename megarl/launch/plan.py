@@ -331,8 +331,22 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "bytes_per_param": bytes_per_param(cfg, precision),
         "device": "cpu" if cpu else "gpu",
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
-        "overrides": lay.overrides(), "sized_at": sizing(cfg),
+        "overrides": lay.overrides(), "sized_at": sizing(cfg), "routes": route_bytes(hf, cfg),
     }
+
+
+def route_bytes(hf: dict, cfg: RunConfig) -> dict:
+    """What the routes of an MoE rollout add (``engines.routes``: each token's experts in every MoE layer, 1 byte an
+    id under 255 experts, else 2), per token and for a step's batch at ``engine.max_model_len``; host memory of the
+    samples and the trainer's batch, not GPU memory. {} for a dense model."""
+    experts = num_experts(hf)
+    if not experts:
+        return {}
+    layers = sum(is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"]))
+    per_token = layers * hf["num_experts_per_tok"] * (1 if experts < 255 else 2)
+    sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return {"bytes_per_token": per_token, "sequences": sequences,
+            "gib_per_step": per_token * sequences * cfg.engine.max_model_len / GIB}
 
 
 SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",

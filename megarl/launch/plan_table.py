@@ -67,6 +67,10 @@ def format_table(res: dict) -> str:
         lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
     lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict}")
+    if res.get("routes"):
+        r = res["routes"]
+        lines.append(f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
+                     f"host memory for a step's {r['sequences']} sequences at engine.max_model_len")
     lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
                  + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
     if not res["proposed"] and not res["fits"]:

@@ -381,3 +381,14 @@ def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequenc
     assert main([*job, "engine.kv_cache_gib=60"]) == 1
     assert main([*job, "engine.kv_cache_gib=0.1"]) == 2  # not one 4096-token sequence: vLLM would not start
     assert "engine.kv_cache_gib=0.1 cannot hold one sequence of engine.max_model_len=4096" in capsys.readouterr().err
+
+
+def test_the_plan_states_what_moe_routes_add_per_token_and_per_step():
+    from megarl.launch.plan import route_bytes
+
+    cfg = load_config(None, ["rollout.prompts_per_step=64", "rollout.samples_per_prompt=16", "engine.max_model_len=8192"])
+    r = route_bytes(QWEN3_235B_A22B, cfg)
+    assert r["bytes_per_token"] == 94 * 8  # 94 MoE layers × top-8, one byte an id (128 experts)
+    assert r["gib_per_step"] == pytest.approx(752 * 64 * 16 * 8192 / GIB)
+    assert route_bytes(MIXTRAL_8X7B, cfg)["bytes_per_token"] == 32 * 2
+    assert route_bytes(QWEN25_32B, cfg) == {}
