@@ -22,7 +22,7 @@ from megarl.algo.filters import is_informative
 from megarl.checkpoint.run import start_run_dir
 from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
-from megarl.config.schema import resolved_engine_dtype
+from megarl.config.schema import captures_routes, resolved_engine_dtype, resolved_routing_replay
 from megarl.config.validate.algo import needed_learners
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
@@ -32,7 +32,6 @@ from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
 from megarl.engines.memory import sleep_supported
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
-from megarl.engines.routes import captures_routes
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.console import configure as configure_console
 from megarl.logging.metrics import MetricsLogger
@@ -190,7 +189,7 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
                   transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
-                           routing_replay=a.routing_replay, **common)
+                           routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg)), **common)
     critic = reference = None
     needed = needed_learners(a)  # the same rule the pre-launch resume check applies
     if "critic" in needed:
@@ -206,7 +205,7 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
     e, experts = cfg.engine, num_experts(hf_cfg)
     return dict(dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
                 gpu_memory_utilization=e.gpu_memory_utilization,
-                route_experts=experts if captures_routes(experts, e.placement, e.tensor_parallel_size) else 0)
+                route_experts=experts if captures_routes(cfg, experts) else 0)
 
 
 def build_engines(cfg: RunConfig, hf_cfg: dict):

@@ -233,9 +233,10 @@ class AlgoConfig:
     """Draw prompts from a finite pool ∝ p(1−p) + ε of their pass rates (needs data.pool_size)."""
     curriculum_eps: float = 0.05
     """ε of the curriculum weights."""
-    routing_replay: Literal["none", "rollout", "trainer"] = "none"
+    routing_replay: Literal["auto", "none", "rollout", "trainer"] = "auto"
     """MoE routing replay: 'rollout' (R3: the trainer routes each token to the experts the engine used), 'trainer'
-    (R2: the trainer's own routes of the step's first forward, replayed in its updates), 'none'. MoE models only."""
+    (R2: the trainer's own routes of the step's first forward, replayed in its updates), 'none'; 'auto': 'rollout'
+    for an MoE model whose engines capture routes, else 'none'. 'rollout' and 'trainer' need an MoE model."""
 
 
 @dataclass
@@ -382,3 +383,19 @@ PRECISION_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 def resolved_engine_dtype(cfg: RunConfig) -> str:
     """``engine.dtype`` as vLLM takes it: 'auto' is the trainer's precision (``PRECISION_DTYPES``)."""
     return PRECISION_DTYPES[cfg.trainer.precision] if cfg.engine.dtype == "auto" else cfg.engine.dtype
+
+
+def captures_routes(cfg: RunConfig, experts: int) -> bool:
+    """Whether the engines capture each token's routes (routing replay and the ``moe/*`` agreement metrics): MoE
+    models, except replicas in their own processes at engine TP > 1 (only a TP-1 replica has its driver worker, where
+    the routers run, in its process: ``engines/routes.py``)."""
+    e = cfg.engine
+    return bool(experts) and not (e.placement == "disaggregated" and e.tensor_parallel_size > 1)
+
+
+def resolved_routing_replay(cfg: RunConfig, experts: int) -> str:
+    """``algo.routing_replay`` as the run applies it ('auto': 'rollout' where routes are captured, else 'none')."""
+    mode = cfg.algo.routing_replay
+    if mode == "auto":
+        return "rollout" if captures_routes(cfg, experts) else "none"
+    return mode

@@ -120,9 +120,3 @@ class RouteCapture:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
-
-def captures_routes(experts: int, placement: str, engine_tp: int) -> bool:
-    """Whether the engines capture each token's routes (for routing replay and the agreement metrics): MoE models,
-    except replicas in their own processes at engine TP > 1 (only a TP-1 replica has its driver worker, where the
-    routers run, in its process)."""
-    return bool(experts) and not (placement == "disaggregated" and engine_tp > 1)

@@ -55,3 +55,14 @@ def test_routing_replay_on_a_dense_model_is_refused_before_launch():
                                     "engine.tensor_parallel_size=2"]), 2, MOE)
     with pytest.raises(ConfigError, match="algo.routing_replay must be one of"):
         load_config(None, ["algo.routing_replay=r3"])
+
+
+def test_auto_replays_the_engines_routes_wherever_they_are_captured():
+    from megarl.config.schema import resolved_routing_replay
+
+    assert resolved_routing_replay(load_config(None), 4) == "rollout"
+    assert resolved_routing_replay(load_config(None), 0) == "none"  # dense: nothing to replay, nothing refused
+    validate(load_config(None), 1, DENSE)
+    remote_tp2 = load_config(None, ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"])
+    assert resolved_routing_replay(remote_tp2, 4) == "none"  # no capture in a TP-2 replica
+    assert resolved_routing_replay(load_config(None, ["algo.routing_replay=none"]), 4) == "none"

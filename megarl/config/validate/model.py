@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RunConfig
+from megarl.config.schema import RunConfig, captures_routes
 from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.layout import check_model_layout
 from megarl.config.validate.limits import check_engine_head_size
@@ -38,10 +38,10 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
         raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
                           "(megatron-core refuses MoE + TP without it)")
     replay = cfg.algo.routing_replay
-    if replay != "none" and not num_experts(hf):
+    if replay in ("rollout", "trainer") and not num_experts(hf):
         raise ConfigError(f"algo.routing_replay={replay}: {cfg.model.path} is a dense model (no experts to route to); "
-                          "'none' is the only value for it")
-    if replay == "rollout" and cfg.engine.placement == "disaggregated" and cfg.engine.tensor_parallel_size > 1:
+                          "set 'none' or 'auto'")
+    if replay == "rollout" and not captures_routes(cfg, num_experts(hf)):
         raise ConfigError(f"algo.routing_replay=rollout with engine.placement=disaggregated at "
                           f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}: a replica's routes are "
                           "captured in its driver worker, which only a replica of engine TP 1 has in its own process")
