@@ -4,6 +4,7 @@ megatron-core trainer at every layout, carried through the partial buffer, run c
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 
@@ -117,3 +118,16 @@ def test_kill_9_and_resume_restores_the_routes_and_gives_the_same_metrics(tmp_pa
     train(args, killed)
     assert deterministic_view(read_metrics(killed / "metrics.jsonl")) == deterministic_view(
         read_metrics(base / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch,placement", [([], ["engine.placement=disaggregated"]),
+                                              (["--nproc", "2"], ["engine.tensor_parallel_size=2", "parallel.ep=2"])],
+                         ids=["disaggregated", "colocated_engine_tp2_ep2"])
+def test_a_run_replays_in_other_placements(tmp_path, launch, placement):
+    run = tmp_path / "run"
+    train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml", *launch,
+           f"model.path={tmp_path / 'model'}", f"train.run_dir={run}", "rollout.mode=partial", "train.steps=3",
+           "trainer.precision=bf16", *placement], run)
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss/policy" in r]
+    assert len(steps) == 3 and all(0.5 < r["moe/route_agreement"] <= 1.0 for r in steps)
