@@ -324,7 +324,7 @@ class SyncConfig:
 
 @dataclass
 class TrainerConfig:
-    precision: Literal["bf16", "fp32"] = "fp32"
+    precision: Literal["bf16", "fp32"] = "bf16"
     """'bf16': megatron's mixed precision (bf16 weights and activations, fp32 main parameters, gradients and Adam
     state; logprobs and the loss in fp32 from bf16 logits); 'fp32': everything fp32. The critic and the
     reference follow it; FP8 (``model.fp8``) runs on bf16."""

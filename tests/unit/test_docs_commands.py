@@ -149,5 +149,5 @@ def test_the_check_refuses_what_would_not_run():
     with pytest.raises(AssertionError, match="--no-such-flag"):
         _check(".venv/bin/python tools/simulate_rollout.py --no-such-flag 3")
     with pytest.raises(AssertionError, match="exit 1"):
-        _check("PLAN_ONLY=1 examples/qwen3-30b-a3b.sh parallel.ep=8 engine.kv_cache_gib=8")
+        _check("PLAN_ONLY=1 examples/qwen3-30b-a3b.sh parallel.ep=8 engine.kv_cache_gib=30")
     assert os.path.isfile(ROOT / "Makefile")

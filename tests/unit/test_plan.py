@@ -77,7 +77,7 @@ def test_parameter_counts_equal_transformers_own_models_exactly(name):
 
 
 def _plan(hf, nodes, gpn, mem, overrides, propose=False):
-    cfg = load_config(None, [*RUN, *overrides])
+    cfg = load_config(None, ["trainer.precision=fp32", *RUN, *overrides])  # (the hand calculations are fp32's)
     return plan(hf, cfg, nodes, gpn, mem, propose)
 
 
@@ -306,7 +306,8 @@ def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path
 def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, capsys):
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN25_32B))
-    run = ["optim.micro_batch_size=1", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024"]
+    run = ["optim.micro_batch_size=1", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024",
+           "trainer.precision=fp32"]
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
     out = capsys.readouterr().out
     assert "sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out and "defaults" not in out
@@ -314,7 +315,8 @@ def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, cap
             "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
     assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *run]) == 0  # as it said
     assert "no layout" not in capsys.readouterr().out
-    assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "141"]) == 1
+    assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "141",
+                 "trainer.precision=fp32"]) == 1
     out = capsys.readouterr().out  # without --config: the tiny demo's sizes, said so
     assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "the schema defaults" in out
     assert "None fits with trainer.precision=bf16 or up to --nodes 16 either" in out, out
@@ -373,7 +375,7 @@ def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequenc
     assert kv_cache_args(cfg.engine.kv_cache_gib, gpu=False) == {}  # CPU: VLLM_CPU_KVCACHE_SPACE sizes it
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN3_30B_A3B))
-    job = ["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *RUN, *layout]
+    job = ["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *RUN, *layout, "trainer.precision=fp32"]
     assert main([*job, "engine.kv_cache_gib=8"]) == 0
     out = capsys.readouterr().out
     assert ("vLLM KV cache              8.00   engine.kv_cache_gib; 64 sequences at engine.max_model_len need "

@@ -85,7 +85,7 @@ def main(family: str, workdir: str) -> None:
         f"model.path={work / 'model'}", f"model.make_tiny={family}", f"train.run_dir={work / 'run'}",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
         "rollout.temperature=0.8", "engine.max_model_len=96", "optim.lr=3e-3", "optim.micro_batch_size=8",
-        "data.eval_size=8", "train.steps=1",
+        "data.eval_size=8", "train.steps=1", "trainer.precision=fp32",  # (trainer = engine to 1e-5: fp32)
     ])
     s = build_session(cfg)
     out = {"family": family}

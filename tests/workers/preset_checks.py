@@ -30,7 +30,7 @@ def main(workdir: str) -> None:
     base = [f"model.path={work / 'model'}", "model.make_tiny=qwen3_moe", f"train.run_dir={work / 'run'}",
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
             "engine.max_model_len=96", "optim.micro_batch_size=16", "data.eval_size=4", "optim.lr=1e-3",
-            "data.max_digits=1"]
+            "data.max_digits=1", "trainer.precision=fp32"]  # (fp32: the same weights give a tiny logprob gap)
     s = build_session(load_config(None, base))
     # A short supervised warm-up so that rewards vary within groups (a random policy scores 0 everywhere
     # and every advantage would be 0); the presets then start from this checkpoint.
