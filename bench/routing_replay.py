@@ -42,6 +42,7 @@ def engine_part(model: str, capture: bool, prompts: int, samples: int, new: int,
     set_cpu_engine_env(1)
     from megarl.distributed.parallel import init_process_group
     from megarl.engines.protocol import SlotRequest
+    from megarl.engines.routes import step_samples
     from megarl.models.hf_config import num_experts, read_hf_config
     from megarl.types import Sample
 
@@ -58,19 +59,10 @@ def engine_part(model: str, capture: bool, prompts: int, samples: int, new: int,
             s = Sample(prompt_ids=p)
             slots.submit(SlotRequest(f"{i}:{j}", p, new, 1.0))
             running[f"{i}:{j}"] = s
-    done, steps = dict(running), 0
+    done = dict(running)
     torch.manual_seed(0)
     start = time.perf_counter()
-    while running:
-        for ev in slots.step().events:
-            s = running[ev.request_id]
-            s.response_ids += ev.token_ids
-            s.logprobs += ev.logprobs
-            if ev.routes is not None:
-                s.add_routes(ev.route_start, ev.routes)
-            if ev.finished:
-                del running[ev.request_id]
-        steps += 1
+    steps = step_samples(slots, running)
     seconds = time.perf_counter() - start
     tokens = sum(len(s.response_ids) for s in done.values())
     routes = [s.route_array() for s in done.values()]

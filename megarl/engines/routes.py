@@ -120,3 +120,21 @@ class RouteCapture:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
+
+
+def step_samples(slots, running: dict, steps: int | None = None) -> int:
+    """Step a slot engine until the ``running`` requests ({request id: ``Sample``}) finish (or ``steps`` steps),
+    recording each event's tokens, behaviour logprobs and routes on its sample: the controller's bookkeeping
+    reduced to what route checks and benchmarks read. Finished requests leave ``running``; returns the steps."""
+    n = 0
+    while running and (steps is None or n < steps):
+        for ev in slots.step().events:
+            s = running[ev.request_id]
+            s.response_ids += ev.token_ids
+            s.logprobs += ev.logprobs
+            if ev.routes is not None:
+                s.add_routes(ev.route_start, ev.routes)
+            if ev.finished:
+                del running[ev.request_id]
+        n += 1
+    return n

@@ -23,6 +23,7 @@ def main(model_dir: str, out: str, dtype: str) -> None:
     set_cpu_engine_env(0.25)
     from megarl.distributed.parallel import init_process_group
     from megarl.engines.protocol import SlotRequest
+    from megarl.engines.routes import step_samples
     from megarl.models.hf_config import num_experts, read_hf_config
     from megarl.types import Sample
 
@@ -40,30 +41,17 @@ def main(model_dir: str, out: str, dtype: str) -> None:
         slots.submit(SlotRequest(request, s.prompt_ids + s.response_ids, 24 - len(s.response_ids), 1.0))
         return request
 
-    def run(running: dict, steps: int | None = None) -> None:
-        n = 0
-        while running and (steps is None or n < steps):
-            for ev in slots.step().events:
-                s = running[ev.request_id]
-                s.response_ids += ev.token_ids
-                s.logprobs += ev.logprobs
-                if ev.routes is not None:
-                    s.add_routes(ev.route_start, ev.routes)
-                if ev.finished:
-                    del running[ev.request_id]
-            n += 1
-
     torch.manual_seed(0)
     running = {submit(k, s, 0): s for k, s in samples.items()}
-    run(running, steps=4)
+    step_samples(slots, running, steps=4)
     interrupted = {}
     for request, s in list(running.items())[::2]:  # every other unfinished sample: aborted, resumed later
         slots.abort([request])
         del running[request]
         interrupted[request] = (s, s.route_array().copy(), len(s.response_ids))
-    run(running)
+    step_samples(slots, running)
     resumed = {submit(request.rsplit(":", 1)[0], s, 1): s for request, (s, _, _) in interrupted.items()}
-    run(resumed)
+    step_samples(slots, resumed)
     kept = all(np.array_equal(s.route_array()[:len(before)], before) for s, before, _ in interrupted.values())
     lengths_ok = all(len(s.route_array()) == len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples.values())
     first = next(iter(samples.values())).route_array()
