@@ -38,10 +38,16 @@ def captured(tmp_path_factory):
     return capture
 
 
+_REPLAYS: dict = {}
+
+
 def replay(captured, family: str, dtype: str, layout: str = "single") -> dict:
-    model, samples, _ = captured(family, dtype)
-    launcher = [] if layout == "single" else TORCHRUN
-    return run_script([*launcher, "tests/workers/routing_checks.py", str(model), str(samples), layout], env=ENV)
+    if (family, dtype, layout) not in _REPLAYS:
+        model, samples, _ = captured(family, dtype)
+        launcher = [] if layout == "single" else TORCHRUN
+        _REPLAYS[family, dtype, layout] = run_script(
+            [*launcher, "tests/workers/routing_checks.py", str(model), str(samples), layout], env=ENV)
+    return _REPLAYS[family, dtype, layout]
 
 
 def test_the_engine_captures_every_routed_position_and_a_resumed_sample_keeps_its_earlier_routes(captured):
@@ -121,9 +127,13 @@ def test_kill_9_and_resume_restores_the_routes_and_gives_the_same_metrics(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch,placement", [([], ["engine.placement=disaggregated"]),
-                                              (["--nproc", "2"], ["engine.tensor_parallel_size=2", "parallel.ep=2"])],
-                         ids=["disaggregated", "colocated_engine_tp2_ep2"])
+@pytest.mark.parametrize("launch,placement", [
+    ([], ["engine.placement=disaggregated"]),
+    (["--nproc", "2"], ["engine.tensor_parallel_size=2", "parallel.ep=2"]),
+    (["--nproc", "2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (["--nproc", "2"], ["parallel.pp=2"]),
+    (["--nproc", "2"], ["engine.placement=disaggregated"]),  # trainer DP 2, one replica of engine TP 1
+], ids=["disaggregated", "colocated_engine_tp2_ep2", "tp2_sp", "pp2", "disaggregated_dp2"])
 def test_a_run_replays_in_other_placements(tmp_path, launch, placement):
     run = tmp_path / "run"
     train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml", *launch,
