@@ -133,8 +133,9 @@ def test_kill_9_and_resume_restores_the_routes_and_gives_the_same_metrics(tmp_pa
     (["--nproc", "2"], ["engine.tensor_parallel_size=2", "parallel.ep=2"]),
     (["--nproc", "2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     (["--nproc", "2"], ["parallel.pp=2"]),
+    (["--nproc", "2"], ["parallel.pp=2", "parallel.vpp=2"]),
     (["--nproc", "2"], ["engine.placement=disaggregated"]),  # trainer DP 2, one replica of engine TP 1
-], ids=["disaggregated", "colocated_engine_tp2_ep2", "tp2_sp", "pp2", "disaggregated_dp2"])
+], ids=["disaggregated", "colocated_engine_tp2_ep2", "tp2_sp", "pp2", "pp2_vpp2", "disaggregated_dp2"])
 def test_a_run_replays_in_other_placements(tmp_path, launch, placement):
     run = tmp_path / "run"
     train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml", *launch,
