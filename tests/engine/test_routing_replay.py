@@ -102,6 +102,7 @@ def _run_args(model, run_dir, *extra):
                             "trainer.precision=bf16", "algo.entropy_coef=0.01", *extra)
 
 
+@pytest.mark.slow  # (every MoE run of the default suite captures and replays: the demo config is MoE)
 def test_a_partial_run_replays_logs_agreement_and_checkpoints_the_buffers_routes(tmp_path):
     run = tmp_path / "run"
     train(_run_args(tmp_path / "model", run), run)
