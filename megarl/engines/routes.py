@@ -16,7 +16,7 @@ What follows from that (measured on a tiny Qwen3-MoE; the ids equal megatron's a
 - At engine TP > 1 every rank routes every token (vLLM's TP splits experts' weights, not tokens): each rank
   captures the same ids.
 
-Routes travel as uint8 (< 256 experts) or int16 arrays [positions, MoE layers, k]: 1 byte per expert choice,
+Routes travel as uint8 (< 255 experts: 255 is ``types.no_route``) or int16 arrays [positions, MoE layers, k]: 1 byte per expert choice,
 e.g. 94 layers × top-8 = 752 bytes per token for Qwen3-235B-A22B.
 """
 
@@ -48,7 +48,6 @@ class RouteCapture:
         if not runners:
             raise ValueError("routing replay: the engine's model has no fused-MoE layer to capture routes from")
         self.layer_ids = [m.layer_id for m in runners]
-        self.column = {lid: i for i, lid in enumerate(self.layer_ids)}
         self.dtype = route_dtype(num_experts)
         self._ids: dict[int, torch.Tensor] = {}
         self._rows: list[tuple[str | None, int, int]] = []  # (external id, first position, rows) of this forward
@@ -119,7 +118,6 @@ class RouteCapture:
         """Aborted requests: their unpopped routes go with them."""
         for rid in request_ids:
             self.pending.pop(rid, None)
-
 
 
 def step_samples(slots, running: dict, steps: int | None = None) -> int:

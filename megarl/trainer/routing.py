@@ -10,7 +10,7 @@ of its own in each router's slot instead:
   routes are known, compared with them: per (token, layer) whether the two top-k *sets* agree;
 - with replay on, the engine's experts are returned instead, with their scores gathered from the router's own
   (the softmax over the chosen experts and its gradient come from the trainer's logits); rows the engine never
-  routed (padding, positions it skipped) carry ``engines.routes.no_route`` (no expert id) and keep the trainer's
+  routed (padding, positions it skipped) carry ``types.no_route`` (no expert id) and keep the trainer's
   own choice.
 
 Routes reach a microbatch as ``routes`` [b, s, MoE layers, k] (uint8: ``engines.routes``); a router sees its
