@@ -15,11 +15,13 @@ phase_s_mean/max, wait_phases_max (starvation), steps, samples_trained, …
 at-cap samples and generates the same tokens with no phase longer than the sync run's
 longest (``on_policy_bubble_floor``; 0 under the constant step model).
 
-``--overlap none|one_step|async|all`` models the trainer and the weight sync too (``overlap_wall``): one more
-line per mode and overlap with wall_s, samples_per_s, speedup_vs_sync (against sync rollout without overlap),
-engine_utilisation and trainer_utilisation. Training costs ``--train-s-per-token`` per trained token (default:
-what makes training ``--train-share`` of a sync step, 0.25) and each sync ``--sync-s`` (default: 1% of the mean
-sync step).
+``--overlap none|one_step|async|all`` models the trainer and the weight sync too (``overlap_timeline``): one
+more line per mode and overlap with wall_s, samples_per_s, speedup_vs_sync (against sync rollout without overlap),
+engine_utilisation, trainer_utilisation and where the engines' idle time goes (``engine_idle_*``); each
+overlapped line is a run of its own whose engines sample with the weights the timeline gives them, so the
+staleness overlap adds counts against ``--staleness-limit`` (wasted_token_fraction, staleness_mean). Training
+costs ``--train-s-per-token`` per trained token (default: what makes training ``--train-share`` of a sync step,
+0.25) and each sync ``--sync-s`` (default: 1% of the mean sync step).
 
     python tools/simulate_rollout.py --workload sortedrl-paper --overlap all
 """
@@ -33,6 +35,7 @@ import sys
 from megarl.rollout.sim.engines import StepTimeModel
 from megarl.rollout.sim.simulator import (
     SimSettings,
+    TrainerModel,
     lognormal_workload,
     on_policy_bubble_floor,
     paper_workload,
@@ -148,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "sync" and overlaps:
                 baseline = trainer_costs(out, args)
             for overlap in overlaps if args.mode in ("all", mode) else []:
-                line = with_trainer(out, overlap, baseline[0], baseline[1], s.staleness_limit)
+                # none samples every phase with the newest weights, as the run above; overlap adds staleness
+                run = out if overlap == "none" else simulate(lengths, mode, s, TrainerModel(overlap, *baseline[:2]))
+                line = with_trainer(run, overlap, baseline[0], baseline[1], s.staleness_limit)
                 line["speedup_vs_sync"] = line["samples_per_s"] / baseline[2]
                 print(json.dumps(line), flush=True)
     return 0

@@ -10,6 +10,12 @@ For speed one ``step()`` advances several decode steps at once: up to the next
 finish (nothing changes for the controller in between) and at most
 ``max_chunk`` steps, so that engines running side by side stay within
 ``max_chunk`` decode steps of each other in simulated time.
+
+Engines that share a ``Weights`` tag their tokens with the weight version they
+hold at their own time (the simulator's model of weights loaded while a phase
+runs, ``rollout.overlap``); each engine keeps its time as the controller's phase
+does (an idle engine given work starts at the latest step's time), to within one
+chunk.
 """
 
 from __future__ import annotations
@@ -67,17 +73,36 @@ class StepTimeModel:
         return self.base if self.kind == "constant" else self.base + self.per_seq * active
 
 
+class Weights:
+    """The weight version engines sample with, as a function of engine time (``version_at``; None: the phase's),
+    and the time of the latest engine step (``now``)."""
+
+    def __init__(self) -> None:
+        self.version_at: Callable[[float], int] | None = None
+        self.now = 0.0
+
+    def start_phase(self, clock: float, engines: list[SimulatedEngine],
+                    version_at: Callable[[float], int] | None) -> None:
+        """Every engine starts the phase at the controller's ``clock`` (as the phase counts time)."""
+        self.now, self.version_at = clock, version_at
+        for engine in engines:
+            engine.clock = clock
+
+
 class SimulatedEngine:
     """Implements ``SlotEngine`` with lengths looked up by (prompt index, sample index)."""
 
     def __init__(self, slots: int, length_of: Callable[[tuple[int, int]], int], step_time: StepTimeModel,
-                 max_chunk: int = 32) -> None:
+                 max_chunk: int = 32, weights: Weights | None = None) -> None:
         self.slots, self.length_of, self.step_time, self.max_chunk = slots, length_of, step_time, max_chunk
+        self.weights, self.clock = weights, 0.0
         self._active: dict[str, list] = {}  # rid → [full length, generated so far, tokens left, key]
 
     def submit(self, request: SlotRequest) -> None:
         if len(self._active) >= self.slots:
             raise RuntimeError("simulated engine: submit beyond its slots")
+        if not self._active and self.weights is not None:
+            self.clock = max(self.clock, self.weights.now)
         self._active[request.request_id] = [self.length_of(request.key), request.generated, request.max_tokens,
                                             request.key]
 
@@ -93,6 +118,8 @@ class SimulatedEngine:
         if not active:
             return StepReport([], 0.0, 0)
         n = max(1, min(self.max_chunk, *(min(full - done, left) for full, done, left, _ in self._active.values())))
+        w = self.weights
+        version = w.version_at(self.clock) if w is not None and w.version_at is not None else None
         events, tables = [], _TABLES
         finished = []
         for rid, state in self._active.items():
@@ -100,7 +127,8 @@ class SimulatedEngine:
             state[1] += n
             state[2] -= n
             tables.grow(state[1])
-            ev = TokenEvent(rid, tables.tokens[start:state[1]], tables.logprobs(state[3], start, state[1]))
+            ev = TokenEvent(rid, tables.tokens[start:state[1]], tables.logprobs(state[3], start, state[1]),
+                            version=version)
             if state[1] >= state[0]:
                 ev.finished, ev.finish_reason = True, "stop"
             elif state[2] <= 0:
@@ -110,4 +138,8 @@ class SimulatedEngine:
             events.append(ev)
         for rid in finished:
             del self._active[rid]
-        return StepReport(events, n * self.step_time(active), active)
+        elapsed = n * self.step_time(active)
+        self.clock += elapsed
+        if w is not None:
+            w.now = self.clock
+        return StepReport(events, elapsed, active)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
 from megarl.rollout.phase_metrics import PhaseMetrics
-from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
+from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel, Weights
 
 
 @dataclass
@@ -95,32 +95,92 @@ def on_policy_bubble_floor(at_cap: int, tokens: int, phase_s: float, cap: int, s
     return idle / (idle + busy)
 
 
-def overlap_wall(gen_s: list[float], train_s: list[float], sync_s: float, overlap: str, k: int = 1) -> float:
-    """Wall time of the steps when batch b takes ``gen_s[b]`` of the engines, then ``train_s[b]`` and a weight sync
-    of ``sync_s`` of the trainer, under ``rollout.overlap`` (megarl/rollout/pipeline.py's timelines):
+class Pipeline:
+    """The timeline of generation beside training (megarl/rollout/pipeline.py's), phase by phase: batch b takes
+    ``gen_s`` of the engines, then ``train_s`` and a weight sync of ``sync_s`` of the trainer, under
+    ``rollout.overlap``:
 
-    - ``none``: they take turns, Σ (gen + train + sync);
-    - ``one_step``: batch b+1 is generated while b trains; the sync waits for both (the phase boundary);
+    - ``none``: they take turns, Σ (gen + train + sync); phase b samples with v_b;
+    - ``one_step``: batch b+1 is generated, with v_b, while b trains; the sync waits for both (the phase boundary);
     - ``async``: phases back to back, each also paying ``sync_s`` for the load that lands in it (the engines stop
-      between two steps for it); phase b starts only once step b − k − 1 is done (k = the staleness limit); the
-      trainer takes batch b once it is generated and it is free.
+      between two steps for it; counted inside the phase); phase b starts only once step b − k − 1 is done
+      (k = the staleness limit); the trainer takes batch b once it is generated and it is free; the engines hold
+      the weights of every step done by then (loaded between two engine steps).
+
+    ``begin`` gives when the next phase starts, ``version_at`` the engines' weights during it, ``end`` records it.
     """
-    n = len(gen_s)
-    if overlap == "none":
-        return sum(gen_s) + sum(train_s) + n * sync_s
-    if overlap == "one_step":
-        return gen_s[0] + sum(max(train_s[b], gen_s[b + 1] if b + 1 < n else 0.0) + sync_s for b in range(n))
-    engines = trainer = 0.0
-    done: list[float] = []
-    for b in range(n):
-        start = max(engines, done[b - k - 1] if b - k - 1 >= 0 else 0.0)
-        engines = start + gen_s[b] + sync_s
-        trainer = max(trainer, engines) + train_s[b] + sync_s
-        done.append(trainer)
-    return trainer
+
+    def __init__(self, overlap: str, sync_s: float, k: int = 1) -> None:
+        if overlap not in ("none", "one_step", "async"):
+            raise ValueError(f"overlap must be none, one_step or async, got {overlap!r}")
+        self.overlap, self.sync_s, self.k = overlap, sync_s, k
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.gen: list[float] = []
+        self.train: list[float] = []
+        self.done: list[float] = []  # when each step's sync is done (async, none)
+
+    def begin(self) -> float:
+        b, sync = len(self.starts), self.sync_s
+        if self.overlap == "none":
+            start = self.done[-1] if b else 0.0
+        elif self.overlap == "one_step":
+            start = 0.0 if b == 0 else self.ends[0] if b == 1 else \
+                self.starts[-1] + max(self.train[b - 2], self.gen[b - 1]) + sync
+        else:
+            start = max(self.ends[-1] if b else 0.0, self.done[b - self.k - 1] if b - self.k - 1 >= 0 else 0.0)
+        self.starts.append(start)
+        return start
+
+    def version_at(self, t: float) -> int:
+        """The weights the engines hold at time ``t`` of the phase begun last (updates done by then)."""
+        b = len(self.starts) - 1
+        if self.overlap == "none":
+            return b
+        if self.overlap == "one_step":
+            return max(b - 1, 0)
+        t = max(t, self.starts[-1])  # (engine time maps to wall time through a difference: rounding)
+        return sum(d <= t for d in self.done)
+
+    def end(self, gen_s: float, train_s: float) -> None:
+        end = self.starts[-1] + gen_s + (self.sync_s if self.overlap == "async" else 0.0)
+        self.ends.append(end)
+        self.gen.append(gen_s)
+        self.train.append(train_s)
+        trainer = max(self.done[-1] if self.done else 0.0, end)
+        self.done.append(trainer + train_s + self.sync_s)
+
+    def wall(self) -> float:
+        if self.overlap != "one_step":
+            return self.done[-1]
+        n = len(self.gen)
+        if n == 1:
+            return self.gen[0] + self.train[0] + self.sync_s
+        return self.starts[-1] + max(self.train[n - 2], self.gen[n - 1]) + self.train[n - 1] + 2 * self.sync_s
 
 
-def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
+def overlap_timeline(gen_s: list[float], train_s: list[float], sync_s: float, overlap: str,
+                     k: int = 1) -> tuple[float, list[float], list[float]]:
+    """Wall time of the steps, and when each generation phase starts and ends (``Pipeline``)."""
+    p = Pipeline(overlap, sync_s, k)
+    for gen, train in zip(gen_s, train_s):
+        p.begin()
+        p.end(gen, train)
+    return p.wall(), p.starts, p.ends
+
+
+@dataclass
+class TrainerModel:
+    """The trainer beside the simulated engines: ``rollout.overlap``, seconds per trained token, seconds per sync."""
+
+    overlap: str
+    s_per_token: float
+    sync_s: float
+
+
+def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerModel | None = None) -> dict:
+    """``steps`` phases of the controller in ``mode``; with a ``trainer``, its engines sample with the weights the
+    ``Pipeline`` gives them at each moment, so the staleness that overlap adds meets ``s.staleness_limit``."""
     g = s.group_size
     if len(lengths) % g:
         raise ValueError(f"trace has {len(lengths)} lengths, not a multiple of the group size {g}")
@@ -148,11 +208,18 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
         max_update_groups=s.max_update_groups, long_round_groups=s.long_round_groups,
     )
     model = StepTimeModel(s.step_time_model)
-    engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk) for _ in range(s.engines)]
+    weights = Weights()
+    engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk, weights) for _ in range(s.engines)]
     ctrl = RolloutController(cfg, engines, next_prompt)
+    pipeline = Pipeline(trainer.overlap, trainer.sync_s, s.staleness_limit) if trainer else None
     total, batches, phase_s, phase_tokens, at_cap = PhaseMetrics(), [], [], [], 0
     for version in range(steps):
+        if pipeline:  # engine time t of this phase is wall time start + (t − clock)
+            start, clock = pipeline.begin(), ctrl.clock
+            weights.start_phase(clock, engines, lambda t, start=start, clock=clock: pipeline.version_at(start + t - clock))
         groups, m = ctrl.run_phase(version)
+        if pipeline:
+            pipeline.end(m.duration, trainer.s_per_token * m.len_trained_sum)
         total.merge(m)
         at_cap += sum(x.finish_reason == "length" for g in groups for x in g.samples)
         batches.append(len(groups))
@@ -161,6 +228,7 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
         if not groups and ctrl.source_done and not ctrl.live:
             break
     out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
+           "overlap": trainer.overlap if trainer else "",
            **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
     out.update(steps=steps, samples_trained=total.samples_trained, at_cap_samples_trained=at_cap,
                tokens_generated=total.tokens_generated, sim_seconds=total.duration,
@@ -172,11 +240,31 @@ def simulate(lengths: list[int], mode: str, s: SimSettings) -> dict:
 
 
 def with_trainer(out: dict, overlap: str, train_s_per_token: float, sync_s: float, k: int) -> dict:
-    """A ``simulate`` result with the trainer and the sync modelled (``overlap_wall``): end-to-end wall time,
-    trained samples per second, and the engines' and the trainer's utilisation."""
+    """A ``simulate`` result with the trainer and the sync modelled (``overlap_timeline``): end-to-end wall time,
+    trained samples per second, the engines' and the trainer's utilisation, and where the engines' idle time goes,
+    as shares of their slot-time over the run (``engine_idle_*``, which with the utilisation sum to 1):
+
+    - ``bubble``: idle slots inside generation phases (the tail SortedRL's modes cut);
+    - ``between_phases``: the engines stopped between two phases (training under ``none``, the phase boundary under
+      ``one_step``, waiting on the staleness bound under ``async``);
+    - ``sync``: the weight loads inside ``async`` phases;
+    - ``run_end``: after the last phase, while the trainer trains what is left (a finite run's end: it shrinks as
+      1/steps; ``engine_utilisation_while_generating`` leaves it out).
+    """
+    if out["overlap"] and out["overlap"] != overlap:
+        raise ValueError(f"a run simulated under overlap {out['overlap']!r} timed as {overlap!r}")
     gen = out["phase_s_exact"]
     train = [train_s_per_token * t for t in out["phase_trained_tokens"]]
-    wall = overlap_wall(gen, train, sync_s, overlap, k)
-    return {"mode": out["mode"], "guard": out["guard"], "overlap": overlap, "wall_s": wall, "samples_per_s": out["samples_trained"] / wall,
-            "engine_utilisation": out["slot_s_busy"] / (out["slot_capacity"] * wall),
-            "trainer_utilisation": sum(train) / wall, "train_share_of_step": sum(train) / (sum(gen) + sum(train))}
+    wall, starts, ends = overlap_timeline(gen, train, sync_s, overlap, k)
+    busy = out["slot_s_busy"] / out["slot_capacity"]  # seconds of all slots busy
+    in_phases = sum(gen)
+    loads = len(gen) * sync_s if overlap == "async" else 0.0
+    return {"mode": out["mode"], "guard": out["guard"], "overlap": overlap, "wall_s": wall,
+            "samples_per_s": out["samples_trained"] / wall, "engine_utilisation": busy / wall,
+            "engine_utilisation_while_generating": busy / ends[-1],
+            "engine_idle_bubble": (in_phases - busy) / wall, "engine_idle_sync": loads / wall,
+            "engine_idle_between_phases": max(0.0, ends[-1] - in_phases - loads) / wall,  # 0 up to rounding
+            "engine_idle_run_end": (wall - ends[-1]) / wall,
+            "trainer_utilisation": sum(train) / wall, "train_share_of_step": sum(train) / (sum(gen) + sum(train)),
+            "wasted_token_fraction": out["wasted_token_fraction"], "staleness_mean": out["staleness_mean"],
+            "staleness_max": out["staleness_max"]}

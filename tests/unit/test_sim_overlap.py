@@ -1,0 +1,127 @@
+"""The simulator's model of generation beside training (``rollout.overlap``): timelines by hand, where the engines'
+time goes, and the tool's report."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.rollout.sim.simulator import Pipeline, SimSettings, TrainerModel, overlap_timeline, simulate, with_trainer
+
+TOOL = Path(__file__).resolve().parents[2] / "tools/simulate_rollout.py"
+
+GEN, TRAIN, SYNC = [2.0, 3.0, 1.0], [4.0, 1.0, 2.0], 0.5
+
+
+def test_none_takes_turns():
+    assert overlap_timeline(GEN, TRAIN, SYNC, "none") == (14.5, [0.0, 6.5, 11.0], [2.0, 9.5, 12.0])
+
+
+def test_one_step_generates_the_next_batch_while_this_one_trains():
+    # phase 1 runs during step 0 (max(train 4, gen 3) + sync), phase 2 during step 1, step 2 trains alone
+    assert overlap_timeline(GEN, TRAIN, SYNC, "one_step") == (10.5, [0.0, 2.0, 6.5], [2.0, 5.0, 7.5])
+
+
+@pytest.mark.parametrize("k, wall, starts", [
+    (0, 16.0, [0.0, 7.0, 12.0]),  # every phase waits for the step before it: turns, paying each load twice
+    (1, 11.0, [0.0, 2.5, 7.0]),  # phase 2 waits until step 0 is done (7.0), not only until phase 1 ends (6.0)
+    (2, 11.0, [0.0, 2.5, 6.0]),  # no wait, yet the same wall: the trainer is the bottleneck
+])
+def test_async_starts_a_phase_only_within_the_staleness_bound(k, wall, starts):
+    got_wall, got_starts, ends = overlap_timeline(GEN, TRAIN, SYNC, "async", k)
+    assert (got_wall, got_starts) == (wall, starts)
+    assert ends == [s + g + SYNC for s, g in zip(starts, GEN)]  # each phase pays its weight load
+
+
+def test_async_engines_load_the_weights_of_each_step_as_it_is_done():
+    p = Pipeline("async", SYNC, 2)
+    for gen, train in zip(GEN[:2], TRAIN[:2]):
+        p.begin()
+        p.end(gen, train)
+    assert p.begin() == 6.0 and p.done == [7.0, 8.5]  # phase 2 starts with v0; steps 0 and 1 land during it
+    assert [p.version_at(t) for t in (6.0, 6.99, 7.0, 8.4, 8.5)] == [0, 0, 1, 1, 2]
+
+
+def test_one_step_samples_one_version_behind():
+    p = Pipeline("one_step", SYNC)
+    versions = []
+    for gen, train in zip(GEN, TRAIN):
+        p.begin()
+        versions.append(p.version_at(0.0))
+        p.end(gen, train)
+    assert versions == [0, 0, 1]
+
+
+def _partial(steps=6, k=2, mode="partial", trainer=None):
+    rng = random.Random(0)
+    lengths = [rng.choice([20, 40, 80, 400]) + rng.randint(0, 9) for _ in range(8 * 64)]
+    s = SimSettings(group_size=8, engines=2, slots=16, prompts_per_step=4, max_tokens=300, steps=steps,
+                    staleness_limit=k)
+    return simulate(lengths, mode, s, trainer)
+
+
+@pytest.mark.parametrize("trainer_speed", [0.3, 1.0, 3.0])  # training time / generation time
+def test_overlap_adds_staleness_that_the_bound_then_meets(trainer_speed):
+    plain = _partial(steps=12)
+    per_token = trainer_speed * sum(plain["phase_s_exact"]) / sum(plain["phase_trained_tokens"])
+    one_step, overlapped = (_partial(steps=12, trainer=TrainerModel(o, per_token, 0.1)) for o in ("one_step", "async"))
+    for out in (one_step, overlapped):
+        assert out["staleness_mean"] > plain["staleness_mean"]  # tokens sampled with older weights than without overlap
+        assert out["staleness_max"] <= 2  # still within k at training (at 3.0 a phase starting on the very
+        # moment a step is done once sampled with the weights before it: engine time → wall time rounded down)
+        assert out["wasted_token_fraction"] >= plain["wasted_token_fraction"]  # the bound regenerates more
+    if trainer_speed != 1.0:
+        return
+    sync_one_step = _partial(steps=4, mode="sync", trainer=TrainerModel("one_step", per_token, 0.1))
+    tokens = sync_one_step["phase_trained_tokens"]  # phase 0 samples with v0, phases 1-3 one version behind
+    assert sync_one_step["staleness_max"] == 1
+    assert sync_one_step["staleness_mean"] == pytest.approx(sum(tokens[1:]) / sum(tokens))
+    with pytest.raises(ValueError, match="simulated under overlap 'async' timed as 'none'"):
+        with_trainer(overlapped, "none", per_token, 0.1, 2)
+
+
+@pytest.mark.parametrize("overlap", ["none", "one_step", "async"])
+def test_engine_time_is_accounted_for(overlap):
+    out = _partial()
+    per_token = sum(out["phase_s_exact"]) / sum(out["phase_trained_tokens"])  # training as long as generation
+    if overlap != "none":
+        out = _partial(trainer=TrainerModel(overlap, per_token, 1.0))
+    line = with_trainer(out, overlap, per_token, 1.0, 2)
+    shares = [line[k] for k in line if k.startswith("engine_idle_")]
+    assert len(shares) == 4 and min(shares) >= 0
+    assert line["engine_utilisation"] + sum(shares) == pytest.approx(1.0)
+    assert line["engine_utilisation"] < line["engine_utilisation_while_generating"] <= 1.0
+    assert line["engine_idle_run_end"] > 0  # the last batch trains after the last phase, in every mode
+    if overlap == "none":  # the engines wait through every step's training and sync but the last
+        assert line["engine_idle_between_phases"] * line["wall_s"] == pytest.approx(
+            sum(per_token * t for t in out["phase_trained_tokens"][:-1]) + 1.0 * (len(out["phase_s_exact"]) - 1))
+    if overlap == "async":
+        assert line["engine_idle_sync"] * line["wall_s"] == pytest.approx(1.0 * len(out["phase_s_exact"]))
+
+
+def test_async_engines_wait_on_a_slow_trainer_at_a_tight_bound():
+    out = _partial()
+    per_token = 3 * sum(out["phase_s_exact"]) / sum(out["phase_trained_tokens"])  # training 3x generation
+    runs = {k: _partial(k=k, trainer=TrainerModel("async", per_token, 0.0)) for k in (0, 4)}
+    tight, loose = (with_trainer(runs[k], "async", per_token, 0.0, k) for k in (0, 4))
+    # k 0: each phase waits until the step before it is trained, as under none
+    waited = sum(per_token * t for t in runs[0]["phase_trained_tokens"][:-1])
+    assert tight["engine_idle_between_phases"] * tight["wall_s"] == pytest.approx(waited)
+    assert loose["engine_idle_between_phases"] < tight["engine_idle_between_phases"]
+    assert loose["samples_per_s"] > tight["samples_per_s"]
+
+
+def test_the_tool_reports_each_overlap():
+    out = subprocess.run([sys.executable, str(TOOL), "--workload", "lognormal", "--prompts", "64", "--engines", "2",
+                          "--slots", "32", "--prompts-per-step", "8", "--max-tokens", "2048", "--steps", "4",
+                          "--mode", "partial", "--overlap", "all"], capture_output=True, text=True, check=True)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    modelled = {x["overlap"]: x for x in lines if x.get("overlap")}
+    assert set(modelled) == {"none", "one_step", "async"}
+    assert modelled["async"]["samples_per_s"] > modelled["none"]["samples_per_s"]
+    for line in modelled.values():
+        assert line["engine_utilisation"] + sum(v for k, v in line.items() if k.startswith("engine_idle_")) == \
+            pytest.approx(1.0)
