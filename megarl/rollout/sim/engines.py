@@ -13,9 +13,12 @@ finish (nothing changes for the controller in between) and at most
 
 Engines that share a ``Weights`` tag their tokens with the weight version they
 hold at their own time (the simulator's model of weights loaded while a phase
-runs, ``rollout.overlap``); each engine keeps its time as the controller's phase
-does (an idle engine given work starts at the latest step's time), to within one
-chunk.
+runs, ``rollout.overlap``), read at the start of each step. Each engine keeps its
+own time: the phase's start, plus its steps, an idle engine given work starting
+at the latest step's end. The controller's phase keeps such an engine at an
+earlier time, so the two can differ by about one engine step; a version is
+never older than the one at the phase's start (times only grow from it), so the
+staleness bound holds all the same.
 """
 
 from __future__ import annotations

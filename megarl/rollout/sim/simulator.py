@@ -102,10 +102,10 @@ class Pipeline:
 
     - ``none``: they take turns, Σ (gen + train + sync); phase b samples with v_b;
     - ``one_step``: batch b+1 is generated, with v_b, while b trains; the sync waits for both (the phase boundary);
-    - ``async``: phases back to back, each also paying ``sync_s`` for the load that lands in it (the engines stop
-      between two steps for it; counted inside the phase); phase b starts only once step b − k − 1 is done
-      (k = the staleness limit); the trainer takes batch b once it is generated and it is free; the engines hold
-      the weights of every step done by then (loaded between two engine steps).
+    - ``async``: phases back to back; phase b starts only once step b − k − 1 is done (k = the staleness limit);
+      the trainer takes batch b once it is generated and it is free; the engines hold the weights of every step
+      whose sync is done by then, and a sync that completes while a phase runs stops its engines for ``sync_s``
+      (loaded between two engine steps; ``loads`` counts them per phase). At k = 0 this is ``none``'s timeline.
 
     ``begin`` gives when the next phase starts, ``version_at`` the engines' weights during it, ``end`` records it.
     """
@@ -116,6 +116,7 @@ class Pipeline:
         self.overlap, self.sync_s, self.k = overlap, sync_s, k
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.loads: list[int] = []  # syncs landing inside each phase (async)
         self.gen: list[float] = []
         self.train: list[float] = []
         self.done: list[float] = []  # when each step's sync is done (async, none)
@@ -139,18 +140,27 @@ class Pipeline:
             return b
         if self.overlap == "one_step":
             return max(b - 1, 0)
-        t = max(t, self.starts[-1])  # (engine time maps to wall time through a difference: rounding)
+        t = max(t, self.starts[-1])
         return sum(d <= t for d in self.done)
 
     def end(self, gen_s: float, train_s: float) -> None:
-        end = self.starts[-1] + gen_s + (self.sync_s if self.overlap == "async" else 0.0)
+        start, loads = self.starts[-1], 0
+        end = start + gen_s
+        while self.overlap == "async":  # each load inside the phase lengthens it, which may take in the next
+            landed = sum(start < d <= end for d in self.done)
+            if landed == loads:
+                break
+            loads, end = landed, start + gen_s + landed * self.sync_s
         self.ends.append(end)
+        self.loads.append(loads)
         self.gen.append(gen_s)
         self.train.append(train_s)
         trainer = max(self.done[-1] if self.done else 0.0, end)
         self.done.append(trainer + train_s + self.sync_s)
 
     def wall(self) -> float:
+        if not self.gen:
+            raise ValueError("no phase: no timeline")
         if self.overlap != "one_step":
             return self.done[-1]
         n = len(self.gen)
@@ -159,14 +169,13 @@ class Pipeline:
         return self.starts[-1] + max(self.train[n - 2], self.gen[n - 1]) + self.train[n - 1] + 2 * self.sync_s
 
 
-def overlap_timeline(gen_s: list[float], train_s: list[float], sync_s: float, overlap: str,
-                     k: int = 1) -> tuple[float, list[float], list[float]]:
-    """Wall time of the steps, and when each generation phase starts and ends (``Pipeline``)."""
+def overlap_timeline(gen_s: list[float], train_s: list[float], sync_s: float, overlap: str, k: int = 1) -> Pipeline:
+    """The ``Pipeline`` of these phases: ``wall()``, when each phase starts and ends, the loads inside each."""
     p = Pipeline(overlap, sync_s, k)
     for gen, train in zip(gen_s, train_s):
         p.begin()
         p.end(gen, train)
-    return p.wall(), p.starts, p.ends
+    return p
 
 
 @dataclass
@@ -216,7 +225,8 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
     for version in range(steps):
         if pipeline:  # engine time t of this phase is wall time start + (t − clock)
             start, clock = pipeline.begin(), ctrl.clock
-            weights.start_phase(clock, engines, lambda t, start=start, clock=clock: pipeline.version_at(start + t - clock))
+            weights.start_phase(clock, engines,
+                                lambda t, start=start, clock=clock: pipeline.version_at(start + (t - clock)))
         groups, m = ctrl.run_phase(version)
         if pipeline:
             pipeline.end(m.duration, trainer.s_per_token * m.len_trained_sum)
@@ -229,6 +239,7 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
             break
     out = {"mode": mode, "guard": ("long_rounds" if cfg.long_rounds else "drain") if mode == "on_policy" else "",
            "overlap": trainer.overlap if trainer else "",
+           "trainer": (trainer.overlap, trainer.s_per_token, trainer.sync_s, s.staleness_limit) if trainer else None,
            **{k.split("/", 1)[1]: v for k, v in total.summary().items()}}
     out.update(steps=steps, samples_trained=total.samples_trained, at_cap_samples_trained=at_cap,
                tokens_generated=total.tokens_generated, sim_seconds=total.duration,
@@ -247,24 +258,29 @@ def with_trainer(out: dict, overlap: str, train_s_per_token: float, sync_s: floa
     - ``bubble``: idle slots inside generation phases (the tail SortedRL's modes cut);
     - ``between_phases``: the engines stopped between two phases (training under ``none``, the phase boundary under
       ``one_step``, waiting on the staleness bound under ``async``);
-    - ``sync``: the weight loads inside ``async`` phases;
-    - ``run_end``: after the last phase, while the trainer trains what is left (a finite run's end: it shrinks as
-      1/steps; ``engine_utilisation_while_generating`` leaves it out).
+    - ``sync``: the weight loads that land inside ``async`` phases;
+    - ``run_end``: after the last phase (the trainer training what is left, a finite run's end that shrinks as
+      1/steps; under ``one_step`` the last boundary too); ``engine_utilisation_to_last_phase`` leaves it out.
+
+    An overlapped ``out`` must come from ``simulate`` with the same ``TrainerModel`` and k (its engines sampled with
+    the weights this timeline gives them); a run without one stands for ``none`` only.
     """
-    if out["overlap"] and out["overlap"] != overlap:
-        raise ValueError(f"a run simulated under overlap {out['overlap']!r} timed as {overlap!r}")
+    if overlap != "none" and out["trainer"] != (overlap, train_s_per_token, sync_s, k):
+        raise ValueError(f"a run simulated with trainer {out['trainer']} timed as {(overlap, train_s_per_token, sync_s, k)}"
+                         ": simulate it with TrainerModel(overlap, train_s_per_token, sync_s) and that staleness limit")
     gen = out["phase_s_exact"]
     train = [train_s_per_token * t for t in out["phase_trained_tokens"]]
-    wall, starts, ends = overlap_timeline(gen, train, sync_s, overlap, k)
+    p = overlap_timeline(gen, train, sync_s, overlap, k)
+    wall, last = p.wall(), p.ends[-1]
     busy = out["slot_s_busy"] / out["slot_capacity"]  # seconds of all slots busy
     in_phases = sum(gen)
-    loads = len(gen) * sync_s if overlap == "async" else 0.0
+    loads = sum(p.loads) * sync_s
     return {"mode": out["mode"], "guard": out["guard"], "overlap": overlap, "wall_s": wall,
             "samples_per_s": out["samples_trained"] / wall, "engine_utilisation": busy / wall,
-            "engine_utilisation_while_generating": busy / ends[-1],
+            "engine_utilisation_to_last_phase": busy / last,
             "engine_idle_bubble": (in_phases - busy) / wall, "engine_idle_sync": loads / wall,
-            "engine_idle_between_phases": max(0.0, ends[-1] - in_phases - loads) / wall,  # 0 up to rounding
-            "engine_idle_run_end": (wall - ends[-1]) / wall,
+            "engine_idle_between_phases": max(0.0, last - in_phases - loads) / wall,  # (max: float rounding)
+            "engine_idle_run_end": (wall - last) / wall,
             "trainer_utilisation": sum(train) / wall, "train_share_of_step": sum(train) / (sum(gen) + sum(train)),
             "wasted_token_fraction": out["wasted_token_fraction"], "staleness_mean": out["staleness_mean"],
             "staleness_max": out["staleness_max"]}
