@@ -5,18 +5,28 @@ The demo's task (``configs/demo.yaml``: GRPO on the tiny Qwen3-MoE, addition, 32
 disaggregated: one engine replica process and one trainer process, partial rollout, async at
 ``rollout.staleness_limit`` 2. Each mode runs ``--steps`` RL steps after a short warm-up; the first ``--skip``
 steps are left out (the pipeline filling, first-call costs). For each run: trained samples per second of step wall
-time (``timing/step_s``: generation or the wait for it, reward, train, sync), the staleness seen, and, of the
+time (``timing/step_s``: generation or the wait for it, reward, train, sync), the staleness seen, the share of
+generated tokens wasted (partial samples regenerated once stale: ``rollout/wasted_token_fraction``), and, of the
 ``none`` run, the measured phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``),
-which give the ceiling overlap can reach at these settings, (T_gen + T_train) / max(T_gen, T_train).
+which give the ceiling overlap can reach at these settings, (T_gen + T_train) / max(T_gen, T_train): what engines
+and a trainer on devices of their own would reach. On two cores they share, each side has one core under overlap:
+``ceiling_one_core_each`` is the best ``none`` step over max(T_gen, T_train) of the ``none`` run at one thread (each
+side alone on one core), the most overlap can give here.
 
 ``none`` runs at each of ``--sync-threads`` (OMP threads per process; it takes turns, so each side may use both
-cores) and the best is the baseline; the overlapped modes at one thread per process (their two processes run at
-once on two cores). The modes run one after the other, interleaved over ``--repeats`` rounds; the ratios are the
+cores) and the best is the baseline; the overlapped modes at each of ``--overlap-threads`` (default 1: their two
+processes run at once on two cores, and at 2 each a training step took 7× longer, oversubscribed). The modes run one after the other, interleaved over ``--repeats`` rounds; the ratios are the
 medians. ``--controller`` adds the SortedRL controller's cost per token event, on simulated engines, alone and
 with a trainer's matmuls running in the same process (as rank 0 runs it beside training under overlap).
 
+``--equal-wall S`` instead asks what overlap does to learning: for each of ``--seeds``, the demo's own recipe
+(its warm-up, 200 held-out prompts) trains ``S`` seconds of RL wall time under each of ``--wall-modes`` (``none`` at
+``--wall-sync-threads``, the overlapped modes at one thread per process) and reports pass@1 after RL, the steps
+each fitted in ``S``, and each mode's pass@1 minus ``none``'s, per seed and averaged.
+
     .venv/bin/python bench/overlap.py [--steps 12] [--repeats 3] [--controller]
     .venv/bin/python bench/overlap.py --controller-only
+    .venv/bin/python bench/overlap.py --equal-wall 300 [--seeds 0,1,2] [--wall-modes none,async]
 """
 
 from __future__ import annotations
@@ -36,21 +46,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
-    """One ``megarl train`` run; its figures from ``metrics.jsonl``."""
+def train(work: Path, tag: str, mode: str, threads: int, settings: list[str]) -> list[dict]:
+    """One ``megarl train`` run of the demo, disaggregated and partial (async at staleness 2); its metrics rows."""
     from megarl.logging.metrics import read_metrics
 
     run_dir = work / tag
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs/demo.yaml"),
            f"model.path={work / 'model'}", f"train.run_dir={run_dir}", "engine.placement=disaggregated",
-           "rollout.mode=partial", f"rollout.overlap={mode}", "rollout.staleness_limit=2",
-           f"train.steps={args.steps}", "train.save_every=0", "train.time_limit_s=0", "data.eval_size=1",
-           f"warmup.steps={args.warmup_steps}", f"train.seed={args.seed}", *args.overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+           "rollout.mode=partial", f"rollout.overlap={mode}", "rollout.staleness_limit=2", "train.save_every=0",
+           *settings]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
+                         text=True)
     if out.returncode:
         raise SystemExit(f"{tag} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing/step_s" in r][args.skip:]
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
+    """Throughput figures of one run of ``--steps`` steps (the first ``--skip`` left out)."""
+    rows = train(work, tag, mode, threads, [f"train.steps={args.steps}", "train.time_limit_s=0", "data.eval_size=1",
+                                            f"warmup.steps={args.warmup_steps}", f"train.seed={args.seed}",
+                                            *args.overrides])
+    steps = [r for r in rows if "timing/step_s" in r][args.skip:]
     if not steps:
         raise SystemExit(f"{tag}: no step past --skip {args.skip}")
     wall = sum(r["timing/step_s"] for r in steps)
@@ -60,7 +77,33 @@ def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
             "t_gen": mean("timing/gen_s"), "t_train": mean("timing/train_s") + mean("timing/sync_s"),
             "trainer_wait_s": mean("timing/trainer_wait_s"), "engine_idle_s": mean("timing/engine_idle_s"),
             "overlap_fraction": mean("pipeline/overlap_fraction"),
-            "staleness_max": max(r["rollout/staleness_max"] for r in steps)}
+            "staleness_mean": mean("rollout/staleness_mean"), "staleness_max": max(r["rollout/staleness_max"] for r in steps),
+            "wasted_token_fraction": mean("rollout/wasted_token_fraction")}
+
+
+def equal_wall(work: Path, args) -> None:
+    """pass@1 after ``args.equal_wall`` seconds of RL, per mode and seed (the demo's warm-up and evaluation)."""
+    modes = args.wall_modes.split(",")
+    per_seed = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        line = {"seed": seed}
+        for mode in modes:
+            rows = train(work, f"wall-{mode}-{seed}", mode, args.wall_sync_threads if mode == "none" else 1,
+                         ["train.steps=100000", f"train.time_limit_s={args.equal_wall}", f"train.seed={seed}",
+                          *args.overrides])
+            evals = [r["eval/pass_at_1"] for r in rows if "eval/pass_at_1" in r]
+            steps = [r for r in rows if "timing/step_s" in r]
+            line[mode] = {"before": evals[0], "after": evals[-1], "steps": len(steps),
+                          "wasted_token_fraction": statistics.fmean(r["rollout/wasted_token_fraction"] for r in steps)}
+        for mode in modes[1:]:
+            line[f"{mode}_minus_{modes[0]}"] = line[mode]["after"] - line[modes[0]]["after"]
+        print(json.dumps(line), flush=True)
+        per_seed.append(line)
+    print(json.dumps({"seeds": len(per_seed), "rl_wall_s": args.equal_wall,
+                      **{f"{m}_after_mean": statistics.fmean(x[m]["after"] for x in per_seed) for m in modes},
+                      **{f"{m}_steps_mean": statistics.fmean(x[m]["steps"] for x in per_seed) for m in modes},
+                      **{f"{m}_minus_{modes[0]}_mean": statistics.fmean(x[f"{m}_minus_{modes[0]}"] for x in per_seed)
+                         for m in modes[1:]}}), flush=True)
 
 
 def controller_cost() -> dict:
@@ -103,9 +146,17 @@ def main() -> int:
     p.add_argument("--warmup-steps", type=int, default=100, help="supervised warm-up (the format), each run")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="the demo's (rollout.samples_per_prompt)")
     p.add_argument("--sync-threads", default="1,2", help="OMP threads per process tried for none (the best counts)")
+    p.add_argument("--overlap-threads", default="1", help="OMP threads per process tried for one_step and async "
+                   "(the best counts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--controller", action="store_true", help="also the controller's cost per token event")
     p.add_argument("--controller-only", action="store_true", help="only the controller's cost per token event")
+    p.add_argument("--equal-wall", type=float, default=0.0,
+                   help="seconds of RL per run: pass@1 at equal wall time instead of the throughput ratios")
+    p.add_argument("--seeds", default="0,1,2", help="train.seed of the --equal-wall runs")
+    p.add_argument("--wall-modes", default="none,async", help="rollout.overlap of the --equal-wall runs (first: the "
+                   "baseline)")
+    p.add_argument("--wall-sync-threads", type=int, default=2, help="OMP threads per process of --equal-wall's none")
     p.add_argument("overrides", nargs="*", help="more key=value settings for every run")
     args = p.parse_args()
     if args.steps <= args.skip or args.repeats < 1:
@@ -113,23 +164,34 @@ def main() -> int:
     if args.controller_only:
         print(json.dumps(controller_cost()), flush=True)
         return 0
+    if args.equal_wall:
+        with tempfile.TemporaryDirectory(prefix="megarl-overlap-") as tmp:
+            equal_wall(Path(tmp), args)
+        return 0
     args.overrides.append(f"rollout.samples_per_prompt={args.samples_per_prompt}")
     sync_threads = [int(t) for t in args.sync_threads.split(",")]
+    overlap_threads = [int(t) for t in args.overlap_threads.split(",")]
     rounds = []
     with tempfile.TemporaryDirectory(prefix="megarl-overlap-") as tmp:
         work = Path(tmp)
         for r in range(args.repeats):
             none = [run("none", work, f"none-{t}-{r}", args, t) for t in sync_threads]
             best = max(none, key=lambda x: x["samples_per_s"])
-            got = {m: run(m, work, f"{m}-{r}", args, 1) for m in ("one_step", "async")}
+            got = {m: max((run(m, work, f"{m}-{t}-{r}", args, t) for t in overlap_threads),
+                          key=lambda x: x["samples_per_s"]) for m in ("one_step", "async")}
             ceiling = (best["t_gen"] + best["t_train"]) / max(best["t_gen"], best["t_train"])
             line = {"round": r, "none": best, **got, "ceiling": ceiling,
                     **{f"{m}_vs_none": got[m]["samples_per_s"] / best["samples_per_s"] for m in got},
                     "async_of_ceiling": got["async"]["samples_per_s"] / best["samples_per_s"] / ceiling}
+            alone = [x for x in none if x["threads"] == 1]
+            if alone:
+                line["ceiling_one_core_each"] = best["step_s"] / max(alone[0]["t_gen"], alone[0]["t_train"])
+                line["async_of_ceiling_one_core_each"] = line["async_vs_none"] / line["ceiling_one_core_each"]
             print(json.dumps(line), flush=True)
             rounds.append(line)
     med = {k: statistics.median(x[k] for x in rounds)
-           for k in ("one_step_vs_none", "async_vs_none", "ceiling", "async_of_ceiling")}
+           for k in ("one_step_vs_none", "async_vs_none", "ceiling", "async_of_ceiling", "ceiling_one_core_each",
+                     "async_of_ceiling_one_core_each") if k in rounds[0]}
     med["none_threads"] = statistics.mode(x["none"]["threads"] for x in rounds)
     med["t_gen"], med["t_train"] = (statistics.median(x["none"][k] for x in rounds) for k in ("t_gen", "t_train"))
     if args.controller:
