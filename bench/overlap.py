@@ -15,8 +15,8 @@ side alone on one core), the most overlap can give here.
 
 ``none`` runs at each of ``--sync-threads`` (OMP threads per process; it takes turns, so each side may use both
 cores) and the best is the baseline; the overlapped modes at each of ``--overlap-threads`` (default 1: their two
-processes run at once on two cores, and at 2 each a training step took 7× longer, oversubscribed). The modes run one after the other, interleaved over ``--repeats`` rounds; the ratios are the
-medians. ``--controller`` adds the SortedRL controller's cost per token event, on simulated engines, alone and
+processes run at once on two cores, and at 2 each a training step took 7× longer, oversubscribed). The modes run
+one after the other, interleaved over ``--repeats`` rounds; the ratios are the medians. ``--controller`` adds the SortedRL controller's cost per token event, on simulated engines, alone and
 with a trainer's matmuls running in the same process (as rank 0 runs it beside training under overlap).
 
 ``--equal-wall S`` instead asks what overlap does to learning: for each of ``--seeds``, the demo's own recipe
