@@ -9,6 +9,7 @@ uses fills after the first pass.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ class Pipeline:
         self.loads: list[int] = []  # syncs landing inside each phase (async)
         self.gen: list[float] = []
         self.train: list[float] = []
-        self.done: list[float] = []  # when each step's sync is done (async, none)
+        self.done: list[float] = []  # when each step's sync is done (async, none); never decreasing
 
     def begin(self) -> float:
         b, sync = len(self.starts), self.sync_s
@@ -140,14 +141,13 @@ class Pipeline:
             return b
         if self.overlap == "one_step":
             return max(b - 1, 0)
-        t = max(t, self.starts[-1])
-        return sum(d <= t for d in self.done)
+        return bisect.bisect_right(self.done, max(t, self.starts[-1]))  # (asked at every engine step)
 
     def end(self, gen_s: float, train_s: float) -> None:
         start, loads = self.starts[-1], 0
         end = start + gen_s
         while self.overlap == "async":  # each load inside the phase lengthens it, which may take in the next
-            landed = sum(start < d <= end for d in self.done)
+            landed = bisect.bisect_right(self.done, end) - bisect.bisect_right(self.done, start)
             if landed == loads:
                 break
             loads, end = landed, start + gen_s + landed * self.sync_s
