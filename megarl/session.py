@@ -169,6 +169,8 @@ def build_session(cfg: RunConfig) -> Session:
     controller.on_engine_step = lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True)
     pipeline = Pipeline(cfg.rollout.overlap, None, cfg.rollout.staleness_limit, leader=ps.rank == 0)
     controller.engine_turn = pipeline.gate.step
+    if cfg.rollout.overlap != "none":  # phases run ahead of the weights: partial admission minds the lag
+        controller.engine_version = pipeline.engine_version
     return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
                    stateful, prompts, prompts.eval_prompts(), pipeline=pipeline, timeline=timeline)
 

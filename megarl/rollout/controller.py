@@ -139,6 +139,9 @@ class RolloutController(PromptBuffer):
         self.engine_turn = contextlib.nullcontext  # the pipeline's EngineGate.step when a sync may come in flight
         self.on_engine_step: Callable[[int, float, float], None] | None = None  # (engine, start, end) of each step
         self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
+        # overlap: the weight version the engines hold at a phase's engine time (the simulator's depends on it);
+        # None: the phase's own (no overlap). Partial admission then keeps within the staleness bound (``Phase.room``)
+        self.engine_version: Callable[[float], int] | None = None
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:

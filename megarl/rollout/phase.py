@@ -4,6 +4,7 @@
         release_held()            partial: stale samples expire; groups held past the last bound come first
         admit()                   a long round's groups, or admission up to the live target; queue; engine shares
         admit_for_free_slots()    (on_policy / partial) more groups while a free slot has nothing to run
+                                  (partial under overlap: no more live groups than ``room()`` allows)
         dispatch()                fill every engine's free slots
         while running and not done():
             step()                one step of the engine furthest behind in time:
@@ -49,6 +50,7 @@ class Phase:
         self.running: dict[str, tuple[int, int]] = {}  # request id → (group index, sample index)
         self.engine_of: dict[str, int] = {}  # request id → engine
         self.times = [c.clock] * len(c.engines)  # each engine's clock
+        self.now = c.clock  # the engine time of the last step made
         self.stalled = [0] * len(c.engines)  # each engine's steps in a row without a token
         self.tokens, self.serial, self.drain_at = 0, 0, None
         self.budget = self.cfg.buffer_samples or float("inf")
@@ -96,7 +98,7 @@ class Phase:
         if self.members is not None:
             self.m.long_rounds = 1
         else:
-            c._admit(self.version, cfg.update_groups if cfg.mode == "sync" else cfg.rollout_groups)
+            c._admit(self.version, cfg.update_groups if cfg.mode == "sync" else min(cfg.rollout_groups, self.room()))
         self.pinned = c._pin()
         self.queue = c._queue(self.members, self.pinned)
         self.own = c._balance(self.queue, self.members if self.members is not None else self.pinned, c.engines)
@@ -123,10 +125,10 @@ class Phase:
     def admit_for_free_slots(self) -> None:
         """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
         c, cfg = self.c, self.cfg
-        free = sum(e.slots - e.num_active() for e in c.engines)
-        while len(c.live) < cfg.rollout_groups or (
+        free, room = sum(e.slots - e.num_active() for e in c.engines), self.room()
+        while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
                 len(self.queue) + sum(map(len, self.own)) < free
-                and len(self.running) + len(self.queue) + cfg.group_size <= self.budget):
+                and len(self.running) + len(self.queue) + cfg.group_size <= self.budget)):
             index = c._admit_one(self.version)
             if index is None:
                 return
@@ -135,6 +137,18 @@ class Phase:
                 self.queue.extendleft(reversed(entries))
             else:
                 self.queue.extend(entries)
+
+    def room(self) -> float:
+        """The most groups live now. Partial under overlap, with the engines ``lag`` versions behind this batch's:
+        a sample started now may be trained in this batch or, carried over, in the next k − lag ones at most (then
+        it is stale), so admission keeps no more groups live than those k − lag + 1 batches take, (k − lag + 1)·U,
+        less the groups this phase released (AReaL's rule, per sample: at the bound, lag = k, only what this batch
+        still needs; it loosens when a weight load lands mid-phase). No bound at lag 0, as without overlap."""
+        c, cfg = self.c, self.cfg
+        lag = self.version - c.engine_version(self.now) if c.engine_version is not None else 0
+        if cfg.mode != "partial" or lag <= 0:
+            return float("inf")
+        return (max(cfg.staleness_limit - lag, 0) + 1) * cfg.update_groups - len(self.released)
 
     def step(self) -> None:
         """One step of the engine furthest behind in time; its tokens go to their samples, complete groups are
@@ -150,6 +164,7 @@ class Phase:
             raise EngineStalled(f"engine {k} made no progress: {STALL_STEPS} steps in a row produced no token "
                                 f"while {c.engines[k].num_active()} of its requests were outstanding")
         self.times[k] += report.elapsed
+        self.now = self.times[k]
         m.slot_time_busy += report.active * report.elapsed
         for ev in report.events:
             self.record(ev, report.elapsed)

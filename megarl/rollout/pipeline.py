@@ -208,6 +208,11 @@ class Pipeline:
             self._cond.notify_all()
         self._join()
 
+    def engine_version(self, _now: float = 0.0) -> int:
+        """The weights the engines serve (the controller's ``engine_version``; a load in flight counts once its step
+        is done: until then the lag reads one too many, which only admits less)."""
+        return self.version
+
     def queued_groups(self) -> int:
         return sum(len(r.groups) for r in self.queue)
 

@@ -225,8 +225,8 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
     for version in range(steps):
         if pipeline:  # engine time t of this phase is wall time start + (t − clock)
             start, clock = pipeline.begin(), ctrl.clock
-            weights.start_phase(clock, engines,
-                                lambda t, start=start, clock=clock: pipeline.version_at(start + (t - clock)))
+            ctrl.engine_version = lambda t, start=start, clock=clock: pipeline.version_at(start + (t - clock))
+            weights.start_phase(clock, engines, ctrl.engine_version)
         groups, m = ctrl.run_phase(version)
         if pipeline:
             pipeline.end(m.duration, trainer.s_per_token * m.len_trained_sum)
