@@ -94,34 +94,35 @@ def test_overlap_adds_staleness_that_the_bound_then_meets(trainer_speed):
         with_trainer(plain, "async", per_token, 0.1, 2)
 
 
+def _live_peaks(lag: int, lengths: list[int]) -> tuple[int, RolloutController]:
+    """Three partial phases (k 2, U 4, rollout_groups 8) with the engines ``lag`` versions behind each phase's batch:
+    the most groups live or released in one phase, and the controller after them."""
+    cfg = ControllerConfig(mode="partial", group_size=8, update_groups=4, rollout_groups=8, max_tokens=300,
+                           staleness_limit=2)
+    engines = [SimulatedEngine(16, lambda key: lengths[(key[0] % 64) * 8 + key[1]], StepTimeModel(), 32)
+               for _ in range(2)]
+    items = iter(range(10 ** 6))
+    ctrl = RolloutController(cfg, engines, lambda: PromptItem(next(items), [1]))
+    peak, before = [0], [0]
+    ctrl.on_engine_step = lambda *_: peak.append(len(ctrl.live) + len(ctrl.released) - before[0])
+    for version in (3, 4, 5):  # (earlier phases, at the same lag, leave live groups as a run would)
+        ctrl.engine_version = lambda _t, version=version: version - lag
+        before[0] = len(ctrl.released)
+        groups, _ = ctrl.run_phase(version)
+        assert len(groups) == 4
+    return max(peak), ctrl
+
+
 def test_admission_starts_no_more_than_the_bound_lets_train(monkeypatch):
     """Partial under overlap: with the engines ``lag`` versions behind a phase's batch, no more groups live than
     the k − lag + 1 batches a sample started now can still reach, (k − lag + 1)·U; so at the bound nothing is carried
     over to go stale. The waste this saves, with the trainer 3× slower than generation (the engines at the bound)."""
     rng = random.Random(1)
     lengths = [rng.choice([20, 40, 80, 400]) + rng.randint(0, 9) for _ in range(8 * 64)]
-    for lag, most in ((2, 4), (1, 8), (0, None)):  # k 2, U 4, rollout_groups 8, free-slot fill beyond them
-        cfg = ControllerConfig(mode="partial", group_size=8, update_groups=4, rollout_groups=8, max_tokens=300,
-                               staleness_limit=2)
-        engines = [SimulatedEngine(16, lambda key: lengths[(key[0] % 64) * 8 + key[1]], StepTimeModel(), 32)
-                   for _ in range(2)]
-        items = iter(range(10 ** 6))
-        ctrl = RolloutController(cfg, engines, lambda: PromptItem(next(items), [1]))
-        ctrl.engine_version = lambda _t, lag=lag: 5 - lag
-        peak = []
-        ctrl.on_engine_step = lambda *_: peak.append(len(ctrl.live) + len(ctrl.released) - released_before)
-        released_before = 0
-        for version in (3, 4, 5):  # (earlier phases, at the same lag, leave live groups as a run would)
-            ctrl.engine_version = lambda _t, lag=lag, version=version: version - lag
-            released_before, peak[:] = len(ctrl.released), []
-            groups, _ = ctrl.run_phase(version)
-            assert len(groups) == 4
-        if most is None:
-            assert max(peak) > 8  # no bound at lag 0: free slots are filled past rollout_groups, as without overlap
-            continue
-        assert max(peak) <= most
-        if lag == 2:  # at the bound: only this batch's groups ran, all released, nothing left to go stale
-            assert not ctrl.live
+    peak, ctrl = _live_peaks(2, lengths)
+    assert peak <= 4 and not ctrl.live  # at the bound: only this batch's groups ran, all released
+    assert _live_peaks(1, lengths)[0] <= 8
+    assert _live_peaks(0, lengths)[0] > 8  # no bound at lag 0: free slots filled past rollout_groups, as without overlap
     plain = _partial(steps=12)
     per_token = 3 * sum(plain["phase_s_exact"]) / sum(plain["phase_trained_tokens"])
     ruled = _partial(steps=12, trainer=TrainerModel("async", per_token, 0.1))
