@@ -5,8 +5,11 @@ The demo's task (``configs/demo.yaml``: GRPO on the tiny Qwen3-MoE, addition, 32
 disaggregated: one engine replica process and one trainer process, partial rollout, async at
 ``rollout.staleness_limit`` 2. Each mode runs ``--steps`` RL steps after a short warm-up; the first ``--skip``
 steps are left out (the pipeline filling, first-call costs). For each run: trained samples per second of step wall
-time (``timing/step_s``: generation or the wait for it, reward, train, sync), the staleness seen, the share of
-generated tokens wasted (partial samples regenerated once stale: ``rollout/wasted_token_fraction``), and, of the
+time (``timing/step_s``: generation or the wait for it, reward, train, sync) and trained tokens per second (each
+run's responses differ in length: a warm-up at another thread count ends elsewhere, and training's cost follows the
+tokens, so ``*_tokens_vs_none`` is the ratio that length differences between runs do not tilt), the staleness
+seen, the share of generated tokens wasted (partial samples regenerated once stale: ``rollout/wasted_token_fraction``),
+and, of the
 ``none`` run, the measured phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``),
 which give the ceiling overlap can reach at these settings, (T_gen + T_train) / max(T_gen, T_train): what engines
 and a trainer on devices of their own would reach. On two cores they share, each side has one core under overlap:
@@ -72,8 +75,10 @@ def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
         raise SystemExit(f"{tag}: no step past --skip {args.skip}")
     wall = sum(r["timing/step_s"] for r in steps)
     samples = sum(r["rollout/groups_released"] for r in steps) * args.samples_per_prompt
+    tokens = sum(r["rollout/groups_released"] * args.samples_per_prompt * r["rollout/len_trained_mean"] for r in steps)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steps)  # noqa: E731
-    return {"mode": mode, "threads": threads, "samples_per_s": samples / wall, "step_s": wall / len(steps),
+    return {"mode": mode, "threads": threads, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
+            "len_trained_mean": tokens / samples, "step_s": wall / len(steps),
             "t_gen": mean("timing/gen_s"), "t_train": mean("timing/train_s") + mean("timing/sync_s"),
             "trainer_wait_s": mean("timing/trainer_wait_s"), "engine_idle_s": mean("timing/engine_idle_s"),
             "overlap_fraction": mean("pipeline/overlap_fraction"),
@@ -182,6 +187,7 @@ def main() -> int:
             ceiling = (best["t_gen"] + best["t_train"]) / max(best["t_gen"], best["t_train"])
             line = {"round": r, "none": best, **got, "ceiling": ceiling,
                     **{f"{m}_vs_none": got[m]["samples_per_s"] / best["samples_per_s"] for m in got},
+                    **{f"{m}_tokens_vs_none": got[m]["tokens_per_s"] / best["tokens_per_s"] for m in got},
                     "async_of_ceiling": got["async"]["samples_per_s"] / best["samples_per_s"] / ceiling}
             alone = [x for x in none if x["threads"] == 1]
             if alone:
@@ -190,7 +196,7 @@ def main() -> int:
             print(json.dumps(line), flush=True)
             rounds.append(line)
     med = {k: statistics.median(x[k] for x in rounds)
-           for k in ("one_step_vs_none", "async_vs_none", "ceiling", "async_of_ceiling", "ceiling_one_core_each",
+           for k in ("one_step_vs_none", "async_vs_none", "one_step_tokens_vs_none", "async_tokens_vs_none", "ceiling", "async_of_ceiling", "ceiling_one_core_each",
                      "async_of_ceiling_one_core_each") if k in rounds[0]}
     med["none_threads"] = statistics.mode(x["none"]["threads"] for x in rounds)
     med["t_gen"], med["t_train"] = (statistics.median(x["none"][k] for x in rounds) for k in ("t_gen", "t_train"))

@@ -16,7 +16,8 @@ the trainer's main thread pulls batches, shares each with every rank, trains and
 1. Every batch is exactly one controller phase (``prompts_per_step`` useful groups, the controller's contract).
 2. Every trained token was sampled at most k versions before the version that trains it (one_step: 1): a phase
    for batch b starts only when the engines hold v ≥ b − k (async) and at b − 1 (one_step); resumed samples older
-   than that are expired by the phase (``rollout.stale_action``).
+   than that are expired by the phase (``rollout.stale_action``). Per sample, partial admission keeps no more
+   groups live than the batches within k of the engines' version take (``Phase.room``, via ``engine_version``).
 3. No prompt lost or trained twice: queued batches and the controller are checkpointed together, at a point where
    no phase runs (``hold``); a phase that fails is put back as the keeper puts back a failed phase.
 4. The engines see one driver at a time: the generating thread between engine steps, or an in-flight sync
