@@ -93,19 +93,17 @@ def ratios(none: list[dict], got: dict[str, dict]) -> dict:
     second. ``ceiling``: what overlap can reach at the overlapped runs' settings (one thread a process),
     (T_gen + T_train) / max(T_gen, T_train) of the one-thread ``none`` run; ``ceiling_shared``: the same run's trained
     tokens per step at its slower side's pace against the best ``none``'s tokens per second."""
+    def versus(base: dict, name: str) -> dict:
+        return {f"{m}{unit}_vs_{name}": got[m][key] / base[key] for m in got
+                for unit, key in (("", "samples_per_s"), ("_tokens", "tokens_per_s"))}
+
     best = max(none, key=lambda x: x["samples_per_s"])
-    line = {"none": best, **got}
-    for m in got:
-        line[f"{m}_vs_none"] = got[m]["samples_per_s"] / best["samples_per_s"]
-        line[f"{m}_tokens_vs_none"] = got[m]["tokens_per_s"] / best["tokens_per_s"]
+    line = {"none": best, **got, **versus(best, "none")}
     one = next((x for x in none if x["threads"] == 1), None)
     if one is None:
         return line
     slower = max(one["t_gen"], one["t_train"])
-    line["none_one_core"] = one
-    for m in got:
-        line[f"{m}_vs_none_one_core"] = got[m]["samples_per_s"] / one["samples_per_s"]
-        line[f"{m}_tokens_vs_none_one_core"] = got[m]["tokens_per_s"] / one["tokens_per_s"]
+    line.update(none_one_core=one, **versus(one, "none_one_core"))
     line["ceiling"] = (one["t_gen"] + one["t_train"]) / slower
     line["async_of_ceiling"] = line["async_tokens_vs_none_one_core"] / line["ceiling"]
     line["ceiling_shared"] = one["tokens_per_s"] * one["step_s"] / slower / best["tokens_per_s"]

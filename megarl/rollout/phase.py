@@ -177,10 +177,9 @@ class Phase:
         elif cfg.mode == "sync" and m.groups_filtered and not self.at_cap():
             self.replace_filtered()
         self.dispatch()
-        now = self.times[k]
         for kk in range(len(c.engines)):  # an idle engine waits until now
             if not c.engines[kk].num_active():
-                self.times[kk] = max(self.times[kk], now)
+                self.times[kk] = max(self.times[kk], self.now)
 
     def record(self, ev, elapsed: float) -> None:
         """An engine's new tokens of one sample; a finished sample may complete its group."""
