@@ -3,14 +3,16 @@
 
 The demo's task (``configs/demo.yaml``: GRPO on the tiny Qwen3-MoE, addition, 32 prompts × 8 samples per step),
 disaggregated: one engine replica process and one trainer process, partial rollout, async at
-``rollout.staleness_limit`` 2. Each mode runs ``--steps`` RL steps after a short warm-up; the first ``--skip``
-steps are left out (the pipeline filling, first-call costs). For each run: trained samples and trained tokens per
+``rollout.staleness_limit`` 2. Each mode runs ``--steps`` RL steps from one warm start (the supervised
+warm-up runs once and its policy, exported as an HF checkpoint, starts every run); the first ``--skip`` steps are left
+out (the pipeline filling, first-call costs). For each run: trained samples and trained tokens per
 second of step wall time (``timing/step_s``: generation or the wait for it, reward, train, sync), the staleness
 seen, the share of generated tokens wasted (partial samples regenerated once stale: ``rollout/wasted_token_fraction``)
-and the phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``). Read the ratios
-in tokens: a warm-up at another thread count ends elsewhere, and the runs' answers differ in length (the demo's
-best ``none`` answered 32 tokens long where the one-thread runs answered 26–28), which tilts samples per second
-while training's cost follows the tokens.
+and the phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``). Both units
+are printed: the modes' answers part in length as their policies part, and neither unit alone is the work done
+(generation's cost follows the tokens; a training step's the batch's longest row, to which every row is padded).
+With a warm-up per run, which ends elsewhere at another thread count, the demo's best ``none`` answered 32 tokens
+long where the one-thread runs answered 26–28: hence the one warm start.
 
 ``none`` runs at each of ``--sync-threads`` (OMP threads per process; it takes turns, so each side may use both
 cores), the overlapped modes at each of ``--overlap-threads`` (default 1: their two processes run at once on two
@@ -20,7 +22,9 @@ lend; and ``none`` at one thread a process, each side one core, as on devices of
 ceiling is (T_gen + T_train) / max(T_gen, T_train) of that run. The modes run one after the other, interleaved over
 ``--repeats`` rounds; the figures are the medians. ``--controller`` adds the SortedRL controller's cost per token
 event, on simulated engines, alone and with a trainer's matmuls running in the same process (as rank 0 runs it
-beside training under overlap).
+beside training under overlap). Settings after the options go to every run: ``data.max_digits=12
+data.tail_alpha=0.5 rollout.max_new_tokens=128 engine.max_model_len=160`` gives the task a longer tail, generation
+about as long as training at one thread (the demo's step is training-heavy).
 
 ``--equal-wall S`` instead asks what overlap does to learning: for each of ``--seeds``, the demo's own recipe
 (its warm-up, 200 held-out prompts) trains ``S`` seconds of RL wall time under each of ``--wall-modes`` (``none`` at
@@ -49,13 +53,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def train(work: Path, tag: str, mode: str, threads: int, settings: list[str]) -> list[dict]:
-    """One ``megarl train`` run of the demo, disaggregated and partial (async at staleness 2); its metrics rows."""
+def train(work: Path, tag: str, mode: str, threads: int, settings: list[str], model: Path | None = None) -> list[dict]:
+    """One ``megarl train`` run of the demo, disaggregated and partial (async at staleness 2), from ``model`` (default:
+    the demo's tiny model, made once in ``work``); its metrics rows."""
     from megarl.logging.metrics import read_metrics
 
     run_dir = work / tag
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs/demo.yaml"),
-           f"model.path={work / 'model'}", f"train.run_dir={run_dir}", "engine.placement=disaggregated",
+           f"model.path={model or work / 'model'}", f"train.run_dir={run_dir}", "engine.placement=disaggregated",
            "rollout.mode=partial", f"rollout.overlap={mode}", "rollout.staleness_limit=2", "train.save_every=0",
            *settings]
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
@@ -65,11 +70,17 @@ def train(work: Path, tag: str, mode: str, threads: int, settings: list[str]) ->
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def run(mode: str, work: Path, tag: str, args, threads: int) -> dict:
-    """Throughput figures of one run of ``--steps`` steps (the first ``--skip`` left out)."""
+def warm_start(work: Path, args) -> Path:
+    """The supervised warm-up of every ratio run, once: its policy as an HF checkpoint (``run_dir/hf/step_0``)."""
+    train(work, "warm", "none", 2, ["train.steps=0", "data.eval_size=1", f"warmup.steps={args.warmup_steps}",
+                                    f"train.seed={args.seed}", *args.overrides])
+    return work / "warm" / "hf" / "step_0"
+
+
+def run(mode: str, work: Path, tag: str, args, threads: int, warm: Path) -> dict:
+    """Throughput figures of one run of ``--steps`` steps from ``warm`` (the first ``--skip`` left out)."""
     rows = train(work, tag, mode, threads, [f"train.steps={args.steps}", "train.time_limit_s=0", "data.eval_size=1",
-                                            f"warmup.steps={args.warmup_steps}", f"train.seed={args.seed}",
-                                            *args.overrides])
+                                            "warmup.steps=0", f"train.seed={args.seed}", *args.overrides], warm)
     steps = [r for r in rows if "timing/step_s" in r][args.skip:]
     if not steps:
         raise SystemExit(f"{tag}: no step past --skip {args.skip}")
@@ -173,7 +184,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=2, help="first steps not counted")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=100, help="supervised warm-up (the format), each run")
+    p.add_argument("--warmup-steps", type=int, default=100, help="supervised warm-up (the format), once")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="the demo's (rollout.samples_per_prompt)")
     p.add_argument("--sync-threads", default="1,2", help="OMP threads per process tried for none (the best counts)")
     p.add_argument("--overlap-threads", default="1", help="OMP threads per process tried for one_step and async "
@@ -204,9 +215,10 @@ def main() -> int:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="megarl-overlap-") as tmp:
         work = Path(tmp)
+        warm = warm_start(work, args)
         for r in range(args.repeats):
-            none = [run("none", work, f"none-{t}-{r}", args, t) for t in sync_threads]
-            got = {m: max((run(m, work, f"{m}-{t}-{r}", args, t) for t in overlap_threads),
+            none = [run("none", work, f"none-{t}-{r}", args, t, warm) for t in sync_threads]
+            got = {m: max((run(m, work, f"{m}-{t}-{r}", args, t, warm) for t in overlap_threads),
                           key=lambda x: x["samples_per_s"]) for m in ("one_step", "async")}
             line = {"round": r, **ratios(none, got)}
             print(json.dumps(line), flush=True)
