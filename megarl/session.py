@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megarl.algo.curriculum import CurriculumSource, PassRateTracker
 from megarl.algo.filters import is_informative
 from megarl.checkpoint.run import start_run_dir
+from megarl.checkpoint.saver import RunSaver
+from megarl.checkpoint.session_state import IndexedSource
 from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
 from megarl.config.schema import captures_routes, resolved_engine_dtype, resolved_routing_replay
@@ -28,12 +30,14 @@ from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState, build_parallel_state
-from megarl.engines.colocated import ColocatedReplicas, colocated_slot_engine
-from megarl.engines.memory import sleep_supported
+from megarl.engines.colocated import ColocatedEngines
+from megarl.engines.memory import Handover, sleep_supported
+from megarl.engines.protocol import Engines
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 from megarl.logging.console import configure as configure_console
+from megarl.logging.console import main_only
 from megarl.logging.metrics import MetricsLogger
 from megarl.logging.timeline import Timeline, write_trace
 from megarl.models.hf_config import num_experts, read_hf_config
@@ -41,21 +45,26 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
 from megarl.rollout.leader import LeaderController
+from megarl.rollout.phases import PhaseRunner
 from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
+from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
+from megarl.weight_sync.protocol import WeightSync
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Session:
+    """Every room of a run, built and wired once (``build_session``): the loop and the keeper only call them."""
+
     cfg: RunConfig
     ps: ParallelState
     hf_cfg: dict
     tokenizer: object
-    engine: VLLMEngine
+    engines: Engines
     trainer: PolicyTrainer
     learners: Learners
     task: AdditionTask | None  # the built-in task (None when data.path names a dataset)
@@ -63,16 +72,24 @@ class Session:
     controller: RolloutController
     logger: MetricsLogger
     run_dir: Path
+    weight_sync: WeightSync  # the trainer's weights into the engines, all or nothing
+    handover: Handover  # engines asleep while the trainer trains (engine.sleep_level), trainer offload
+    saver: RunSaver  # run checkpoints: every learner and the run's state
+    phases: PhaseRunner  # one phase for one batch, put back whole when it fails
+    pipeline: Pipeline  # who waits for whom: rollout.overlap (rank 0's generating thread)
+    timeline: Timeline  # spans of this process: the pipeline's figures and train.trace
+    prompts: object  # the prompt source (megarl.data.source): state_dict() is the data cursor
+    eval_prompts: list[Prompt]
     stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
-    prompts: object = None  # the prompt source (megarl.data.source): state_dict() is the data cursor
-    eval_prompts: list[Prompt] | None = None
     policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
-    pipeline: Pipeline | None = None  # who waits for whom: rollout.overlap (rank 0's generating thread)
-    timeline: Timeline | None = None  # spans of this process: the pipeline's figures and train.trace
 
     @property
     def trainer_track(self) -> str:
         return f"trainer rank {self.ps.rank}"
+
+    @property
+    def is_main(self) -> bool:
+        return self.ps.rank == 0
 
     def close(self) -> None:
         """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
@@ -82,16 +99,6 @@ class Session:
             if self.is_main:
                 log.info(f"trace: {write_trace(self.run_dir / 'trace.json', events)} (Perfetto, chrome://tracing)")
         self.logger.close()
-
-    @property
-    def is_main(self) -> bool:
-        return self.ps.rank == 0
-
-    @property
-    def generator(self):
-        """Batch generation (evaluation): colocated replicas share the prompts out; else the engine itself."""
-        faces = self.controller.engines  # (none on the trainer ranks > 0 of disaggregated replicas)
-        return faces[0] if faces and isinstance(faces[0], ColocatedReplicas) else self.engine
 
 
 def ensure_model(cfg: RunConfig) -> None:
@@ -128,14 +135,7 @@ def build_session(cfg: RunConfig) -> Session:
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.reward, d)
-    if cfg.engine.placement == "disaggregated":
-        engine, slot_engines = build_engines(cfg, hf_cfg)
-    else:
-        engine = VLLMEngine(cfg.model.path, cfg.engine.max_model_len, cfg.engine.kv_cache_gib,
-                            cfg.engine.tensor_parallel_size, seed=cfg.train.seed, max_num_seqs=cfg.engine.slots,
-                            enable_sleep_mode=cfg.engine.sleep_level > 0 and sleep_supported(),
-                            peer_wait_s=cfg.engine.peer_wait_s, **engine_numerics(cfg, hf_cfg))
-        slot_engines = [colocated_slot_engine(engine, cfg.engine.slots, cfg.engine.tensor_parallel_size)]
+    engines = build_engines(cfg, hf_cfg, main_only(log.info, ps.rank))
     activate_cpu()
     from megatron.core import tensor_parallel
 
@@ -148,12 +148,11 @@ def build_session(cfg: RunConfig) -> Session:
         start_run_dir(cfg.train.resume, run_dir)  # resume=never: the earlier run's files set aside first
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=ps.rank == 0, time_limit_s=cfg.train.time_limit_s)
-    feed = PromptFeed(prompts)  # the source; it hands each row's extra columns to the reward
     # colocated: every rank's controller scores in lockstep, so one rank scores for all; disaggregated: only
     # rank 0 runs the controller (LeaderController) and shares the scored phase
     lockstep = cfg.engine.placement == "colocated"
     score = group_scorer(tokenizer, shared_rewards(rewards) if lockstep else rewards)
-    stateful = {}
+    stateful, source = {}, PromptFeed(prompts)  # the feed hands each row's extra columns to the reward
     if d.pool_size:
         pool = task.next_problems(d.pool_size)
         tracker = PassRateTracker()
@@ -162,17 +161,25 @@ def build_session(cfg: RunConfig) -> Session:
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
         score = tracking_scorer(score, tracker)
         stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
-    else:
-        source = feed
     timeline = Timeline(ps.rank, keep_all=cfg.train.trace)
-    controller = build_controller(cfg, slot_engines, source, traced_scorer(score, timeline))
-    controller.on_engine_step = lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True)
-    pipeline = Pipeline(cfg.rollout.overlap, None, cfg.rollout.staleness_limit, leader=ps.rank == 0)
-    controller.engine_turn = pipeline.gate.step
-    if cfg.rollout.overlap != "none":  # phases run ahead of the weights: partial admission minds the lag
-        controller.engine_version = pipeline.engine_version
-    return Session(cfg, ps, hf_cfg, tokenizer, engine, trainer, learners, task, rewards, controller, logger, run_dir,
-                   stateful, prompts, prompts.eval_prompts(), pipeline=pipeline, timeline=timeline)
+    # rank 0's generating thread runs the phases (``phases``, built below from the controller this pipeline gates)
+    pipeline = Pipeline(cfg.rollout.overlap, lambda version, batch: phases(version, batch, alone=True),
+                        cfg.rollout.staleness_limit, leader=ps.rank == 0)
+    controller = build_controller(
+        cfg, engines.slot_engines(), IndexedSource(source), traced_scorer(score, timeline),
+        engine_turn=pipeline.gate.step,
+        on_engine_step=lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True),
+        # phases run ahead of the weights under overlap: partial admission minds the lag
+        engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None)
+    phases = PhaseRunner(controller, rewards, prompts, cfg.train.seed, timeline.span)
+    weight_sync = WeightSync(trainer, engines.dtype, cfg.sync.bucket_mib, cfg.sync.check_every,
+                             main_only(log.warning, ps.rank))
+    handover = Handover(engines, trainer, cfg.trainer.offload_during_rollout, main_only(log.info, ps.rank))
+    saver = RunSaver(cfg.train.run_dir, cfg.train.keep_checkpoints, learners.named())
+    s = Session(cfg, ps, hf_cfg, tokenizer, engines, trainer, learners, task, rewards, controller, logger, run_dir,
+                weight_sync, handover, saver, phases, pipeline, timeline, prompts, prompts.eval_prompts(), stateful)
+    install_test_faults(s)  # the fault hooks a test asks for, wrapped around the rooms (testing/); else nothing
+    return s
 
 
 def traced_scorer(score, timeline: Timeline):
@@ -210,18 +217,25 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
                 route_experts=experts if captures_routes(cfg, experts) else 0)
 
 
-def build_engines(cfg: RunConfig, hf_cfg: dict):
-    """Disaggregated placement: ``engine.replicas`` vLLM engines in processes of their own, and their slot faces."""
+def build_engines(cfg: RunConfig, hf_cfg: dict, say=print) -> Engines:
+    """The run's engines: in the trainer's processes (colocated), or ``engine.replicas`` vLLM engines in processes of
+    their own (disaggregated)."""
     e = cfg.engine
-    replicas = EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
+    if e.placement == "disaggregated":
+        return EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
-                              devices=e.replica_devices, rollback=cfg.sync.rollback,
-                              replica_nodes=e.replica_nodes, hosts_file=str(rendezvous_path(cfg.train.run_dir))
-                              if e.replica_nodes_dedicated else "", **engine_numerics(cfg, hf_cfg))
-    return replicas, replicas.clients
+                              devices=e.replica_devices, rollback=cfg.sync.rollback, replica_nodes=e.replica_nodes,
+                              hosts_file=str(rendezvous_path(cfg.train.run_dir)) if e.replica_nodes_dedicated else "",
+                              **engine_numerics(cfg, hf_cfg))
+    engine = VLLMEngine(cfg.model.path, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
+                        max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
+                        peer_wait_s=e.peer_wait_s, **engine_numerics(cfg, hf_cfg))
+    return ColocatedEngines(engine, e.slots, e.tensor_parallel_size, cfg.sync.rollback, e.sleep_level, say)
 
 
-def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutController:
+def build_controller(cfg: RunConfig, engines: list, next_prompt, score, **hooks) -> RolloutController:
+    """The SortedRL controller over ``engines`` (slot engines) as ``rollout.*`` says; ``hooks``: the controller's
+    ``engine_turn``, ``on_engine_step`` and ``engine_version``."""
     r = cfg.rollout
     ccfg = ControllerConfig(
         mode=r.mode, group_size=r.samples_per_prompt, update_groups=r.prompts_per_step,
@@ -234,5 +248,5 @@ def build_controller(cfg: RunConfig, engine, next_prompt, score) -> RolloutContr
     )
     keep = is_informative if cfg.algo.dynamic_sampling else None
     cls = LeaderController if cfg.engine.placement == "disaggregated" else RolloutController
-    return cls(ccfg, engine if isinstance(engine, list) else [engine], next_prompt, score=score, keep_group=keep)
+    return cls(ccfg, engines, next_prompt, score=score, keep_group=keep, **hooks)
 

@@ -7,7 +7,7 @@ torchrun). Every step calls into a room and nothing else:
   scores each group as it is released (``megarl/rollout``);
 - advantage + train: ``rl_update`` builds the batch, the advantages of the chosen
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
-- sync: the trainer's weights stream into the engine in memory, bucket by bucket, under one
+- sync: the trainer's weights stream into the engines in memory, bucket by bucket, under one
   all-or-nothing protocol (``megarl/weight_sync/protocol.py``);
 - checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults
   (``megarl/keeper.py``).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,16 +27,15 @@ from megarl.convert.export import export_policy
 from megarl.data import pad_id
 from megarl.distributed.determinism import make_deterministic
 from megarl.distributed.signals import Preemption
-from megarl.engines.memory import handover
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.keeper import RunKeeper, StopRun
-from megarl.rollout.evaluate import evaluate as evaluate_prompts
+from megarl.logging.console import main_only
+from megarl.rollout.evaluate import pass_rates
 from megarl.rollout.pipeline import Rollout
 from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
 from megarl.trainer.sft import supervised_warmup
-from megarl.weight_sync.protocol import sync_weights
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,23 @@ CONSOLE_KEYS = ("reward/mean", "response/len_mean", "loss/policy", "rollout/bubb
                 "timing/train_s", "eval/pass_at_1")
 
 
-def evaluate(s: Session) -> float:
+@dataclass
+class RunResult:
+    """What ``run`` gives the CLI: held-out pass@1 before and after RL, the steps done, and how the run ended."""
+
+    run_dir: str
+    steps: int
+    pass_at_1_before: float = float("nan")
+    pass_at_1_after: float = float("nan")  # NaN when the run stopped early or had nothing to train
+    stopped: str = ""  # why the run stopped early ('' when it ran to its end)
+    error: bool = False  # stopped by a fault: exit status 1
+    requeue: bool = False  # stopped by an engine fault with a checkpoint: exit status 75 (requeue)
+
+
+def pass_at_1(s: Session) -> float:
+    """Greedy pass@1 of the engines on the held-out prompts."""
     prompts, max_tokens = s.eval_prompts, s.cfg.rollout.max_new_tokens
-    return evaluate_prompts(s.generator, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
+    return pass_rates(s.engines, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
@@ -61,17 +75,17 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
         # (its reward failures and bad rows are still logged: that is when they matter)
         log.info(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped")
         return {"timing/gen_s": t1 - t0, **rollout.metrics, **phase.summary()}
-    handover(s).to_train()  # engines sleep (engine.sleep_level); trainer state back on device
+    s.handover.to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     updates = s.trainer.updates
     with s.timeline.span(s.trainer_track, "train"):
         metrics = rl_update(s.learners, groups, cfg, pad_id(s.tokenizer), step)  # advantage, train
     t2 = time.time()
-    handover(s).to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
+    s.handover.to_generate()  # trainer state to host (trainer.offload_during_rollout); engines wake
     sync = {}
     if s.trainer.updates > updates:  # the policy moved (not in value pre-training, nor a non-finite step skipped)
         s.policy_version = version + 1
         sync = (keeper.sync(version + 1, done_steps=step + 1) if keeper  # all or nothing; survives engine errors
-                else sync_weights(s.engine, s.trainer, cfg.sync, version=version + 1))
+                else s.weight_sync.run(s.engines, version + 1).metrics())
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
     lengths = [len(x.response_ids) for g in groups for x in g.samples]
@@ -91,27 +105,26 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
     }
 
 
-def run(cfg: RunConfig) -> dict:
+def run(cfg: RunConfig) -> RunResult:
     if cfg.train.deterministic:
         make_deterministic()
     preemption = Preemption()  # before the session (minutes at scale): a signal while it starts is kept
     s = build_session(cfg)
-    say = log.info if s.is_main else (lambda *a, **k: None)
+    say = main_only(log.info, s.ps.rank)
     keeper = RunKeeper(s, preemption)
     steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
     if steps and steps >= cfg.train.steps:  # a finished run resubmitted: nothing to train, nothing to export again
         say(f"nothing to train: the run in {s.run_dir} finished at step {steps} (train.steps={cfg.train.steps}; "
             "train.resume=never starts afresh, setting it aside)")
         s.close()
-        return {"pass_at_1_before": keeper.run.get("pass_at_1_before", float("nan")), "pass_at_1_after": float("nan"),
-                "steps": steps, "run_dir": str(s.run_dir), "stopped": "", "error": False, "requeue": False}
+        return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")))
     if not steps:
         if cfg.warmup.steps:
             supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
                               cfg.warmup.lr, log=say)
             keeper.sync(0)  # survives engine errors, as every sync of the loop
         if s.eval_prompts:
-            keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: evaluate(s), 0)  # survives engine errors
+            keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: pass_at_1(s), 0)  # survives engine errors
             s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
     before = keeper.run.get("pass_at_1_before", float("nan"))
     restored = (" (not measured by the run before step 1)" if math.isnan(before)
@@ -128,30 +141,28 @@ def run(cfg: RunConfig) -> dict:
         try:
             metrics = rl_step(s, step, keeper)
         except StopRun as stop:
-            keeper.stop(steps, str(stop))
+            keeper.stop(steps, stop)
             break
         metrics["optim/lr"] = s.trainer.optimizer.param_groups[0]["lr"]
         steps += 1
         if cfg.train.eval_every and s.eval_prompts and steps % cfg.train.eval_every == 0:
-            metrics["eval/pass_at_1"] = keeper.evaluate(lambda: evaluate(s), steps)
+            metrics["eval/pass_at_1"] = keeper.evaluate(lambda: pass_at_1(s), steps)
         metrics.update(keeper.fault_metrics(steps))
         s.logger.scalars(steps, metrics)
         s.logger.progress(steps, metrics, CONSOLE_KEYS)
         export_policy(s, steps)  # every train.export_hf_every steps
         if keeper.end_of_step(steps):  # checkpoint every train.save_every steps; preemption, faults
             break
-    result = {"pass_at_1_before": before, "steps": steps, "run_dir": str(s.run_dir), "stopped": keeper.stopped,
-              "error": keeper.error, "requeue": keeper.requeue}
+    result = RunResult(str(s.run_dir), steps, before, stopped=keeper.stopped, error=keeper.error,
+                       requeue=keeper.requeue)
     if keeper.stopped:  # preempted or a fault: the checkpoint is saved, leave at once
         s.close()
-        return {**result, "pass_at_1_after": float("nan")}
+        return result
     keeper.finish(steps)
     export_policy(s, steps, final=True)  # run_dir/hf/step_N
-    after = float("nan")
     if s.eval_prompts:
-        after = keeper.evaluate(lambda: evaluate(s), steps)
-        s.logger.scalars(steps, {"eval/pass_at_1": after}, final=True)
-        say(f"eval after RL: pass@1 {after:.3f}")
+        result.pass_at_1_after = keeper.evaluate(lambda: pass_at_1(s), steps)
+        s.logger.scalars(steps, {"eval/pass_at_1": result.pass_at_1_after}, final=True)
+        say(f"eval after RL: pass@1 {result.pass_at_1_after:.3f}")
     s.close()
-    return {**result, "pass_at_1_after": after}
-
+    return result

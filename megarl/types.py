@@ -1,4 +1,5 @@
-"""Boundary types shared by the rooms: samples, groups, and the trainer's batch."""
+"""Boundary types shared by the rooms: samples, groups, the trainer's batch, and what engines take and give
+(requests, completions, token events), like vLLM's own request and output structs."""
 
 from __future__ import annotations
 
@@ -139,3 +140,60 @@ class TrainBatch:
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The fields that are set (optional ones left None are omitted)."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
+
+
+@dataclass
+class Completion:
+    """One generated response: its tokens, per-token behaviour logprobs and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # 'stop' (EOS) | 'length' (hit max_tokens) | 'abort'
+
+
+@dataclass
+class GenerationRequest:
+    """Prompt tokens and how to sample from them."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+@dataclass
+class SlotRequest:
+    """Continue (or start) one sample: the tokens so far and how many more it may generate."""
+
+    request_id: str
+    prompt_ids: list[int]  # the prompt followed by the sample's tokens generated so far
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    key: tuple[int, int] = (0, 0)  # (prompt index, sample index): lets a simulator look up the sample
+    generated: int = 0  # tokens of this sample generated before this request
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request since the last step, and whether it has finished."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = ""  # 'stop' | 'length' when finished
+    version: int | None = None  # the weight version of the engine that sampled these tokens (None: not known)
+    routes: object = None  # routing replay: experts of the positions fed in this step, [rows, MoE layers, k] uint8
+    route_start: int = 0  # the position (in prompt + response) of the first of those rows
+
+
+@dataclass
+class StepReport:
+    """One engine step: its events, how long it took, and how many sequences were decoding."""
+
+    events: list[TokenEvent]
+    elapsed: float
+    active: int

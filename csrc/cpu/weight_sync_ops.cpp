@@ -9,7 +9,7 @@
 // element conversion done here: fp32 -> bf16 rounds to nearest even with the bit trick torch uses
 // (same bits as `Tensor.to`, except NaN payloads), fp32 -> fp16 through c10::Half (IEEE RNE).
 // Supported dtypes: float32, bfloat16, float16. The pure-torch reference of each op is in
-// megarl/native.py. Light headers only: the JIT build takes seconds, not minutes.
+// megarl/weight_sync/native.py. Light headers only: the JIT build takes seconds, not minutes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

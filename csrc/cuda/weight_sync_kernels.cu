@@ -1,6 +1,6 @@
 // CUDA kernels of the weight-sync hot path: plain CUDA C++, no torch headers, `extern "C"`
 // launchers taking raw device pointers and a `void*` stream (cudaStream_t), returning a
-// cudaError_t as int (0 = launched). megarl/native.py loads the shared library with ctypes and
+// cudaError_t as int (0 = launched). megarl/weight_sync/native.py loads the shared library with ctypes and
 // calls them with `Tensor.data_ptr()` and `torch.cuda.current_stream().cuda_stream`.
 //
 //   megarl_copy_segments   many (src, dst, n, kinds) segments in one launch: pack / unpack of buckets
@@ -8,7 +8,7 @@
 //   megarl_split_gate_up   cat over TP shards of cat(gate_r, up_r) -> HF gate / up
 //
 // Dtype kinds: 0 float32, 1 bfloat16, 2 float16; conversions round to nearest even. Equal kinds
-// copy the bits. The pure-torch reference of each is in megarl/native.py.
+// copy the bits. The pure-torch reference of each is in megarl/weight_sync/native.py.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,19 +1,15 @@
-"""Curriculum by pass rate and replay of a rollout batch.
+"""Curriculum by pass rate.
 
 - ``PassRateTracker``: per-prompt pass rate from every released group.
 - ``budget_weights``: rollout budget ∝ p(1−p) + ε — prompts the policy solves
   sometimes carry the most signal (a group of a prompt with p ∈ {0, 1} is degenerate).
 - ``CurriculumSource``: draws the next prompt from a finite pool with those weights.
-- ``minibatch_rows``: the rows of each mini-batch for k inner (PPO) epochs, uniform
-  or prioritized by |advantage|.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable
-
-import torch
 
 
 class PassRateTracker:
@@ -53,21 +49,3 @@ class CurriculumSource:
         weights = budget_weights([self.tracker.rate(self.key(x)) for x in self.pool], self.eps)
         return self.rng.choices(self.pool, weights=weights, k=1)[0]
 
-
-def minibatch_rows(advantages: torch.Tensor, minibatches: int, epochs: int, prioritized: bool,
-                   generator: torch.Generator) -> list[torch.Tensor]:
-    """Row indices of each optimizer step: ``epochs`` passes of ``minibatches`` mini-batches.
-
-    Uniform: each epoch is a fresh permutation split in equal parts. Prioritized: rows are
-    drawn without replacement with probability ∝ |Â_i| + 1e-6 (``advantages`` is [N], the
-    per-sequence mean |Â|), so informative samples come first in each epoch.
-    """
-    n = advantages.shape[0]
-    out = []
-    for _ in range(epochs):
-        if prioritized:
-            order = torch.multinomial(advantages.abs() + 1e-6, n, replacement=False, generator=generator)
-        else:
-            order = torch.randperm(n, generator=generator)
-        out.extend(chunk for chunk in torch.chunk(order, minibatches) if len(chunk))
-    return out

@@ -14,7 +14,7 @@ there is one optimizer and no prefix, so a stock EP2→EP1 load fails with
 optimizer key to the saved one that differs only by that prefix (``_match_chain_prefixes``).
 The distributed optimizer is saved ``fully_reshardable`` (per parameter, canonical layout),
 so its state reshards over TP/PP/EP/DP rather than over DP only. Loading *into* it needs three
-more repairs, each below: Adam's ``step`` tensor shared by every parameter (``_untie_steps``),
+more repairs, each below: Adam's ``step`` tensor shared by every parameter (``compat.megatron.untie_adam_steps``),
 main params a plain optimizer never saved (``_drop_unsaved_main_params``), and param groups of a
 plain optimizer or of EP = 1 put in the distributed, chained form (``_align_chain``).
 """
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.layer_axis import compact_layer_keys
-from megarl.compat.megatron import patch_step_copy
+from megarl.compat.megatron import describe_fresh_state, patch_step_copy, untie_adam_steps
 
 LAYOUT_FILE = "megarl_layout.json"
 """Written beside a dist checkpoint: the parallel layout that saved it."""
@@ -60,8 +60,7 @@ def _sharded(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
         for opt in _chain(trainer.optimizer):
             # A distributed optimizer that never stepped has no 'step' to describe its state: give it
             # dummy state for the description, then drop it again so that loading allocates its own.
-            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
-                opt._init_optimizer_states_with_dummy_values()
+            if describe_fresh_state(opt):
                 fresh.append(opt)
     # 'fully_reshardable': the distributed optimizer's state is stored per parameter in the
     # canonical layout, so it reshards across TP/PP/EP/DP (the default reshards over DP only).
@@ -148,21 +147,10 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
             opt.reload_model_params()
     if "optimizer" in state:
         trainer.optimizer.load_state_dict(state["optimizer"])
-        _untie_steps(trainer.optimizer)
+        untie_adam_steps(_chain(trainer.optimizer))
         if not main_params_saved:  # main params from the model weights just loaded
             for opt in _chain(trainer.optimizer):
                 opt.reload_model_params()
-
-
-def _untie_steps(optimizer) -> None:
-    """megatron-core 0.16.1, distributed optimizer without Apex/TE: ``load_state_dict`` gives every
-    parameter's Adam state *one shared* ``step`` tensor, which torch's Adam then increments once per
-    parameter in the next step, skewing the bias correction (measured: 3.5e-4 weight error after
-    one step at lr 1e-3). Give each parameter its own."""
-    for opt in _chain(optimizer):
-        for state in getattr(opt, "optimizer", opt).state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
 
 
 def _drop_unsaved_main_params(optimizer_sd: dict, saved_keys: set[str]) -> bool:

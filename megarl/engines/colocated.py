@@ -1,6 +1,8 @@
-"""``engine.placement: colocated`` with ``engine.tensor_parallel_size`` < the world: world/TP engine
-replicas inside the trainer's processes, driven as one slot engine so that every rank's controller
-stays in lockstep.
+"""``engine.placement: colocated``: vLLM inside the trainer's processes (``ColocatedEngines``, the run's ``Engines``).
+
+One engine spans the world (engine TP = world, or world 1), or, with ``engine.tensor_parallel_size`` < the world,
+world/TP engine replicas inside the trainer's processes, driven as one slot engine (``ColocatedReplicas``) so that
+every rank's controller stays in lockstep.
 
 ::
 
@@ -26,9 +28,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.engines.protocol import SlotRequest, StepReport
-from megarl.engines.vllm_engine import VLLMSlotEngine
-from megarl.engines.weight_update import refuse_if_unusable
+from megarl.engines.memory import EngineSleep
+from megarl.engines.protocol import SlotEngine
+from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine
+from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport
+from megarl.weight_sync.load import LoadReport
+from megarl.weight_sync.streaming import StreamingSync
 
 _SEED_STRIDE = 1_000_003
 
@@ -55,7 +60,7 @@ class ColocatedReplicas:
         return self.local.engine
 
     def submit(self, request: SlotRequest) -> None:
-        refuse_if_unusable(self.engine)  # every rank alike (a failed load marks every rank's engine)
+        self.engine.refuse_if_unusable()  # every rank alike (a failed load marks every rank's engine)
         k = min(range(self.replicas), key=lambda r: (self.load[r], r))
         self.owner[request.request_id] = k
         self.load[k] += 1
@@ -80,6 +85,9 @@ class ColocatedReplicas:
         self.local.reset()
         self.owner.clear()
         self.load = [0] * self.replicas
+
+    def reseed(self, seed: int) -> None:
+        pass  # the replicas derive their streams from the loop's seed (``_step_local``)
 
     def step(self) -> StepReport:
         mine, error = StepReport([], 0.0, 0), ""
@@ -106,7 +114,7 @@ class ColocatedReplicas:
     def generate(self, requests: list, seed: int) -> list:
         """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its
         engine, the results are exchanged, and every rank returns all of them in request order."""
-        refuse_if_unusable(self.engine)  # every rank alike (a failed load marks every rank's engine)
+        self.engine.refuse_if_unusable()  # every rank alike (a failed load marks every rank's engine)
         share, mine, error = requests[self.replica::self.replicas], [], ""
         try:
             mine = self.engine.generate(share, seed=seed) if share else []
@@ -138,11 +146,53 @@ class ColocatedReplicas:
             torch.set_rng_state(outer)
 
 
-def colocated_slot_engine(engine, slots: int, tensor_parallel_size: int):
-    """The controller's engine face: the plain slot engine (one engine spans the world, or world 1),
-    or ``ColocatedReplicas`` when engine TP is smaller than the world."""
-    local = VLLMSlotEngine(engine, slots)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if tensor_parallel_size >= world:
-        return local
-    return ColocatedReplicas(local, tensor_parallel_size)
+class ColocatedEngines:
+    """The run's ``Engines`` when vLLM runs in the trainer's processes: this rank's ``VLLMEngine`` and the
+    controller's face of it (the engine itself, or ``ColocatedReplicas``). Every call is made on every rank."""
+
+    def __init__(self, engine: VLLMEngine, slots: int, tensor_parallel_size: int, rollback: str = "copy",
+                 sleep_level: int = 0, say=print) -> None:
+        """``rollback``: ``sync.rollback`` ('copy': a host backup restores a failed load; 'resync': none);
+        ``sleep_level``: ``engine.sleep_level``, ``say`` told once where it cannot apply."""
+        self.engine, self.rollback = engine, rollback
+        self.local = VLLMSlotEngine(engine, slots)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.replicas = ColocatedReplicas(self.local, tensor_parallel_size) if tensor_parallel_size < world else None
+        self.sleeper = EngineSleep(engine, sleep_level, say)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    def slot_engines(self) -> list[SlotEngine]:
+        return [self.replicas or self.local]
+
+    def generate(self, requests: list[GenerationRequest], seed: int) -> list[list[Completion]]:
+        """Replicas share the requests out (each generates its share, every rank returns all); one engine
+        generates them all."""
+        if self.replicas is not None:
+            return self.replicas.generate(requests, seed)
+        return self.engine.generate(requests, seed)
+
+    def load(self, stream: StreamingSync, version: int, in_flight: bool = False) -> LoadReport:
+        self.engine.idle_or_refuse()
+        # zero_copy: on one rank, tensors that need no re-layout go to the engine as views of the trainer's own
+        backup = self.engine.load(stream.weights(zero_copy=True), version, self.rollback)
+        return LoadReport(backup_mib=backup / 2**20)
+
+    def served_versions(self) -> list[int]:
+        return [self.engine.weight_version]
+
+    def restart(self) -> None:
+        self.engine.restart()  # under torchrun: recovered in place, or refused (every rank alike)
+        for face in self.slot_engines():
+            face.reset()
+
+    def sleep(self) -> None:
+        self.sleeper.sleep()
+
+    def wake(self) -> None:
+        self.sleeper.wake()
+
+    def close(self) -> None:
+        pass  # the engine lives as long as the trainer's process (vLLM ends it at exit)

@@ -110,26 +110,16 @@ class TrainerOffload:
 
 
 class Handover:
-    """The loop's two calls: ``to_train`` after generation, ``to_generate`` before the sync."""
+    """The loop's two calls: ``to_train`` after generation, ``to_generate`` before the sync (``engines``: the run's
+    ``Engines``, which sleep as ``engine.sleep_level`` says)."""
 
-    def __init__(self, engine, trainer, sleep_level: int, offload: bool, log: Callable[[str], None] = print) -> None:
-        self.sleep, self.offload = EngineSleep(engine, sleep_level, log), TrainerOffload(trainer, offload, log)
+    def __init__(self, engines, trainer, offload: bool, log: Callable[[str], None] = print) -> None:
+        self.engines, self.offload = engines, TrainerOffload(trainer, offload, log)
 
     def to_train(self) -> None:
-        self.sleep.sleep()
+        self.engines.sleep()
         self.offload.restore()
 
     def to_generate(self) -> None:
         self.offload.offload()
-        self.sleep.wake()
-
-
-def handover(session) -> Handover:
-    """The run's hand-over (kept on the session), as its config asks."""
-    h = getattr(session, "handover", None)
-    if h is None:
-        say = log.info if session.is_main else (lambda *a, **k: None)
-        h = Handover(session.engine, session.trainer, session.cfg.engine.sleep_level,
-                     session.cfg.trainer.offload_during_rollout, say)
-        session.handover = h
-    return h
+        self.engines.wake()

@@ -1,57 +1,95 @@
-"""The one engine protocol: what the rollout side asks of an engine. Engines generate; they never schedule.
+"""The engine interface: what the rest of megarl holds of a run's engines. Engines generate; they never schedule.
 
-Two faces, both implemented by every engine megarl drives (the in-process vLLM engine
-``engines.vllm_engine``, replicas in processes of their own ``engines.remote``, and the discrete-event
-simulator ``rollout.sim.engines``), so the same controller code drives any of them:
+Two faces:
 
-- ``Engine``: whole batches (evaluation, the sync audit): ``generate`` → ``Completion`` per sample.
-- ``SlotEngine``: the SortedRL controller's step-driven face: ``submit`` a ``SlotRequest`` into a free
-  slot, ``step`` → a ``StepReport`` of ``TokenEvent``s, ``abort``.
+- ``Engines``: the run's engines as one object, whatever their placement (``colocated.ColocatedEngines``: vLLM in
+  the trainer's own processes, one engine or world/TP replicas; ``remote.replicas.EngineReplicas``: replicas in
+  processes of their own). The session holds it; the loop, the weight sync and the keeper call it, and nothing
+  outside ``engines/`` asks which kind it holds.
+- ``SlotEngine``: the SortedRL controller's step-driven face of one engine (``submit`` a ``SlotRequest`` into a free
+  slot, ``step`` → a ``StepReport`` of ``TokenEvent``s, ``abort``), implemented by the vLLM engines and by the
+  simulator's engines (``rollout.sim.engines``), so the same controller code drives either.
 
-Nothing here imports vLLM or torch.distributed.
+The requests and outputs themselves are boundary types (``megarl.types``). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-
-@dataclass
-class Completion:
-    """One generated response: its tokens, per-token behaviour logprobs and why it stopped."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # 'stop' (EOS) | 'length' (hit max_tokens) | 'abort'
+from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport
+from megarl.weight_sync.load import LoadReport
+from megarl.weight_sync.streaming import StreamingSync
 
 
-@dataclass
-class GenerationRequest:
-    """Prompt tokens and how to sample from them."""
+class SlotEngine(Protocol):
+    slots: int
+    """Concurrent sequences the engine decodes (its batch capacity)."""
 
-    prompt_ids: list[int]
-    n: int = 1
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
+    def submit(self, request: SlotRequest) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> StepReport: ...
+
+    def num_active(self) -> int: ...
+
+    def reset(self) -> None:
+        """Forget every request (the engine under it was restarted)."""
+
+    def reseed(self, seed: int) -> None:
+        """Sample from a stream of ``seed`` from now on (a phase's seed; engines that share the process's RNG
+        stream, reseeded by the loop, ignore it)."""
 
 
-class Engine(Protocol):
+class Engines(Protocol):
+    """A run's engines: colocated (in the trainer's processes) or replicas in processes of their own."""
+
+    dtype: torch.dtype
+    """The dtype of the engines' weights (``engine.dtype`` as resolved): the sync casts its buckets to it."""
+
+    def slot_engines(self) -> list[SlotEngine]:
+        """The controller's faces of these engines on this rank (none on a trainer rank that drives no engine)."""
+
     def generate(self, requests: list[GenerationRequest], seed: int) -> list[list[Completion]]:
-        """All completions of each request (``n`` per request), in request order."""
+        """Whole batches (evaluation, the sync's audit): every completion of each request, in request order, on
+        every trainer rank. Collective."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in memory with these HF-named full tensors."""
+    def load(self, stream: StreamingSync, version: int, in_flight: bool = False) -> LoadReport:
+        """The trainer's weights streamed into every engine as ``version``: all or nothing per engine (a failure
+        raises ``WeightLoadError`` and leaves the old weights served, or the engine unusable with
+        ``sync.rollback: resync``); the prefix cache dropped and the served version bumped on success.
+        ``in_flight``: between two engine steps, requests running on (else ``SyncError`` while any runs).
+        Collective."""
+
+    def served_versions(self) -> list[int]:
+        """The weight version each engine serves (``UNUSABLE`` for one whose load failed with no backup)."""
+
+    def restart(self) -> None:
+        """After an engine error: the engines back to idle (fresh, or recovered in place; ``EngineRestartRefused``
+        when that cannot be done in this process). The caller then loads the trainer's weights. Collective."""
+
+    def sleep(self) -> None:
+        """Free the engines' device memory while the trainer trains (``engine.sleep_level``; a no-op where
+        engines have devices of their own or the platform has no sleep mode)."""
+
+    def wake(self) -> None:
+        """Undo ``sleep`` before the next load."""
+
+    def close(self) -> None:
+        """End the engines (and their processes)."""
+
+
+class EngineRestartRefused(RuntimeError):
+    """The engines failed and cannot be restarted in this process (see ``VLLMEngine.restart``): the run saves and
+    stops, and the same command resumes it in fresh processes."""
 
 
 class TrackedRequests:
-    """The request ids a slot engine has in flight (a base of the ``SlotEngine``s): ``abort`` passes on
-    only those (``_abort``), ``reset`` forgets them all after the engine under it was restarted."""
+    """The request ids a slot engine has in flight (a base of the vLLM ``SlotEngine``s): ``abort`` passes on only
+    those (``_abort``), ``reset`` forgets them all after the engine under it was restarted."""
 
     def __init__(self) -> None:
         self._active: set[str] = set()
@@ -69,53 +107,7 @@ class TrackedRequests:
         return len(self._active)
 
     def reset(self) -> None:
-        """Forget every request (the engine under it was restarted)."""
         self._active.clear()
 
-
-@dataclass
-class SlotRequest:
-    """Continue (or start) one sample: the tokens so far and how many more it may generate."""
-
-    request_id: str
-    prompt_ids: list[int]  # the prompt followed by the sample's tokens generated so far
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    key: tuple[int, int] = (0, 0)  # (prompt index, sample index): lets a simulator look up the sample
-    generated: int = 0  # tokens of this sample generated before this request
-
-
-@dataclass
-class TokenEvent:
-    """New tokens of one request since the last step, and whether it has finished."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str = ""  # 'stop' | 'length' when finished
-    version: int | None = None  # the weight version of the engine that sampled these tokens (None: not known)
-    routes: object = None  # routing replay: experts of the positions fed in this step, [rows, MoE layers, k] uint8
-    route_start: int = 0  # the position (in prompt + response) of the first of those rows
-
-
-@dataclass
-class StepReport:
-    """One engine step: its events, how long it took, and how many sequences were decoding."""
-
-    events: list[TokenEvent]
-    elapsed: float
-    active: int
-
-
-class SlotEngine(Protocol):
-    slots: int  # concurrent sequences the engine decodes (its batch capacity)
-
-    def submit(self, request: SlotRequest) -> None: ...
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-    def step(self) -> StepReport: ...
-
-    def num_active(self) -> int: ...
+    def reseed(self, seed: int) -> None:
+        pass

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.compat.vllm import before_each_forward
+
 
 def route_dtype(num_experts: int):
     """The compact numpy dtype of expert ids (one value left for ``no_route``)."""
@@ -54,19 +56,13 @@ class RouteCapture:
         self.pending: dict[str, tuple[int, np.ndarray]] = {}  # external id → routes not yet popped
         for m in runners:
             m.router.set_capture_fn(self._capture_fn(m.layer_id))
-        self._wrap_execute_model()
+        before_each_forward(self.runner, self._forward_starts)
 
-    def _wrap_execute_model(self) -> None:
-        """Note each forward's scheduled requests: their order, first positions and row counts, read where the
-        forward starts (after vLLM reordered its persistent batch)."""
-        runner, original = self.runner, self.runner.execute_model
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            self._scheduled = scheduler_output.num_scheduled_tokens
-            self._rows = []
-            return original(scheduler_output, *args, **kwargs)
-
-        runner.execute_model = execute_model
+    def _forward_starts(self, scheduler_output) -> None:
+        """Note the forward's scheduled requests (their order, first positions and row counts are read at its first
+        MoE layer, ``_snapshot``)."""
+        self._scheduled = scheduler_output.num_scheduled_tokens
+        self._rows = []
 
     def _capture_fn(self, layer_id: int):
         def capture(topk_ids: torch.Tensor) -> None:

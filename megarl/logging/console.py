@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+
+from megarl.distributed.collectives import rank_and_world
 
 
 class _Below(logging.Filter):
@@ -49,3 +52,9 @@ def configure(level: int = logging.INFO) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.megarl_console = True
         root.addHandler(handler)
+
+
+def main_only(say: Callable[[str], None], rank: int | None = None) -> Callable[[str], None]:
+    """``say`` on rank 0 (``rank``: this process's, by default the process group's), a no-op elsewhere: for lines
+    every rank reaches alike and one rank should say."""
+    return say if (rank_and_world()[0] if rank is None else rank) == 0 else (lambda *args, **kwargs: None)

@@ -65,7 +65,7 @@ class PromptBuffer:
         self.live[item.index] = LiveGroup(item, samples, discards, version if first is None else first)
         return item.index
 
-    def _admit_one(self, version: int) -> int | None:
+    def admit_one(self, version: int) -> int | None:
         """Admit the next prompt (re-queued first); its index, or None when the source is dry."""
         if self.requeued:
             item, discards, first = self.requeued.popleft()
@@ -76,15 +76,15 @@ class PromptBuffer:
             return None
         return self._new_group(item, version)
 
-    def _admit(self, version: int, target: int) -> None:
-        while len(self.live) < target and self._admit_one(version) is not None:
+    def admit(self, version: int, target: int) -> None:
+        while len(self.live) < target and self.admit_one(version) is not None:
             pass
 
     def _hint(self, index: int) -> float:
         """Expected length of a prompt's samples: its cached mean, or at least what a discarded sample reached."""
         return max(self.length_cache.get(self.live[index].item.key, 0.0), self.progress.get(index, 0))
 
-    def _expire_stale(self, version: int, m: PhaseMetrics) -> None:
+    def expire_stale(self, version: int, m: PhaseMetrics) -> None:
         """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
         k = self.cfg.staleness_limit
         for index in list(self.live):
@@ -105,25 +105,25 @@ class PromptBuffer:
                 s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
                 s.status, s.finish_reason = SampleStatus.QUEUED, ""
 
-    def _entries(self, indices) -> list[tuple[int, int]]:
+    def entries(self, indices) -> list[tuple[int, int]]:
         return [(i, j) for i in indices for j, s in enumerate(self.live[i].samples)
                 if s.status in (SampleStatus.QUEUED, SampleStatus.RESUMED)]
 
-    def _queue(self, members: set[int] | None, pinned: set[int]) -> collections.deque[tuple[int, int]]:
+    def run_order(self, members: set[int] | None, pinned: set[int]) -> collections.deque[tuple[int, int]]:
         """Samples to run: resumed first, then pinned and re-queued groups (longest first), then new (LPT or FIFO)."""
         indices = [i for i in self.live if members is None or i in members]
         if members is not None:  # a long round: everything longest first
-            return collections.deque(self._entries(sorted(indices, key=lambda i: -self._hint(i))))
-        resumed = [(i, j) for i, j in self._entries(indices) if self.live[i].samples[j].response_ids]
+            return collections.deque(self.entries(sorted(indices, key=lambda i: -self._hint(i))))
+        resumed = [(i, j) for i, j in self.entries(indices) if self.live[i].samples[j].response_ids]
         back = [i for i in indices if self.live[i].discards]
         back.sort(key=lambda i: (i not in pinned, -self._hint(i)))
         fresh = [i for i in indices if not self.live[i].discards]
         if self.cfg.dispatch == "lpt" and all(self.live[i].item.key in self.length_cache for i in fresh):
             fresh.sort(key=lambda i: -self.length_cache[self.live[i].item.key])
-        queued = [(i, j) for i, j in self._entries(back + fresh) if not self.live[i].samples[j].response_ids]
+        queued = [(i, j) for i, j in self.entries(back + fresh) if not self.live[i].samples[j].response_ids]
         return collections.deque(resumed + queued)
 
-    def _balance(self, queue: collections.deque, only: set[int], engines: list) -> list[collections.deque]:
+    def balance(self, queue: collections.deque, only: set[int], engines: list) -> list[collections.deque]:
         """LPT placement of a long round's (or the pinned groups') samples, in queue order (longest first): each on
         the engine with a free slot whose placed samples are shortest in sum (by ``_hint``: the length a discarded
         sample had reached, or the cached mean), so no engine holds more of the long work than it must (the phase
@@ -147,14 +147,14 @@ class PromptBuffer:
         queue.extend(rest)
         return own
 
-    def _pin(self) -> set[int]:
+    def pin(self) -> set[int]:
         """On-policy drain guard: groups discarded `max_discards` times get a reserved place (at most U)."""
         if self.cfg.mode != "on_policy" or self.cfg.long_rounds:
             return set()
         due = [i for i, g in self.live.items() if g.discards >= self.cfg.max_discards]
         return set(due[:self.cfg.update_groups])
 
-    def _long_round(self, version: int) -> set[int] | None:
+    def long_round(self, version: int) -> set[int] | None:
         """Tail batching: once the long queue holds ``long_round_groups`` (default U) prompts, or its oldest waited
         LONG_WAIT phases, or the source is dry, admit up to that many of them, topped up to U (never-started groups,
         then new prompts), as this phase's only members."""
@@ -170,7 +170,7 @@ class PromptBuffer:
         for index, g in self.live.items():  # top up with admitted groups that never started, then new ones
             if len(members) < cfg.update_groups and index not in members and not any(s.response_ids for s in g.samples):
                 members.add(index)
-        while len(members) < cfg.update_groups and (index := self._admit_one(version)) is not None:
+        while len(members) < cfg.update_groups and (index := self.admit_one(version)) is not None:
             members.add(index)
         return members
 

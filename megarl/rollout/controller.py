@@ -129,32 +129,41 @@ class RolloutController(PromptBuffer):
 
     def __init__(self, cfg: ControllerConfig, engines: list[SlotEngine], next_prompt: Callable[[], PromptItem | None],
                  score: Callable[[Group], None] | None = None, keep_group: Callable[[Group], bool] | None = None,
-                 batch_order: Callable[[list[Group]], list[Group]] | None = None) -> None:
+                 batch_order: Callable[[list[Group]], list[Group]] | None = None,
+                 engine_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 on_engine_step: Callable[[int, float, float], None] | None = None,
+                 engine_version: Callable[[float], int] | None = None) -> None:
+        """``score`` fills in a released group's rewards; ``keep_group`` (dynamic sampling) says whether it is
+        useful; ``batch_order`` orders the update batch (selective batching). ``engine_turn``: a context each engine
+        step runs inside (the pipeline's gate, so an in-flight weight sync comes between two steps);
+        ``on_engine_step(engine, start, end)``: told of each step (the timeline); ``engine_version(now)``: the
+        weight version the engines hold at a phase's engine time under overlap (None: the phase's own), which
+        partial admission keeps within the staleness bound (``Phase.room``)."""
         cfg.validate()
         super().__init__(cfg, next_prompt)
         self.engines = engines
         self.score = score or (lambda group: None)
-        self.keep_group = keep_group or (lambda group: True)  # dynamic sampling hook
-        self.batch_order = batch_order or (lambda groups: groups)  # selective batching hook
-        self.engine_turn = contextlib.nullcontext  # the pipeline's EngineGate.step when a sync may come in flight
-        self.on_engine_step: Callable[[int, float, float], None] | None = None  # (engine, start, end) of each step
+        self.keep_group = keep_group or (lambda group: True)
+        self.batch_order = batch_order or (lambda groups: groups)
+        self.engine_turn, self.on_engine_step, self.engine_version = engine_turn, on_engine_step, engine_version
         self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
-        # overlap: the weight version the engines hold at a phase's engine time (the simulator's depends on it);
-        # None: the phase's own (no overlap). Partial admission then keeps within the staleness bound (``Phase.room``)
-        self.engine_version: Callable[[float], int] | None = None
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:
         """Generate until the termination threshold; return the update batch and the phase's metrics."""
         return Phase(self, version).run()
 
-    def _harvest(self, index: int, version: int, released: list[Group], m: PhaseMetrics, pinned: set[int],
+    def generate(self, version: int) -> tuple[list[Group], PhaseMetrics]:
+        """This rank's phase, shared with no other rank (``LeaderController``'s differs; here the same)."""
+        return self.run_phase(version)
+
+    def harvest(self, index: int, version: int, released: list[Group], m: PhaseMetrics, pinned: set[int],
                  members: set[int] | None, pending_pinned: Callable[[], int]) -> None:
         """A group is complete: release it, unless that would pass the bound (places reserved for pinned groups)."""
         cfg = self.cfg
         if cfg.mode == "sync" or members is not None or index in pinned or \
                 len(released) + pending_pinned() < cfg.batch_bound:
-            self._release(index, version, released, m)
+            self.release(index, version, released, m)
             return
         m.groups_over_bound += 1
         if cfg.mode == "partial":
@@ -166,7 +175,7 @@ class RolloutController(PromptBuffer):
             self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
         self.requeued.appendleft((g.item, g.discards, g.admitted_version))
 
-    def _release(self, index: int, version: int, released: list[Group], m: PhaseMetrics) -> None:
+    def release(self, index: int, version: int, released: list[Group], m: PhaseMetrics) -> None:
         g = self.live.pop(index)
         self.released.add(index)
         self.progress.pop(index, None)
@@ -194,7 +203,7 @@ class RolloutController(PromptBuffer):
         m.wait_phases_max = max(m.wait_phases_max, version - g.admitted_version)
         released.append(group)
 
-    def _end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics, released: int = 1) -> None:
+    def end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics, released: int = 1) -> None:
         """Abort what is still running: keep it (partial) or discard it and re-queue its prompt (on-policy). An
         on-policy phase that ``released`` nothing keeps it too: no update follows, so its tokens stay on policy."""
         by_engine: dict[int, list[str]] = collections.defaultdict(list)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from math import comb
 
-from megarl.engines.protocol import Engine, GenerationRequest
+from megarl.engines.protocol import Engines
+from megarl.types import GenerationRequest
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -21,7 +22,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _correct(engine: Engine, tokenizer, prompts, requests, rewards, seed: int) -> list[list[bool]]:
+def _correct(engine: Engines, tokenizer, prompts, requests, rewards, seed: int) -> list[list[bool]]:
     outs = engine.generate(requests, seed=seed)
     items = [(tokenizer.decode(o.token_ids, skip_special_tokens=True), p.answer, p.extras, o.finish_reason)
              for p, out in zip(prompts, outs) for o in out]
@@ -31,7 +32,7 @@ def _correct(engine: Engine, tokenizer, prompts, requests, rewards, seed: int) -
     return [flat[i * per:(i + 1) * per] for i in range(len(prompts))]
 
 
-def evaluate(engine: Engine, tokenizer, prompts: list, rewards, max_tokens: int, samples: int = 1,
+def pass_rates(engine: Engines, tokenizer, prompts: list, rewards, max_tokens: int, samples: int = 1,
              temperature: float = 1.0, chunk: int = 64, progress: bool = False) -> dict[str, float]:
     """``pass_at_1`` (greedy) on ``prompts`` (``megarl.data.source.Prompt``); with ``samples`` = k > 1 also
     ``pass_at_1_sampled`` and ``pass_at_<j>`` for j = 2, 4, … ≤ k from k samples at ``temperature``."""

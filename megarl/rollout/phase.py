@@ -14,18 +14,22 @@
                                     dispatch()
         end()                     abort what still runs (kept or discarded by mode), the phase's metrics
 
-The controller (``controller.py``) owns what outlives a phase (live groups, queues, the partial buffer); a phase
-owns what it is running now (requests, engine clocks, the batch it releases).
+The controller (``controller.py``, with its state half in ``admission.py``) owns what outlives a phase (live groups,
+queues, the partial buffer) and offers the steps above as its public methods; a phase owns what it is running now
+(requests, engine clocks, the batch it releases) and calls them in order.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from typing import TYPE_CHECKING
 
-from megarl.engines.protocol import SlotRequest, StepReport
 from megarl.rollout.phase_metrics import PhaseMetrics
-from megarl.types import Group, SampleStatus
+from megarl.types import Group, SampleStatus, SlotRequest, StepReport
+
+if TYPE_CHECKING:
+    from megarl.rollout.controller import RolloutController
 
 DONE = (SampleStatus.FINISHED, SampleStatus.TRUNCATED)
 STALL_STEPS = 1000
@@ -43,7 +47,7 @@ class EngineStalled(RuntimeError):
 class Phase:
     """One generation phase of a ``RolloutController``; ``run`` calls its steps in the order they happen."""
 
-    def __init__(self, c, version: int) -> None:
+    def __init__(self, c: RolloutController, version: int) -> None:
         self.c, self.cfg, self.version = c, c.cfg, version
         self.m = PhaseMetrics()
         self.released: list[Group] = []
@@ -78,30 +82,29 @@ class Phase:
         fails to take it fails the phase, which the keeper contains on every rank alike)."""
         if self.c.phase_seed is not None:
             for k, engine in enumerate(self.c.engines):
-                if hasattr(engine, "reseed"):
-                    engine.reseed(self.c.phase_seed + k)
+                engine.reseed(self.c.phase_seed + k)
 
     def release_held(self) -> None:
         """Partial mode: stale samples expire, and groups held whole past the last bound come first in this batch."""
         c = self.c
         if self.cfg.mode != "partial":
             return
-        c._expire_stale(self.version, self.m)
+        c.expire_stale(self.version, self.m)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
-                c._release(index, self.version, self.released, self.m)
+                c.release(index, self.version, self.released, self.m)
 
     def admit(self) -> None:
         """A long round's groups, or admission up to the phase's live target; then the queue and each engine's share."""
         c, cfg = self.c, self.cfg
-        self.members = c._long_round(self.version)
+        self.members = c.long_round(self.version)
         if self.members is not None:
             self.m.long_rounds = 1
         else:
-            c._admit(self.version, cfg.update_groups if cfg.mode == "sync" else min(cfg.rollout_groups, self.room()))
-        self.pinned = c._pin()
-        self.queue = c._queue(self.members, self.pinned)
-        self.own = c._balance(self.queue, self.members if self.members is not None else self.pinned, c.engines)
+            c.admit(self.version, cfg.update_groups if cfg.mode == "sync" else min(cfg.rollout_groups, self.room()))
+        self.pinned = c.pin()
+        self.queue = c.run_order(self.members, self.pinned)
+        self.own = c.balance(self.queue, self.members if self.members is not None else self.pinned, c.engines)
         self.fill = cfg.mode != "sync" and self.members is None
 
     # ---- what each step does ------------------------------------------------------------
@@ -129,10 +132,10 @@ class Phase:
         while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
                 len(self.queue) + sum(map(len, self.own)) < free
                 and len(self.running) + len(self.queue) + cfg.group_size <= self.budget)):
-            index = c._admit_one(self.version)
+            index = c.admit_one(self.version)
             if index is None:
                 return
-            entries = c._entries([index])
+            entries = c.entries([index])
             if c.live[index].discards:  # a re-queued prompt goes to the head of the queue
                 self.queue.extendleft(reversed(entries))
             else:
@@ -205,7 +208,7 @@ class Phase:
             m.samples_finished += 1
             m.len_finished_sum += len(s.response_ids)
             if all(x.status in DONE for x in c.live[index].samples):
-                c._harvest(index, self.version, self.released, m, self.pinned, self.members, self.pending_pinned)
+                c.harvest(index, self.version, self.released, m, self.pinned, self.members, self.pending_pinned)
 
     def drain(self) -> None:
         """Pinned groups hold the rest of the batch: stop admitting, abort every unpinned sample."""
@@ -225,8 +228,8 @@ class Phase:
         if cfg.release_cap:  # never release more than the cap, in flight included
             target = min(target, cfg.release_cap - len(self.released) - self.m.groups_filtered)
         before = len(c.live)
-        c._admit(self.version, target)
-        self.queue.extend(c._entries(list(c.live)[before:]))
+        c.admit(self.version, target)
+        self.queue.extend(c.entries(list(c.live)[before:]))
 
     # ---- when it ends -------------------------------------------------------------------
     def pending_pinned(self) -> int:
@@ -258,7 +261,7 @@ class Phase:
     def end(self) -> tuple[list[Group], PhaseMetrics]:
         """Abort what still runs (kept or discarded by mode), advance the clock, fill in the phase's metrics."""
         c, m = self.c, self.m
-        c._end_phase(self.running, self.engine_of, m, len(self.released))
+        c.end_phase(self.running, self.engine_of, m, len(self.released))
         end = max(self.times) if self.times else c.clock
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0

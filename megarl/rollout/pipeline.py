@@ -105,7 +105,7 @@ class Pipeline:
     the trainer's thread calls ``take``, ``after_take``, ``sync``, ``step_done`` once per step and ``hold`` around
     whatever needs idle engines. Only rank 0 (``leader``) runs a thread; the caller shares what ``take`` gives."""
 
-    def __init__(self, mode: str, generate: Callable[[int, int], Rollout] | None, staleness_limit: int,
+    def __init__(self, mode: str, generate: Callable[[int, int], Rollout], staleness_limit: int,
                  leader: bool = True) -> None:
         self.mode, self.generate, self.k, self.leader = mode, generate, staleness_limit, leader
         self.gate = EngineGate()

@@ -1,34 +1,33 @@
-"""The fault-injection hooks the tests arm: environment variables, read once per process; nothing happens
-when they are unset. Product code calls them at named hook points only (``injected``, ``kill_point``, ...).
+"""The fault-injection hooks the tests arm, by environment variables read when a session is built: ``install``
+wraps the session's rooms (its engines, trainer, weight sync and checkpoint saver) with the faults asked for, and
+does nothing when none is. The product's code paths hold no check of their own.
 
-- ``MEGARL_TEST_KILL=POINT@STEP[:N]`` — SIGKILL this process at the N-th (default 1st) time the
-  named point is reached during RL step STEP (1-based). Points: ``engine_step`` (generation),
-  ``optimizer_step`` (inside ``train_step``, before the optimizer), ``checkpoint_write`` (after the
-  model files of a run checkpoint, before its manifest).
+- ``MEGARL_TEST_KILL=POINT@STEP[:N]`` — SIGKILL this process at the N-th (default 1st) time the named point is
+  reached during RL step STEP (1-based). Points: ``engine_step`` (generation), ``optimizer_step`` (after the
+  backward, before the optimizer), ``checkpoint_write`` (after the model files of a run checkpoint, before its
+  manifest).
 - ``MEGARL_TEST_SLOW_STOP=SECONDS`` — a checkpoint saved after this process received a preemption signal sleeps
-  SECONDS at ``checkpoint_write`` (its model files written, its manifest not yet): a checkpoint that takes longer
-  than Slurm's GraceTime, so that the SIGKILL lands mid-save (``tests/cluster/test_slurm.py``).
-- ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — inject ``nan_grad`` (a NaN in the policy's first
-  gradient), ``engine_error`` (the engine raises on its 3rd step), ``engine_error_one_rank`` (the same on rank 0
-  only: at engine TP > 1 its peers must not wait for it inside vLLM's collectives), ``engine_unrecoverable``
-  (under torchrun, the in-place recovery after an engine error fails: the run stops with a checkpoint) or
-  ``sync_error`` (the weight sync's stream breaks half-way) during RL step STEP, or ``engine_hang`` (the engine's 3rd
-  step blocks forever on the last rank — rank 0 in one process — while its peers wait for it at the step's
-  agreement: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75), or ``engine_stall``
-  (from the engine's 3rd step of RL step STEP every step schedules nothing until the engine is reset: the
-  controller's no-progress guard must raise ``EngineStalled``, contained by the keeper).
-- ``MEGARL_TEST_FAULT=replica_dies_before_audit@STEP`` — disaggregated replicas: replica 0 is SIGKILLed right
-  before the ``sync.check_every`` audit of the sync that ends RL step STEP (``kill_replica``): the audit's
-  generation fails and ``RunKeeper.sync`` must restart the replicas, sync again and run the audit again.
-- ``MEGARL_TEST_FAULT=checkpoint_writer_dies@STEP`` — the helper process megatron's checkpoint writer keeps (a
-  multiprocessing Manager, from the first save on) is SIGKILLed before the save after RL step STEP
-  (``kill_checkpoint_writer``): the save must start a new one (``compat.megatron.drop_dead_checkpoint_writer``).
-  ``checkpoint_writer_dies_mid_save@STEP``: killed after that check, so that the save itself fails: the run must
-  stop with exit 75 (``keeper.SaveFailed``; the requeued job resumes from the last complete checkpoint).
-- ``MEGARL_TEST_FAULT=forward_error_last_rank@STEP[:N]`` — the vLLM model's forward raises at its N-th (default
-  1st) call during RL step STEP on the last rank only (``arm_forward_fault``, installed when the engine starts):
-  at colocated engine TP > 1 its peers block in the TP all-reduce of their own forward, which no agreement
-  around the step can reach (``tests/distributed/test_watchdog.py``).
+  SECONDS at ``checkpoint_write``: a checkpoint that takes longer than Slurm's GraceTime, so that the SIGKILL lands
+  mid-save (``tests/cluster/test_slurm.py``).
+- ``MEGARL_TEST_FAULT=KIND@STEP[,KIND@STEP...]`` — during RL step STEP:
+  ``nan_grad`` (a NaN in the policy's first gradient); ``engine_error`` (the engine raises before its 3rd step);
+  ``engine_error_one_rank`` (the same on rank 0 only: at engine TP > 1 its peers must not wait for it inside
+  vLLM's collectives); ``engine_unrecoverable`` (under torchrun, the in-place recovery after an engine error
+  fails: the run stops with a checkpoint); ``sync_error`` (the weight sync's stream breaks half-way);
+  ``engine_hang`` (the engine's 3rd step blocks forever on the last rank — rank 0 in one process — while its
+  peers wait for it: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75);
+  ``engine_stall`` (from the engine's 3rd step every step schedules nothing until the engine is reset: the
+  controller's no-progress guard must raise ``EngineStalled``, contained by the keeper);
+  ``replica_dies_before_audit`` (disaggregated replicas: replica 0 is SIGKILLed right before the
+  ``sync.check_every`` audit of the sync that ends step STEP: the keeper must restart the replicas, sync again
+  and run the audit again); ``checkpoint_writer_dies`` (megatron's checkpoint-writer helper process is SIGKILLed
+  before the save after step STEP: the save must start a new one) and ``checkpoint_writer_dies_mid_save`` (killed
+  after that check, so the save itself fails: exit 75, ``SaveFailed``); ``forward_error_last_rank[:N]`` (the vLLM
+  model's forward raises at its N-th call on the last rank only: at colocated engine TP > 1 its peers block in
+  the TP all-reduce of their own forward, which no agreement around the step can reach).
+
+Colocated engines only for the engine hooks: a disaggregated replica's process runs no hooks. The RL step is the
+one the loop announces to the watchdog (``distributed.watchdog.note_rl_step``).
 """
 
 from __future__ import annotations
@@ -42,57 +41,16 @@ import time
 from megarl.compat.megatron import checkpoint_writer_process
 from megarl.distributed.collectives import rank_and_world
 from megarl.distributed.signals import signalled
+from megarl.distributed.watchdog import rl_step
+from megarl.engines.colocated import ColocatedEngines
+from megarl.engines.remote.replicas import EngineReplicas
+from megarl.types import StepReport
+from megarl.weight_sync.streaming import WeightsOverride
 
 log = logging.getLogger(__name__)
 
-_step = 0  # the RL step being run (1-based), for the test hooks
+ENGINE_STEP_FAULTS = ("engine_error", "engine_error_one_rank", "engine_hang", "engine_stall")
 _seen: collections.Counter = collections.Counter()
-
-
-def set_step(step: int) -> None:
-    """Tell the hooks which RL step (1-based) is running."""
-    global _step
-    _step = step
-
-
-def current_step() -> int:
-    """The RL step (1-based) the hooks think is running (0 before the first)."""
-    return _step
-
-
-def on_last_rank() -> bool:
-    """This process is the last rank (or the only process): where the one-rank fault hooks strike."""
-    rank, world = rank_and_world()
-    return rank == world - 1
-
-
-def hang_forever() -> None:
-    """The ``engine_hang`` test hook: block like a wedged collective (sleeping, so the watchdog thread runs)."""
-    log.info(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT "
-             "(a test hook)")
-    while True:
-        time.sleep(3600)
-
-
-def arm_forward_fault(model) -> None:
-    """The ``forward_error_last_rank`` test hook: wrap ``model.forward`` (vLLM's model, after load) on the last
-    rank so that it raises at the N-th call of the named RL step; nothing when the hook is not asked for."""
-    wanted = [(step, nth) for name, step, nth in _parse("MEGARL_TEST_FAULT") if name == "forward_error_last_rank"]
-    if not wanted or not on_last_rank():
-        return
-    inner, calls = model.forward, collections.Counter()
-
-    def forward(*args, **kwargs):
-        for step, nth in wanted:
-            if step == _step:
-                calls[step] += 1
-                if calls[step] == nth:
-                    log.info(f"rank {rank_and_world()[0]}: forward error injected by "
-                             f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)")
-                    raise RuntimeError("forward fault injected by MEGARL_TEST_FAULT (a test hook)")
-        return inner(*args, **kwargs)
-
-    model.forward = forward
 
 
 def _parse(var: str) -> list[tuple[str, int, int]]:
@@ -104,10 +62,23 @@ def _parse(var: str) -> list[tuple[str, int, int]]:
     return out
 
 
+def _asked(*kinds: str) -> bool:
+    return any(name in kinds for name, _, _ in _parse("MEGARL_TEST_FAULT"))
+
+
+def injected(kind: str, nth: int = 1) -> bool:
+    """True (once) when ``MEGARL_TEST_FAULT`` asks for this fault in this step, at its ``nth`` reach."""
+    for name, step, _ in _parse("MEGARL_TEST_FAULT"):
+        if name == kind and step == rl_step():
+            _seen[(kind, step)] += 1
+            return _seen[(kind, step)] == nth
+    return False
+
+
 def kill_point(point: str) -> None:
-    """SIGKILL this process here when ``MEGARL_TEST_KILL`` names this point and step (a test hook)."""
+    """SIGKILL this process here when ``MEGARL_TEST_KILL`` names this point and step."""
     for name, step, nth in _parse("MEGARL_TEST_KILL"):
-        if name == point and step == _step:
+        if name == point and step == rl_step():
             _seen[(point, step)] += 1
             if _seen[(point, step)] == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -118,18 +89,151 @@ def kill_point(point: str) -> None:
         time.sleep(float(delay))
 
 
-def kill_replica(engine, k: int) -> None:
-    """SIGKILL disaggregated replica ``k`` and wait for it to be gone (rank 0 drives the replicas; a colocated
-    engine has none: nothing happens)."""
-    clients = getattr(engine, "clients", None) or []
-    if k < len(clients):
-        log.info(f"engine replica {k} killed by MEGARL_TEST_FAULT (a test hook)")
-        clients[k].proc.kill()
-        clients[k].proc.join(30)
+def _killing_at(point: str) -> bool:
+    return any(name == point for name, _, _ in _parse("MEGARL_TEST_KILL")) or (
+        point == "checkpoint_write" and bool(os.environ.get("MEGARL_TEST_SLOW_STOP")))
+
+
+def on_last_rank() -> bool:
+    rank, world = rank_and_world()
+    return rank == world - 1
+
+
+def hang_forever() -> None:
+    """Block like a wedged collective (sleeping, so the watchdog thread runs)."""
+    log.info(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT (a test hook)")
+    while True:
+        time.sleep(3600)
+
+
+def install(session) -> None:
+    """Wrap ``session``'s rooms with the faults the environment asks for (nothing when it asks for none)."""
+    if not (_parse("MEGARL_TEST_FAULT") or _parse("MEGARL_TEST_KILL") or os.environ.get("MEGARL_TEST_SLOW_STOP")):
+        return
+    engines = session.engines
+    if isinstance(engines, ColocatedEngines):
+        if _asked(*ENGINE_STEP_FAULTS) or _killing_at("engine_step"):
+            _faulty_steps(engines.local)
+        if _asked("engine_unrecoverable"):
+            _failing_recovery(engines.engine)
+        if _asked("forward_error_last_rank"):
+            _failing_forward(engines.engine.worker.model_runner.get_model())
+    if _asked("sync_error"):
+        _breaking_loads(engines)
+    if _asked("replica_dies_before_audit") and isinstance(engines, EngineReplicas):
+        _dying_audit(session.weight_sync, engines)
+    if _asked("nan_grad") or _killing_at("optimizer_step"):
+        _nan_or_kill_before_optimizer(session.trainer)
+    if _asked("checkpoint_writer_dies", "checkpoint_writer_dies_mid_save") or _killing_at("checkpoint_write"):
+        _faulty_saves(session.saver)
+
+
+def _faulty_steps(slot) -> None:
+    """The engine step hooks inside a ``VLLMSlotEngine``'s guarded step (and around its reset, which ends a stall).
+    A fault is a problem of this rank's, agreed over the engine's TP group before the step as a real one would be."""
+    step, reset, stalled = slot._step, slot.reset, [False]
+
+    def faulty_step() -> StepReport:
+        kill_point("engine_step")
+        problem = ""
+        if injected("engine_error", nth=3):
+            problem = "engine fault injected by MEGARL_TEST_FAULT (a test hook)"
+        if injected("engine_error_one_rank", nth=3) and rank_and_world()[0] == 0:
+            problem = "engine fault injected on rank 0 only by MEGARL_TEST_FAULT (a test hook)"
+        if injected("engine_hang", nth=3) and on_last_rank():
+            hang_forever()  # the last rank only: its peers block at the agreement below
+        slot._agree(problem, "before vLLM's step")
+        stalled[0] = stalled[0] or injected("engine_stall", nth=3)
+        if stalled[0]:  # what vLLM did with its slots held by a failed call's requests: nothing scheduled
+            return StepReport([], 0.0, slot.num_active())
+        return step()
+
+    def reset_stall() -> None:
+        stalled[0] = False
+        reset()
+
+    slot._step, slot.reset = faulty_step, reset_stall
+
+
+def _failing_recovery(engine) -> None:
+    recover = engine.recover
+
+    def failing() -> None:
+        if injected("engine_unrecoverable"):
+            raise RuntimeError("recovery fault injected by MEGARL_TEST_FAULT (a test hook)")
+        recover()
+
+    engine.recover = failing
+
+
+def _failing_forward(model) -> None:
+    """The vLLM model's forward raising at the N-th call of the named RL step, on the last rank only."""
+    wanted = [(step, nth) for name, step, nth in _parse("MEGARL_TEST_FAULT") if name == "forward_error_last_rank"]
+    if not on_last_rank():
+        return
+    inner, calls = model.forward, collections.Counter()
+
+    def forward(*args, **kwargs):
+        for step, nth in wanted:
+            if step == rl_step():
+                calls[step] += 1
+                if calls[step] == nth:
+                    log.info(f"rank {rank_and_world()[0]}: forward error injected by "
+                             f"MEGARL_TEST_FAULT at call {nth} of RL step {step} (a test hook)")
+                    raise RuntimeError("forward fault injected by MEGARL_TEST_FAULT (a test hook)")
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def broken_half_way(weights, total: int):
+    """``weights`` raising after ``total // 2`` of its ``total`` tensors."""
+    for i, item in enumerate(weights):
+        if i >= total // 2:
+            raise ConnectionError("sync fault injected by MEGARL_TEST_FAULT (a test hook): the stream broke half-way")
+        yield item
+
+
+def _breaking_loads(engines) -> None:
+    load = engines.load
+
+    def breaking(stream, version: int, in_flight: bool = False):
+        if injected("sync_error"):
+            total = sum(len(pieces) for pieces in stream.piece_plan())
+            stream = WeightsOverride(stream, broken_half_way(stream.weights(), total))
+        return load(stream, version, in_flight)
+
+    engines.load = breaking
+
+
+def _dying_audit(weight_sync, engines) -> None:
+    audit = weight_sync.audit
+
+    def dying(eng, version: int) -> float:
+        if injected("replica_dies_before_audit") and engines.clients:
+            log.info("engine replica 0 killed by MEGARL_TEST_FAULT (a test hook)")
+            engines.clients[0].proc.kill()
+            engines.clients[0].proc.join(30)
+        return audit(eng, version)
+
+    weight_sync.audit = dying
+
+
+def _nan_or_kill_before_optimizer(trainer) -> None:
+    grads = trainer.grad_buffers
+
+    def faulty():
+        kill_point("optimizer_step")
+        out = grads()
+        if injected("nan_grad") and out:
+            out[0][0] = float("nan")
+        return out
+
+    trainer.grad_buffers = faulty
 
 
 def kill_checkpoint_writer() -> None:
-    """SIGKILL megatron's checkpoint-writer Manager process of this process, if one runs (a test hook)."""
+    """SIGKILL megatron's checkpoint-writer Manager process of this process, if one runs."""
     process = checkpoint_writer_process()
     if process is not None and process.is_alive():
         log.info(f"rank {rank_and_world()[0]}: checkpoint writer helper (pid {process.pid}) killed by "
@@ -138,10 +242,18 @@ def kill_checkpoint_writer() -> None:
         process.join(10)
 
 
-def injected(kind: str, nth: int = 1) -> bool:
-    """True (once) when ``MEGARL_TEST_FAULT`` asks for this fault in this step (a test hook)."""
-    for name, step, _ in _parse("MEGARL_TEST_FAULT"):
-        if name == kind and step == _step:
-            _seen[(kind, step)] += 1
-            return _seen[(kind, step)] == nth
-    return False
+def _faulty_saves(saver) -> None:
+    save, write_files = saver.save, saver.write_files
+
+    def faulty_save(step: int, state):
+        if injected("checkpoint_writer_dies"):
+            kill_checkpoint_writer()
+        return save(step, state)
+
+    def faulty_write(tmp, state) -> None:
+        if injected("checkpoint_writer_dies_mid_save"):
+            kill_checkpoint_writer()
+        write_files(tmp, state)
+        kill_point("checkpoint_write")
+
+    saver.save, saver.write_files = faulty_save, faulty_write

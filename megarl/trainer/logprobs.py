@@ -20,16 +20,16 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return -nll.t()
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """H = log Σ e^z − Σ p·z per position (z = logits / T), summed across TP vocabulary shards."""
-    from megatron.core import parallel_state as mpu
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+    """H = log Σ e^z − Σ p·z per position (z = logits / T), summed across the TP vocabulary shards of ``tp_group``
+    (None: the whole vocabulary is here)."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     z = logits.float() / temperature
-    tp = mpu.get_tensor_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     z_max = z.max(dim=-1, keepdim=True).values.detach()
     if tp > 1:
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
     z = z - z_max
     e = torch.exp(z)
     denom = e.sum(dim=-1)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.compat.megatron import llama3_inv_freq
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.models.hf_config import (
@@ -236,8 +237,8 @@ def scale_rope(rotary: torch.nn.Module, cfg: dict) -> None:
     construction). ``check_model_math`` has refused every other type."""
     rope = rope_parameters(cfg)
     if rope["rope_type"] == "llama3":
-        rotary.inv_freq = rotary._apply_scaling(
-            rotary.inv_freq, factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+        rotary.inv_freq = llama3_inv_freq(
+            rotary, rotary.inv_freq, factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
     elif rope["rope_type"] == "yarn":

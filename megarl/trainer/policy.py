@@ -10,16 +10,15 @@ normaliser) without the trainer knowing which one is in use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_config import num_experts
-from megarl.testing.faults import injected, kill_point
-from megarl.trainer.export import gather_hf_weights
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.trainer.routing import (
@@ -68,19 +67,6 @@ class ValueHead(torch.nn.Module):
             # (the default reduce-scatter, right before a vocab-parallel layer, gave the backbone TP× its gradient)
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
-
-
-def count_expert_grads_once(optimizer) -> None:
-    """Give megatron's expert optimizer the expert TP group to skip TP duplicates by, in the grad norm (and zero
-    count). megatron-core 0.16 gives every optimizer the dense TP group: at etp < tp an expert is whole on each
-    rank, and a dense TP rank > 0 then leaves its experts out (measured, grad norm vs one process: EP 2 × TP 2 ×
-    expert TP 1 0.2% low on every rank; TP 2 × expert TP 1 0.5% low on rank 1 only, so ranks clipped by
-    different factors). Counted once each over the expert TP group, the norm is one process's on every rank."""
-    from megatron.core import parallel_state as mpu
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if opt.param_groups and all(g.get("is_expert_parallel") for g in opt.param_groups):
-            opt.tp_group = mpu.get_expert_tensor_parallel_group()
 
 
 class PolicyTrainer:
@@ -175,7 +161,7 @@ class PolicyTrainer:
             ),
             self.chunks,
         )
-        count_expert_grads_once(self.optimizer)
+        count_expert_grads_once(self.optimizer, ps.etp_group)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -240,7 +226,7 @@ class PolicyTrainer:
                 else:
                     out = token_logprobs(logits, mb["labels"], temperature)
                     if with_entropy:
-                        mb["entropy"] = token_entropy(logits, temperature)
+                        mb["entropy"] = token_entropy(logits, temperature, self.ps.tp_group if self.ps.tp > 1 else None)
                 if loss_fn is None:  # forward only: hand the logprobs (or values) back
                     return torch.zeros((), requires_grad=False), {"logprobs": out.detach().cpu()}
                 per_token, metrics = loss_fn(out, mb)
@@ -267,9 +253,7 @@ class PolicyTrainer:
             for taps in self.taps.values():
                 clear_targets(taps)
         if batch.routes is not None and self.taps:  # every rank (a collective)
-            from megatron.core import parallel_state as mpu
-
-            self.route_stats = stats.metrics(mpu.get_pipeline_model_parallel_group())
+            self.route_stats = stats.metrics(self.ps.pp_group)
         return out
 
     @torch.no_grad()
@@ -277,11 +261,8 @@ class PolicyTrainer:
         """``value`` as the last pipeline stage has it, on every stage (the loss and logprobs live there)."""
         if self.ps.pp == 1:
             return value
-        from megatron.core import parallel_state as mpu
-
         box = [value]
-        torch.distributed.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
-                                                group=mpu.get_pipeline_model_parallel_group())
+        torch.distributed.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
         return box[0]
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -295,12 +276,10 @@ class PolicyTrainer:
         if self.ps.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)
             if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
-                from megatron.core import parallel_state as mpu
-
                 # without the rows ``_local`` padded for the pipeline schedule (else the next rank's rows are lost)
                 local = local[: len(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])]
                 parts: list = [None] * self.ps.dp
-                torch.distributed.all_gather_object(parts, local, group=mpu.get_data_parallel_group())
+                torch.distributed.all_gather_object(parts, local, group=self.ps.dp_group)
                 local = torch.cat(parts, dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
@@ -329,6 +308,10 @@ class PolicyTrainer:
         k = self.tcfg.moe_router_topk
         return assemble_recorded(pieces, batch.size, batch.seq_len, len(self.route_columns), k)
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""
+        return [b.grad_data for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
         if self.optimizer is None:
@@ -337,11 +320,7 @@ class PolicyTrainer:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(batch, loss_fn, forward_only=False)
-        kill_point("optimizer_step")
-        grads = [b.grad_data for c in self.chunks for b in c.buffers + c.expert_parallel_buffers]
-        if injected("nan_grad") and grads:
-            grads[0][0] = float("nan")
-        bad = nonfinite([o["loss_sum"] for o in out], grads, self.device)
+        bad = nonfinite([o["loss_sum"] for o in out], self.grad_buffers(), self.device)
         if bad:  # skip the step: weights and optimizer state stay as they are
             self.last_nonfinite, ok, grad_norm = bad, False, float("nan")
         else:
@@ -355,18 +334,12 @@ class PolicyTrainer:
                 if key not in ("loss_sum", "has_tokens"):
                     metrics[key] = float(sum(o[key] for o in real) / len(real))
             if self.ps.dp > 1:  # the loss is a sum over the DP ranks' rows; the other metrics are means
-                from megatron.core import parallel_state as mpu
-
                 keys = sorted(k for k in metrics if k not in ("grad_norm", "skipped"))
                 values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-                torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
+                torch.distributed.all_reduce(values, group=self.ps.dp_group)
                 for k, v in zip(keys, values.tolist()):
                     metrics[k] = v if k == "loss" else v / self.ps.dp
         metrics = self._from_last_stage(metrics)
         if batch.routes is not None:  # measured on every rank, over every rank
             metrics.update(self.route_stats)
         return metrics  # every stage reports the loss (rank 0 logs)
-
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full model under HF names (gathered across TP/PP/EP), for the engines."""
-        return gather_hf_weights(self.modules, self.hf_cfg, self.ps, num_experts(self.hf_cfg))

@@ -13,9 +13,9 @@ import torch
 
 from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_to_tokens
 from megarl.algo.batch import aggregation_weights, batch_routes, build_batch, per_token, positive_nll_scale
-from megarl.algo.curriculum import minibatch_rows
 from megarl.algo.filters import overlong_mask
 from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
+from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
 from megarl.trainer.policy import PolicyTrainer
@@ -27,6 +27,12 @@ class Learners:
     policy: PolicyTrainer
     critic: PolicyTrainer | None = None
     reference: PolicyTrainer | None = None
+
+    def named(self) -> list[tuple[str, PolicyTrainer]]:
+        """The learners there are, by name (a run checkpoint's directories): the policy, and the critic and the
+        reference where the algorithm has them."""
+        return [(n, t) for n, t in (("policy", self.policy), ("critic", self.critic), ("reference", self.reference))
+                if t is not None]
 
 
 def norm_tokens(cfg: RunConfig) -> int:

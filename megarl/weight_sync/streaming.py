@@ -20,24 +20,23 @@ the largest gathered tensor — independent of the number of layers. In one proc
 broadcast) ``weights(zero_copy=True)`` hands a colocated engine views of the trainer's own
 tensors wherever no gather, cast or re-layout is needed, and packs only the rest (the QKV split). The names and layouts come
 from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
-only move bytes, and the tests hold the result equal to ``export.gather_hf_weights``.
+only move bytes, and the tests hold the result equal to ``gather.gather_hf_weights``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megarl import native
 from megarl.models.hf_adapter import head_layout, megatron_to_hf
 from megarl.models.hf_config import num_experts
 from megarl.models.sharding import LAYER_NAME, global_name, local_expert_name, tp_split_dim
+from megarl.weight_sync import native
 
 
 @dataclass(frozen=True)
@@ -101,14 +100,19 @@ class StreamingSync:
     _buckets: tuple | None = None  # ((bucket_bytes, dtype), the buckets) as last grouped
     _device: torch.device = torch.device("cpu")  # where the trainer's weights (and so the buckets) live
 
+    @classmethod
+    def of(cls, trainer, dtype: torch.dtype, bucket_mib: float) -> StreamingSync:
+        """The stream of ``trainer``'s weights (a ``PolicyTrainer``: its chunks, config and layout), cast to
+        ``dtype`` (the engines'), in buckets of ``bucket_mib``."""
+        return cls(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg), int(bucket_mib * 2**20),
+                   dtype)
+
     def plan(self) -> list[Entry]:
         if self._plan is None:
             self._plan = self._build_plan()
         return self._plan
 
     def _build_plan(self) -> list[Entry]:
-        from megatron.core import parallel_state as mpu
-
         ps, layers = self.ps, self.hf_cfg["num_hidden_layers"]
         mine = []
         for vp, module in enumerate(self.modules):
@@ -121,7 +125,7 @@ class StreamingSync:
                 group = None
                 leader = ps.rank
                 if dim is not None:
-                    group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
+                    group = ps.etp_group if expert else ps.tp_group
                     leader = dist.get_process_group_ranks(group)[0]
                 shape = list(p.shape)
                 if dim is not None:
@@ -230,6 +234,18 @@ class StreamingSync:
             if mine:
                 yield bucket
 
+    def piece_plan(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """The HF (name, shape) pieces of each bucket, in send order (what a replica is told before the bytes)."""
+        return [[(n, tuple(shape)) for e in entries for n, shape in e.hf] for entries in self.buckets()]
+
+    def sends(self) -> tuple[Iterator[torch.Tensor], list[int]]:
+        """For engines in processes of their own: this rank's flat buckets in plan order and the trainer rank each
+        bucket of the plan comes from. One trainer process sends every bucket; several send their own
+        (``owned_buckets``, a collective)."""
+        if self.ps.world_size == 1:
+            return flat_buckets(self.weights(), self.piece_plan()), [0] * len(self.buckets())
+        return self.owned_buckets(), [entries[0].source for entries in self.buckets()]
+
     def _views(self, e: Entry) -> list[tuple[str, torch.Tensor]] | None:
         """``e``'s HF pieces as views of the local parameter, when they lie in it one after another as
         they are (one piece, or gate/up of an unsplit ``linear_fc1``) and it is in the engine's dtype."""
@@ -283,25 +299,38 @@ def _offsets(pieces) -> list[int]:
     return out
 
 
-_SYNCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def flat_buckets(weights: Iterator[tuple[str, torch.Tensor]], plan: list) -> Iterator[torch.Tensor]:
+    """Streamed (name, view) pairs regrouped into the flat bucket tensors of ``plan`` (``piece_plan``) they view."""
+    it = iter(weights)
+    for pieces in plan:
+        views = [next(it)[1] for _ in pieces]
+        base = views[0]._base
+        total = sum(v.numel() for v in views)
+        if base is not None and base.dim() == 1 and base.numel() == total:
+            yield base
+        else:
+            yield torch.cat([v.reshape(-1) for v in views])
 
 
-def engine_dtype(engine) -> torch.dtype:
-    """The dtype the engine's weights are in (replicas in processes of their own say it; an in-process engine's is
-    vLLM's model config), float32 when it does not say."""
-    if isinstance(named := getattr(engine, "weights_dtype", None), torch.dtype):
-        return named
-    llm = getattr(engine, "llm", None)
-    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+class WeightsOverride:
+    """A stream with ``stream``'s plan whose tensors are ``weights`` instead (a test's, a bench's, an injected
+    fault's): rank 0 sends every bucket of them, as one trainer process would."""
 
+    def __init__(self, stream: StreamingSync, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.stream, self._weights, self.dtype = stream, weights, stream.dtype
 
-def streaming_sync(trainer, engine, bucket_mib: float) -> StreamingSync:
-    """The (cached) streaming sync of ``trainer``'s weights for ``engine``."""
-    sync = _SYNCS.get(trainer)
-    if sync is None:
-        sync = StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg),
-                             int(bucket_mib * 2**20), engine_dtype(engine))
-        _SYNCS[trainer] = sync
-    return sync
+    @property
+    def stats(self) -> SyncStats:
+        return self.stream.stats
 
+    def buckets(self) -> list[list[Entry]]:
+        return self.stream.buckets()
+
+    def piece_plan(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        return self.stream.piece_plan()
+
+    def weights(self, zero_copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._weights
+
+    def sends(self) -> tuple[Iterator[torch.Tensor], list[int]]:
+        return flat_buckets(self._weights, self.piece_plan()), [0] * len(self.buckets())

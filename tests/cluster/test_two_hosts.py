@@ -222,7 +222,7 @@ def test_the_published_address_is_the_veth_s_in_every_host_name_variant(two_host
 
 GROUP_SENDER = """
 import sys, torch
-from megarl.engines.remote.transfer import join_group, listen
+from megarl.weight_sync.transport import join_group, listen
 from megarl.engines.remote.nodes import node_address
 sock = listen(node_address())
 host, port = sock.getsockname()
@@ -234,7 +234,7 @@ print("sent", flush=True)
 
 GROUP_RECEIVER = """
 import sys, torch
-from megarl.engines.remote.transfer import join_group
+from megarl.weight_sync.transport import join_group
 group = join_group(sys.argv[1], int(sys.argv[2]), 1, 2, "gloo", 60)
 got = torch.zeros(1000)
 group.broadcast(got, 0).wait()

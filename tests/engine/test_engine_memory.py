@@ -21,17 +21,20 @@ def test_sleep_level_is_checked_before_launch():
 
 
 def test_cpu_skips_sleep_and_offload_with_one_line_each():
-    from megarl.engines.memory import Handover
+    from types import SimpleNamespace
+
+    from megarl.engines.memory import EngineSleep, Handover
 
     lines = []
-    h = Handover(object(), object(), sleep_level=2, offload=True, log=lines.append)
+    sleeper = EngineSleep(object(), 2, log=lines.append)  # what colocated engines hold (engine.sleep_level)
+    h = Handover(SimpleNamespace(sleep=sleeper.sleep, wake=sleeper.wake), object(), offload=True, log=lines.append)
     for _ in range(3):
         h.to_train()
         h.to_generate()
     assert len(lines) == 2
     assert "engine.sleep_level=2" in lines[0] and "skipped" in lines[0]
     assert "trainer.offload_during_rollout" in lines[1] and "skipped" in lines[1]
-    assert not h.sleep.asleep and not h.offload.offloaded
+    assert not sleeper.asleep and not h.offload.offloaded
 
 
 @pytest.mark.gpu

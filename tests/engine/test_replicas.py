@@ -86,9 +86,9 @@ def test_megarl_train_disaggregated_two_replicas_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_restart_gives_the_controller_handles_new_processes(tmp_path):
     """After an engine error the keeper restarts the engines: same handles, fresh processes, same outputs."""
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.remote.replicas import EngineReplicas
     from megarl.models.tiny import TinyShape, make_tiny_model
+    from megarl.types import GenerationRequest
 
     model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=0)
     replicas = EngineReplicas(str(model), 2, 1, 64, 0.0625, 4)
@@ -142,7 +142,7 @@ def test_megarl_train_survives_a_replica_killed_just_before_the_sync_audit(tmp_p
     (exit 0), and no process of the run is left."""
     proc, rows, left = _train_with_audit_kill(tmp_path, "engine.max_restarts=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    out = proc.stdout + proc.stderr  # (faults are warnings: stderr)
     assert "engine replica 0 killed by MEGARL_TEST_FAULT" in out
     assert "weight sync to version 2: engine error (" in out and "the sync and its audit run again; restart 1/2" in out
     assert "step 3/3 |" in out

@@ -151,8 +151,9 @@ def test_a_failed_resync_mode_sync_is_repaired_by_the_keeper_in_a_training_run(t
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "sync_error@1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "engine unusable until re-synced" in proc.stdout
-    assert "EngineUnusable" in proc.stdout and "restart 1/" in proc.stdout, proc.stdout[-3000:]
+    out = proc.stdout + proc.stderr  # (faults are warnings: stderr)
+    assert "engine unusable until re-synced" in out
+    assert "EngineUnusable" in out and "restart 1/" in out, out[-3000:]
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
 

@@ -7,8 +7,6 @@ real ``megarl train`` whose engine stalls (the engine_stall test hook), containe
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from helpers.scripts import ROOT, run_script
@@ -17,10 +15,10 @@ from megarl.compat.vllm import cpu_attention_head_sizes
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.validate.limits import check_engine_head_size, check_local_engine_memory
 from megarl.config.validate.limits import cuda_available as _cuda
-from megarl.engines.protocol import StepReport
 from megarl.models.tiny import TinyShape, hf_config
 from megarl.rollout.controller import STALL_STEPS, ControllerConfig, EngineStalled, PromptItem, RolloutController
 from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
+from megarl.types import StepReport
 
 
 def tiny_args(tmp_path) -> list[str]:
@@ -42,25 +40,26 @@ def test_max_model_len_below_prompt_plus_response_names_the_three_values():
                                 "rollout.max_new_tokens=12"]), 1)
 
 
-def test_recover_logs_rank_0_without_a_process_group(capsys):
-    """``RunKeeper._recover``'s message path (``_restart``: count, log, stop past ``engine.max_restarts``) in one
-    process with no torch.distributed group (it called ``dist.get_rank()`` and crashed the keeper with 'Default
-    process group has not been initialized')."""
+def test_an_engine_error_is_logged_as_rank_0_without_a_process_group(capsys):
+    """The fault policy's engine-error path (count, log, stop past ``engine.max_restarts``) in one process with no
+    torch.distributed group (the keeper called ``dist.get_rank()`` there once and crashed with 'Default process
+    group has not been initialized')."""
     import torch.distributed as dist
 
-    from megarl.keeper import RunKeeper, StopRun
+    from megarl.distributed.collectives import rank_and_world
+    from megarl.faults import Action, FaultPolicy
     from megarl.logging.console import configure
 
-    configure()  # as every entry point does (its handlers write to the sys.stdout of the moment: capsys's here)
+    configure()  # as every entry point does (its handlers write to the sys.stderr of the moment: capsys's here)
     assert not dist.is_initialized()
-    keeper = types.SimpleNamespace(s=types.SimpleNamespace(controller=None), restarts=0, failing=3,
-                                   cfg=load_config(None, ["engine.max_restarts=3"]))
-    with pytest.raises(StopRun, match="engine failed 4 times in a row"):
-        RunKeeper._restart(keeper, ValueError("maximum context length is 8 tokens"), "step 1: engine error mid-phase",
-                           "0 live groups restored")
+    policy = FaultPolicy(max_restarts=3, max_bad_steps=0, max_failed_reward_steps=0, rank=rank_and_world()[0])
+    policy.failing = 3
+    decision = policy.engine_error(ValueError("maximum context length is 8 tokens"), "step 1: engine error mid-phase",
+                                   "0 live groups restored")
+    assert decision.action is Action.STOP and "engine failed 4 times in a row" in decision.reason
     assert "rank 0 step 1: engine error mid-phase (ValueError: maximum context length is 8 tokens)" in \
-        capsys.readouterr().out
-    assert keeper.restarts == 1
+        capsys.readouterr().err  # (a fault: a warning)
+    assert policy.restarts == 1
 
 
 # ---- ranges, --nproc, the KV cache against this machine's memory ------------------------------------

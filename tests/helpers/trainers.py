@@ -84,3 +84,33 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     cfg = read_hf_config(model_dir)
     return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head,
                                     precision=precision)
+
+
+def hf_weights(trainer):
+    """The trainer's full HF-named weights on every rank (the sync's plain reference, ``weight_sync.gather``)."""
+    from megarl.models.hf_config import num_experts
+    from megarl.weight_sync.gather import gather_hf_weights
+
+    return gather_hf_weights(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg))
+
+
+def rank_gaps(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8) -> list[float]:
+    """The audit's probe on each rank's own engine (``engine``: this rank's ``VLLMEngine``; colocated replicas hold
+    different ones), every rank's probe exchanged and scored by the whole trainer: one gap per rank."""
+    import torch.distributed as dist
+
+    from megarl.algo.batch import build_batch
+    from megarl.types import GenerationRequest
+
+    vocab = int(trainer.hf_cfg["vocab_size"])
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
+    temp = float(getattr(trainer, "temperature", 1.0))
+    outs = engine.generate([GenerationRequest(p, n=1, max_tokens=tokens, temperature=temp) for p in ids], seed=seed)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(o[0].token_ids, o[0].logprobs) for o in outs])
+    gaps: list[float] = []
+    for probe in every:
+        batch = build_batch(ids, [t for t, _ in probe], [lp for _, lp in probe])
+        gaps.append(float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max()))
+    return gaps

@@ -14,7 +14,7 @@ from megarl.algo.advantage import (
     vapo_advantages,
 )
 from megarl.algo.batch import aggregation_weights, build_batch, positive_nll_scale
-from megarl.algo.curriculum import CurriculumSource, PassRateTracker, budget_weights, minibatch_rows
+from megarl.algo.curriculum import CurriculumSource, PassRateTracker, budget_weights
 from megarl.algo.filters import (
     degenerate_group_probability,
     is_informative,
@@ -23,6 +23,7 @@ from megarl.algo.filters import (
     soft_overlong_penalty,
 )
 from megarl.algo.losses import gspo_loss, kl_penalty, mismatch_metrics, ppo_clip_loss, truncated_is_weights, value_loss
+from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn
 from megarl.config.schema import AlgoConfig
 from megarl.types import Group, Sample

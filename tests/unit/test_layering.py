@@ -1,17 +1,20 @@
 """The house stays in order: every unit of ``megarl/`` (a package, or a top-level module) imports only units below
 it in ``LAYERS``, so the package import graph has no cycle; an import made inside a function says why it is
 deferred (start-up cost), since one made there to dodge a cycle is what this test exists to prevent.
-``docs/architecture.md`` draws the same order."""
+``docs/architecture.md`` draws the same order. And each room keeps what is its own: only ``engines/`` asks what kind
+of engine it holds, only ``distributed/`` and ``compat/`` reach megatron's parallel globals, only ``testing/``
+reads the test hooks' environment."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 MEGARL = Path(__file__).resolve().parents[2] / "megarl"
 
-LAYERS = ["types", "native", "data", "models", "distributed", "compat", "testing", "rewards", "checkpoint", "logging",
-          "config", "algo", "launch", "trainer", "engines", "weight_sync", "rollout", "convert", "session", "keeper",
+LAYERS = ["types", "data", "models", "distributed", "compat", "rewards", "checkpoint", "logging", "config", "algo",
+          "launch", "trainer", "weight_sync", "engines", "rollout", "convert", "testing", "faults", "session", "keeper",
           "evaluation", "train", "cli"]
 """Bottom to top: a unit may import the units before it, never one after it."""
 
@@ -72,5 +75,53 @@ def test_imports_inside_functions_say_why_they_are_deferred():
 def test_the_check_itself_sees_an_upward_import():
     """A deliberately wrong edge is caught (the scan reads relative and ``from megarl import x`` forms too)."""
     found = {(unit, other) for _, _, unit, other, _, _ in _imports()}
-    assert ("weight_sync", "native") in found  # `from megarl import native`
+    assert ("weight_sync", "distributed") in found
     assert ("session", "rollout") in found and LAYERS.index("rollout") < LAYERS.index("session")
+
+
+def _sources(outside: str) -> list[tuple[Path, int, str]]:
+    """(file, line number, line) of every line of ``megarl/`` outside the unit ``outside``."""
+    return [(path.relative_to(MEGARL), n, line) for path in sorted(MEGARL.rglob("*.py"))
+            if path.relative_to(MEGARL).parts[0].removesuffix(".py") not in outside.split()
+            for n, line in enumerate(path.read_text().splitlines(), 1)]
+
+
+def test_only_engines_ask_what_kind_of_engine_they_hold():
+    """The rest of the code holds ``engines.protocol.Engines`` and calls it; no ``hasattr`` probing of an engine."""
+    probing = re.compile(r"hasattr\(\s*[\w.]*engine")
+    found = [f"{f}:{n}: {line.strip()}" for f, n, line in _sources("engines") if probing.search(line)]
+    assert not found, "hasattr on an engine outside engines/:\n" + "\n".join(found)
+
+
+def test_only_distributed_and_compat_reach_megatron_parallel_globals():
+    """``ParallelState`` carries the process groups; megatron's ``parallel_state`` module is read where it is built."""
+    found = [f"{f}:{n}: {line.strip()}" for f, n, line in _sources("distributed compat")
+             if re.search(r"megatron\.core(\.| import )parallel_state|import parallel_state", line)]
+    assert not found, "megatron.core.parallel_state outside distributed/ and compat/:\n" + "\n".join(found)
+
+
+def test_only_testing_reads_the_test_hooks():
+    """Faults are injected by wrappers ``testing/`` installs; product code names no ``MEGARL_TEST_`` variable."""
+    found = [f"{f}:{n}: {line.strip()}" for f, n, line in _sources("testing") if "MEGARL_TEST_" in line]
+    assert not found, "MEGARL_TEST_ outside testing/:\n" + "\n".join(found)
+
+
+def test_the_room_checks_see_a_violation(tmp_path):
+    """Each room check fails on a line that breaks its rule (so an empty result means something)."""
+    global MEGARL
+    fake = tmp_path / "megarl"
+    (fake / "rollout").mkdir(parents=True)
+    (fake / "rollout" / "bad.py").write_text("from megatron.core import parallel_state as mpu\n"
+                                             "ok = hasattr(self.engine, 'clients')\nx = 'MEGARL_TEST_FAULT'\n")
+    checks = (test_only_engines_ask_what_kind_of_engine_they_hold,
+              test_only_distributed_and_compat_reach_megatron_parallel_globals, test_only_testing_reads_the_test_hooks)
+    MEGARL, saved = fake, MEGARL
+    try:
+        for check in checks:
+            try:
+                check()
+            except AssertionError:
+                continue
+            raise AssertionError(f"{check.__name__} passed on a file that breaks its rule")
+    finally:
+        MEGARL = saved

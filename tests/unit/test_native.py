@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from megarl import native
 from megarl.models.hf_adapter import qkv_from_megatron
 from megarl.models.sharding import join_tp_shards
+from megarl.weight_sync import native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

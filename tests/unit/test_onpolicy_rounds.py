@@ -41,7 +41,7 @@ def make(mode, lengths, unbalanced=False, **kw):
                for _ in range(ENGINES)]
     ctrl = RolloutController(cfg, engines, next_prompt)
     if unbalanced:  # the shared pull queue only: what long rounds did before LPT placement
-        ctrl._balance = lambda queue, only, engines: [collections.deque() for _ in engines]
+        ctrl.balance = lambda queue, only, engines: [collections.deque() for _ in engines]
     return ctrl, produced
 
 
@@ -64,8 +64,8 @@ def test_balance_places_known_long_work_evenly():
     for i, hint in enumerate([900, 800, 300, 200, 100, 100]):
         ctrl._new_group(PromptItem(i, [1]), 0)
         ctrl.progress[i] = hint
-    queue = ctrl._queue(set(range(6)), set())
-    own = ctrl._balance(queue, set(range(5)), ctrl.engines)  # prompt 5 is not a member: it stays shared
+    queue = ctrl.run_order(set(range(6)), set())
+    own = ctrl.balance(queue, set(range(5)), ctrl.engines)  # prompt 5 is not a member: it stays shared
     assert [j for _, j in queue] == [0, 1, 2, 3] and {i for i, _ in queue} == {5}
     loads = [sum(ctrl.progress[i] for i, _ in q) for q in own]
     assert loads == [4600, 4600]  # 4 samples each of 900, 800, 300, 200, 100: split evenly

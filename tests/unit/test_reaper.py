@@ -65,9 +65,9 @@ def test_only_segments_nobody_uses_are_unlinked():
 
 @pytest.mark.slow
 def test_a_killed_tp2_replica_leaves_no_worker_and_no_ring_in_dev_shm(tmp_path):
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.remote.replicas import EngineReplicas
     from megarl.models.tiny import TinyShape, make_tiny_model
+    from megarl.types import GenerationRequest
 
     model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=0)
     before = set(Path("/dev/shm").glob("psm_*"))

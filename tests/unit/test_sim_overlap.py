@@ -102,11 +102,12 @@ def _live_peaks(lag: int, lengths: list[int]) -> tuple[int, RolloutController]:
     engines = [SimulatedEngine(16, lambda key: lengths[(key[0] % 64) * 8 + key[1]], StepTimeModel(), 32)
                for _ in range(2)]
     items = iter(range(10 ** 6))
-    ctrl = RolloutController(cfg, engines, lambda: PromptItem(next(items), [1]))
-    peak, before = [0], [0]
-    ctrl.on_engine_step = lambda *_: peak.append(len(ctrl.live) + len(ctrl.released) - before[0])
+    peak, before, served = [0], [0], [0]
+    ctrl = RolloutController(cfg, engines, lambda: PromptItem(next(items), [1]),
+                             on_engine_step=lambda *_: peak.append(len(ctrl.live) + len(ctrl.released) - before[0]),
+                             engine_version=lambda _t: served[0])
     for version in (3, 4, 5):  # (earlier phases, at the same lag, leave live groups as a run would)
-        ctrl.engine_version = lambda _t, version=version: version - lag
+        served[0] = version - lag
         before[0] = len(ctrl.released)
         groups, _ = ctrl.run_phase(version)
         assert len(groups) == 4

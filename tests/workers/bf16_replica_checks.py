@@ -25,7 +25,7 @@ PROBE_SEED = 5
 def probe_requests(vocab: int):
     import torch
 
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     g = torch.Generator().manual_seed(PROBE_SEED)
     return [GenerationRequest(torch.randint(2, vocab, (6,), generator=g).tolist(), n=1, max_tokens=12, greedy=True)
@@ -51,12 +51,11 @@ def fresh_engine(model_dir: str) -> list:
 
 
 def main(run_dir: str) -> None:
-    from helpers.trainers import fixed_batch
+    from helpers.trainers import fixed_batch, hf_weights
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config import load_config
     from megarl.convert.export import export_hf
     from megarl.session import build_session
-    from megarl.weight_sync.protocol import WeightSyncProtocol
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "model.make_tiny=qwen2",
@@ -67,16 +66,16 @@ def main(run_dir: str) -> None:
         vocab = s.hf_cfg["vocab_size"]
         s.trainer.train_step(fixed_batch(vocab), lambda lp, mb: ppo_clip_loss(
             lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
-        metrics = WeightSyncProtocol(s.engine, s.trainer, cfg.sync.bucket_mib, check_every=0).run(1)
-        replica = [[o[0].token_ids, o[0].logprobs] for o in s.engine.generate(probe_requests(vocab), seed=0)]
+        metrics = s.weight_sync.run(s.engines, 1).metrics()
+        replica = [[o[0].token_ids, o[0].logprobs] for o in s.engines.generate(probe_requests(vocab), seed=0)]
         export = export_hf(s.trainer, cfg.model.path, f"{run_dir}/export")
-        params = sum(t.numel() for _, t in s.trainer.hf_weights())
-        print(json.dumps({"sync_bytes": metrics["sync/bytes"], "params": params, "version": s.engine.weight_version,
-                          "replica_dtype": str(s.engine.weights_dtype),
+        params = sum(t.numel() for _, t in hf_weights(s.trainer))
+        print(json.dumps({"sync_bytes": metrics["sync/bytes"], "params": params,
+                          "version": min(s.engines.served_versions()), "replica_dtype": str(s.engines.dtype),
                           "equal_to_exported": replica == fresh_engine(str(export)),
                           "equal_to_original": replica == fresh_engine(cfg.model.path)}), flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python tests/workers/bf16_sync_checks.py MODEL_DIR
 
 A trainer in bf16 and one in fp32 each take two PPO steps and stream their weights into the same bfloat16
-engine through the loop's sync (``streaming_sync``: buckets in the engine's dtype). After each sync every engine
+engine through the loop's sync (``StreamingSync``: buckets in the engine's dtype). After each sync every engine
 weight is read back: plain tensors (embedding, norms, lm_head) as they are, the linear layers that vLLM's CPU
 backend repacked for oneDNN through the layer itself on an identity matrix (exact: one product of 1.0 per output,
 accumulated in fp32, rounded to bf16; on a GPU they are plain tensors). Prints, per trainer, how many HF tensors equal the trainer's own bit for
@@ -68,10 +68,11 @@ def main(model_dir: str) -> None:
     engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, seed=0, max_num_seqs=8, dtype="bfloat16")
     from megatron.core import parallel_state as mpu
 
+    from helpers.trainers import hf_weights
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
     from megarl.weight_sync.protocol import logprob_gap
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.weight_sync.streaming import StreamingSync
 
     results = {}
     for layout, precision in (("bf16_single", "bf16"), ("single", "fp32")):
@@ -82,16 +83,16 @@ def main(model_dir: str) -> None:
         for _ in range(2):
             trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
                                                                    mb["loss_mask"], 0.2, 0.28))
-        sync = streaming_sync(trainer, engine, 1 / 16)
+        sync = StreamingSync.of(trainer, engine.dtype, 1 / 16)
         engine.update_weights(sync.weights())
-        want = {k: v.to(torch.bfloat16).cpu() for k, v in as_engine_names(dict(trainer.hf_weights())).items()}
+        want = {k: v.to(torch.bfloat16).cpu() for k, v in as_engine_names(dict(hf_weights(trainer))).items()}
         got = engine_weights(engine)
         results[precision] = {
             "names": sorted(want) == sorted(got), "tensors": len(want),
             "bitwise_equal": sum(torch.equal(got[k], want[k]) for k in want if k in got),
-            "trainer_dtypes": sorted({str(t.dtype) for t in dict(trainer.hf_weights()).values()}),
+            "trainer_dtypes": sorted({str(t.dtype) for t in dict(hf_weights(trainer)).values()}),
             "bucket_dtype": str(sync.dtype), "bytes": sync.stats.bytes,
-            "params": sum(t.numel() for t in dict(trainer.hf_weights()).values()),
+            "params": sum(t.numel() for t in dict(hf_weights(trainer)).values()),
             "gap": logprob_gap(engine, trainer, seed=3),
             "eager": engine._args["enforce_eager"],  # engine.enforce_eager=auto: eager on CPU, CUDA graphs on GPUs
         }

@@ -25,7 +25,7 @@ def main(action: str, layout: str, model_dir: str, work: str) -> None:
     from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
     from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
-    from megarl.trainer.export import gather_full_megatron
+    from megarl.weight_sync.gather import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0))
     batch = fixed_batch(cfg["vocab_size"])

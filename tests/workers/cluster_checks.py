@@ -55,7 +55,7 @@ def main(run_dir: str, *overrides: str) -> None:
             m = rl_step(s, step, keeper)
             steps.append({k: m.get(k) for k in ("engine/version", "sync/logprob_gap", "sync/failures", "sync/bytes",
                                                 "sync/sent_bytes", "sync/peak_extra_mib", "reward/mean")})
-        senders, sent_by_rank = s.engine.senders, s.engine.sent_by_rank
+        senders, sent_by_rank = s.engines.senders, s.engines.sent_by_rank
         # a replica killed mid-broadcast: rank 0 kills replica 1 after sending two of its buckets
         if rank == 0:
             plain = StreamingSync.owned_buckets
@@ -63,7 +63,7 @@ def main(run_dir: str, *overrides: str) -> None:
             def killing(sync):
                 for i, bucket in enumerate(plain(sync)):
                     if i == 2:
-                        os.kill(s.engine.clients[1].proc.pid, signal.SIGKILL)
+                        os.kill(s.engines.clients[1].proc.pid, signal.SIGKILL)
                     yield bucket
 
             StreamingSync.owned_buckets = killing
@@ -72,20 +72,20 @@ def main(run_dir: str, *overrides: str) -> None:
         killed_s = time.perf_counter() - start
         if rank == 0:
             StreamingSync.owned_buckets = plain
-        alive_after_kill = [c.proc.is_alive() for c in s.engine.clients]
+        alive_after_kill = [c.proc.is_alive() for c in s.engines.clients]
         after = rl_step(s, 3, keeper)  # its phase hits the dead replicas: the keeper restarts them
-        gaps = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(2)]
+        gaps = [logprob_gap(_On(s.engines, k), s.trainer, seed=9) for k in range(2)]
         mine = {"steps": steps, "senders": senders, "sent_by_rank": sent_by_rank,
                 "killed": {k: killed.get(k) for k in ("sync/failures", "engine/version")}, "killed_s": killed_s,
-                "alive_after_kill": alive_after_kill, "restarts": keeper.restarts,
+                "alive_after_kill": alive_after_kill, "restarts": keeper.faults.restarts,
                 "after": {k: after.get(k) for k in ("sync/failures", "engine/version", "sync/logprob_gap",
                                                      "faults/engine_restarts")},
-                "gaps": gaps, "versions": s.engine.versions}
+                "gaps": gaps, "versions": s.engines.versions}
         ranks = cluster.gather(mine)
         if rank == 0:
             print(json.dumps({"ranks": ranks}), flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 class _On:
@@ -104,8 +104,8 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
     from megarl.config import load_config
     from megarl.session import build_session
     from megarl.train import rl_step
-    from megarl.weight_sync.protocol import WeightSyncProtocol
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.weight_sync.protocol import WeightSync
+    from megarl.weight_sync.streaming import StreamingSync, WeightsOverride
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
@@ -115,7 +115,7 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
     s = build_session(cfg)
     try:
         steps = [rl_step(s, step) for step in range(2)]
-        stream = streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
+        stream = StreamingSync.of(s.trainer, s.engines.dtype, cfg.sync.bucket_mib)
         total, lines = len(stream.buckets()), []
 
         def broken():
@@ -124,13 +124,13 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
                     raise ConnectionError("injected: the link died after half of the buckets")
                 yield name, t
 
-        proto = WeightSyncProtocol(s.engine, s.trainer, cfg.sync.bucket_mib, check_every=1, log=lines.append)
-        failed = proto.run(3, weights=broken())
-        ok = proto.run(3)
+        proto = WeightSync(s.trainer, s.engines.dtype, cfg.sync.bucket_mib, check_every=1, say=lines.append)
+        failed = proto.run(s.engines, 3, stream=WeightsOverride(stream, broken())).metrics()
+        ok = proto.run(s.engines, 3).metrics()
         print(json.dumps({"gaps": [m["sync/logprob_gap"] for m in steps], "versions": [m["engine/version"] for m in steps],
                           "failed": failed, "log": lines, "ok": ok}), flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 def layout(run_dir: str, *overrides: str) -> None:
@@ -140,14 +140,13 @@ def layout(run_dir: str, *overrides: str) -> None:
     model written by transformers, ``tests/helpers/hf_models.py``, e.g. ``hf=qwen3_tied`` with a tied LM head)."""
     import torch.distributed as dist
 
-    import megarl.train
     from megarl.config import load_config
     from megarl.distributed import collectives as cluster
     from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.trainer.sft import supervised_warmup
     from megarl.weight_sync import streaming
-    from megarl.weight_sync.protocol import logprob_gap, sync_weights
+    from megarl.weight_sync.protocol import logprob_gap
 
     hf = [o.split("=", 1)[1] for o in overrides if o.startswith("hf=")]
     overrides = tuple(o for o in overrides if not o.startswith("hf="))
@@ -183,13 +182,13 @@ def layout(run_dir: str, *overrides: str) -> None:
         return extra
 
     streaming.StreamingSync._fill = recorded_fill
-    stale = []
+    stale, run_sync = [], s.weight_sync.run
 
-    def sync_after_gap(engine, trainer, sync_cfg, version):  # the engine's gap measured before each sync
-        stale.append(logprob_gap(engine, trainer, seed=50 + version))
-        return sync_weights(engine, trainer, sync_cfg, version)
+    def sync_after_gap(engines, version, in_flight=False, stream=None):  # the engines' gap measured before each sync
+        stale.append(logprob_gap(engines, s.trainer, seed=50 + version))
+        return run_sync(engines, version, in_flight, stream)
 
-    megarl.train.sync_weights = sync_after_gap
+    s.weight_sync.run = sync_after_gap
     try:  # a short supervised warm-up first: the trainer moves away from the checkpoint the replicas load
         supervised_warmup(s.trainer, s.tokenizer, s.task, 2, 16, 3e-3, log=lambda *a, **k: None)
         steps = []
@@ -197,20 +196,20 @@ def layout(run_dir: str, *overrides: str) -> None:
             m = rl_step(s, step)
             steps.append({k: m.get(k) for k in ("engine/version", "sync/logprob_gap", "sync/failures", "sync/bytes",
                                                 "sync/sent_bytes", "loss/grad_norm")})
-        gaps = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(cfg.engine.replicas)]
-        sync = streaming.streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
-        mine = {"senders": s.engine.senders, "sent_by_rank": s.engine.sent_by_rank, "wrote": sorted(wrote),
+        gaps = [logprob_gap(_On(s.engines, k), s.trainer, seed=9) for k in range(cfg.engine.replicas)]
+        sync = s.weight_sync.stream  # the stream the last sync sent
+        mine = {"senders": s.engines.senders, "sent_by_rank": s.engines.sent_by_rank, "wrote": sorted(wrote),
                 "gathered": sorted(gathered), "gave": sorted(gave), "local": sorted(sync._local),
                 "peak_extra": sync.stats.peak_extra_bytes}
         ranks = cluster.gather(mine)
         if rank == 0:
             plan = [(e.name, e.source, e.numel * sync.dtype.itemsize) for e in sync.plan()]
-            print(json.dumps({"steps": steps, "stale": stale, "gaps": gaps, "versions": s.engine.versions,
+            print(json.dumps({"steps": steps, "stale": stale, "gaps": gaps, "versions": s.engines.versions,
                               "plan": plan, "ranks": ranks, "tied": bool(s.trainer.hf_cfg.get("tie_word_embeddings")),
                               "dispatcher": s.trainer.tcfg.moe_token_dispatcher_type}),
                   flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 if __name__ == "__main__":

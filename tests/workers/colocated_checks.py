@@ -7,13 +7,13 @@ Builds the run's session with the real ``build_session`` (colocated placement, e
 engine was given and every token event it reported, then:
 
 - a supervised warm-up; each rank's engine logprobs vs the trainer's before the sync (stale)
-  and after it (``rank_gaps``: every rank's engine, each probe scored by the whole trainer);
+  and after it (``helpers.trainers.rank_gaps``: every rank's engine, each probe scored by the whole trainer);
 - RL steps in partial mode through ``train.rl_step`` (its sync audits every rank's engine,
   ``sync.check_every=1``), keeping a digest of each phase's released groups (tokens, behaviour
   logprobs, versions, rewards) and of the controller's buffer;
 - the same prompt submitted to two replicas right after one reseed: the samples must differ
   (each replica samples from a stream of its own);
-- evaluation through ``Session.generator``: each replica generates its share, the result equals one engine's;
+- evaluation through the session's ``engines``: each replica generates its share, the result equals one engine's;
 - an engine error on one replica: raised on every rank, no request left in flight;
 - a reward that answers differently per rank, through ``shared_rewards``: every rank gets rank 0's.
 
@@ -40,15 +40,15 @@ def main(run_dir: str, *overrides: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from helpers.trainers import rank_gaps
     from megarl.checkpoint.session_state import buffer_digest
     from megarl.config import load_config
     from megarl.engines.colocated import ColocatedReplicas
-    from megarl.engines.protocol import SlotRequest
     from megarl.rollout.scoring import shared_rewards
     from megarl.session import build_session
     from megarl.train import rl_step
     from megarl.trainer.sft import supervised_warmup
-    from megarl.weight_sync.protocol import rank_gaps, sync_weights
+    from megarl.types import SlotRequest
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "model.make_tiny=qwen2",
@@ -90,17 +90,18 @@ def main(run_dir: str, *overrides: str) -> None:
 
     supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr,
                       log=lambda *a, **k: None)
-    gap_stale = rank_gaps(s.engine, s.trainer, seed=3)  # the engines still hold the checkpoint
-    sync_weights(s.engine, s.trainer, cfg.sync, version=0)
-    gap_synced = rank_gaps(s.engine, s.trainer, seed=4)
+    own = s.engines.engine  # this rank's engine
+    gap_stale = rank_gaps(own, s.trainer, seed=3)  # the engines still hold the checkpoint
+    s.weight_sync.run(s.engines, 0)
+    gap_synced = rank_gaps(own, s.trainer, seed=4)
     audits, versions, grad_norms, stale = [], [], [], []
-    import megarl.train
+    run_sync = s.weight_sync.run
 
-    def sync_after_gap(engine, trainer, sync_cfg, version):  # the loop's sync, the engines' gap measured first
-        stale.append(max(rank_gaps(engine, trainer, seed=100 + version)))
-        return sync_weights(engine, trainer, sync_cfg, version)
+    def sync_after_gap(engines, version, in_flight=False, stream=None):  # the loop's sync, the gap measured first
+        stale.append(max(rank_gaps(own, s.trainer, seed=100 + version)))
+        return run_sync(engines, version, in_flight, stream)
 
-    megarl.train.sync_weights = sync_after_gap
+    s.weight_sync.run = sync_after_gap
     for k in range(cfg.train.steps):
         phase["step"] = k
         m = rl_step(s, k)
@@ -124,19 +125,19 @@ def main(run_dir: str, *overrides: str) -> None:
     same_prompt = [tokens[f"same:{j}"] for j in range(face.replicas)]
 
     # evaluation shared out: each replica generates its share, every rank gets all of it, as one engine gives
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     probe = [GenerationRequest(p.ids, max_tokens=12, greedy=True) for p in s.eval_prompts]
-    counted, engine_generate = [], s.engine.generate
+    counted, engine_generate = [], own.generate
 
     def counted_generate(requests, seed):
         counted.append(len(requests))
         return engine_generate(requests, seed)
 
-    s.engine.generate = counted_generate
-    shared_out = [[c.token_ids for c in o] for o in s.generator.generate(probe, seed=0)]
-    whole = [[c.token_ids for c in o] for o in s.engine.generate(probe, seed=0)]
-    s.engine.generate = engine_generate
+    own.generate = counted_generate
+    shared_out = [[c.token_ids for c in o] for o in s.engines.generate(probe, seed=0)]
+    whole = [[c.token_ids for c in o] for o in own.generate(probe, seed=0)]
+    own.generate = engine_generate
 
     # an engine error on the last replica only: every rank raises it after the step's exchange
     def failing_step():

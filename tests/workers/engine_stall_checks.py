@@ -25,10 +25,10 @@ def main(workdir: str) -> None:
     import torch.distributed as dist
 
     from megarl.distributed.parallel import init_process_group
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine
     from megarl.models.tiny import TinyShape, make_tiny_model
     from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
+    from megarl.types import GenerationRequest
 
     work = Path(workdir)
     bad = make_tiny_model(work / "hd16", TinyShape(family="qwen2", hidden_size=64, num_layers=2))

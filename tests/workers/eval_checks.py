@@ -12,14 +12,15 @@ import sys
 
 import torch
 
+from helpers.trainers import hf_weights
 from megarl.checkpoint.dist import save_checkpoint
 from megarl.config import load_config
-from megarl.engines.protocol import GenerationRequest
 from megarl.session import build_session
+from megarl.types import GenerationRequest
 
 
 def greedy(s, n=3):
-    outs = s.engine.generate([GenerationRequest(p.ids, max_tokens=s.cfg.rollout.max_new_tokens, greedy=True)
+    outs = s.engines.generate([GenerationRequest(p.ids, max_tokens=s.cfg.rollout.max_new_tokens, greedy=True)
                               for p in s.eval_prompts[:n]], seed=0)
     return [s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
 
@@ -33,7 +34,7 @@ def main(config: str, run_dir: str, *overrides: str) -> None:
         for m in s.trainer.modules:
             for p in m.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.float().std().clamp(min=0.02))
-    s.engine.update_weights(s.trainer.hf_weights())
+    s.engines.engine.update_weights(hf_weights(s.trainer))
     moved = greedy(s)
     save_checkpoint(s.trainer, f"{run_dir}/checkpoints/step_2/policy")
     with open(f"{run_dir}/checkpoints/latest", "w") as f:

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
 
 
 class KillOnGenerate:
@@ -37,10 +36,10 @@ class KillOnGenerate:
 
 def main(run_dir: str, *overrides: str) -> None:
     from megarl.config import load_config
-    from megarl.engines.protocol import GenerationRequest
     from megarl.keeper import RunKeeper, StopRun
     from megarl.session import build_session
-    from megarl.train import evaluate
+    from megarl.train import pass_at_1
+    from megarl.types import GenerationRequest
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
@@ -53,26 +52,26 @@ def main(run_dir: str, *overrides: str) -> None:
         probe = [GenerationRequest(p.ids, n=1, max_tokens=8, greedy=True) for p in s.eval_prompts]
 
         def greedy():  # what the evaluation scores: the greedy responses to the held-out prompts
-            return [c[0].token_ids for c in s.engine.generate(probe, seed=0)]
+            return [c[0].token_ids for c in s.engines.generate(probe, seed=0)]
 
-        clean = keeper.evaluate(lambda: evaluate(s), 0)
+        clean = keeper.evaluate(lambda: pass_at_1(s), 0)
         tokens_before = greedy()
-        pids = [c.proc.pid for c in s.engine.clients]
-        victim = s.engine.clients[0]  # the replica evaluation runs on
+        pids = [c.proc.pid for c in s.engines.clients]
+        victim = s.engines.clients[0]  # the replica evaluation runs on
         victim.conn = KillOnGenerate(victim)
         log = io.StringIO()
         start = time.perf_counter()
-        with contextlib.redirect_stdout(log):
-            recovered = keeper.evaluate(lambda: evaluate(s), 0)
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):  # (faults are warnings: stderr)
+            recovered = keeper.evaluate(lambda: pass_at_1(s), 0)
         recovered_s = time.perf_counter() - start
         tokens_after = greedy()
-        restarted = {"pids": [c.proc.pid for c in s.engine.clients], "alive": [c.proc.is_alive() for c in
-                     s.engine.clients], "versions": list(s.engine.versions), "faults": keeper.fault_metrics(1)}
+        restarted = {"pids": [c.proc.pid for c in s.engines.clients], "alive": [c.proc.is_alive() for c in
+                     s.engines.clients], "versions": list(s.engines.versions), "faults": keeper.fault_metrics(1)}
         # no restarts left: killed again, the evaluation is skipped; the next phase meets the dead replica
-        keeper.cfg = replace(cfg, engine=replace(cfg.engine, max_restarts=0))
+        keeper.faults.max_restarts = 0
         victim.conn = KillOnGenerate(victim)
-        with contextlib.redirect_stdout(log):
-            skipped = keeper.evaluate(lambda: evaluate(s), 0)
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            skipped = keeper.evaluate(lambda: pass_at_1(s), 0)
             try:
                 keeper.next_rollout(0, 0)
                 stop = ""
@@ -80,11 +79,11 @@ def main(run_dir: str, *overrides: str) -> None:
                 stop = str(exc)
         print(json.dumps({
             "clean": clean, "recovered": recovered, "same_tokens": tokens_before == tokens_after, "recovered_s": recovered_s, "pids_before": pids, **restarted,
-            "skipped_is_nan": math.isnan(skipped), "evals_skipped": keeper.evals_skipped, "stop": stop,
-            "restarts": keeper.restarts, "log": log.getvalue().splitlines(),
+            "skipped_is_nan": math.isnan(skipped), "evals_skipped": keeper.faults.evals_skipped, "stop": stop,
+            "restarts": keeper.faults.restarts, "log": log.getvalue().splitlines(),
         }), flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def vllm_loads(export: str) -> None:
 
     from megarl.algo.batch import build_batch
     from megarl.distributed.parallel import build_parallel_state
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
+    from megarl.types import GenerationRequest
 
     build_parallel_state()  # vLLM's external launcher joins this process group
     engine = VLLMEngine(export, max_model_len=64, kv_cache_gib=0.25, max_num_seqs=8)

@@ -60,13 +60,13 @@ def engine(work: str, name: str) -> None:
     set_cpu_engine_env(0.25)
     import vllm  # noqa: F401  (before the CPU adapter patches torch.cuda)
 
-    from helpers.trainers import build_trainer
+    from helpers.trainers import build_trainer, hf_weights
     from megarl.algo.batch import build_batch
     from megarl.algo.losses import nll_loss
     from megarl.config.schema import OptimConfig
     from megarl.distributed.parallel import build_parallel_state
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
+    from megarl.types import GenerationRequest
 
     build_parallel_state()  # vLLM's external launcher joins this process group
     path = make_hf_model(Path(work) / name, name, seed=3)
@@ -85,9 +85,9 @@ def engine(work: str, name: str) -> None:
     result = {"name": name}
     result["gap_before"], batch = gap(1)
     result["tokens"] = int(batch.loss_mask.sum())
-    before = dict(trainer.hf_weights())
+    before = dict(hf_weights(trainer))
     trainer.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
-    synced = dict(trainer.hf_weights())
+    synced = dict(hf_weights(trainer))
     result["moved"] = max(float((synced[k] - before[k]).abs().max()) for k in before)
     result["names"] = sorted(synced)
     eng.update_weights(synced.items())

@@ -23,7 +23,7 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     from megarl.trainer.policy import PolicyTrainer
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
-    from helpers.trainers import fixed_batch
+    from helpers.trainers import fixed_batch, hf_weights
 
     # FP8 GEMMs need dimensions that are multiples of 16.
     model = make_tiny_model(f"{work}/model", TinyShape(family=family, hidden_size=128,
@@ -45,7 +45,7 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     metrics = fp8.train_step(batch, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in fp8.modules[0].named_parameters())
     te = any("layer_norm_weight" in n for n in before)
-    exported = dict(fp8.hf_weights())  # TE names back to HF names, every tensor accounted for
+    exported = dict(hf_weights(fp8))  # TE names back to HF names, every tensor accounted for
     from megarl.models.tiny import hf_weight_shapes
 
     shapes_match = {k: tuple(v.shape) for k, v in exported.items()} == hf_weight_shapes(cfg)

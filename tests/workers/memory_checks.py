@@ -28,10 +28,9 @@ def sleep_checks(workdir: str, level: int) -> None:
 
     from megarl.distributed.parallel import init_process_group
     from megarl.engines.memory import EngineSleep
-    from megarl.engines.protocol import GenerationRequest
     from megarl.engines.vllm_engine import VLLMEngine
     from megarl.models.tiny import TinyShape, make_tiny_model
-    from megarl.weight_sync.protocol import load
+    from megarl.types import GenerationRequest
 
     model = make_tiny_model(os.path.join(workdir, "model"), TinyShape(family="qwen2"), seed=0)
     init_process_group()
@@ -46,8 +45,7 @@ def sleep_checks(workdir: str, level: int) -> None:
     asleep = free_bytes()
     sleep.wake()
     if level == 2:  # level 2 dropped the weights: the sync brings them back
-        load(engine, ((n, t.to("cuda")) for n, t in weights.items()))
-        engine.llm.reset_prefix_cache()
+        engine.load(((n, t.to("cuda")) for n, t in weights.items()), version=0)
     after = engine.generate(prompts, seed=0)[0][0]
     torch.cuda.synchronize()
     print(json.dumps({"freed_bytes": asleep - awake, "weights_bytes": weights_bytes,

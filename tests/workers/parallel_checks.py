@@ -28,7 +28,7 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
     from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
     from megarl.trainer import model as trainer_model
-    from megarl.trainer.export import gather_full_megatron
+    from megarl.weight_sync.gather import gather_full_megatron
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-5, micro_batch_size=2, grad_clip=1.0),
                                      head)

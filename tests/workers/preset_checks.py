@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from helpers.trainers import hf_weights
 from megarl.config import load_config
 from megarl.config.presets import PRESETS
 from megarl.models.hf_adapter import save_hf_checkpoint
 from megarl.session import build_controller, build_learners, build_session
 from megarl.train import rl_step
 from megarl.trainer.sft import supervised_warmup
+from megarl.weight_sync.protocol import WeightSync
 
 
 def snapshot(trainer) -> dict[str, torch.Tensor]:
@@ -35,9 +37,9 @@ def main(workdir: str) -> None:
     # A short supervised warm-up so that rewards vary within groups (a random policy scores 0 everywhere
     # and every advantage would be 0); the presets then start from this checkpoint.
     supervised_warmup(s.trainer, s.tokenizer, s.task, 60, 64, 3e-3, log=lambda *a: None)
-    save_hf_checkpoint(str(work / "warm"), s.trainer.hf_weights(), str(work / "model"))
+    save_hf_checkpoint(str(work / "warm"), hf_weights(s.trainer), str(work / "model"))
     base = [b for b in base if not b.startswith(("model.path", "model.make_tiny"))] + [f"model.path={work / 'warm'}"]
-    engine, source, score = s.controller.engines[0], s.controller.next_prompt, s.controller.score
+    engines, source, score = s.controller.engines, s.controller.next_prompt, s.controller.score
     out = {}
     for preset in PRESETS:
         extra = ["algo.minibatches=2", "algo.ppo_epochs=2"] if preset == "ppo" else []
@@ -48,8 +50,9 @@ def main(workdir: str) -> None:
         s.cfg = cfg
         s.learners = build_learners(cfg, s.hf_cfg, s.ps)
         s.trainer = s.learners.policy
-        s.engine.update_weights(s.trainer.hf_weights())
-        s.controller = build_controller(cfg, engine, source, score)
+        s.weight_sync = WeightSync(s.trainer, s.engines.dtype, cfg.sync.bucket_mib, cfg.sync.check_every)
+        s.engines.engine.update_weights(hf_weights(s.trainer))
+        s.controller = build_controller(cfg, engines, source, score)
         before = snapshot(s.trainer)
         steps, versions = [], []
         for step in range(3):

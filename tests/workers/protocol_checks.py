@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 def probe(engine, vocab: int) -> list:
     import torch
 
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(3)]
@@ -51,8 +51,9 @@ def main(model_dir: str) -> None:
     from helpers.trainers import build_trainer, fixed_batch
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
-    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.engines.colocated import ColocatedEngines
+    from megarl.weight_sync.protocol import WeightSync, logprob_gap
+    from megarl.weight_sync.streaming import StreamingSync, WeightsOverride
 
     ps, cfg, trainer = build_trainer("single", model_dir, OptimConfig(lr=3e-3, micro_batch_size=4, grad_clip=1.0))
     batch = fixed_batch(cfg["vocab_size"])
@@ -62,10 +63,11 @@ def main(model_dir: str) -> None:
                                                                mb["loss_mask"], 0.2, 0.28))
 
     lines: list[str] = []
-    proto = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16, check_every=1, log=lines.append)
+    engines = ColocatedEngines(engine, 8, 1)
+    proto = WeightSync(trainer, engines.dtype, bucket_mib=1 / 16, check_every=1, say=lines.append)
     step()
     before = probe(engine, cfg["vocab_size"])
-    stream = streaming_sync(trainer, engine, 1 / 16)
+    stream = StreamingSync.of(trainer, engines.dtype, 1 / 16)
     total = len(stream.buckets())
     fed = {"tensors": 0}
 
@@ -76,14 +78,14 @@ def main(model_dir: str) -> None:
             fed["tensors"] += 1
             yield name, t
 
-    failed = proto.run(1, weights=broken(stream))
+    failed = proto.run(engines, 1, stream=WeightsOverride(stream, broken(stream))).metrics()
     after_failure = probe(engine, cfg["vocab_size"])
     failed_stages = [s.value for s in proto.stages]
-    ok = proto.run(1)
+    ok = proto.run(engines, 1).metrics()
     ok_stages = [s.value for s in proto.stages]
-    gap_synced = logprob_gap(engine, trainer, seed=3)
+    gap_synced = logprob_gap(engines, trainer, seed=3)
     step()
-    gap_skipped = logprob_gap(engine, trainer, seed=3)  # the trainer moved on; the engine did not
+    gap_skipped = logprob_gap(engines, trainer, seed=3)  # the trainer moved on; the engine did not
     resync = resync_checks(engine, trainer, cfg["vocab_size"], broken)
     print(json.dumps({**resync,
         "buckets": total, "tensors_fed": fed["tensors"], "failed": failed, "failed_stages": failed_stages,
@@ -97,22 +99,25 @@ def main(model_dir: str) -> None:
 def resync_checks(engine, trainer, vocab: int, broken) -> dict:
     """``sync.rollback=resync`` against ``copy`` on the same engine: peak extra RSS of a full sync, then a
     failed load (no backup: the engine refuses to generate) repaired by the next full sync."""
+    from megarl.engines.colocated import ColocatedEngines
     from megarl.engines.memory import peak_rss_added
-    from megarl.engines.protocol import SlotRequest
     from megarl.engines.vllm_engine import VLLMSlotEngine
-    from megarl.engines.weight_update import EngineUnusable
-    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.types import SlotRequest
+    from megarl.weight_sync.load import EngineUnusable
+    from megarl.weight_sync.protocol import WeightSync, logprob_gap
+    from megarl.weight_sync.streaming import StreamingSync, WeightsOverride
 
     lines: list[str] = []
-    proto = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16, log=lines.append, rollback="resync")
+    resyncing, copying = ColocatedEngines(engine, 8, 1, rollback="resync"), ColocatedEngines(engine, 8, 1)
+    proto = WeightSync(trainer, resyncing.dtype, bucket_mib=1 / 16, say=lines.append)
     model_bytes = sum(p.numel() * p.element_size() for m in trainer.modules for p in m.parameters())
-    copy = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16)  # the default: sync.rollback=copy
+    copy = WeightSync(trainer, copying.dtype, bucket_mib=1 / 16)  # the default: sync.rollback=copy
     copy_metrics, resync_metrics = {}, {}
-    peaks = [peak_rss_added(lambda: copy_metrics.update(copy.run(3))),  # alternated: neither runs first alone
-             peak_rss_added(lambda: resync_metrics.update(proto.run(3))),
-             peak_rss_added(lambda: copy.run(3)), peak_rss_added(lambda: proto.run(3))]
-    failed = proto.run(4, weights=broken(streaming_sync(trainer, engine, 1 / 16)))
+    peaks = [peak_rss_added(lambda: copy_metrics.update(copy.run(copying, 3).metrics())),  # alternated
+             peak_rss_added(lambda: resync_metrics.update(proto.run(resyncing, 3).metrics())),
+             peak_rss_added(lambda: copy.run(copying, 3)), peak_rss_added(lambda: proto.run(resyncing, 3))]
+    stream = StreamingSync.of(trainer, resyncing.dtype, 1 / 16)
+    failed = proto.run(resyncing, 4, stream=WeightsOverride(stream, broken(stream))).metrics()
     refused = []
     for attempt in (lambda: probe(engine, vocab),
                     lambda: VLLMSlotEngine(engine, 4).submit(SlotRequest("r", [3, 5, 7], 4, 1.0, 1.0)),
@@ -122,11 +127,11 @@ def resync_checks(engine, trainer, vocab: int, broken) -> dict:
             refused.append("")
         except EngineUnusable as exc:
             refused.append(str(exc))
-    repaired = proto.run(4)
+    repaired = proto.run(resyncing, 4).metrics()
     return {"model_bytes": model_bytes, "peaks_copy": peaks[0::2], "peaks_resync": peaks[1::2],
             "backup_copy_mib": copy_metrics["sync/backup_mib"], "backup_resync_mib": resync_metrics["sync/backup_mib"],
             "resync_failed": failed, "resync_log": lines, "refused": refused, "resync_repaired": repaired,
-            "resync_gap": logprob_gap(engine, trainer, seed=5)}
+            "resync_gap": logprob_gap(resyncing, trainer, seed=5)}
 
 
 def ranks(model_dir: str) -> None:
@@ -146,41 +151,43 @@ def ranks(model_dir: str) -> None:
     from helpers.trainers import build_trainer, fixed_batch
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
-    from megarl.engines.weight_update import EngineUnusable
-    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.engines.colocated import ColocatedEngines
+    from megarl.weight_sync.load import EngineUnusable
+    from megarl.weight_sync.protocol import WeightSync, logprob_gap
+    from megarl.weight_sync.streaming import StreamingSync, WeightsOverride
 
     ps, cfg, trainer = build_trainer("tp2_sp", model_dir, OptimConfig(lr=3e-3, micro_batch_size=4, grad_clip=1.0))
     trainer.train_step(fixed_batch(cfg["vocab_size"]), lambda lp, mb: ppo_clip_loss(
         lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
     lines: list[str] = []
-    proto = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16, log=lines.append)
+    engines = ColocatedEngines(engine, 8, world)
+    proto = WeightSync(trainer, engines.dtype, bucket_mib=1 / 16, say=lines.append)
     before = probe(engine, cfg["vocab_size"])
-    stream = streaming_sync(trainer, engine, 1 / 16)
+    stream = StreamingSync.of(trainer, engines.dtype, 1 / 16)
 
     def fails_at_the_end_on_rank_1():
         yield from stream.weights()
         if rank == 1:
             raise ValueError("injected: rank 1's last tensor is bad")
 
-    failed = proto.run(1, weights=fails_at_the_end_on_rank_1())
+    failed = proto.run(engines, 1, stream=WeightsOverride(stream, fails_at_the_end_on_rank_1())).metrics()
     after = probe(engine, cfg["vocab_size"])
-    ok = proto.run(1)
-    gap = logprob_gap(engine, trainer, seed=3)
+    ok = proto.run(engines, 1).metrics()
+    gap = logprob_gap(engines, trainer, seed=3)
     # sync.rollback=resync: the same failure marks every rank's engine unusable (rank 0 loaded all of it, but
     # its TP peer holds a mix); the next sync repairs both
-    proto.rollback = "resync"
-    stream = streaming_sync(trainer, engine, 1 / 16)
-    resync_failed = proto.run(2, weights=fails_at_the_end_on_rank_1())
+    engines.rollback = "resync"
+    stream = StreamingSync.of(trainer, engines.dtype, 1 / 16)
+    resync_failed = proto.run(engines, 2, stream=WeightsOverride(stream, fails_at_the_end_on_rank_1())).metrics()
     try:
         probe(engine, cfg["vocab_size"])
         refused = ""
     except EngineUnusable as exc:
         refused = str(exc)
-    resync_ok = proto.run(2)
+    resync_ok = proto.run(engines, 2).metrics()
     r = {"failed": failed, "log": lines, "unchanged": before == after, "ok": ok, "gap": gap,
          "resync_failed": resync_failed, "refused": refused, "resync_ok": resync_ok,
-         "resync_gap": logprob_gap(engine, trainer, seed=4)}
+         "resync_gap": logprob_gap(engines, trainer, seed=4)}
     every = [None] * world
     dist.all_gather_object(every, r)
     if rank == 0:
@@ -203,7 +210,8 @@ def tied(workdir: str) -> None:
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
     from megarl.distributed.parallel import init_process_group
-    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
+    from megarl.engines.colocated import ColocatedEngines
+    from megarl.weight_sync.protocol import WeightSync, logprob_gap
 
     init_process_group()
     path = make_hf_model(Path(workdir) / "qwen3_tied", "qwen3_tied", seed=3)
@@ -211,10 +219,11 @@ def tied(workdir: str) -> None:
     _, cfg, trainer = build_trainer("single", str(path), OptimConfig(lr=3e-3, micro_batch_size=4, grad_clip=1.0))
     trainer.train_step(fixed_batch(cfg["vocab_size"]), lambda lp, mb: ppo_clip_loss(
         lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
-    stale = logprob_gap(engine, trainer, seed=1)
-    metrics = WeightSyncProtocol(engine, trainer, bucket_mib=1 / 16).run(1)
+    engines = ColocatedEngines(engine, 8, 1)
+    stale = logprob_gap(engines, trainer, seed=1)
+    metrics = WeightSync(trainer, engines.dtype, bucket_mib=1 / 16).run(engines, 1).metrics()
     print(json.dumps({"tied": bool(cfg.get("tie_word_embeddings")), "gap_stale": stale, "metrics": metrics,
-                      "gap_after": logprob_gap(engine, trainer, seed=2)}), flush=True)
+                      "gap_after": logprob_gap(engines, trainer, seed=2)}), flush=True)
 
 
 if __name__ == "__main__":

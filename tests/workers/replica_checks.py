@@ -23,11 +23,11 @@ def main(run_dir: str, *overrides: str) -> None:
     import torch
 
     from megarl.config import load_config
-    from megarl.engines.protocol import GenerationRequest
     from megarl.session import build_session
     from megarl.train import rl_step
-    from megarl.weight_sync.protocol import WeightSyncProtocol, logprob_gap
-    from megarl.weight_sync.streaming import streaming_sync
+    from megarl.types import GenerationRequest
+    from megarl.weight_sync.protocol import WeightSync, logprob_gap
+    from megarl.weight_sync.streaming import StreamingSync, WeightsOverride, flat_buckets
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "engine.placement=disaggregated",
@@ -64,21 +64,21 @@ def main(run_dir: str, *overrides: str) -> None:
                  for _ in range(3)]
 
         def outputs():
-            return [[(c[0].token_ids, c[0].logprobs) for c in s.engine.generate(probe, seed=0, replica=k)]
-                    for k in range(len(s.engine.clients))]
+            return [[(c[0].token_ids, c[0].logprobs) for c in s.engines.generate(probe, seed=0, replica=k)]
+                    for k in range(len(s.engines.clients))]
 
         from helpers.trainers import fixed_batch
         from megarl.algo.losses import ppo_clip_loss
 
         s.trainer.train_step(fixed_batch(vocab), lambda lp, mb: ppo_clip_loss(  # the trainer moves on, unsynced
             lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
-        gap_stale = logprob_gap(s.engine, s.trainer, seed=9)
+        gap_stale = logprob_gap(s.engines, s.trainer, seed=9)
         lines: list[str] = []
-        proto = WeightSyncProtocol(s.engine, s.trainer, cfg.sync.bucket_mib, check_every=0, log=lines.append)
-        stream = streaming_sync(s.trainer, s.engine, cfg.sync.bucket_mib)
+        proto = WeightSync(s.trainer, s.engines.dtype, cfg.sync.bucket_mib, say=lines.append)
+        stream = StreamingSync.of(s.trainer, s.engines.dtype, cfg.sync.bucket_mib)
         total = len(stream.buckets())
         before = outputs()
-        version_before = s.engine.weight_version
+        version_before = min(s.engines.served_versions())
 
         def broken():
             for name, t in stream.weights():
@@ -86,33 +86,32 @@ def main(run_dir: str, *overrides: str) -> None:
                     raise ConnectionError("injected: the link died after half of the buckets")
                 yield name, t
 
-        failed = proto.run(version_before + 1, weights=broken())
+        failed = proto.run(s.engines, version_before + 1, stream=WeightsOverride(stream, broken())).metrics()
         after = outputs()
-        ok = proto.run(version_before + 1)
-        gap_each = [logprob_gap(_On(s.engine, k), s.trainer, seed=9) for k in range(len(s.engine.clients))]
-        versions_after_ok = [c.weight_version for c in s.engine.clients]
+        ok = proto.run(s.engines, version_before + 1).metrics()
+        gap_each = [logprob_gap(_On(s.engines, k), s.trainer, seed=9) for k in range(len(s.engines.clients))]
+        versions_after_ok = [c.weight_version for c in s.engines.clients]
         # a failure inside the replicas (a tensor of the wrong shape half-way): they keep receiving so the
         # group stays in step, restore their weights, and the next sync works
-        from megarl.engines.remote.replicas import flat_buckets, plan_buckets
-        from megarl.engines.weight_update import WeightLoadError
+        from megarl.weight_sync.load import WeightLoadError
 
         s.trainer.train_step(fixed_batch(vocab), lambda lp, mb: ppo_clip_loss(
             lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], 0.2, 0.28))
         before_local = outputs()
-        plan = plan_buckets(stream)
+        plan = stream.piece_plan()
         bad = [list(pieces) for pieces in plan]
         half, j = next((b, j) for b in range(len(bad) // 2, len(bad)) for j, (_, shape) in enumerate(bad[b])
                        if len(shape) == 2 and shape[0] != shape[1])
         name, shape = bad[half][j]
         bad[half][j] = (name, (shape[1], shape[0]))
         try:
-            s.engine.load(bad, flat_buckets(stream, plan), s.engine.weight_version + 1)
+            s.engines.update(bad, flat_buckets(stream.weights(), plan), min(s.engines.served_versions()) + 1)
             local_error = ""
         except WeightLoadError as exc:
             local_error = str(exc)
         unchanged_local = before_local == outputs()
-        after_local = proto.run(s.engine.weight_version + 1)
-        gap_after_local = logprob_gap(s.engine, s.trainer, seed=11)
+        after_local = proto.run(s.engines, min(s.engines.served_versions()) + 1).metrics()
+        gap_after_local = logprob_gap(s.engines, s.trainer, seed=11)
         resync = resync_checks(s, proto, stream, bad, outputs)
         print(json.dumps({
             "steps": cfg.train.steps, "versions": versions, "gaps": gaps, "events": seen,
@@ -124,36 +123,36 @@ def main(run_dir: str, *overrides: str) -> None:
             "gap_after_local": gap_after_local, **resync,
         }), flush=True)
     finally:
-        s.engine.close()
+        s.engines.close()
 
 
 def resync_checks(s, proto, stream, bad, outputs) -> dict:
     """``sync.rollback=resync`` reaches the replicas: no backup; the same failure inside them leaves both
     unusable (they refuse to generate: batch, submit, step), and the next full sync repairs them."""
-    from megarl.engines.protocol import SlotRequest
-    from megarl.engines.remote.replicas import flat_buckets, plan_buckets
-    from megarl.engines.weight_update import EngineUnusable, WeightLoadError
+    from megarl.types import SlotRequest
+    from megarl.weight_sync.load import EngineUnusable, WeightLoadError
     from megarl.weight_sync.protocol import logprob_gap
+    from megarl.weight_sync.streaming import flat_buckets
 
-    s.engine.rollback = "resync"
-    version = s.engine.weight_version
+    s.engines.rollback = "resync"
+    version = min(s.engines.served_versions())
     try:
-        s.engine.load(bad, flat_buckets(stream, plan_buckets(stream)), version + 1)
+        s.engines.update(bad, flat_buckets(stream.weights(), stream.piece_plan()), version + 1)
         error = ""
     except WeightLoadError as exc:
         error = str(exc)
-    unusable_versions = [c.weight_version for c in s.engine.clients]
-    client, refused = s.engine.clients[1], []
+    unusable_versions = [c.weight_version for c in s.engines.clients]
+    client, refused = s.engines.clients[1], []
     for attempt in (outputs, lambda: client.submit(SlotRequest("resync-probe", [3, 5, 7], 4)), client.step):
         try:
             attempt()
             refused.append("")
         except EngineUnusable as exc:
             refused.append(str(exc))
-    repaired = proto.run(version + 1)
+    repaired = proto.run(s.engines, version + 1).metrics()
     return {"resync_error": error, "resync_unusable_versions": unusable_versions, "resync_refused": refused,
-            "resync_repaired": repaired, "resync_versions": [c.weight_version for c in s.engine.clients],
-            "resync_gap": logprob_gap(s.engine, s.trainer, seed=13)}
+            "resync_repaired": repaired, "resync_versions": [c.weight_version for c in s.engines.clients],
+            "resync_gap": logprob_gap(s.engines, s.trainer, seed=13)}
 
 
 class _On:

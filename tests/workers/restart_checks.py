@@ -5,7 +5,7 @@
 Builds the run's session (trainer TP 2; ``engine.tensor_parallel_size=1``: two replicas, or ``=2``: one
 engine over both ranks), runs two RL steps through the keeper (the injected engine error fires in step 1,
 on every rank's engine), saves a run checkpoint, and checks the engine still generates and matches the
-trainer (``rank_gaps``). With ``engine_unrecoverable@1`` too, the recovery is refused: the keeper's
+trainer (``helpers.trainers.rank_gaps``). With ``engine_unrecoverable@1`` too, the recovery is refused: the keeper's
 ``StopRun`` saves a checkpoint of the steps done, as ``megarl train`` does. Rank 0 prints one JSON line with every rank's record.
 """
 
@@ -18,11 +18,11 @@ import sys
 def main(run_dir: str, *overrides: str) -> None:
     import torch.distributed as dist
 
+    from helpers.trainers import rank_gaps
     from megarl.config import load_config
     from megarl.keeper import RunKeeper, StopRun
     from megarl.session import build_session
     from megarl.train import rl_step
-    from megarl.weight_sync.protocol import rank_gaps
 
     cfg = load_config("configs/demo.yaml", [
         f"train.run_dir={run_dir}", f"model.path={run_dir}/model", "model.make_tiny=qwen2",
@@ -41,12 +41,12 @@ def main(run_dir: str, *overrides: str) -> None:
         keeper.save(steps)
     except StopRun as stop:  # what megarl train does: save and stop (exit status 1)
         stopped = str(stop)
-        keeper.stop(steps, stopped)
+        keeper.stop(steps, stop)
     except Exception as exc:  # noqa: BLE001  (reported, the test fails on it)
         error = f"{type(exc).__name__}: {exc}"
-    gaps = rank_gaps(s.engine, s.trainer) if not (error or stopped) else None
-    record = {"rank": rank, "steps": steps, "restarts": keeper.restarts, "error": error, "stopped": stopped,
-              "saved_at": keeper.saved_at, "gaps": gaps}
+    gaps = rank_gaps(s.engines.engine, s.trainer) if not (error or stopped) else None
+    record = {"rank": rank, "steps": steps, "restarts": keeper.faults.restarts, "error": error, "stopped": stopped,
+              "saved_at": s.saver.saved_at, "gaps": gaps}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, record)
     if rank == 0:

@@ -36,7 +36,7 @@ def main(workdir: str) -> None:
     step = 0
     for mode in ("sync", "on_policy", "partial"):
         s.cfg.rollout.mode = mode
-        s.controller = build_controller(s.cfg, s.controller.engines[0], s.controller.next_prompt, s.controller.score)
+        s.controller = build_controller(s.cfg, s.controller.engines, s.controller.next_prompt, s.controller.score)
         out[mode] = []
         for _ in range(3):
             metrics = rl_step(s, step)
@@ -46,7 +46,7 @@ def main(workdir: str) -> None:
     # every group filtered up to the oversampling cap (a verifier that always fails): no update, so the policy
     # version stays and the next on-policy phase samples tokens of the version it trains (staleness 0, not 1)
     s.cfg.rollout.mode = "on_policy"
-    s.controller = build_controller(s.cfg, s.controller.engines[0], s.controller.next_prompt, s.controller.score)
+    s.controller = build_controller(s.cfg, s.controller.engines, s.controller.next_prompt, s.controller.score)
     versions = [s.policy_version]
     keep, s.controller.keep_group, s.controller.cfg.release_cap = s.controller.keep_group, (lambda g: False), 3
     skipped = rl_step(s, step)
@@ -55,7 +55,7 @@ def main(workdir: str) -> None:
     s.tokenizer.pad_token = None  # as Llama-3's and Mistral's tokenizers: the update pads with another id
     after = rl_step(s, step + 1)
     versions.append(s.policy_version)
-    out["skip"] = {"versions": versions, "engine_version": s.engine.weight_version,
+    out["skip"] = {"versions": versions, "engine_version": s.engines.engine.weight_version,
                    "skipped_released": skipped["rollout/groups_released"], "after": {k: after[k] for k in KEYS}}
     s.logger.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -22,10 +22,9 @@ def main(model_dir: str, out: str, dtype: str) -> None:
 
     set_cpu_engine_env(0.25)
     from megarl.distributed.parallel import init_process_group
-    from megarl.engines.protocol import SlotRequest
     from megarl.engines.routes import step_samples
     from megarl.models.hf_config import num_experts, read_hf_config
-    from megarl.types import Sample
+    from megarl.types import Sample, SlotRequest
 
     init_process_group()
     hf = read_hf_config(model_dir)

@@ -45,7 +45,7 @@ def main(model_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from megarl.algo.batch import build_batch
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),

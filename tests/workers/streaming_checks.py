@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 def sample_batch(engine, vocab: int, seed: int):
     from megarl.algo.batch import build_batch
-    from megarl.engines.protocol import GenerationRequest
+    from megarl.types import GenerationRequest
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(4)]
@@ -63,7 +63,7 @@ def engine_checks(model_dir: str, layouts: str) -> None:
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
-    from megarl.trainer.export import gather_hf_weights
+    from megarl.weight_sync.gather import gather_hf_weights
     from megarl.weight_sync.streaming import StreamingSync
 
     results = {}
@@ -111,7 +111,7 @@ def peak_rss_added(fn) -> int:
 def memory_checks(model_dir: str, bucket_mib: str) -> None:
     from megarl.distributed.parallel import build_parallel_state
     from megarl.models.hf_config import num_experts
-    from megarl.trainer.export import gather_hf_weights
+    from megarl.weight_sync.gather import gather_hf_weights
     from megarl.weight_sync.streaming import StreamingSync
 
     ps = build_parallel_state()

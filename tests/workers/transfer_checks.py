@@ -33,7 +33,7 @@ def _device(backend: str, rank: int):
 
 
 def sender(index: int, backend: str, abort: bool, ports, out) -> None:
-    from megarl.engines.remote.transfer import GlooSender, join_group, listen
+    from megarl.weight_sync.transport import GlooSender, join_group, listen
 
     device = _device(backend, index)
     sock = listen()
@@ -55,7 +55,7 @@ def sender(index: int, backend: str, abort: bool, ports, out) -> None:
 
 
 def receiver(index: int, ports: list[int], backend: str, out) -> None:
-    from megarl.engines.remote.transfer import join_group, receive
+    from megarl.weight_sync.transport import join_group, receive
 
     device = _device(backend, 2 + index)
     groups = [join_group("127.0.0.1", port, 1 + index, 3, backend, 60) for port in ports]

@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 
 from megarl.distributed.watchdog import guard
-from megarl.engines.protocol import SlotRequest, StepReport, TrackedRequests
+from megarl.engines.protocol import TrackedRequests
 from megarl.engines.remote import nodes
 from megarl.engines.remote.messages import Abort, Seed, Step, Submit
-from megarl.engines.weight_update import UNUSABLE, EngineUnusable
+from megarl.types import SlotRequest, StepReport
+from megarl.weight_sync.load import UNUSABLE, EngineUnusable
 
 
 class EngineDied(RuntimeError):

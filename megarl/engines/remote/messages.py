@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.engines.protocol import GenerationRequest, SlotRequest, TokenEvent
+from megarl.types import GenerationRequest, SlotRequest, TokenEvent
 
 
 @dataclass(frozen=True)

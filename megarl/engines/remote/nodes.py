@@ -36,6 +36,7 @@ import time
 from multiprocessing.connection import Client, Listener
 
 from megarl.config.validate.layout import check_replica_nodes_fit, check_replica_share
+from megarl.distributed.bootstrap import local_address_to
 from megarl.distributed.signals import signalled
 from megarl.engines.remote.process import serve
 
@@ -89,16 +90,6 @@ def node_address() -> str:
         return addr
     return local_address_to("10.254.254.254", fallback=addr)
 
-
-def local_address_to(host: str, fallback: str = "127.0.0.1") -> str:
-    """The address of this host's interface that the route to ``host`` leaves by (``fallback`` with no route):
-    what a process that dials ``host`` must bind and advertise, e.g. its gloo device (``gloo_transfer``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))  # a UDP connect sends nothing: only the route is looked up
-            return probe.getsockname()[0]
-        except OSError:  # no route at all: one host is all there is
-            return fallback
 
 
 class RemoteProcess:

@@ -3,11 +3,12 @@
 ``serve`` runs in a process of its own (spawned by ``replicas.EngineReplicas`` on trainer rank 0,
 or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) and answers one command at a time
 (the typed messages of ``messages.py``): Submit / Abort / Step (the SortedRL controller's slot engine), Generate
-(evaluation, the audit), InitTransfer / Update (vLLM's weight-transfer API with our ``megarl_gloo`` backend; the
+(evaluation, the audit), InitTransfer / Update (vLLM's weight-transfer API with our ``megarl_gloo`` backend,
+``weight_sync.vllm_backend``; the
 reply carries the update's phases and this process's CPU time; ``stage_only``: received and cut into views,
 nothing loaded — the bench's transfer-only figure), RecvRaw (the bench's transport baseline), Close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
-any failed every worker restores its backup (``gloo_transfer``). With ``sync.rollback: resync``
+any failed every worker restores its backup (``vllm_backend``). With ``sync.rollback: resync``
 there is no backup: a failed update leaves the replica unusable (its version ``UNUSABLE``; step
 and generate answer ``EngineUnusable``, submits are dropped) until an update succeeds.
 """
@@ -21,7 +22,6 @@ import time
 import torch
 
 from megarl.engines.memory import on_gpu
-from megarl.engines.protocol import SlotRequest, TokenEvent
 from megarl.engines.remote.messages import (
     Abort,
     Close,
@@ -37,9 +37,11 @@ from megarl.engines.remote.messages import (
     Updated,
 )
 from megarl.engines.routes import RouteCapture
-from megarl.engines.vllm_engine import VLLMEngine, kv_cache_args, numerics_args, sampled_logprobs
-from megarl.engines.weight_update import UNUSABLE, EngineUnusable, unusable_message
+from megarl.engines.vllm_engine import generate_batch, kv_cache_args, numerics_args, sampled_logprobs
 from megarl.logging.console import configure as configure_console
+from megarl.types import SlotRequest, TokenEvent
+from megarl.weight_sync.load import UNUSABLE, EngineUnusable, unusable_message
+from megarl.weight_sync.vllm_backend import BACKEND, WORKER_EXTENSION
 
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -68,8 +70,7 @@ def _llm(spec: dict):
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
                enable_prefix_caching=not spec.get("route_experts"),  # cached prompt rows are never routed
-               worker_extension_cls="megarl.engines.remote.transfer.GlooWorkerExtension",
-               weight_transfer_config={"backend": "megarl_gloo"})
+               worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
 
 
 def _usage() -> tuple[float, int]:
@@ -149,11 +150,10 @@ class _Replica:
             case Step():
                 return self.step()
             case Seed(seed):
-                torch.manual_seed(seed)  # the sampler's stream (no per-request generators: see FACTS)
+                torch.manual_seed(seed)  # the sampler's stream (per-request generators crash under chunked prefill)
             case Generate(requests, seed):
-                shim = VLLMEngine.__new__(VLLMEngine)
-                shim.llm = self.llm
-                return shim.generate(requests, seed)
+                torch.manual_seed(seed)
+                return generate_batch(self.llm, requests)
             case InitTransfer(info):
                 try:
                     self.llm.init_weight_transfer_engine({"init_info": info})

@@ -14,12 +14,12 @@
 Each replica is a ``SlotEngine`` (``client.ReplicaClient``); the SortedRL controller on rank 0 drives
 them all from one shared pull queue, and the other trainer ranks learn each phase's batch from
 it (``rollout/leader.py``). Weights go through vLLM's weight-transfer API with our
-``megarl_gloo`` backend (``transfer``; gloo on CPU, NCCL with ``sync.transport: nccl``):
+``megarl_gloo`` backend (``weight_sync.vllm_backend``; gloo on CPU, NCCL with ``sync.transport: nccl``):
 each bucket is broadcast once to all replicas by the trainer rank that owns it
-(``StreamingSync.owned_buckets``). A failed update leaves a replica serving its old weights (its own
+(``StreamingSync.sends``). A failed update leaves a replica serving its old weights (its own
 backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engine error: every
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
-``sync.timeout_s``), and the loop's containment restarts them (``RunKeeper.run_phase``).
+``sync.timeout_s``), and the loop's containment restarts them (the keeper's engine-error path).
 With ``engine.replica_nodes`` the replicas run on other nodes, spawned there and linked back to
 rank 0 over TCP (``nodes``); starting and restarting them is then collective. Engine-only nodes
 (``engine.replica_nodes_dedicated``): their replica hosts spawn them at rank 0's word (``host``).
@@ -33,29 +33,54 @@ import math
 import multiprocessing as mp
 import socket
 import time
+from dataclasses import dataclass
 
 import torch
 
 from megarl.compat.megatron import cpu_suspended
 from megarl.distributed import collectives
-from megarl.engines.protocol import Completion
-from megarl.engines.remote import nodes, reaper, transfer
+from megarl.engines.protocol import SlotEngine
+from megarl.engines.remote import nodes, reaper
 from megarl.engines.remote.client import DeathWatch, EngineDied, ReplicaClient
 from megarl.engines.remote.host import HostPool
 from megarl.engines.remote.messages import Close, Generate, InitTransfer, RecvRaw, Update
 from megarl.engines.remote.process import serve
-from megarl.engines.remote.transfer import GlooSender, join_group
-from megarl.engines.weight_update import EngineUnusable, SyncError, WeightLoadError
+from megarl.types import Completion, GenerationRequest
+from megarl.weight_sync.load import EngineUnusable, LoadReport, SyncError, WeightLoadError
+from megarl.weight_sync.streaming import StreamingSync
+from megarl.weight_sync.transport import GlooSender, join_group, listen
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Generated:
+    """A batch generation's result as rank 0 shares it: the completions, or why there are none."""
+
+    completions: list | None = None
+    error: str = ""
+    unusable: bool = False  # the error is the replica's refusal (its last load failed with no backup)
+
+
+@dataclass
+class Verdict:
+    """Rank 0's reading of every replica's reply to an update."""
+
+    failed: list[str]
+    versions: list[int]
+    backup_mib: float = 0.0
+    slowest_update_s: float = 0.0
+    slowest_load_s: float = 0.0
+    died: bool = False  # a replica died: every replica was ended
+
+
 class EngineReplicas:
-    """K replicas in their own processes, their weight groups, and the calls the loop makes on "the engine".
+    """The run's ``Engines`` when replicas run in processes of their own: the processes, their weight groups, and
+    every call the loop makes on them.
 
     Every trainer rank builds one: rank 0 (the leader) starts and drives the replica processes
     (``clients``); each trainer rank that owns buckets sends them. With several trainer
-    processes ``pause``, ``generate``, ``load`` and ``restart`` are collective calls."""
+    processes ``generate``, ``load`` and ``restart`` are collective calls."""
 
     def __init__(self, model_dir: str, replicas: int, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
@@ -80,7 +105,7 @@ class EngineReplicas:
                           gpu_memory_utilization=gpu_memory_utilization, route_experts=route_experts,
                           devices=[d.strip() for d in devices.split(",") if d.strip()])
         self.transport, self.timeout_s = transport, timeout_s
-        self.weights_dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
+        self.dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
         self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
         self.versions = [0] * replicas  # what each replica serves (known on every trainer rank)
         self.senders: list[int] | None = None  # the trainer ranks whose groups the replicas joined
@@ -225,46 +250,48 @@ class EngineReplicas:
         except (EOFError, OSError) as exc:  # the pipe or link ended (a killed link is closed here)
             raise EngineDied(f"engine replica {c.index} ({nodes.where(c.proc)}) died") from exc
 
-    @property
-    def weight_version(self) -> int:
-        return min(self.versions)
+    def slot_engines(self) -> list[SlotEngine]:
+        return list(self.clients)  # (rank 0's; none on the other trainer ranks)
 
-    def generate(self, requests, seed: int, replica: int = 0) -> list[list[Completion]]:
+    def served_versions(self) -> list[int]:
+        return list(self.versions)
+
+    def generate(self, requests: list[GenerationRequest], seed: int, replica: int = 0) -> list[list[Completion]]:
         """Batch generation (evaluation, the audit) on one replica (0 unless asked); every trainer rank gets it."""
         out = None
         if self.leader:
             try:
-                out = ("ok", self.clients[replica].call(Generate(requests, seed)))
+                out = Generated(self.clients[replica].call(Generate(requests, seed)))
             except EngineUnusable as exc:
-                out = ("unusable", str(exc))
+                out = Generated(error=str(exc), unusable=True)
             except Exception as exc:  # noqa: BLE001  (every rank raises it, none waits for an answer)
-                out = ("error", f"{type(exc).__name__}: {exc}")
+                out = Generated(error=f"{type(exc).__name__}: {exc}")
         out = collectives.share(out)
-        if out[0] == "unusable":
-            raise EngineUnusable(out[1])
-        if out[0] == "error":
-            raise EngineDied(f"generation on engine replica {replica} failed: {out[1]}")
-        return out[1]
+        if out.unusable:
+            raise EngineUnusable(out.error)
+        if out.error:
+            raise EngineDied(f"generation on engine replica {replica} failed: {out.error}")
+        return out.completions
 
-    def pause(self, in_flight: bool = False) -> None:
-        """Refuse a sync while requests run, unless it is ``in_flight`` (they go on under the new weights)."""
-        if in_flight:
-            return
-        busy = collectives.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
-        if busy:
-            raise SyncError(f"weight sync refused: replicas {busy} still have requests in flight; end the phase first")
+    def load(self, stream: StreamingSync, version: int, in_flight: bool = False) -> LoadReport:
+        """Refused while requests run, unless the load is ``in_flight`` (they go on under the new weights); then
+        each bucket from the trainer rank that sends it (``StreamingSync.sends``)."""
+        if not in_flight:
+            busy = collectives.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
+            if busy:
+                raise SyncError(f"weight sync refused: replicas {busy} still have requests in flight; end the phase "
+                                "first")
+        buckets, sources = stream.sends()
+        return self.update(stream.piece_plan(), buckets, version, stream.dtype, sources, in_flight=in_flight)
 
-    def sync_stream(self, sync, version: int, weights=None, in_flight: bool = False) -> dict[str, float]:
-        """Send a ``StreamingSync``'s buckets: each from the trainer rank that owns it (``weights``: a test's stream);
-        ``in_flight``: between two engine steps, the replicas' running requests going on."""
-        plan, sources = plan_buckets(sync), [entries[0].source for entries in sync.buckets()]
-        if weights is not None or self.world == 1:
-            return self.load(plan, flat_buckets(sync, plan, weights), version, sync.dtype, [0] * len(plan),
-                             in_flight=in_flight)
-        return self.load(plan, sync.owned_buckets(), version, sync.dtype, sources, in_flight=in_flight)
+    def sleep(self) -> None:
+        pass  # replicas have devices of their own: nothing to hand over
 
-    def load(self, plan: list, buckets, version: int, dtype: torch.dtype = torch.float32,
-             sources: list[int] | None = None, stage_only: bool = False, in_flight: bool = False) -> dict[str, float]:
+    def wake(self) -> None:
+        pass
+
+    def update(self, plan: list, buckets, version: int, dtype: torch.dtype = torch.float32,
+               sources: list[int] | None = None, stage_only: bool = False, in_flight: bool = False) -> LoadReport:
         """Broadcast ``buckets`` (this rank's flat tensors, in ``plan`` order; bucket i comes from trainer rank
         ``sources[i]``, all 0 if None) to every replica; all-or-nothing per replica, and the same outcome on
         every trainer rank. ``stage_only`` (the bench's transfer-only figure): the replicas receive the buckets
@@ -301,26 +328,24 @@ class EngineReplicas:
             except Exception:  # noqa: BLE001  (the stream itself failed: nothing more to walk)
                 pass
         seconds = time.perf_counter() - start
-        verdict = self._collect(version, watch.stop()) if self.leader else None
+        verdict = self._collect(watch.stop()) if self.leader else None
         parts = collectives.gather((error, verdict, sent))
-        failed, versions, backup, died = parts[0][1]
-        self.versions, self.sent_by_rank = versions, [n for _, _, n in parts]
-        errors = [e for e, _, _ in parts if e is not None] + failed
-        if died:
+        verdict = parts[0][1]
+        self.versions, self.sent_by_rank = verdict.versions, [n for _, _, n in parts]
+        errors = [e for e, _, _ in parts if e is not None] + verdict.failed
+        if verdict.died:
             self.senders, self.sender = None, None
         if errors:
-            ended = "; every replica was ended: the next phase restarts them" if died else ""
+            ended = "; every replica was ended: the next phase restarts them" if verdict.died else ""
             raise WeightLoadError(f"weight update to version {version} failed ({'; '.join(errors)}); replicas serve "
-                                  f"versions {versions}{ended}")
-        return {"sync/backup_mib": backup[0], "sync/replica_update_s": backup[1], "sync/transfer_s": seconds,
-                "sync/replica_load_s": backup[2], "sync/sent_bytes": float(sum(n for _, _, n in parts))}
+                                  f"versions {verdict.versions}{ended}")
+        return LoadReport(backup_mib=verdict.backup_mib, transfer_s=seconds, replica_update_s=verdict.slowest_update_s,
+                          replica_load_s=verdict.slowest_load_s, sent_bytes=float(sum(n for _, _, n in parts)))
 
-    def _collect(self, version: int, died: str = ""):
-        """Rank 0: every replica's reply → (failures, versions, (backup MiB, slowest update s, slowest vLLM load s),
-        died); each replica's phases of the update (seconds, CPU, page faults) in ``last_phases``.
-
-        A dead replica ends them all."""
-        failed, backup, slowest, loading = [], 0.0, 0.0, 0.0
+    def _collect(self, died: str = "") -> Verdict:
+        """Rank 0: every replica's reply to an update; each replica's phases of it (seconds, CPU, page faults) in
+        ``last_phases``. A dead replica ends them all."""
+        v = Verdict([], [])
         self.last_phases = []
         try:
             if died:
@@ -329,15 +354,17 @@ class EngineReplicas:
                 u = self._reply(c)
                 c.weight_version = u.version
                 if u.error:
-                    failed.append(f"replica {c.index}: {u.error}")
+                    v.failed.append(f"replica {c.index}: {u.error}")
                 else:
-                    backup, slowest = max(backup, u.backup_mib), max(slowest, u.seconds)
-                    loading = max(loading, u.phases.get("load_s", 0.0))
+                    v.backup_mib, v.slowest_update_s = max(v.backup_mib, u.backup_mib), max(v.slowest_update_s,
+                                                                                           u.seconds)
+                    v.slowest_load_s = max(v.slowest_load_s, u.phases.get("load_s", 0.0))
                     self.last_phases.append(u.phases)
         except EngineDied as exc:
             self._end_all()  # their transfer group is broken: a live replica may wait on it forever
-            return [str(exc)], [c.weight_version for c in self.clients], (0.0, 0.0, 0.0), True
-        return failed, [c.weight_version for c in self.clients], (backup, slowest, loading), False
+            v = Verdict([str(exc)], [], died=True)
+        v.versions = [c.weight_version for c in self.clients]
+        return v
 
     def _end_all(self) -> None:
         for c in self.clients:
@@ -398,7 +425,7 @@ def _sender_socket(sends: bool, elsewhere: bool = False):
     if not sends:
         return None
     host = nodes.reachable_host(hosts, elsewhere)
-    sock = transfer.listen(host)
+    sock = listen(host)
     return host, sock.getsockname()[1], sock
 
 
@@ -408,21 +435,3 @@ def _kill(proc) -> None:
         proc.kill()
     elif proc.is_alive():
         reaper.kill_tree(proc.pid)
-
-
-def plan_buckets(sync) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The HF (name, shape) pieces of each bucket of a ``StreamingSync``, in send order."""
-    return [[(n, tuple(s)) for e in entries for n, s in e.hf] for entries in sync.buckets()]
-
-
-def flat_buckets(sync, plan: list, weights=None):
-    """The streamed (name, view) pairs regrouped into the flat bucket tensors they view."""
-    it = iter(sync.weights() if weights is None else weights)
-    for pieces in plan:
-        views = [next(it)[1] for _ in pieces]
-        base = views[0]._base
-        total = sum(v.numel() for v in views)
-        if base is not None and base.dim() == 1 and base.numel() == total:
-            yield base
-        else:
-            yield torch.cat([v.reshape(-1) for v in views])

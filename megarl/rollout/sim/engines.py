@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megarl.engines.protocol import SlotRequest, StepReport, TokenEvent
+from megarl.types import SlotRequest, StepReport, TokenEvent
 
 
 def sim_token(position: int) -> int:
@@ -115,6 +115,12 @@ class SimulatedEngine:
 
     def num_active(self) -> int:
         return len(self._active)
+
+    def reset(self) -> None:
+        self._active.clear()
+
+    def reseed(self, seed: int) -> None:
+        pass  # lengths are looked up, not sampled
 
     def step(self) -> StepReport:
         active = len(self._active)

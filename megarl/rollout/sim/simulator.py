@@ -219,14 +219,18 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
     model = StepTimeModel(s.step_time_model)
     weights = Weights()
     engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk, weights) for _ in range(s.engines)]
-    ctrl = RolloutController(cfg, engines, next_prompt)
     pipeline = Pipeline(trainer.overlap, trainer.sync_s, s.staleness_limit) if trainer else None
+    now = {"start": 0.0, "clock": 0.0}  # engine time t of a phase is wall time start + (t − clock)
+
+    def engine_version(t: float) -> int:
+        return pipeline.version_at(now["start"] + (t - now["clock"]))
+
+    ctrl = RolloutController(cfg, engines, next_prompt, engine_version=engine_version if pipeline else None)
     total, batches, phase_s, phase_tokens, at_cap = PhaseMetrics(), [], [], [], 0
     for version in range(steps):
-        if pipeline:  # engine time t of this phase is wall time start + (t − clock)
-            start, clock = pipeline.begin(), ctrl.clock
-            ctrl.engine_version = lambda t, start=start, clock=clock: pipeline.version_at(start + (t - clock))
-            weights.start_phase(clock, engines, ctrl.engine_version)
+        if pipeline:
+            now.update(start=pipeline.begin(), clock=ctrl.clock)
+            weights.start_phase(ctrl.clock, engines, engine_version)
         groups, m = ctrl.run_phase(version)
         if pipeline:
             pipeline.end(m.duration, trainer.s_per_token * m.len_trained_sum)

@@ -1,4 +1,5 @@
-"""Gather a trainer's Megatron shards into full HF-named tensors (the engines' input)."""
+"""A trainer's Megatron shards gathered into full HF-named tensors on every rank: the plain reference the streamed
+sync (``streaming``) is held equal to, and what tests compare engines against."""
 
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ def _merge_over(group, local: dict[str, torch.Tensor], size: int) -> dict[str, t
 def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_layers: int,
                          num_experts: int) -> dict[str, torch.Tensor]:
     """Full tensors under global Megatron names, identical on every rank (``modules``: the model chunks)."""
-    from megatron.core import parallel_state as mpu
-
     full: dict[str, torch.Tensor] = {}
     named = ((ps.coords(vp), local_expert_name(name), p)
              for vp, module in enumerate(modules) for name, p in module.named_parameters())
@@ -38,16 +37,16 @@ def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_
         is_expert = ".experts." in name
         size = ps.etp if is_expert else ps.tp
         if size > 1 and tp_split_dim(name) is not None:
-            group = mpu.get_expert_tensor_parallel_group() if is_expert else mpu.get_tensor_model_parallel_group()
+            group = ps.etp_group if is_expert else ps.tp_group
             shards = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = join_tp_shards(name, shards)
         full[global_name(name, num_layers, num_experts, coords)] = t.clone()
     if ps.ep > 1:
         experts = {k: v for k, v in full.items() if ".experts." in k}
-        full.update(_merge_over(mpu.get_expert_model_parallel_group(), experts, ps.ep))
+        full.update(_merge_over(ps.ep_group, experts, ps.ep))
     if ps.pp > 1:
-        full = _merge_over(mpu.get_pipeline_model_parallel_group(), full, ps.pp)
+        full = _merge_over(ps.pp_group, full, ps.pp)
     return full
 
 

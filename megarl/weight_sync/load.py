@@ -15,22 +15,23 @@ size in the engine's dtype; on a GPU engine this is host RAM, not device memory)
 device-to-host copy of the weights per sync (a memcpy: ~0.05 s for the 193 MB tiny model here).
 
 ``sync.rollback: resync`` opts out of that copy: nothing is backed up, and a load that fails
-mid-way leaves the model a mix, so the engine is marked unusable (``mark_unusable``: its
-version becomes ``UNUSABLE``, and generating on it raises ``EngineUnusable``) until a later sync
-loads it completely; the loop's engine-error path (``RunKeeper.run_phase``: restart or recover,
-then a full sync) does that at the next phase. Never a mix served, at no extra host memory.
+mid-way leaves the model a mix, so the engine marks itself unusable (its version becomes
+``UNUSABLE``, and generating on it raises ``EngineUnusable``) until a later sync loads it
+completely; the loop's engine-error path (the keeper: restart or recover, then a full sync) does
+that at the next phase. Never a mix served, at no extra host memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from megarl.compat.vllm import repack_after_reload
 
-UNUSABLE = -1  # the weight version of an engine whose load failed with no backup: it serves no version
+UNUSABLE = -1
+"""The weight version of an engine whose load failed with no backup: it serves no version."""
 
 
 class WeightLoadError(RuntimeError):
@@ -52,16 +53,23 @@ def unusable_message(why: str) -> str:
             "whole model)")
 
 
-def mark_unusable(engine, why: str) -> None:
-    """The engine serves no version: its version is ``UNUSABLE`` and generating on it raises."""
-    engine.weight_version, engine.unusable = UNUSABLE, why
+@dataclass
+class LoadReport:
+    """What one load into the engines did (``Engines.load``); ``metrics`` names each figure as the logs do."""
 
+    backup_mib: float = 0.0
+    """The host copy kept to restore from (``sync.rollback: copy``; the largest over replicas)."""
+    transfer_s: float | None = None
+    """Replicas: this rank's broadcast of its buckets, wall seconds."""
+    replica_update_s: float | None = None
+    """Replicas: the slowest replica's whole update (receive, load, finish), seconds."""
+    replica_load_s: float | None = None
+    """Replicas: the slowest replica's time inside vLLM's load, seconds."""
+    sent_bytes: float | None = None
+    """Replicas: the bytes every trainer rank sent together."""
 
-def refuse_if_unusable(engine) -> None:
-    """Raise ``EngineUnusable`` when the engine's last load failed with no backup."""
-    why = getattr(engine, "unusable", "")
-    if why:
-        raise EngineUnusable(f"the engine refuses to generate: {why}")
+    def metrics(self) -> dict[str, float]:
+        return {f"sync/{f.name}": float(v) for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass

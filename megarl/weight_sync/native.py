@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("megarl.native")  # by name: run as `python -m`, __name__ is "__main__"
+log = logging.getLogger("megarl.weight_sync.native")  # by name: run as `python -m`, __name__ is "__main__"
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 CPU_SOURCES = [CSRC / "cpu" / "weight_sync_ops.cpp"]
 CUDA_SOURCE = CSRC / "cuda" / "weight_sync_kernels.cu"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -153,10 +153,10 @@ def cpu_ops():
         elif _fresh(lib, CPU_SOURCES):
             torch.ops.load_library(str(lib))
         else:
-            log.info("megarl.native: no CPU kernels built (make kernels); using the torch reference")
+            log.info("megarl.weight_sync.native: no CPU kernels built (make kernels); using the torch reference")
             return None
     except Exception as e:  # a failed build degrades to the reference, loudly
-        log.warning("megarl.native: CPU kernels unavailable (%s); using the torch reference", e)
+        log.warning("megarl.weight_sync.native: CPU kernels unavailable (%s); using the torch reference", e)
         return None
     return torch.ops.megarl_native
 
@@ -175,7 +175,7 @@ def cuda_lib():
             return None
         handle = ctypes.CDLL(str(lib))
     except Exception as e:
-        log.warning("megarl.native: CUDA kernels unavailable (%s); using the torch reference", e)
+        log.warning("megarl.weight_sync.native: CUDA kernels unavailable (%s); using the torch reference", e)
         return None
     i64, vp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     handle.megarl_copy_segments.argtypes = [vp, i32, i64, vp]
@@ -297,7 +297,7 @@ def split_gate_up(fc1: torch.Tensor, shards: int, gate: torch.Tensor, up: torch.
 
 
 def main() -> None:
-    """``python -m megarl.native``: build every kernel this machine can build (``make kernels``)."""
+    """``python -m megarl.weight_sync.native``: build every kernel this machine can build (``make kernels``)."""
     print("cpu kernels:", build_cpu(verbose=False))
     if nvcc() is None:
         print("cuda kernels: skipped (no nvcc)")
