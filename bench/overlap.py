@@ -11,25 +11,23 @@ seen, the share of generated tokens wasted (partial samples regenerated once sta
 and the phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``). Both units
 are printed: the modes' answers part in length as their policies part, and neither unit alone is the work done
 (generation's cost follows the tokens; a training step's the batch's longest row, to which every row is padded).
-With a warm-up per run, which ends elsewhere at another thread count, the demo's best ``none`` answered 32 tokens
-long where the one-thread runs answered 26–28: hence the one warm start.
+A warm-up per run could end elsewhere and answer at other lengths: hence the one warm start.
 
-``none`` runs at each of ``--sync-threads`` (OMP threads per process; it takes turns, so each side may use both
-cores), the overlapped modes at each of ``--overlap-threads`` (default 1: their two processes run at once on two
-cores, and at 2 each a training step took 7× longer, oversubscribed). Two baselines (``ratios``): ``none`` at its
-best thread count, whose trainer also takes the engine's idle core, which engines on devices of their own would not
-lend; and ``none`` at one thread a process, each side one core, as on devices of their own, where overlap's
-ceiling is (T_gen + T_train) / max(T_gen, T_train) of that run. The modes run one after the other, interleaved over
-``--repeats`` rounds; the figures are the medians. ``--controller`` adds the SortedRL controller's cost per token
-event, on simulated engines, alone and with a trainer's matmuls running in the same process (as rank 0 runs it
-beside training under overlap). Settings after the options go to every run: ``data.max_digits=12
-data.tail_alpha=0.5 rollout.max_new_tokens=128 engine.max_model_len=160`` gives the task a longer tail, generation
-about as long as training at one thread (the demo's step is training-heavy).
+Nothing is set in the environment and no thread setting is given: each run computes on the cores megarl chooses
+(``distributed/placement.py``: the trainer and the replica split the node's cores while generation runs beside
+training, and each has every core while they take turns), which every run prints and this script reports
+(``placement``). The figures are against ``none`` as a user gets it (``*_vs_none``, in samples and in trained tokens
+per second); ``ceiling`` is what overlap could reach from ``none``'s phase times, (T_gen + T_train) / max(T_gen,
+T_train), with each side as fast as it is alone on every core (an upper bound: a side on half the cores is slower).
+The modes run one after the other, interleaved over ``--repeats`` rounds; the figures are the medians.
+``--controller`` adds the SortedRL controller's cost per token event, on simulated engines, alone and with a
+trainer's matmuls running in the same process (as rank 0 runs it beside training under overlap). Settings after
+the options go to every run: ``data.max_digits=12 data.tail_alpha=0.5 rollout.max_new_tokens=128
+engine.max_model_len=160`` gives the task a longer tail (the demo's step is training-heavy).
 
 ``--equal-wall S`` instead asks what overlap does to learning: for each of ``--seeds``, the demo's own recipe
-(its warm-up, 200 held-out prompts) trains ``S`` seconds of RL wall time under each of ``--wall-modes`` (``none`` at
-``--wall-sync-threads``, the overlapped modes at one thread per process) and reports pass@1 after RL, the steps
-each fitted in ``S``, and each mode's pass@1 minus ``none``'s, per seed and averaged.
+(its warm-up, 200 held-out prompts) trains ``S`` seconds of RL wall time under each of ``--wall-modes`` and reports
+pass@1 after RL, the steps each fitted in ``S``, and each mode's pass@1 minus ``none``'s, per seed and averaged.
 
     .venv/bin/python bench/overlap.py [--steps 12] [--repeats 3] [--controller]
     .venv/bin/python bench/overlap.py --controller-only
@@ -40,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -53,9 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def train(work: Path, tag: str, mode: str, threads: int, settings: list[str], model: Path | None = None) -> list[dict]:
+def train(work: Path, tag: str, mode: str, settings: list[str], model: Path | None = None) -> tuple[list[dict], str]:
     """One ``megarl train`` run of the demo, disaggregated and partial (async at staleness 2), from ``model`` (default:
-    the demo's tiny model, made once in ``work``); its metrics rows."""
+    the demo's tiny model, made once in ``work``); its metrics rows and the cpu placement it chose."""
     from megarl.logging.metrics import read_metrics
 
     run_dir = work / tag
@@ -63,24 +60,25 @@ def train(work: Path, tag: str, mode: str, threads: int, settings: list[str], mo
            f"model.path={model or work / 'model'}", f"train.run_dir={run_dir}", "engine.placement=disaggregated",
            "rollout.mode=partial", f"rollout.overlap={mode}", "rollout.staleness_limit=2", "train.save_every=0",
            *settings]
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
-                         text=True)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{tag} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
-    return read_metrics(run_dir / "metrics.jsonl")
+    placement = next((line.split("megarl: ", 1)[1] for line in (out.stdout + out.stderr).splitlines()
+                      if "cpu placement" in line), "")
+    return read_metrics(run_dir / "metrics.jsonl"), placement
 
 
 def warm_start(work: Path, args) -> Path:
     """The supervised warm-up of every ratio run, once: its policy as an HF checkpoint (``run_dir/hf/step_0``)."""
-    train(work, "warm", "none", 2, ["train.steps=0", "data.eval_size=1", f"warmup.steps={args.warmup_steps}",
-                                    f"train.seed={args.seed}", *args.overrides])
+    train(work, "warm", "none", ["train.steps=0", "data.eval_size=1", f"warmup.steps={args.warmup_steps}",
+                                 f"train.seed={args.seed}", *args.overrides])
     return work / "warm" / "hf" / "step_0"
 
 
-def run(mode: str, work: Path, tag: str, args, threads: int, warm: Path) -> dict:
+def run(mode: str, work: Path, tag: str, args, warm: Path) -> dict:
     """Throughput figures of one run of ``--steps`` steps from ``warm`` (the first ``--skip`` left out)."""
-    rows = train(work, tag, mode, threads, [f"train.steps={args.steps}", "train.time_limit_s=0", "data.eval_size=1",
-                                            "warmup.steps=0", f"train.seed={args.seed}", *args.overrides], warm)
+    rows, placement = train(work, tag, mode, [f"train.steps={args.steps}", "train.time_limit_s=0", "data.eval_size=1",
+                                              "warmup.steps=0", f"train.seed={args.seed}", *args.overrides], warm)
     steps = [r for r in rows if "timing/step_s" in r][args.skip:]
     if not steps:
         raise SystemExit(f"{tag}: no step past --skip {args.skip}")
@@ -88,7 +86,7 @@ def run(mode: str, work: Path, tag: str, args, threads: int, warm: Path) -> dict
     samples = sum(r["rollout/groups_released"] for r in steps) * args.samples_per_prompt
     tokens = sum(r["rollout/groups_released"] * args.samples_per_prompt * r["rollout/len_trained_mean"] for r in steps)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steps)  # noqa: E731
-    return {"mode": mode, "threads": threads, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
+    return {"mode": mode, "placement": placement, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
             "len_trained_mean": tokens / samples, "step_s": wall / len(steps),
             "t_gen": mean("timing/gen_s"), "t_train": mean("timing/train_s") + mean("timing/sync_s"),
             "trainer_wait_s": mean("timing/trainer_wait_s"), "engine_idle_s": mean("timing/engine_idle_s"),
@@ -97,28 +95,15 @@ def run(mode: str, work: Path, tag: str, args, threads: int, warm: Path) -> dict
             "wasted_token_fraction": mean("rollout/wasted_token_fraction")}
 
 
-def ratios(none: list[dict], got: dict[str, dict]) -> dict:
-    """One round's figures. Against ``none`` at its best thread count (``*_vs_none``: on two shared cores its
-    trainer also takes the engine's idle core) and against ``none`` at one thread a process (``*_vs_none_one_core``:
-    each side one core, as engines and a trainer on devices of their own), in samples and in trained tokens per
-    second. ``ceiling``: what overlap can reach at the overlapped runs' settings (one thread a process),
-    (T_gen + T_train) / max(T_gen, T_train) of the one-thread ``none`` run; ``ceiling_shared``: the same run's trained
-    tokens per step at its slower side's pace against the best ``none``'s tokens per second."""
-    def versus(base: dict, name: str) -> dict:
-        return {f"{m}{unit}_vs_{name}": got[m][key] / base[key] for m in got
-                for unit, key in (("", "samples_per_s"), ("_tokens", "tokens_per_s"))}
-
-    best = max(none, key=lambda x: x["samples_per_s"])
-    line = {"none": best, **got, **versus(best, "none")}
-    one = next((x for x in none if x["threads"] == 1), None)
-    if one is None:
-        return line
-    slower = max(one["t_gen"], one["t_train"])
-    line.update(none_one_core=one, **versus(one, "none_one_core"))
-    line["ceiling"] = (one["t_gen"] + one["t_train"]) / slower
-    line["async_of_ceiling"] = line["async_tokens_vs_none_one_core"] / line["ceiling"]
-    line["ceiling_shared"] = one["tokens_per_s"] * one["step_s"] / slower / best["tokens_per_s"]
-    line["async_of_ceiling_shared"] = line["async_tokens_vs_none"] / line["ceiling_shared"]
+def ratios(none: dict, got: dict[str, dict]) -> dict:
+    """One round's figures: each overlapped mode against ``none``, in samples and in trained tokens per second, and
+    ``ceiling`` = (T_gen + T_train) / max(T_gen, T_train) of the ``none`` run (see the module docstring)."""
+    line = {"none": none, **got}
+    for m in got:
+        line[f"{m}_vs_none"] = got[m]["samples_per_s"] / none["samples_per_s"]
+        line[f"{m}_tokens_vs_none"] = got[m]["tokens_per_s"] / none["tokens_per_s"]
+    line["ceiling"] = (none["t_gen"] + none["t_train"]) / max(none["t_gen"], none["t_train"])
+    line["async_of_ceiling"] = line["async_tokens_vs_none"] / line["ceiling"]
     return line
 
 
@@ -129,9 +114,9 @@ def equal_wall(work: Path, args) -> None:
     for seed in (int(x) for x in args.seeds.split(",")):
         line = {"seed": seed}
         for mode in modes:
-            rows = train(work, f"wall-{mode}-{seed}", mode, args.wall_sync_threads if mode == "none" else 1,
-                         ["train.steps=100000", f"train.time_limit_s={args.equal_wall}", f"train.seed={seed}",
-                          *args.overrides])
+            rows, _ = train(work, f"wall-{mode}-{seed}", mode, ["train.steps=100000",
+                                                                f"train.time_limit_s={args.equal_wall}",
+                                                                f"train.seed={seed}", *args.overrides])
             evals = [r["eval/pass_at_1"] for r in rows if "eval/pass_at_1" in r]
             steps = [r for r in rows if "timing/step_s" in r]
             line[mode] = {"before": evals[0], "after": evals[-1], "steps": len(steps),
@@ -186,9 +171,6 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=100, help="supervised warm-up (the format), once")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="the demo's (rollout.samples_per_prompt)")
-    p.add_argument("--sync-threads", default="1,2", help="OMP threads per process tried for none (the best counts)")
-    p.add_argument("--overlap-threads", default="1", help="OMP threads per process tried for one_step and async "
-                   "(the best counts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--controller", action="store_true", help="also the controller's cost per token event")
     p.add_argument("--controller-only", action="store_true", help="only the controller's cost per token event")
@@ -197,7 +179,6 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2", help="train.seed of the --equal-wall runs")
     p.add_argument("--wall-modes", default="none,async", help="rollout.overlap of the --equal-wall runs (first: the "
                    "baseline)")
-    p.add_argument("--wall-sync-threads", type=int, default=2, help="OMP threads per process of --equal-wall's none")
     p.add_argument("overrides", nargs="*", help="more key=value settings for every run")
     args = p.parse_args()
     if args.steps <= args.skip or args.repeats < 1:
@@ -210,22 +191,19 @@ def main() -> int:
             equal_wall(Path(tmp), args)
         return 0
     args.overrides.append(f"rollout.samples_per_prompt={args.samples_per_prompt}")
-    sync_threads = [int(t) for t in args.sync_threads.split(",")]
-    overlap_threads = [int(t) for t in args.overlap_threads.split(",")]
     rounds = []
     with tempfile.TemporaryDirectory(prefix="megarl-overlap-") as tmp:
         work = Path(tmp)
         warm = warm_start(work, args)
         for r in range(args.repeats):
-            none = [run("none", work, f"none-{t}-{r}", args, t, warm) for t in sync_threads]
-            got = {m: max((run(m, work, f"{m}-{t}-{r}", args, t, warm) for t in overlap_threads),
-                          key=lambda x: x["samples_per_s"]) for m in ("one_step", "async")}
+            none = run("none", work, f"none-{r}", args, warm)
+            got = {m: run(m, work, f"{m}-{r}", args, warm) for m in ("one_step", "async")}
             line = {"round": r, **ratios(none, got)}
             print(json.dumps(line), flush=True)
             rounds.append(line)
     keys = [k for k, v in rounds[0].items() if isinstance(v, float)]
     med = {k: statistics.median(x[k] for x in rounds) for k in keys}
-    med["none_threads"] = statistics.mode(x["none"]["threads"] for x in rounds)
+    med["placement"] = {m: rounds[-1][m]["placement"] for m in ("none", "one_step", "async")}
     if args.controller:
         med.update(controller_cost())
     print(json.dumps({"median_of": len(rounds), **med}), flush=True)

@@ -361,7 +361,6 @@ def bench_disaggregated(model_dir, ps, args) -> None:
     # setting (every buffer > 64 KiB a fresh mapping) would make vLLM's reload page-fault on every sync.
     # (Set, not unset: a spawned replica re-imports this script, which re-executes itself without it.)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what `megarl train` gives its replicas (megarl/cli.py)
     replicas = EngineReplicas(str(model_dir), args.replicas, 1, 64, 0.0625, 4)
     try:
         version, updates, phases, staged_phases = iter(range(1, 1000)), [], [], []

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError
 from megarl.config.errors import PRE_LAUNCH_ERRORS
-from megarl.config.validate.limits import check_local_engine_memory
+from megarl.config.validate.limits import check_local_cpus, check_local_engine_memory
 from megarl.config.validate.model import model_config
 from megarl.config.validate.prelaunch import checked_config
 from megarl.distributed.bootstrap import detect, init_distributed
@@ -47,7 +47,6 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     if args.checkpoint:
         cmd += ["--checkpoint", args.checkpoint]
     cmd += args.overrides
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)
     return 0  # not reached
 
@@ -89,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = checked_config(args.config, args.overrides, world, per_node, args.command, notes,
                              say=_stderr if notes else None)
         check_local_engine_memory(cfg, per_node)  # this machine's memory: here, not in validate (plan sizes others)
+        check_local_cpus(cfg, per_node)  # ... and its cores
         if args.command == "eval" and cfg.data.path and not cfg.data.eval_path:
             from megarl.evaluation import NO_EVAL_PATH  # deferred: torch (fast --help and errors)
 

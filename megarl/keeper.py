@@ -115,6 +115,7 @@ class RunKeeper:
         self.faults.load_state_dict(self.run)
         step = state["step"]
         self.sync(self.s.policy_version)  # the engines serve the checkpoint's policy
+        self.s.pipeline.engines_serve(min(self.s.engines.served_versions()))
         self.s.weight_sync.failures += self.run.get("sync_failures", 0)  # goes on counting across the resume
         self.s.logger.resume_at(step, finished=step >= t.steps)  # a finished run keeps its final eval
         live = self.s.controller.state_dict()
@@ -149,7 +150,8 @@ class RunKeeper:
             self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
         due = self.stopped or (every and step % every == 0)
         with self.s.pipeline.hold() if due else contextlib.nullcontext():
-            self.s.pipeline.step_done(self.s.policy_version)  # (async: the phase k batches ahead may start)
+            # (async: the phase k versions ahead of what the engines serve may start)
+            self.s.pipeline.step_done(self.s.policy_version, min(self.s.engines.served_versions()))
             if due:
                 self.save(step)
         if self.stopped:
@@ -188,6 +190,7 @@ class RunKeeper:
         if kind is Taken.AHEAD:
             rollout = detail
         else:
+            self._engines_within_bound(step, version)
             rollout = self._phase_now(step, version)
             p.generated_now()
         p.after_take()
@@ -195,6 +198,24 @@ class RunKeeper:
         rollout.metrics.update({"timing/trainer_wait_s": time.perf_counter() - start,
                                 "pipeline/queue_groups": float(p.queued_groups())})
         return rollout
+
+    def _engines_within_bound(self, step: int, version: int) -> None:
+        """Before a phase generates here for ``version``: the engines serve within ``rollout.staleness_limit`` of it.
+        A failed sync can leave them behind (they keep their old weights); the sync then runs again with the trainer's
+        weights, and if they are still behind the engines are restarted and synced (counted as an engine fault: past
+        ``engine.max_restarts`` in a row the run stops). Every rank sees the same served versions."""
+        k, retried = self.cfg.rollout.staleness_limit, False
+        while (served := min(self.s.engines.served_versions())) < version - k:
+            if not retried:
+                self.faults.say(f"step {step + 1}: the engines serve version {served}, more than "
+                                f"rollout.staleness_limit={k} behind version {version}: the weight sync runs again")
+                self.sync(self.s.policy_version)
+                retried = True
+                continue
+            self._recover(RuntimeError(f"the engines still serve version {served} after the sync ran again"),
+                          f"step {step + 1}: engines behind the staleness bound", "they are restarted and synced",
+                          self.s.policy_version)
+        self.s.pipeline.engines_serve(served)
 
     def _phase_now(self, step: int, version: int) -> Rollout:
         """One phase in this thread, on every rank: an engine error restores the controller, restarts the engines,
@@ -265,7 +286,6 @@ class RunKeeper:
                 error = exc
             if not any_rank(error is not None):
                 return metrics
-            p.stop_ahead()  # async: the phase in flight ends (its error, if any, put aside) before a restart
             try:
                 self._restart(error or RuntimeError("the weight sync failed on another rank"),
                               f"weight sync to version {version}: engine error", "the sync and its audit run again")
@@ -284,6 +304,7 @@ class RunKeeper:
         decision = self.faults.engine_error(exc, what, done)
         if decision.action is Action.STOP:
             raise StopRun(decision.reason) from exc
+        self.s.pipeline.stop_ahead()  # the generating thread ends first: the engines restart under no phase
         try:
             self.s.engines.restart()  # under torchrun: recovered in place, or refused (every rank alike)
         except EngineRestartRefused as refused:

@@ -28,8 +28,11 @@ from megarl.config.schema import captures_routes, resolved_engine_dtype, resolve
 from megarl.config.validate.algo import needed_learners
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
+from megarl.distributed.bootstrap import detect
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState, build_parallel_state
+from megarl.distributed.placement import NodePlacement, node_placement
+from megarl.distributed.placement import apply as use_cpus
 from megarl.engines.colocated import ColocatedEngines
 from megarl.engines.memory import Handover, sleep_supported
 from megarl.engines.protocol import Engines
@@ -122,6 +125,7 @@ def build_session(cfg: RunConfig) -> Session:
     torch.manual_seed(cfg.train.seed)
     p = cfg.parallel
     ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel, p.vpp)
+    cpus = place_trainer(cfg, ps)  # this rank's cores and threads (before vLLM starts here: it fixes them)
     if ps.rank == 0:
         ensure_model(cfg)
     dist.barrier()
@@ -135,7 +139,7 @@ def build_session(cfg: RunConfig) -> Session:
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.reward, d)
-    engines = build_engines(cfg, hf_cfg, main_only(log.info, ps.rank))
+    engines = build_engines(cfg, hf_cfg, cpus.replicas, main_only(log.info, ps.rank))
     activate_cpu()
     from megatron.core import tensor_parallel
 
@@ -217,16 +221,27 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
                 route_experts=experts if captures_routes(cfg, experts) else 0)
 
 
-def build_engines(cfg: RunConfig, hf_cfg: dict, say=print) -> Engines:
+def place_trainer(cfg: RunConfig, ps: ParallelState) -> NodePlacement:
+    """This node's cpu placement (``distributed.placement``), applied to this trainer rank and said by rank 0."""
+    launch = detect()
+    local = max(1, launch.local_world_size)
+    node = node_placement(cfg, local, node=ps.rank // local, nodes=max(1, ps.world_size // local))
+    use_cpus(node.trainer[launch.local_rank % local])
+    if ps.rank == 0:
+        log.info(f"megarl: {node.describe()} (trainer.cpu_threads, engine.cpu_threads: 0 = megarl's choice)")
+    return node
+
+
+def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None, say=print) -> Engines:
     """The run's engines: in the trainer's processes (colocated), or ``engine.replicas`` vLLM engines in processes of
-    their own (disaggregated)."""
+    their own (disaggregated; ``replica_cpus``: the cores of each replica this node hosts, by its place here)."""
     e = cfg.engine
     if e.placement == "disaggregated":
         return EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback, replica_nodes=e.replica_nodes,
                               hosts_file=str(rendezvous_path(cfg.train.run_dir)) if e.replica_nodes_dedicated else "",
-                              **engine_numerics(cfg, hf_cfg))
+                              cpus=replica_cpus or [], cpu_threads=e.cpu_threads, **engine_numerics(cfg, hf_cfg))
     engine = VLLMEngine(cfg.model.path, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
                         max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
                         peer_wait_s=e.peer_wait_s, **engine_numerics(cfg, hf_cfg))

@@ -162,6 +162,9 @@ class EngineConfig:
     (0: ``kv_cache_gib`` sizes the KV cache exactly). Not used on CPU."""
     peer_wait_s: float = 60.0
     """Colocated engine TP > 1: a rank whose engine step failed waits this long for the engine's other ranks, then exits 75 (they are stuck in vLLM's collectives)."""
+    cpu_threads: int = 0
+    """Compute threads of each disaggregated replica worker (0: megarl chooses: the replicas' share of the node's
+    cores, pinned, while generation runs beside training; see docs/cluster.md)."""
 
 
 @dataclass
@@ -330,6 +333,9 @@ class TrainerConfig:
     reference follow it; FP8 (``model.fp8``) runs on bf16."""
     offload_during_rollout: bool = False
     """Move the optimizer state and gradient buffers to host memory while the engines generate (GPU)."""
+    cpu_threads: int = 0
+    """Compute threads of each trainer rank (0: megarl chooses: the node's cores split between its ranks, and with
+    the replicas while generation runs beside training; see docs/cluster.md)."""
 
 
 @dataclass

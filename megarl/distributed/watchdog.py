@@ -7,10 +7,12 @@ timeout (``csrc/cpu/shm.cpp``, ``wait_for_all``; the rank that raised ends the r
 blocks a weight sync until gloo's or NCCL's own timeout (30 min or more) or forever. Without a
 watchdog such a run burns its allocation until Slurm's time limit.
 
-One daemon thread per process watches one slot, ``(what, started, deadline)``. The loop's blocking
-calls run under ``guard(what)``: entering writes the slot (one tuple assignment), leaving puts back
-the enclosing call's slot (a guarded evaluation may contain guarded engine steps). The thread wakes
-a few times per timeout; when the slot's deadline has passed it
+One daemon thread per process watches one slot per thread, ``(what, started, deadline)``: under
+``rollout.overlap`` the generating thread's engine steps and the main thread's evaluations and saves are
+guarded at once, each in its own slot. The loop's blocking calls run under ``guard(what)``: entering writes
+the calling thread's slot, leaving puts back the enclosing call's (a guarded evaluation may contain guarded
+engine steps) or clears it. The watching thread wakes a few times per timeout; when a slot's deadline has
+passed it
 
 1. prints one line naming the call, how long it has been blocked and the rank;
 2. dumps every thread's stack (``faulthandler.dump_traceback``) to the rank's log (stderr);
@@ -50,7 +52,7 @@ class Watchdog:
         if timeout_s < 0:
             raise ValueError(f"the watchdog's timeout must be >= 0 seconds (0: off), got {timeout_s}")
         self.timeout_s, self.status, self.rank = float(timeout_s), status, rank
-        self.slot: tuple[str, float, float] | None = None  # (what, started, deadline) of the call running now
+        self.slots: dict[int, tuple[str, float, float]] = {}  # thread id → (what, started, deadline) running now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -74,9 +76,9 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            slot = self.slot
-            if slot is not None and time.monotonic() > slot[2]:
-                self.fire(slot[0], time.monotonic() - slot[1])
+            for slot in list(self.slots.values()):
+                if time.monotonic() > slot[2]:
+                    self.fire(slot[0], time.monotonic() - slot[1])
 
     def fire(self, what: str, blocked_s: float) -> None:
         """Log, dump every thread's stack, write the exit file and end the process (never returns)."""
@@ -142,20 +144,24 @@ def _end_children() -> None:
 
 
 class _Guard:
-    __slots__ = ("dog", "what", "outer")
+    __slots__ = ("dog", "what", "outer", "thread")
 
     def __init__(self, dog: Watchdog | None, what: str) -> None:
-        self.dog, self.what, self.outer = dog, what, None
+        self.dog, self.what, self.outer, self.thread = dog, what, None, 0
 
     def __enter__(self) -> None:
         dog = self.dog
         if dog is not None and dog.timeout_s:
-            now = time.monotonic()
-            self.outer, dog.slot = dog.slot, (self.what, now, now + dog.timeout_s)
+            now, self.thread = time.monotonic(), threading.get_ident()
+            self.outer = dog.slots.get(self.thread)
+            dog.slots[self.thread] = (self.what, now, now + dog.timeout_s)
 
     def __exit__(self, *exc) -> None:
-        if self.dog is not None:
-            self.dog.slot = self.outer
+        if self.dog is not None and self.thread:
+            if self.outer is None:
+                self.dog.slots.pop(self.thread, None)
+            else:
+                self.dog.slots[self.thread] = self.outer
 
 
 def _has_fd(stream) -> bool:

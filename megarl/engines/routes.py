@@ -97,12 +97,15 @@ class RouteCapture:
             if n and rid is not None:
                 new = stacked[start:start + n].copy()  # (not a view keeping the whole step's array alive)
                 held = self.pending.get(rid)
-                if held is not None:
-                    if held[0] + len(held[1]) != first:
+                if held is not None and held[0] <= first:
+                    if held[0] + len(held[1]) < first:
                         raise RuntimeError(f"routing replay: request {rid} routed positions "
                                            f"{held[0]}..{held[0] + len(held[1]) - 1}, then from {first}")
-                    new = np.concatenate([held[1], new])
+                    new = np.concatenate([held[1][:first - held[0]], new])
                     first = held[0]
+                # (a request that starts again from an earlier position, its KV recomputed after an in-flight weight
+                # update or a preemption, routes those positions again: the rows held from before are dropped, and a
+                # sample keeps the routes of positions it already has: ``Sample.add_routes``)
                 self.pending[rid] = (first, new)
             start += n
 

@@ -65,6 +65,11 @@ def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float 
     return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
 
 
+SCHEDULING = {"async_scheduling": False}
+"""vLLM schedules step by step: with async scheduling (vLLM's default on GPUs) a batch launched before a weight update
+can return after it, its tokens then tagged with the new version though the old weights sampled them."""
+
+
 def numerics_args(dtype: str, enforce_eager, gpu: bool) -> dict:
     """``LLM``'s dtype and graph arguments: ``engine.dtype`` as resolved (``config.schema.resolved_engine_dtype``) and
     ``engine.enforce_eager`` ('auto': eager on CPU, where vLLM runs no CUDA graphs; CUDA graphs on GPUs)."""
@@ -89,6 +94,7 @@ class VLLMEngine:
         self._args = dict(
             model=str(model_dir),
             **numerics_args(dtype, enforce_eager, on_gpu()),
+            **SCHEDULING,
             max_model_len=max_model_len,
             distributed_executor_backend="external_launcher",
             tensor_parallel_size=tensor_parallel_size,

@@ -86,24 +86,31 @@ class PromptBuffer:
 
     def expire_stale(self, version: int, m: PhaseMetrics) -> None:
         """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
-        k = self.cfg.staleness_limit
         for index in list(self.live):
-            g = self.live[index]
-            stale = [j for j, s in enumerate(g.samples) if s.versions and version - min(s.versions) > k]
-            if not stale:
-                continue
-            if self.cfg.stale_action == "drop":
+            if self.stale_samples(index, version) and self.cfg.stale_action == "drop":
+                g = self.live.pop(index)
                 m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
-                del self.live[index]
-                self._forget_time(index)
+                self.forget_time(index)
                 self.requeued.appendleft((g.item, g.discards, g.admitted_version))
-                continue
-            for j in stale:
-                s = g.samples[j]
-                m.tokens_wasted += len(s.response_ids)
-                self.slot_time.pop((index, j), None)
-                s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
-                s.status, s.finish_reason = SampleStatus.QUEUED, ""
+            else:
+                self.regenerate_stale(index, version, m)
+
+    def stale_samples(self, index: int, version: int) -> list[int]:
+        """The samples of live group ``index`` with a token sampled more than k versions before ``version``."""
+        k = self.cfg.staleness_limit
+        return [j for j, s in enumerate(self.live[index].samples) if s.versions and version - min(s.versions) > k]
+
+    def regenerate_stale(self, index: int, version: int, m: PhaseMetrics) -> list[int]:
+        """The stale samples of group ``index`` (``stale_samples``) start again from their prompt (their tokens
+        counted as waste); which they were."""
+        stale = self.stale_samples(index, version)
+        for j in stale:
+            s = self.live[index].samples[j]
+            m.tokens_wasted += len(s.response_ids)
+            self.slot_time.pop((index, j), None)
+            s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
+            s.status, s.finish_reason = SampleStatus.QUEUED, ""
+        return stale
 
     def entries(self, indices) -> list[tuple[int, int]]:
         return [(i, j) for i in indices for j, s in enumerate(self.live[i].samples)
@@ -174,7 +181,7 @@ class PromptBuffer:
             members.add(index)
         return members
 
-    def _forget_time(self, index: int) -> None:
+    def forget_time(self, index: int) -> None:
         for j in range(self.cfg.group_size):
             self.slot_time.pop((index, j), None)
 

@@ -170,7 +170,7 @@ class RolloutController(PromptBuffer):
             return  # held whole, released first in the next phase (its staleness checked then)
         g = self.live.pop(index)  # on-policy: its tokens are of this version only; discarded, re-queued
         m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
-        self._forget_time(index)
+        self.forget_time(index)
         if g.item.key is not None:
             self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
         self.requeued.appendleft((g.item, g.discards, g.admitted_version))
@@ -185,7 +185,7 @@ class RolloutController(PromptBuffer):
         if g.item.key is not None:
             self.length_cache[g.item.key] = sum(lengths) / len(lengths)
         times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
-        self._forget_time(index)
+        self.forget_time(index)
         if not self.keep_group(group):
             m.groups_filtered += 1
             m.tokens_wasted += sum(lengths)
@@ -223,7 +223,7 @@ class RolloutController(PromptBuffer):
                 continue  # never started: stays admitted, nothing was spent on it
             m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
             del self.live[index]
-            self._forget_time(index)
+            self.forget_time(index)
             self.progress[index] = max(self.progress.get(index, 0), reached)
             entry = (g.item, g.discards + 1, g.admitted_version)
             (long if self.cfg.long_rounds and entry[1] >= self.cfg.max_discards else discarded).append(entry)

@@ -208,7 +208,18 @@ class Phase:
             m.samples_finished += 1
             m.len_finished_sum += len(s.response_ids)
             if all(x.status in DONE for x in c.live[index].samples):
-                c.harvest(index, self.version, self.released, m, self.pinned, self.members, self.pending_pinned)
+                self.complete(index)
+
+    def complete(self, index: int) -> None:
+        """A group whose samples are all done: released (or held) if every sample is within k versions of this
+        batch's, else its stale samples run again (engines that a failed sync left behind sampled them)."""
+        c = self.c
+        stale = c.regenerate_stale(index, self.version, self.m)
+        if stale:
+            self.m.samples_regenerated_at_release += len(stale)
+            self.queue.extendleft((index, j) for j in reversed(stale))
+            return
+        c.harvest(index, self.version, self.released, self.m, self.pinned, self.members, self.pending_pinned)
 
     def drain(self) -> None:
         """Pinned groups hold the rest of the batch: stop admitting, abort every unpinned sample."""

@@ -44,6 +44,7 @@ class PhaseMetrics:
     long_rounds: int = 0  # phases run as a long round (on-policy tail batching)
     drain_s: float = 0.0  # time spent draining pinned groups with admission stopped (on-policy guard)
     wait_phases_max: int = 0  # most phases between a trained prompt's first admission and its release
+    samples_regenerated_at_release: int = 0  # finished past the staleness bound (engines behind): run again
 
     @property
     def bubble_ratio(self) -> float:
@@ -87,6 +88,7 @@ class PhaseMetrics:
             "rollout/long_rounds": float(self.long_rounds),
             "rollout/drain_s": self.drain_s,
             "rollout/wait_phases_max": float(self.wait_phases_max),
+            "rollout/stale_at_release": float(self.samples_regenerated_at_release),
             "rollout/staleness_mean": sum(k * v for k, v in self.staleness.items()) / total_stale,
             "rollout/staleness_max": float(max(self.staleness, default=0)),
             # >1: the engines' weights moved while the phase ran (rollout.overlap=async's in-flight loads)

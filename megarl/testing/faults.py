@@ -18,6 +18,8 @@ does nothing when none is. The product's code paths hold no check of their own.
   peers wait for it: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75);
   ``engine_stall`` (from the engine's 3rd step every step schedules nothing until the engine is reset: the
   controller's no-progress guard must raise ``EngineStalled``, contained by the keeper);
+  ``replica_load_error`` (disaggregated replicas: the sync's plan reaches replica 1 with one tensor's shape
+  transposed, so that replica's load fails and it keeps its old weights while the others load);
   ``replica_dies_before_audit`` (disaggregated replicas: replica 0 is SIGKILLed right before the
   ``sync.check_every`` audit of the sync that ends step STEP: the keeper must restart the replicas, sync again
   and run the audit again); ``checkpoint_writer_dies`` (megatron's checkpoint-writer helper process is SIGKILLed
@@ -33,6 +35,7 @@ one the loop announces to the watchdog (``distributed.watchdog.note_rl_step``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -43,6 +46,7 @@ from megarl.distributed.collectives import rank_and_world
 from megarl.distributed.signals import signalled
 from megarl.distributed.watchdog import rl_step
 from megarl.engines.colocated import ColocatedEngines
+from megarl.engines.remote.messages import Update
 from megarl.engines.remote.replicas import EngineReplicas
 from megarl.types import StepReport
 from megarl.weight_sync.streaming import WeightsOverride
@@ -122,6 +126,8 @@ def install(session) -> None:
         _breaking_loads(engines)
     if _asked("replica_dies_before_audit") and isinstance(engines, EngineReplicas):
         _dying_audit(session.weight_sync, engines)
+    if _asked("replica_load_error") and isinstance(engines, EngineReplicas) and len(engines.clients) > 1:
+        _one_replica_fails(engines.clients[1])
     if _asked("nan_grad") or _killing_at("optimizer_step"):
         _nan_or_kill_before_optimizer(session.trainer)
     if _asked("checkpoint_writer_dies", "checkpoint_writer_dies_mid_save") or _killing_at("checkpoint_write"):
@@ -217,6 +223,25 @@ def _dying_audit(weight_sync, engines) -> None:
         return audit(eng, version)
 
     weight_sync.audit = dying
+
+
+def _one_replica_fails(client) -> None:
+    """This replica's updates of the step get a plan whose last 2-D tensor is transposed (same bytes, so the
+    broadcast stays in step): its load fails and it keeps serving its old weights."""
+    call = client.call
+
+    def failing(msg, reply: bool = True):
+        if isinstance(msg, Update) and not msg.stage_only and injected("replica_load_error"):
+            plan = [list(pieces) for pieces in msg.plan]
+            b, j = next((b, j) for b in reversed(range(len(plan))) for j, (_, shape) in enumerate(plan[b])
+                        if len(shape) == 2 and shape[0] != shape[1])
+            name, shape = plan[b][j]
+            plan[b][j] = (name, (shape[1], shape[0]))
+            log.info(f"engine replica {client.index}: its weight update's plan broken by MEGARL_TEST_FAULT (a test hook)")
+            msg = dataclasses.replace(msg, plan=plan)
+        return call(msg, reply)
+
+    client.call = failing
 
 
 def _nan_or_kill_before_optimizer(trainer) -> None:

@@ -72,19 +72,47 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
 
 
 def test_the_guard_restores_the_enclosing_call_and_is_a_no_op_without_a_watchdog():
-    dog = watchdog.Watchdog(timeout_s=100, status=EXIT_REQUEUE)  # not started: the slot alone
+    import threading
+
+    dog = watchdog.Watchdog(timeout_s=100, status=EXIT_REQUEUE)  # not started: the slots alone
+    me = threading.get_ident()
     with dog.guard("evaluation"):
-        outer = dog.slot
+        outer = dog.slots[me]
         assert outer[0] == "evaluation" and outer[2] - outer[1] == 100
         with dog.guard("engine step"):
-            assert dog.slot[0] == "engine step"
-        assert dog.slot is outer
-    assert dog.slot is None
+            assert dog.slots[me][0] == "engine step"
+        assert dog.slots[me] is outer
+    assert me not in dog.slots
     off = watchdog.Watchdog(timeout_s=0, status=EXIT_REQUEUE).start()  # 0: off, no thread, nothing armed
     with off.guard("engine step"):
-        assert off.slot is None and off._thread is None
+        assert not off.slots and off._thread is None
     with watchdog._Guard(None, "engine step"):  # no watchdog started in this process
         pass
+
+
+def test_each_thread_has_its_own_slot():
+    """Under overlap the generating thread's engine steps and the main thread's evaluation are guarded at once: one
+    call never overwrites or clears the other's (a healthy run was stopped with exit 75 long after a step returned
+    when they shared one slot)."""
+    import threading
+
+    dog = watchdog.Watchdog(timeout_s=100, status=EXIT_REQUEUE)
+    inside, leave = threading.Event(), threading.Event()
+
+    def generating() -> None:
+        with dog.guard("vLLM engine step"):
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=generating)
+    thread.start()
+    inside.wait(10)
+    with dog.guard("evaluation at step 3"):
+        assert sorted(what for what, _, _ in dog.slots.values()) == ["evaluation at step 3", "vLLM engine step"]
+    assert [what for what, _, _ in dog.slots.values()] == ["vLLM engine step"]  # the main thread's left, not its
+    leave.set()
+    thread.join()
+    assert not dog.slots
     with pytest.raises(ValueError, match="timeout must be >= 0 seconds"):
         watchdog.Watchdog(timeout_s=-1, status=EXIT_REQUEUE)
 

@@ -83,6 +83,23 @@ def test_async_two_replicas_bound_staleness_load_in_flight_and_lose_nothing_acro
     no_prompt_lost_or_twice(final_state(run))
 
 
+@pytest.mark.parametrize("fault", ["sync_error@2,sync_error@3", "replica_load_error@2,replica_load_error@3"],
+                         ids=["every_replica", "one_of_two"])
+def test_async_keeps_the_staleness_bound_when_syncs_fail_in_a_row(model, tmp_path, fault):
+    """k = 1 and the syncs of steps 2 and 3 fail (on every replica, or on one of two): the engines serve old weights
+    while the trainer moves on, and still no trained token is more than 1 version old (the pipeline gates phases on
+    the version the engines serve, a sample finishing past the bound runs again, a phase generated at its turn
+    first has the sync run again)."""
+    run = tmp_path / "run"
+    _train(model, run, "rollout.overlap=async", "rollout.staleness_limit=1", "engine.replicas=2",
+           "train.save_every=0", env={"MEGARL_TEST_FAULT": fault})
+    steps = _steps(run)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert steps[-1]["sync/failures"] >= 2  # the injected failures happened (and were contained)
+    assert all(r["rollout/staleness_max"] <= 1 for r in steps), [r["rollout/staleness_max"] for r in steps]
+    no_prompt_lost_or_twice(final_state(run))
+
+
 @pytest.mark.slow
 def test_async_loads_weights_while_a_phase_runs(model, tmp_path):
     """Longer answers than the update takes: the sync finds a phase running, loads between two engine steps, and
@@ -105,3 +122,16 @@ def test_async_with_staleness_0_gives_the_results_of_no_overlap(model, tmp_path)
     _train(model, zero, "rollout.overlap=async", "rollout.staleness_limit=0")
     assert [deterministic_view(r) for r in read_metrics(zero / "metrics.jsonl")] == \
         [deterministic_view(r) for r in read_metrics(none / "metrics.jsonl")]
+
+
+def test_an_in_flight_update_recomputes_the_kv_of_running_requests(tmp_path):
+    """A weight update that lands between two engine steps of a running request: the next token (and its logprob)
+    is what a fresh engine with the new weights gives for the same prompt and tokens, its KV all computed under
+    them; that token carries the new version."""
+    from helpers.scripts import run_script
+
+    r = run_script(["tests/workers/inflight_checks.py", str(tmp_path)])
+    n = r["tokens_before_update"]
+    assert r["versions"][:n] == [0] * n and r["versions"][n] == 1
+    assert r["after"][0] == r["fresh"][0], r
+    assert abs(r["after"][1] - r["fresh"][1]) <= 1e-5, r

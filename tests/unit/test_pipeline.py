@@ -41,7 +41,7 @@ def test_async_starts_a_phase_only_within_k_versions_of_the_one_that_trains_it(k
         assert error is None and rollout.batch == step
         _wait_for(lambda n=min(step + 1 + k, 6): p.generated >= n)  # training: the thread runs ahead as far as k lets
         time.sleep(0.02)  # (and no further: a phase past the bound would start now)
-        p.step_done(step + 1)
+        p.step_done(step + 1, step + 1)
     p.close()
     assert [b for b, _, _ in started][:6] == list(range(6))
     assert all(batch - done <= k for batch, _, done in started)  # never more than k batches ahead of training
@@ -57,7 +57,7 @@ def test_one_step_generates_the_next_batch_while_this_one_trains():
     for step in range(3):
         p.after_take()  # batch step + 1 starts with the weights now
         assert p.boundary() is None  # the sync waits for it
-        p.step_done(step + 1)
+        p.step_done(step + 1, step + 1)
         rollout, _ = p.take()
         assert rollout.batch == step + 1
     assert [(b, v, d) for b, v, d in started] == [(1, 1, 0), (2, 2, 1), (3, 3, 2)]
@@ -104,3 +104,44 @@ def test_a_step_sees_a_span_still_open_and_the_overlap_in_its_window(tmp_path):
     assert set(spans) == {"generate batch 1", "train"} and all(e["dur"] > 0 for e in spans.values())
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert names == {"rollout", "trainer rank 0"}
+
+
+def test_async_gates_on_the_version_the_engines_serve_and_hands_a_lagging_batch_to_the_trainer():
+    """k = 1 and the syncs of steps 1 and 2 fail (the engines still serve version 0): no phase starts more than k
+    versions ahead of what the engines serve; the batch the trainer needs next, which the thread may not start, is
+    handed to the trainer's thread (which re-syncs, then generates it), and the thread waits until that is done."""
+    p, started = _pipeline("async", 1)
+    rollout, _ = p.take()
+    assert rollout.batch == 0
+    _wait_for(lambda: p.generated >= 2)  # batch 1 too: it trains at version 1, one ahead of the engines' 0
+    p.step_done(1, 0)  # step 1's sync failed
+    time.sleep(0.05)
+    assert p.generated == 2  # batch 2 would train at 2 with the engines at 0: not started
+    rollout, _ = p.take()
+    assert rollout.batch == 1
+    p.step_done(2, 0)  # step 2's sync failed too
+    rollout, error = p.take()
+    assert rollout is None and error is None  # the trainer's thread generates batch 2 itself
+    p.engines_serve(2)  # (the keeper ran the sync again)
+    time.sleep(0.05)
+    assert p.generated == 2  # the thread does not start batch 2 beside the trainer's own
+    p.generated_now()
+    _wait_for(lambda: p.generated >= 4)  # batch 3 (trains at 3, engines at 2): within k again
+    time.sleep(0.05)
+    assert p.generated == 4  # and no further: batch 4 would train at 4
+    p.close()
+    assert [b for b, _, _ in started] == [0, 1, 3]
+
+
+def test_one_step_does_not_generate_ahead_with_weights_two_versions_old():
+    p, started = _pipeline("one_step")
+    p.take()
+    p.generated_now()
+    p.after_take()  # batch 1 with the engines at 0, trained at 1: one_step's one version
+    assert p.boundary() is None
+    p.step_done(1, 0)  # the sync failed: engines at 0
+    rollout, _ = p.take()
+    assert rollout.batch == 1
+    p.after_take()  # batch 2 would train at 2 with the engines at 0: not ahead
+    assert p.boundary() is None and p.take() == (None, None)  # the trainer's thread generates it at its turn
+    assert [b for b, _, _ in started] == [1]

@@ -83,6 +83,20 @@ def check_local_engine_memory(cfg: RunConfig, local_processes: int = 1) -> None:
             "its own KV cache, beside the model and the trainer; a colocated engine takes whole GiB, at least 1)")
 
 
+def check_local_cpus(cfg: RunConfig, local_processes: int = 1) -> str:
+    """``trainer.cpu_threads`` / ``engine.cpu_threads`` against this machine's cores, for ``local_processes`` trainer
+    ranks here (``megarl train``/``eval`` before launching them); the placement megarl will use, described."""
+    from megarl.distributed.placement import node_placement  # deferred: the CLI's config errors stay instant
+
+    for key, value in (("trainer.cpu_threads", cfg.trainer.cpu_threads), ("engine.cpu_threads", cfg.engine.cpu_threads)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (0: megarl chooses), got {value}")
+    try:
+        return node_placement(cfg, local_processes).describe()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_engine_head_size(hf: dict, where: str) -> None:
     """A model whose attention head size vLLM's CPU engine cannot run is a config error (without it the engine
     fails at its first forward, "Unsupported CPU attention configuration", every evaluation and phase). On CUDA

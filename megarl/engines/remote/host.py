@@ -35,6 +35,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from megarl.config import ConfigError, load_config
+from megarl.distributed.placement import available_cores, place_node
 from megarl.engines.remote import reaper
 from megarl.engines.remote.nodes import accept_within, serve_remote, waited
 from megarl.logging.console import configure as configure_console
@@ -226,6 +227,7 @@ def serve_host(conn, node: int, name: str) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
                 continue
             rendezvous, jobs = arg
+            place_replicas(jobs)
             ended = {k: p.exitcode for k, p in procs.items() if not p.is_alive()}  # before rank 0's word
             killed = sorted(set(procs) - set(ended))
             _end(procs)
@@ -248,6 +250,15 @@ def serve_host(conn, node: int, name: str) -> None:
             conn.send(("spawned", pids))
     finally:
         _end(procs)
+
+
+def place_replicas(jobs: list[tuple[int, dict]]) -> None:
+    """An engine-only node's cores split between the replicas it runs (their specs' ``cpus``; ``engine.cpu_threads``
+    per worker, 0: an even share), which run at once (``distributed.placement``)."""
+    threads = jobs[0][1].get("cpu_threads", 0) if jobs else 0
+    shares = place_node(available_cores(), 0, [spec["tp"] for _, spec in jobs], False, 0, threads).replicas
+    for (_, spec), share in zip(jobs, shares):
+        spec["cpus"] = [(c.threads, c.cores) for c in share]
 
 
 def node_of(name: str) -> int:

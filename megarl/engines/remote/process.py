@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from megarl.distributed.placement import CpuShare, vllm_binding
+from megarl.distributed.placement import apply as apply_cpus
 from megarl.engines.memory import on_gpu
 from megarl.engines.remote.messages import (
     Abort,
@@ -37,7 +39,7 @@ from megarl.engines.remote.messages import (
     Updated,
 )
 from megarl.engines.routes import RouteCapture
-from megarl.engines.vllm_engine import generate_batch, kv_cache_args, numerics_args, sampled_logprobs
+from megarl.engines.vllm_engine import SCHEDULING, generate_batch, kv_cache_args, numerics_args, sampled_logprobs
 from megarl.logging.console import configure as configure_console
 from megarl.types import SlotRequest, TokenEvent
 from megarl.weight_sync.load import UNUSABLE, EngineUnusable, unusable_message
@@ -55,9 +57,7 @@ def _llm(spec: dict):
     if spec.get("devices"):  # on GPUs: this replica's own devices (engine.replica_devices)
         os.environ["CUDA_VISIBLE_DEVICES"] = spec["devices"]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM's CPU workers of a TP>1 replica bind to one NUMA node each by default (refused with fewer
-    # nodes than workers); replicas that share a host leave the placement to the OS unless told otherwise
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    place_replica([CpuShare(threads, tuple(cores)) for threads, cores in spec.get("cpus") or []], spec["tp"])
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     from vllm import LLM
@@ -66,11 +66,23 @@ def _llm(spec: dict):
     # on CPU the KV cache is sized by bytes too (VLLM_CPU_KVCACHE_SPACE is whole GiB; a replica's may be less)
     kv = kv_cache_args(spec["kv_cache_gib"], gpu, spec["gpu_memory_utilization"]) if gpu else {
         "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
-    return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu),
+    return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
                enable_prefix_caching=not spec.get("route_experts"),  # cached prompt rows are never routed
                worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
+
+
+def place_replica(workers: list[CpuShare], tp: int) -> None:
+    """The replica's cores and threads as its spawner placed them (``distributed.placement``): a TP-1 replica computes
+    in this process; a larger one in vLLM's worker processes, bound by ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's own
+    default binds each to a NUMA node, refused with fewer nodes than workers: 'nobind' leaves them to the OS)."""
+    if tp == 1 and workers:
+        apply_cpus(workers[0])
+        return
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_binding(workers) if workers else "nobind")
+    if workers:
+        os.environ["OMP_NUM_THREADS"] = str(workers[0].threads)
 
 
 def _usage() -> tuple[float, int]:
@@ -207,9 +219,10 @@ class _Replica:
                 llm.collective_rpc("megarl_abandon_update")
                 raise _WorkersFailed(failures[0])
             llm.finish_weight_update(weight_version=str(u.version))
-            # in flight, running requests hold KV blocks: the reset is refused (False) and the prefix cache keeps KV
-            # computed under the previous weights; each token still carries the version that sampled it
-            llm.reset_prefix_cache()
+            # in flight, running requests hold KV computed under the previous weights: they are preempted and their
+            # KV recomputed under the new ones (each next token then comes from the new weights alone, the version
+            # it carries); without running requests the prefix cache alone is dropped
+            llm.reset_prefix_cache(reset_running_requests=u.in_flight)
             self.version, self.unusable = u.version, ""
             phases = {**llm.collective_rpc("megarl_update_timings")[0], **_used_since(used)}
             return Updated(self.version, backup_mib=backup, seconds=time.perf_counter() - start, phases=phases)

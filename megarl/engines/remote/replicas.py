@@ -86,7 +86,10 @@ class EngineReplicas:
                  kv_cache_gib: float, slots: int, seed: int = 0, start_timeout_s: float = 600.0,
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
                  replica_nodes: int = 0, hosts_file: str = "", dtype: str = "float32", enforce_eager="auto",
-                 gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
+                 gpu_memory_utilization: float = 0.0, route_experts: int = 0, cpus: list | None = None,
+                 cpu_threads: int = 0) -> None:
+        """``cpus``: the ``CpuShare``s of each replica this rank's node hosts (its workers'), in their order there
+        (``distributed.placement``); ``cpu_threads``: ``engine.cpu_threads``, for engine-only nodes to place by."""
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = collectives.rank_and_world()
         self.leader = self.rank == 0
@@ -103,7 +106,8 @@ class EngineReplicas:
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, slots=slots, seed=seed,
                           start_timeout_s=start_timeout_s, dtype=dtype, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization, route_experts=route_experts,
-                          devices=[d.strip() for d in devices.split(",") if d.strip()])
+                          devices=[d.strip() for d in devices.split(",") if d.strip()], cpus=cpus or [],
+                          cpu_threads=cpu_threads)
         self.transport, self.timeout_s = transport, timeout_s
         self.dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
         self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
@@ -173,7 +177,8 @@ class EngineReplicas:
         return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
                     slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
                     dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"],
-                    route_experts=a["route_experts"])
+                    route_experts=a["route_experts"], cpu_threads=a["cpu_threads"],
+                    cpus=[(c.threads, c.cores) for c in a["cpus"][j]] if j < len(a["cpus"]) else None)
 
     def _spawn_on_hosts(self, rendezvous) -> None:
         """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""

@@ -1,0 +1,170 @@
+"""Which cores each process of a run computes on: megarl chooses (``trainer.cpu_threads``, ``engine.cpu_threads``;
+0, the default, is auto), from the cores this process may run on and the run's shape, and says so at start.
+
+::
+
+    who runs at once on a node                        each process's share of the node's cores
+    the trainer and the engines take turns            the trainer's ranks split every core between them; so do
+    (rollout.overlap: none, or colocated engines)      the replicas' workers (each side has the node to itself
+                                                      while it runs)
+    generation beside training                        the cores split between the two sides, in proportion to
+    (rollout.overlap: one_step | async, replicas       their processes (a trainer rank, a replica's TP worker), each
+     on the trainer's node)                           process pinned to cores of its own: two sides that both use
+                                                      every core thrash (a 2-core step measured 0.5 s alone, 1.3-5.1 s
+                                                      beside generation)
+
+A process that is alone in its side of the node is not pinned (the OS places its threads); several are, each to its
+own cores. With fewer cores than processes nothing is pinned and each runs one thread. ``OMP_NUM_THREADS`` in the
+environment (torchrun sets it to 1) is not what decides: these keys are. On GPUs the same shares govern the host
+threads of each process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """One process's share: ``threads`` compute threads, pinned to ``cores`` (empty: not pinned)."""
+
+    threads: int
+    cores: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        where = f"core{'s' if len(self.cores) > 1 else ''} {_ranges(self.cores)}" if self.cores else "any core"
+        return f"{where}, {self.threads} thread{'s' if self.threads != 1 else ''}"
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """The shares of one node: each local trainer rank's, and each replica's workers' (replicas in node order)."""
+
+    trainer: list[CpuShare]
+    replicas: list[list[CpuShare]]
+    together: bool  # the two sides run at once (generation beside training)
+    cores: int
+
+    def describe(self) -> str:
+        parts = [f"trainer rank {r}: {s.describe()}" for r, s in enumerate(self.trainer)]
+        for k, workers in enumerate(self.replicas):
+            parts += [f"replica {k}{f' worker {w}' if len(workers) > 1 else ''}: {s.describe()}"
+                      for w, s in enumerate(workers)]
+        how = "generation beside training: the cores split" if self.together else "trainer and engines take turns"
+        return f"cpu placement on {self.cores} cores ({how}): " + "; ".join(parts)
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity: a Slurm allocation's, a cpuset's), sorted."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def _ranges(cores: tuple[int, ...]) -> str:
+    out, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            out.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(out)
+
+
+def _slices(cores: list[int], counts: list[int]) -> list[tuple[int, ...]]:
+    """Consecutive slices of ``cores`` of the given sizes."""
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(cores[at:at + n]))
+        at += n
+    return out
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` split in ``parts`` near-equal positive sizes (the first ones larger)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _side(cores: list[int], procs: int, threads: int, pin_alone: bool) -> list[CpuShare]:
+    """``procs`` processes of one side on ``cores``, each ``threads`` threads (0: an even share of them), pinned to
+    slices of their own when there are several or ``pin_alone`` (the side is not the whole node)."""
+    if procs == 0:
+        return []
+    if len(cores) < procs:  # oversubscribed: one thread each, left to the OS
+        return [CpuShare(1)] * procs
+    sizes = [threads] * procs if threads else _even(len(cores), procs)
+    if procs == 1 and not pin_alone:
+        return [CpuShare(sizes[0])]
+    return [CpuShare(n, s) for n, s in zip(sizes, _slices(cores, sizes))]
+
+
+def place_node(cores: list[int], trainer_procs: int, replica_workers: list[int], together: bool,
+               trainer_threads: int = 0, engine_threads: int = 0) -> NodePlacement:
+    """The shares of a node with ``cores``, ``trainer_procs`` trainer ranks and replicas of ``replica_workers`` TP
+    workers each; ``together``: both sides run at once. ``trainer_threads`` / ``engine_threads``: per process
+    (0: auto). ``ValueError`` when the threads asked for are more than the node's cores."""
+    n, workers = len(cores), sum(replica_workers)
+    want_t, want_e = trainer_threads * trainer_procs, engine_threads * workers
+    both = bool(together and trainer_procs and workers)
+    if (want_t + want_e if both else max(want_t, want_e)) > n:
+        asked = " + ".join(x for x in (
+            f"trainer.cpu_threads={trainer_threads} × {trainer_procs} trainer ranks" if want_t else "",
+            f"engine.cpu_threads={engine_threads} × {workers} replica workers" if want_e else "") if x)
+        raise ValueError(f"{asked} asks for more than this node's {n} cores ({_ranges(tuple(cores))}); "
+                         "set fewer threads, or 0 (auto) to let megarl split the cores")
+    if not both:
+        trainer, flat = _side(cores, trainer_procs, trainer_threads, False), _side(cores, workers, engine_threads, False)
+    elif n < trainer_procs + workers:  # fewer cores than processes: nothing pinned, one thread each
+        trainer, flat = [CpuShare(1)] * trainer_procs, [CpuShare(1)] * workers
+    else:
+        auto = round(n * trainer_procs / (trainer_procs + workers))
+        t = want_t or (n - want_e if want_e else min(max(auto, trainer_procs), n - workers))
+        trainer = _side(cores[:t], trainer_procs, trainer_threads, True)
+        flat = _side(cores[t:], workers, engine_threads, True)
+    replicas, at = [], 0
+    for w in replica_workers:
+        replicas.append(flat[at:at + w])
+        at += w
+    return NodePlacement(trainer, replicas, both, n)
+
+
+def replicas_on_node(placement: str, replicas: int, replica_nodes: int, dedicated: bool, node: int,
+                     nodes: int) -> int:
+    """How many disaggregated replicas run on trainer node ``node`` of ``nodes`` (``engines.remote.nodes.place``'s
+    rule: all on rank 0's node, or ``replicas / replica_nodes`` on each of the last ``replica_nodes``; none on a
+    trainer node when the engine nodes are dedicated)."""
+    if placement != "disaggregated" or dedicated:
+        return 0
+    if replica_nodes == 0:
+        return replicas if node == 0 else 0
+    return replicas // replica_nodes if node >= nodes - replica_nodes else 0
+
+
+def node_placement(cfg, trainer_procs: int, node: int = 0, nodes: int = 1, cores: list[int] | None = None
+                   ) -> NodePlacement:
+    """A run's placement (a ``RunConfig``) on trainer node ``node`` of ``nodes``, with ``trainer_procs`` trainer
+    ranks there (0: an engine-only node) and its cores (default: this process's)."""
+    e = cfg.engine
+    here = (e.replicas // max(1, e.replica_nodes) if trainer_procs == 0 else
+            replicas_on_node(e.placement, e.replicas, e.replica_nodes, e.replica_nodes_dedicated, node, nodes))
+    together = cfg.rollout.overlap != "none" and e.placement == "disaggregated"
+    return place_node(available_cores() if cores is None else cores, trainer_procs,
+                      [e.tensor_parallel_size] * here, together, cfg.trainer.cpu_threads, e.cpu_threads)
+
+
+def apply(share: CpuShare) -> None:
+    """This process computes with ``share``: its torch threads, and its cores when pinned (before vLLM starts in it:
+    its CPU worker then refuses ``torch.set_num_threads``)."""
+    import torch
+
+    if share.cores:
+        os.sched_setaffinity(0, share.cores)
+    torch.set_num_threads(share.threads)
+
+
+def vllm_binding(workers: list[CpuShare]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a replica whose TP workers are vLLM's own processes: each worker's cores,
+    '|'-separated, or 'nobind' when they are not pinned (their threads: ``OMP_NUM_THREADS``)."""
+    if all(w.cores for w in workers):
+        return "|".join(",".join(map(str, w.cores)) for w in workers)
+    return "nobind"

@@ -1,0 +1,66 @@
+"""megarl's cpu placement (``distributed/placement.py``): who computes on which cores, chosen from the run's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config.validate.limits import check_local_cpus
+from megarl.distributed.placement import CpuShare, node_placement, place_node, replicas_on_node, vllm_binding
+
+
+def test_two_cores_split_when_generation_runs_beside_training():
+    node = place_node([0, 1], 1, [1], together=True)
+    assert node.trainer == [CpuShare(1, (0,))] and node.replicas == [[CpuShare(1, (1,))]]
+    assert node.together and "the cores split" in node.describe()
+
+
+def test_each_side_has_every_core_when_they_take_turns():
+    node = place_node([0, 1], 1, [1], together=False)
+    assert node.trainer == [CpuShare(2)] and node.replicas == [[CpuShare(2)]]  # unpinned: the OS places them
+    two_ranks = place_node([0, 1], 2, [], together=False)  # several processes of one side: pinned apart
+    assert two_ranks.trainer == [CpuShare(1, (0,)), CpuShare(1, (1,))]
+
+
+def test_a_large_node_splits_by_processes_and_never_shares_a_core():
+    node = place_node(list(range(16)), 8, [1, 1], together=True)
+    cores = [c for s in node.trainer + [w for r in node.replicas for w in r] for c in s.cores]
+    assert sorted(cores) == list(range(16)) and len(set(cores)) == 16  # every core used once
+    assert sum(len(s.cores) for s in node.trainer) == round(16 * 8 / 10)  # the trainer's share: its processes'
+    tp2 = place_node(list(range(16)), 2, [2], together=True, engine_threads=3)  # explicit engine threads
+    assert [w.threads for w in tp2.replicas[0]] == [3, 3] and sum(s.threads for s in tp2.trainer) == 10
+
+
+def test_fewer_cores_than_processes_pins_nothing():
+    node = place_node([0, 1], 1, [1, 1], together=True)
+    assert node.trainer == [CpuShare(1)] and node.replicas == [[CpuShare(1)], [CpuShare(1)]]
+
+
+def test_threads_beyond_the_node_are_refused_naming_the_keys():
+    with pytest.raises(ValueError, match=r"trainer.cpu_threads=2 × 1 trainer ranks \+ engine.cpu_threads=1 × 1 "
+                                         r"replica workers asks for more than this node's 2 cores"):
+        place_node([0, 1], 1, [1], together=True, trainer_threads=2, engine_threads=1)
+    place_node([0, 1], 1, [1], together=False, trainer_threads=2, engine_threads=2)  # taking turns: each may have 2
+    cfg = load_config(None, ["trainer.cpu_threads=64", "engine.placement=disaggregated", "rollout.overlap=async",
+                             "rollout.mode=partial"])
+    with pytest.raises(ConfigError, match="trainer.cpu_threads=64"):
+        check_local_cpus(cfg, 1)
+    with pytest.raises(ConfigError, match="engine.cpu_threads must be >= 0"):
+        check_local_cpus(load_config(None, ["engine.cpu_threads=-1"]), 1)
+
+
+def test_the_run_shape_decides_which_replicas_share_a_node():
+    assert replicas_on_node("disaggregated", 4, 0, False, node=0, nodes=2) == 4  # all on rank 0's node
+    assert replicas_on_node("disaggregated", 4, 0, False, node=1, nodes=2) == 0
+    assert replicas_on_node("disaggregated", 4, 2, False, node=1, nodes=3) == 2  # the last 2 nodes host 2 each
+    assert replicas_on_node("disaggregated", 4, 2, True, node=2, nodes=3) == 0  # engine-only nodes: none here
+    assert replicas_on_node("colocated", 4, 0, False, node=0, nodes=1) == 0
+    cfg = load_config(None, ["engine.placement=disaggregated", "rollout.overlap=async", "rollout.mode=partial"])
+    assert node_placement(cfg, 1, cores=[0, 1]).together
+    none = load_config(None, ["engine.placement=disaggregated"])
+    assert not node_placement(none, 1, cores=[0, 1]).together
+
+
+def test_vllm_binds_pinned_workers_and_leaves_the_rest():
+    assert vllm_binding([CpuShare(2, (2, 3)), CpuShare(2, (4, 5))]) == "2,3|4,5"
+    assert vllm_binding([CpuShare(1), CpuShare(1)]) == "nobind"
