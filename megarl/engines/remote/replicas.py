@@ -172,8 +172,8 @@ class EngineReplicas:
         a, tp = self._args, self._args["tp"]
         return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
                     slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
-                    dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"],
-                    route_experts=a["route_experts"])
+                    dtype=a["dtype"], enforce_eager=a["enforce_eager"],
+                    gpu_memory_utilization=a["gpu_memory_utilization"], route_experts=a["route_experts"])
 
     def _spawn_on_hosts(self, rendezvous) -> None:
         """Rank 0, dedicated engine nodes: link their hosts (once per run), which then (re)spawn the replicas."""
