@@ -14,10 +14,10 @@ key, type or layout exits with status 2 and a message that names it.
 
 ``train`` exits 0 when the run completed or was preempted (checkpoint saved), 1 when a fault stopped it
 (e.g. non-finite steps), and 75 (``EXIT_REQUEUE``) when an engine fault stopped it with a checkpoint, or a
-checkpoint save failed because a helper process of the writer died (rerun to resume in fresh processes). torchrun exits 1 whatever status its workers had: with
-``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there (``slurm/train.sbatch`` reads it). A call that
-never returns ends its process with 75 after ``engine.hang_timeout_s``, that rank writing the file
-(``megarl/distributed/watchdog.py``).
+checkpoint save failed because a helper process of the writer died (rerun to resume in fresh processes). torchrun exits
+1 whatever status its workers had: with ``MEGARL_EXIT_FILE`` set, rank 0 also writes its status there
+(``slurm/train.sbatch`` reads it). A call that never returns ends its process with 75 after ``engine.hang_timeout_s``,
+that rank writing the file (``megarl/distributed/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """``train|demo|eval`` arguments (``demo`` without ``--config``: configs/demo.yaml)."""
-    parser = argparse.ArgumentParser(prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train", "demo", "eval", "plan"],
                         help="train: run a config; demo: the tiny CPU demo; eval: pass@k of a model or checkpoint; "
                              "plan: layout and memory (plan --help)")
@@ -141,7 +142,8 @@ _COMMANDS = {
               "megarl train --config configs/demo.yaml --nproc 2 parallel.tp=2 train.steps=5"),
     "demo": ("the tiny CPU demo (configs/demo.yaml unless --config is given)", "megarl demo train.steps=20"),
     "eval": ("pass@k of model.path, or of --checkpoint loaded into model.path's model, on the held-out prompts "
-             "(data.eval_path, or the built-in task's); writes eval.output (default: RUN/eval_step_N.json beside a run's checkpoint, else run_dir/eval.json)",
+             "(data.eval_path, or the built-in task's); writes eval.output (default: RUN/eval_step_N.json beside a "
+             "run's checkpoint, else run_dir/eval.json)",
              "megarl eval --config examples/math/config.yaml --checkpoint runs/math"),
 }
 

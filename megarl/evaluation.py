@@ -94,7 +94,8 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     if kind == "hf" and checkpoint:
         cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
     # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's
-    cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")), warmup=replace(cfg.warmup, steps=0))
+    cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")),
+                  warmup=replace(cfg.warmup, steps=0))
     note = checkpoint_note(kind, path)
     s = build_session(cfg)
     if note and s.is_main:
@@ -109,7 +110,8 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
     shown = s.eval_prompts[:3]
     outs = s.engines.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
                               for p in shown], seed=0)
-    result = {"checkpoint": str(path), "kind": kind, **({"note": note} if note else {}), "data": cfg.data.eval_path or f"task:{cfg.data.task}",
+    result = {"checkpoint": str(path), "kind": kind, **({"note": note} if note else {}),
+              "data": cfg.data.eval_path or f"task:{cfg.data.task}",
               **result, "examples": [{"prompt": p.text, "answer": p.answer,
                                       "response": s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)}
                                      for p, o in zip(shown, outs)]}

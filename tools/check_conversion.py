@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="HF checkpoint directory")
     parser.add_argument("--ckpt", required=True,
-                        help="megatron dist checkpoint directory, a run's checkpoint step dir or a run dir (its policy)")
+                        help="megatron dist checkpoint directory, a run's checkpoint step dir or a run dir "
+                             "(its policy)")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest max |logit difference| that passes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")

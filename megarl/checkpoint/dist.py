@@ -3,8 +3,8 @@
 A checkpoint saved at TP=2 / PP=2 / EP=2 (any DP, distributed optimizer or not) loads at
 TP=1 / PP=1 / EP=1 and back: megatron-core stores each tensor by its global shape and
 offsets (a key that only some layers have, as Qwen2-MoE's dense and MoE layers', is stored over
-those layers: ``layer_axis.py``). Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed; an old checkpoint
-at ``path`` is first renamed to ``<path>.old`` and removed only after the new one is in place (a crash
+those layers: ``layer_axis.py``). Saving is atomic: the checkpoint is written to ``<path>.tmp`` and renamed; an old
+checkpoint at ``path`` is first renamed to ``<path>.old`` and removed only after the new one is in place (a crash
 between the renames leaves ``<path>.old``, which ``load_checkpoint`` then reads).
 
 Known on megatron-core 0.16.1: with MoE and DP > 1 the optimizer is a ``ChainedOptimizer``

@@ -3,9 +3,9 @@
 A megatron dist checkpoint (a run's ``step_N/policy`` or a converted one) names its tensors and
 their global shapes in its metadata, whatever layout saved it; those shapes give the model's
 architecture (``from_tensors``): hidden size, layers, attention and KV widths, vocabulary,
-experts and how many layers have them (``layer_axis.py``), qkv biases, a separate output layer (untied embeddings), qk norms. The same is computed
-from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_same_model``). What
-the checkpoint records of its source names it in the error: a run's ``config.json``
+experts and how many layers have them (``layer_axis.py``), qkv biases, a separate output layer (untied embeddings), qk
+norms. The same is computed from an HF ``config.json`` (``from_hf_config``) and the two compared (``check_same_model``).
+What the checkpoint records of its source names it in the error: a run's ``config.json``
 (``model.path``), a converted checkpoint's ``megarl_conversion.json`` and ``hf/config.json``; that
 source config is also compared on what shapes cannot show: head counts, dense-layer placement, RoPE
 (type, theta, scaling), the norm's epsilon, the router's top-k and renormalisation.
@@ -72,7 +72,8 @@ def _with_config_math(cfg: dict) -> dict:
     weights are renormalised): another value there gives another model with the same tensors."""
     moe = num_experts(cfg) > 0
     dense = [i for i in range(cfg["num_hidden_layers"]) if moe and not is_moe_layer(cfg, i)]
-    return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"], "KV heads": cfg["num_key_value_heads"],
+    return {**from_hf_config(cfg), "attention heads": cfg["num_attention_heads"],
+            "KV heads": cfg["num_key_value_heads"],
             "dense layers": dense or "none", "RoPE": _rope(cfg), "RMS norm eps": rms_norm_eps(cfg),
             "experts per token": cfg.get("num_experts_per_tok") if moe else "none",
             "top-k weights renormalised": norm_topk_prob(cfg) if moe else "none"}
@@ -133,7 +134,8 @@ def run_dir_of(ckpt: Path) -> Path | None:
 
 def launch_dir_of(run: Path) -> Path | None:
     """The directory a run was launched from, when its ``config.json`` records ``train.run_dir`` relative:
-    the run dir's absolute path less those trailing parts (``/home/u/x/runs/a`` recorded as ``runs/a`` → ``/home/u/x``)."""
+    the run dir's absolute path less those trailing parts (``/home/u/x/runs/a`` recorded as ``runs/a`` →
+    ``/home/u/x``)."""
     try:
         recorded = Path(json.loads((run / "config.json").read_text())["train"]["run_dir"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -166,11 +168,13 @@ def recorded_source(ckpt: str | Path) -> tuple[str, Path | None]:
             path = json.loads((run / "config.json").read_text())["model"]["path"]
         except (ValueError, KeyError, TypeError):
             return f"its run's {run / 'config.json'} is unreadable", None
-        said = f"it was saved by the run {run}, which started from model.path={path} (recorded in {run / 'config.json'})"
+        said = (f"it was saved by the run {run}, which started from model.path={path} "
+                f"(recorded in {run / 'config.json'})")
         tried = model_path_candidates(path, run)
         found = next((c for c in tried if (c / "config.json").is_file()), None)
         if found is None:
-            places = [str(tried[0].resolve()) + ("" if tried[0].is_absolute() else " (relative to the current directory)")]
+            places = [str(tried[0].resolve())
+                      + ("" if tried[0].is_absolute() else " (relative to the current directory)")]
             places += [f"{c} (relative to the directory the run was launched from)" for c in tried[1:]]
             return f"{said}, which does not exist here: no config.json in {' nor in '.join(places)}", None
         return said + (f", found at {found.resolve()}" if found != Path(path) else ""), found

@@ -176,7 +176,8 @@ def step_dir_problem(path: str | Path) -> str:
     want = "expected a run checkpoint step dir (run_dir/checkpoints/step_N, holding policy/ and manifest.json)"
     if not p.is_dir():
         return f"{want}; {p} is not a directory"
-    if p.name in ("policy", "critic", "reference") and (p / "metadata.json").is_file() and (p.parent / "policy").is_dir():
+    if (p.name in ("policy", "critic", "reference") and (p / "metadata.json").is_file()
+            and (p.parent / "policy").is_dir()):
         return f"expected a run checkpoint step dir ({p.parent}), got its {p.name}/ subdir"
     if (p / "checkpoints").is_dir():
         steps = RunCheckpoints(p).steps()

@@ -117,8 +117,8 @@ def capture(s, step: int, run: dict) -> dict:
 
 
 def stateful(s) -> dict:
-    """The session's objects whose state a checkpoint keeps, besides controller and source."""
-    out = {name: obj for name, obj in (("task", s.task), ("rewards", s.rewards)) if obj is not None}  # no task: a dataset
+    """The session's objects whose state a checkpoint keeps, besides controller and source (no task: a dataset)."""
+    out = {name: obj for name, obj in (("task", s.task), ("rewards", s.rewards)) if obj is not None}
     out.update(getattr(s, "stateful", {}) or {})
     return out
 

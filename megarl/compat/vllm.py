@@ -79,8 +79,9 @@ def shut_down_keeping_default_group(llm) -> None:
     teardown (``cleanup_dist_env_and_memory``) ends with ``torch.distributed.destroy_process_group()``: the group
     megatron's trainer runs on in this very process. Collected whenever the last reference goes (a traceback
     can hold it past the new engine's start), the old engine destroyed the group under the trainer and the new
-    engine: ``dist.get_rank()`` then failed ("Default process group has not been initialized"). So the core is shut down here, its finalizer detached (``InprocClient.shutdown``), with
-    ``destroy_process_group`` of the default group a no-op for that call; vLLM's own subgroups are destroyed as before."""
+    engine: ``dist.get_rank()`` then failed ("Default process group has not been initialized"). So the core is shut down
+    here, its finalizer detached (``InprocClient.shutdown``), with ``destroy_process_group`` of the default group a
+    no-op for that call; vLLM's own subgroups are destroyed as before."""
     if llm is None:
         return
     require("vllm", VERSION)

@@ -347,7 +347,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
                                     "--hf-config DIR (the HF model the run started from: its config and tokenizer)")
         log(f"--hf-config: {hf_config} ({source})")
     if not (hf_config / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config DIR (the HF model the run started from)")
+        raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config DIR "
+                                "(the HF model the run started from)")
     cfg = read_hf_config(hf_config, "--hf-config")
     check_same_model(ckpt, cfg, f"--hf-config {hf_config}")  # names both models (ValueError)
     saved = saved_tensors(ckpt)

@@ -2,9 +2,9 @@
 
 ``export_policy`` writes ``<run_dir>/hf/step_<N>/`` every ``train.export_hf_every`` steps and at
 the end of a run: the trainer's weights streamed as HF tensors (the engine sync's own stream,
-bucket by bucket; no rank holds the whole model), written tensor by tensor into safetensors shards with an index (``ShardedWriter``), in
-the dtype of the model the run started from (``config.json``'s ``torch_dtype`` / ``dtype``), next
-to that model's config, generation config and tokenizer files. Written to ``step_<N>.tmp`` and
+bucket by bucket; no rank holds the whole model), written tensor by tensor into safetensors shards with an index
+(``ShardedWriter``), in the dtype of the model the run started from (``config.json``'s ``torch_dtype`` / ``dtype``),
+next to that model's config, generation config and tokenizer files. Written to ``step_<N>.tmp`` and
 renamed, so a directory named ``step_<N>`` is always complete.
 """
 

@@ -126,7 +126,8 @@ class ShardedWriter:
             shards[-1].append((name, tuple(shape), dtype))
             size += b
         n = len(shards)
-        self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.files = (["model.safetensors"] if n == 1
+                      else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
         self.shard_of = {name: i for i, names in enumerate(shards) for name, _, _ in names}
         self.layout: dict[str, tuple[int, tuple, torch.dtype]] = {}  # name → (absolute offset, shape, dtype)
         self.headers: list[bytes] = []

@@ -105,7 +105,7 @@ def split_conversation(messages, where: str, keys: Keys) -> tuple[list, str]:
         last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
                    default=-1)
     if last < 1:
-        raise DataError(f"{where}: field {keys.prompt!r} ({keys.prompt_name} = {keys.answer_name}: a conversation whose last "
-                        "assistant turn is the answer) must be a list of messages with an assistant turn after at "
-                        f"least one other message, got {messages!r:.80}")
+        raise DataError(f"{where}: field {keys.prompt!r} ({keys.prompt_name} = {keys.answer_name}: "
+                        "a conversation whose last assistant turn is the answer) must be a list of messages with an "
+                        f"assistant turn after at least one other message, got {messages!r:.80}")
     return list(messages[:last]), messages[last].get("content")

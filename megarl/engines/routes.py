@@ -16,8 +16,8 @@ What follows from that (measured on a tiny Qwen3-MoE; the ids equal megatron's a
 - At engine TP > 1 every rank routes every token (vLLM's TP splits experts' weights, not tokens): each rank
   captures the same ids.
 
-Routes travel as uint8 (< 255 experts: 255 is ``types.no_route``) or int16 arrays [positions, MoE layers, k]: 1 byte per expert choice,
-e.g. 94 layers × top-8 = 752 bytes per token for Qwen3-235B-A22B.
+Routes travel as uint8 (< 255 experts: 255 is ``types.no_route``) or int16 arrays [positions, MoE layers, k]: 1 byte per
+expert choice, e.g. 94 layers × top-8 = 752 bytes per token for Qwen3-235B-A22B.
 """
 
 from __future__ import annotations

@@ -258,7 +258,8 @@ def sampled_logprobs(c) -> list[float]:
 
 
 def _completion(c) -> Completion:
-    return Completion(token_ids=list(c.token_ids), logprobs=sampled_logprobs(c), finish_reason=c.finish_reason or "abort")
+    return Completion(token_ids=list(c.token_ids), logprobs=sampled_logprobs(c),
+                      finish_reason=c.finish_reason or "abort")
 
 
 def generate_batch(llm, requests: list[GenerationRequest]) -> list[list[Completion]]:

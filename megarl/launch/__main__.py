@@ -1,11 +1,12 @@
-"""``python -m megarl.launch run-dir|engine-nodes|check [--nodes N] [--config FILE] [key=value ...]``: what a job script asks the config.
+"""``python -m megarl.launch run-dir|engine-nodes|check [--nodes N] [--config FILE] [key=value ...]``: what a job
+script asks the config.
 
 ``run-dir``: the run directory (the scripts in ``slurm/`` put their logs beside the run's checkpoints and
 metrics). ``engine-nodes``: how many of the allocation's last nodes run only engine replicas
 (``engine.replica_nodes`` with ``engine.replica_nodes_dedicated``, else 0): ``slurm/train.sbatch`` starts
-torchrun on the others and ``python -m megarl.engines.remote.host`` on those. With ``--nodes N`` (the job's node count) it
-also refuses ``engine.replica_nodes`` that the job's nodes cannot hold (a one-line config error, exit 2), before srun.
-``check --nodes N --gpus-per-node G``: every check ``megarl train`` makes before it starts (the model path and
+torchrun on the others and ``python -m megarl.engines.remote.host`` on those. With ``--nodes N`` (the job's node count)
+it also refuses ``engine.replica_nodes`` that the job's nodes cannot hold (a one-line config error, exit 2), before
+srun. ``check --nodes N --gpus-per-node G``: every check ``megarl train`` makes before it starts (the model path and
 its weights, the layout at N trainer nodes × G processes, the data and reward, the checkpoint a resume continues
 from), run by the batch script before srun: a bad ``model.path`` is one config error in the batch log (exit 2),
 not every node failing after the allocation started.

@@ -48,7 +48,8 @@ def format_table(res: dict) -> str:
     lines = [
         f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
         f"{params(res['params_active'])} active per token",
-        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} of {res['gpu_mem_gib']:g} GiB, "
+        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} "
+        f"of {res['gpu_mem_gib']:g} GiB, "
         f"precision {res['precision']}" + (" (bytes per parameter: " + ", ".join(
             f"{k} {v}" for k, v in res["bytes_per_param"].items()) + ")" if res.get("bytes_per_param") else ""),
         f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "

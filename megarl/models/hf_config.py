@@ -88,7 +88,8 @@ def is_moe_layer(cfg: dict, layer: int) -> bool:
 
 
 # transformers' own defaults for math keys a config.json may leave out, where they differ by family (the
-# fallbacks below hold for every other supported family); tests/unit/test_tiny_and_adapter.py compares with transformers.
+# fallbacks below hold for every other supported family); tests/unit/test_tiny_and_adapter.py compares with
+# transformers.
 _FAMILY_DEFAULTS = {"mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
 
 

@@ -59,7 +59,8 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_
 
 
 def local_expert_name(name: str) -> str:
-    """``...mlp.experts.linear_fc1.weight3`` (TE grouped GEMM) → ``...mlp.experts.local_experts.3.linear_fc1.weight``."""
+    """``...mlp.experts.linear_fc1.weight3`` (TE grouped GEMM) →
+    ``...mlp.experts.local_experts.3.linear_fc1.weight``."""
     return _TE_GROUPED.sub(r"\1.local_experts.\3.\2.weight", name)
 
 
@@ -101,11 +102,13 @@ def _join(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 def layers_per_stage(num_layers: int, pp_size: int, vp_size: int = 1) -> int:
     if num_layers % (pp_size * vp_size):
-        raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size} × virtual stages {vp_size}")
+        raise ValueError(f"num_layers {num_layers} is not divisible by pipeline size {pp_size} × "
+                         f"virtual stages {vp_size}")
     return num_layers // (pp_size * vp_size)
 
 
-def shard_for_rank(full: dict[str, torch.Tensor], num_layers: int, num_experts: int, c: RankCoords) -> dict[str, torch.Tensor]:
+def shard_for_rank(full: dict[str, torch.Tensor], num_layers: int, num_experts: int,
+                   c: RankCoords) -> dict[str, torch.Tensor]:
     """The tensors rank ``c`` holds, under the local names its GPTModel uses."""
     per_stage = layers_per_stage(num_layers, c.pp_size, c.vp_size)
     first_layer = c.first_layer(num_layers)

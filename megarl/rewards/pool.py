@@ -96,7 +96,8 @@ class _Worker:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # user modules resolve alike
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef), str(os.getpid())],
+            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef),
+             str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())

@@ -202,7 +202,8 @@ class PromptBuffer:
 
     def load_state_dict(self, state: dict) -> None:
         self.live = {i: LiveGroup(*v) for i, v in state["live"].items()}
-        self.requeued = collections.deque((*e, 0) if len(e) == 2 else tuple(e) for e in state["requeued"])  # 2-tuples: older
+        # a requeued entry saved as a 2-tuple (an older state) gets a 0 appended
+        self.requeued = collections.deque((*e, 0) if len(e) == 2 else tuple(e) for e in state["requeued"])
         self.long_queue = collections.deque(tuple(e) for e in state.get("long_queue", ()))
         self.progress = dict(state.get("progress", {}))
         self.length_cache = dict(state["length_cache"])

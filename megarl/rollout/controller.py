@@ -99,7 +99,8 @@ class ControllerConfig:
     max_update_groups: int = 0  # M: the most useful groups one phase releases (0: U)
     long_rounds: bool = True  # on-policy: tail batching (long rounds); False: the drain guard (other modes: unused)
     buffer_samples: int = 0  # unfinished samples live at most when admitting for free slots (0: no bound)
-    long_round_groups: int = 0  # on-policy long rounds: long-queue prompts per round, topped up to U with new ones (0: U)
+    # on-policy long rounds: long-queue prompts per round, topped up to U with new ones (0: U)
+    long_round_groups: int = 0
 
     @property
     def batch_bound(self) -> int:

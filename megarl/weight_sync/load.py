@@ -124,7 +124,8 @@ def restore(backup: Backup) -> None:
     for (m, kind, name), old in backup.copies.items():
         t = (vars(m)[kind] if kind else vars(m))[name]
         if t.shape != old.shape:
-            raise RuntimeError(f"cannot restore {type(m).__name__}.{name}: shape {tuple(t.shape)} != {tuple(old.shape)}")
+            raise RuntimeError(f"cannot restore {type(m).__name__}.{name}: shape {tuple(t.shape)} != "
+                               f"{tuple(old.shape)}")
         t.copy_(old)
 
 

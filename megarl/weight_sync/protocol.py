@@ -1,4 +1,5 @@
-"""One weight sync, named and ordered: pause → stream + load (+ MoE repack) → reset prefix cache → bump version → resume.
+"""One weight sync, named and ordered: pause → stream + load (+ MoE repack) → reset prefix cache → bump version →
+resume.
 
 ::
 

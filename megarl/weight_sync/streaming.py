@@ -18,8 +18,8 @@ by bucket, layer by layer::
 Peak extra memory on a rank: the bucket (``sync.bucket_mib``, or one tensor when larger) plus
 the largest gathered tensor — independent of the number of layers. In one process (nothing to
 broadcast) ``weights(zero_copy=True)`` hands a colocated engine views of the trainer's own
-tensors wherever no gather, cast or re-layout is needed, and packs only the rest (the QKV split). The names and layouts come
-from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
+tensors wherever no gather, cast or re-layout is needed, and packs only the rest (the QKV split). The names and layouts
+come from ``hf_adapter.megatron_to_hf`` run on meta tensors (one place for the rules); the kernels
 only move bytes, and the tests hold the result equal to ``gather.gather_hf_weights``.
 """
 
@@ -213,7 +213,8 @@ class StreamingSync:
 
     @torch.no_grad()
     def owned_buckets(self) -> Iterator[torch.Tensor]:
-        """The buckets this rank sends to engines in processes of their own, filled in plan order (collective over TP groups).
+        """The buckets this rank sends to engines in processes of their own, filled in plan order (collective over TP
+        groups).
 
         Every rank walks every bucket so that the TP gathers of the owner's tensors happen; it
         keeps only the buckets it owns — no broadcast inside the trainer, no rank holds another's."""

@@ -112,7 +112,8 @@ def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, de
 
 
 class GlooSender:
-    """A trainer sending rank's side: broadcast each of its buckets once to every replica's workers (rank 0 of its group).
+    """A trainer sending rank's side: broadcast each of its buckets once to every replica's workers (rank 0 of its
+    group).
 
     One bucket is on the wire while the next is filled; an abort sends the flag 0 with a bucket
     of the size the receivers expect next (so every posted receive completes) and then nothing."""

@@ -32,7 +32,8 @@ from megarl.weight_sync.transport import join_group, receive
 
 BACKEND = "megarl_gloo"
 WORKER_EXTENSION = "megarl.weight_sync.vllm_backend.GlooWorkerExtension"
-"""The ``worker_extension_cls`` an engine replica's ``LLM`` is started with: vLLM imports this module in every worker."""
+"""The ``worker_extension_cls`` an engine replica's ``LLM`` is started with: vLLM imports this module in every
+worker."""
 
 
 def _register() -> None:

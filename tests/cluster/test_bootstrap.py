@@ -47,7 +47,7 @@ def test_tasks_per_node_expands_slurms_counts():
 
 
 def test_launch_modules_import_neither_torch_nor_mpi4py():
-    code = ("import sys, megarl.distributed.bootstrap, megarl.launch.plan, megarl.distributed.bootstrap as b; b.detect(); "
-            "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
+    code = ("import sys, megarl.distributed.bootstrap, megarl.launch.plan, megarl.distributed.bootstrap as b; "
+            "b.detect(); print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

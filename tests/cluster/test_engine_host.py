@@ -79,9 +79,9 @@ def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
         s.bind(("127.0.0.1", 0))
         path.write_text(json.dumps({"host": "127.0.0.1", "port": s.getsockname()[1], "authkey": "00", "job": ""}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    host = subprocess.Popen([sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml", "--node", "1",
-                             *DEDICATED, f"train.run_dir={run}"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"})
+    host = subprocess.Popen([sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml",
+                             "--node", "1", *DEDICATED, f"train.run_dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"})
     spec = dict(model=str(tmp_path / "no-model"), tp=1, max_model_len=64, kv_cache_gib=0.0625, slots=2, seed=0,
                 devices="")
     try:
@@ -392,7 +392,8 @@ def test_a_three_node_job_with_two_engine_only_nodes_runs_one_tp2_replica_on_eac
         spawned = [re.findall(r"spawned replicas \{([^}]*)\}", text) for text in hosts]
         replica_pids = [int(p) for found in spawned for entry in found for p in re.findall(r"\d+: (\d+)", entry)]
         worker_pids = sorted({pid for children in workers.values() for pid, _ in children})
-        left = [pid for pid in host_pids + replica_pids + worker_pids if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
+        left = [pid for pid in host_pids + replica_pids + worker_pids
+                if not wait_until(lambda pid=pid: _gone(pid), 20.0)]
         job_left = [] if wait_until(lambda: not _processes_of_job(job), 20.0) else _processes_of_job(job)
         ps_left = _processes_naming(str(run_dir))
     finally:
@@ -432,8 +433,8 @@ def test_a_linked_host_and_its_replicas_serve_on_through_slurms_preemption_sigte
     run.mkdir()
     path = rendezvous_path(run)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    cmd = [sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml", "--node", "1", *DEDICATED,
-           f"train.run_dir={run}"]
+    cmd = [sys.executable, "-m", "megarl.engines.remote.host", "--config", "configs/demo.yaml", "--node", "1",
+           *DEDICATED, f"train.run_dir={run}"]
     env = {**env, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "n2"}
     host = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
     spec = dict(model=str(tmp_path / "no-model"), tp=1, max_model_len=64, kv_cache_gib=0.0625, slots=2, seed=0,

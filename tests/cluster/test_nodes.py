@@ -87,8 +87,8 @@ def test_the_address_other_nodes_reach_never_loopback_when_replicas_run_elsewher
 
 def _child(address, index: int, key: bytes | None = None) -> subprocess.Popen:
     host, port, authkey = address
-    return subprocess.Popen([sys.executable, "-c", CHILD, host, str(port), (key or authkey).hex(), str(index)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", CHILD, host, str(port), (key or authkey).hex(), str(index)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
 
 
 def test_remote_replica_links_handshake_liveness_and_ending():
@@ -120,8 +120,8 @@ def test_remote_replica_links_handshake_liveness_and_ending():
             kid.wait()
     late = Rendezvous("127.0.0.1")
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"engine replicas \[3\] \(on other nodes\) did not connect to trainer rank 0 "
-                                           r"at 127.0.0.1:\d+ within 1s"):
+    with pytest.raises(RuntimeError, match=r"engine replicas \[3\] \(on other nodes\) did not connect to "
+                                           r"trainer rank 0 at 127.0.0.1:\d+ within 1s"):
         late.accept([3], 1)
     assert time.monotonic() - start < 15
 
@@ -170,8 +170,8 @@ def test_two_nodes_replicas_on_node_1_sync_audit_kill_and_restart(tmp_path, repl
     """replica_nodes=1: both replicas on node 1; 2: replica 0 on rank 0's node (a pipe), replica 1 on node 1
     (TCP) — the one SIGKILLed mid-broadcast is on node 1 either way."""
     run = tmp_path / "run"
-    out0, _ = _torchrun_nodes(tmp_path, ["tests/workers/cluster_checks.py", str(run), f"engine.replica_nodes={replica_nodes}"],
-                              1500)
+    out0, _ = _torchrun_nodes(tmp_path, ["tests/workers/cluster_checks.py", str(run),
+                                         f"engine.replica_nodes={replica_nodes}"], 1500)
     ranks = json.loads([line for line in out0.splitlines() if line.startswith("{")][-1])["ranks"]
     placed = [line for line in out0.splitlines() if line.startswith("megarl: engine replica")]
     remote = [0, 1] if replica_nodes == 1 else [1]

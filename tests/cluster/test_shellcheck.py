@@ -22,6 +22,7 @@ def shell_scripts() -> list[str]:
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="missing system tool: shellcheck")
 def test_every_shell_script_is_shellcheck_clean():
     scripts = shell_scripts()
-    assert {"slurm/train.sbatch", "slurm/mpi.sbatch", "examples/tiny_cpu.sh", "tests/cluster/slurm_cluster.sh"} <= set(scripts)
+    assert {"slurm/train.sbatch", "slurm/mpi.sbatch", "examples/tiny_cpu.sh",
+            "tests/cluster/slurm_cluster.sh"} <= set(scripts)
     proc = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout

@@ -209,8 +209,9 @@ def test_slurm_preemption_with_ample_grace_checkpoints_once_and_slurms_requeue_c
                                                                                                  tmp_path):
     """Slurm preempts the job for a higher-tier one: SIGTERM to every step process (not the batch shell). The
     trainers finish their step, save one checkpoint and exit 0 well within GraceTime (torchrun, the reward
-    workers and megatron's checkpoint writer ignore the signal); Slurm would mark a job that ended by itself COMPLETED, so the batch script sees
-    the preemption (PreemptTime) and requeues once; the high job runs; the requeued job resumes and completes."""
+    workers and megatron's checkpoint writer ignore the signal); Slurm would mark a job that ended by itself COMPLETED,
+    so the batch script sees the preemption (PreemptTime) and requeues once; the high job runs; the requeued job resumes
+    and completes."""
     env, run_dir, steps = preemptible, tmp_path / "run", 40
     set_grace(env, 60)
     job = submit_tiny(env, run_dir, f"train.steps={steps}", "train.save_every=3")

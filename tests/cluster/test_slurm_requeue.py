@@ -73,7 +73,8 @@ def test_megarl_train_exits_75_when_the_engine_keeps_failing(tmp_path):
     """One process, engine.max_restarts=0: the injected engine error in step 1 stops the run with a checkpoint."""
     exit_file = tmp_path / "logs" / "1.0.exit"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "warmup.steps=0",
-           "train.steps=2", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+           "train.steps=2", "train.time_limit_s=0", f"train.run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}",
            "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
            "engine.slots=4", "engine.kv_cache_gib=0.0625", "engine.max_restarts=0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -186,7 +187,8 @@ def test_train_checks_stop_the_batch_script_before_srun(tmp_path):
         proc = batch(script, f"model.path={tmp_path / 'nowhere'}", "model.make_tiny=")
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == (f"megarl: config error: model.path: {tmp_path / 'nowhere'} "
-                                                        "holds no config.json (set model.make_tiny to create a tiny model)")
+                                                        "holds no config.json "
+                                                        "(set model.make_tiny to create a tiny model)")
         proc = batch(script, f"data.path={tmp_path / 'missing.jsonl'}")
         assert proc.returncode == 2 and str(tmp_path / "missing.jsonl") in proc.stderr, proc.stderr
         assert not (tmp_path / "run").exists()  # nothing started, no log directory made

@@ -247,9 +247,9 @@ print("received", float(got.sum()), flush=True)
 def test_a_weight_transfer_group_joins_across_the_veth(two_hosts, node_addr):
     """A trainer sender in A and an engine worker in B. "debian": both host names at 127.0.1.1; "multihomed": each
     host's name and default route on a second network of its own that the other has no route to, and
-    ``MEGARL_NODE_ADDR`` (as the README says) on the trainer's host A only. The group's store is at A's veth address and gloo's own links bind the veth addresses too
-    (torch's default binds the host name's address — 127.0.1.1, or the other network — and sends it to the peer,
-    which then cannot reach it)."""
+    ``MEGARL_NODE_ADDR`` (as the README says) on the trainer's host A only. The group's store is at A's veth address and
+    gloo's own links bind the veth addresses too (torch's default binds the host name's address — 127.0.1.1, or the
+    other network — and sends it to the peer, which then cannot reach it)."""
     if node_addr:  # without it A publishes its host name's address, on the network B has no route to
         out = subprocess.run(two_hosts.cmd("a", [sys.executable, "-c", ADDRESSES, ADDR["b"]]), capture_output=True,
                              text=True, timeout=60, cwd=ROOT, env=_env())
@@ -295,8 +295,8 @@ def test_a_trainer_on_host_a_trains_with_both_replicas_on_engine_only_host_b(two
                  "sync.check_every=1", f"train.steps={steps}", "sync.timeout_s=120"]
     config = ["--config", "configs/tiny_cpu.yaml"]
     trainer_log, host_log = tmp_path / "trainer.log", tmp_path / "host.log"
-    host = subprocess.Popen(two_hosts.cmd("b", [sys.executable, "-m", "megarl.engines.remote.host", *config, "--node", "1",
-                                                "--wait-s", "900", *overrides]),
+    host = subprocess.Popen(two_hosts.cmd("b", [sys.executable, "-m", "megarl.engines.remote.host", *config,
+                                                "--node", "1", "--wait-s", "900", *overrides]),
                             cwd=ROOT, env=_env(), stdout=open(host_log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     trainer = subprocess.Popen(two_hosts.cmd("a", [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -376,8 +376,9 @@ def test_outside_slurm_the_host_s_node_index_is_asked_for_and_checked(tmp_path, 
     thread = threading.Thread(target=wrong_host, daemon=True)
     thread.start()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"hosts that did link said nodes \[0\]; node\(s\) \[0\] are not engine-only "
-                                           r"nodes: valid --node values are 1..1 \(the trainer's 1 node\(s\) come first\)"):
+    with pytest.raises(RuntimeError, match=r"hosts that did link said nodes \[0\]; node\(s\) \[0\] are not "
+                                           r"engine-only nodes: valid --node values are 1..1 "
+                                           r"\(the trainer's 1 node\(s\) come first\)"):
         HostPool(path, 1, 1, "127.0.0.1", 60)
     assert time.monotonic() - start < 30
     thread.join(10)

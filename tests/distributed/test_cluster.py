@@ -47,13 +47,14 @@ def check_wire(r: dict, abort: bool) -> None:
 
 @pytest.mark.slow
 def test_two_senders_interleaved_and_one_aborting_over_gloo():
-    check_wire(run_script(["tests/workers/transfer_checks.py", "gloo", "abort"], timeout=600, env={"OMP_NUM_THREADS": "1"}),
-               abort=True)
+    check_wire(run_script(["tests/workers/transfer_checks.py", "gloo", "abort"], timeout=600,
+                          env={"OMP_NUM_THREADS": "1"}), abort=True)
 
 
 @pytest.mark.slow
 def test_two_senders_interleaved_over_gloo():
-    check_wire(run_script(["tests/workers/transfer_checks.py", "gloo"], timeout=600, env={"OMP_NUM_THREADS": "1"}), abort=False)
+    check_wire(run_script(["tests/workers/transfer_checks.py", "gloo"], timeout=600, env={"OMP_NUM_THREADS": "1"}),
+               abort=False)
 
 
 @pytest.mark.gpu
@@ -86,8 +87,8 @@ def test_nccl_transport_and_replica_devices_are_refused_without_cuda():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     run = tmp_path_factory.mktemp("cluster")
-    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/workers/cluster_checks.py",
-                      str(run)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      "tests/workers/cluster_checks.py", str(run)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
     return out["ranks"]
 
 
@@ -111,7 +112,8 @@ def test_a_replica_killed_mid_broadcast_fails_the_sync_then_the_keeper_restarts_
 
 @pytest.mark.slow
 def test_one_replica_at_tp2_matches_the_trainer_and_survives_a_broken_sync(tmp_path):
-    r = run_script(["tests/workers/cluster_checks.py", "replica_tp", str(tmp_path)], timeout=1200, env={"OMP_NUM_THREADS": "1"})
+    r = run_script(["tests/workers/cluster_checks.py", "replica_tp", str(tmp_path)], timeout=1200,
+                   env={"OMP_NUM_THREADS": "1"})
     assert r["versions"] == [1.0, 2.0] and max(r["gaps"]) <= 1e-4  # both TP workers loaded their shards
     assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 2.0
     assert "replicas serve versions [2]" in r["log"][0]
@@ -146,7 +148,8 @@ LAYOUTS = {
     "ep2_mixtral": (dict(ep=2), 1, ("parallel.ep=2", "model.make_tiny=mixtral")),
     "dp2_dense": (dict(), 1, ("model.make_tiny=qwen2",)),
     # a replica at engine TP=2 (two vLLM workers in the transfer group) fed by a trainer at TP=2
-    "tp2_dense_engine_tp2": (dict(tp=2), 1, ("parallel.tp=2", "model.make_tiny=qwen2", "engine.tensor_parallel_size=2")),
+    "tp2_dense_engine_tp2": (dict(tp=2), 1,
+                             ("parallel.tp=2", "model.make_tiny=qwen2", "engine.tensor_parallel_size=2")),
     # combined layouts: four trainer processes
     "tp2_pp2_dense": (dict(tp=2, pp=2, world=4), 1, ("parallel.tp=2", "parallel.pp=2", "model.make_tiny=qwen2")),
     "ep2_pp2_qwen3_moe": (dict(ep=2, pp=2, world=4), 1, ("parallel.ep=2", "parallel.pp=2")),

@@ -19,7 +19,8 @@ from helpers.scripts import ROOT, run_script
 def run_checks(tmp_path_factory, nproc: int = 2, *overrides: str) -> dict:
     run = tmp_path_factory.mktemp("coloc")
     return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                       "tests/workers/colocated_checks.py", str(run), *overrides], env={"OMP_NUM_THREADS": "1"}, timeout=1200)
+                       "tests/workers/colocated_checks.py", str(run), *overrides], env={"OMP_NUM_THREADS": "1"},
+                      timeout=1200)
 
 
 @pytest.fixture(scope="module")

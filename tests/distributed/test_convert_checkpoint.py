@@ -39,9 +39,9 @@ SLOW += [("mistral", "pp2")]
 SLOW += [(f, lay) for f in ("qwen3_moe", "mixtral", "qwen2_moe")
          for lay in ("single", "tp2_sp", "pp2", "tp2_sp_pp2", "pp2_vpp2", "ep2_alltoall")]
 SLOW.remove(("qwen3_moe", "ep2_alltoall"))
-SLOW += [("qwen2_yarn", "tp2")]
+SLOW += [("qwen2_yarn", "tp2")]  # YaRN RoPE: its tables are built while the converter's model is on meta
 # dense layers beside MoE ones (keys only some layers have: stored over those layers, checkpoint/layer_axis.py)
-SLOW += [("qwen2_moe_dense1", "single"), ("qwen2_moe_dense1", "pp2"), ("qwen2_moe_step2", "ep2_alltoall")]  # YaRN RoPE: its tables are built while the converter's model is on meta
+SLOW += [("qwen2_moe_dense1", "single"), ("qwen2_moe_dense1", "pp2"), ("qwen2_moe_step2", "ep2_alltoall")]
 
 
 def round_trip(tmp_path, family, layout):
@@ -50,9 +50,10 @@ def round_trip(tmp_path, family, layout):
     convert("hf-to-mcore", "--hf", model, "--out", tmp_path / "ckpt", *LAYOUTS[layout])
     assert not (tmp_path / "ckpt.tmp").exists()
     nproc = 4 if "tp2" in layout and "pp2" in layout else 2
-    launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    run_script([*launcher, "tests/workers/conversion_checks.py", layout, str(other), str(tmp_path / "ckpt"), str(tmp_path)],
-               env={"OMP_NUM_THREADS": "1"})
+    launcher = ([] if layout == "single"
+                else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
+    run_script([*launcher, "tests/workers/conversion_checks.py", layout, str(other), str(tmp_path / "ckpt"),
+                str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
     saved = json.loads((tmp_path / "ckpt" / "megarl_layout.json").read_text())  # the trainer re-saved it here
     assert (saved["tp"], saved["pp"], saved["vpp"], saved["ep"]) == LAYOUT_DIMS[layout], saved
     convert("mcore-to-hf", "--ckpt", tmp_path / "ckpt", "--hf-config", model, "--out", tmp_path / "back")
@@ -98,7 +99,8 @@ def test_errors_name_the_problem_before_any_output(tmp_path, capsys):
     fails(tmp_path, capsys, [*to_mcore, "--tp", 3], "--tp 3 must divide", "valid: [1, 2]")
     fails(tmp_path, capsys, [*to_mcore, "--pp", 3], "--pp 3", "valid: [1, 2, 4]")
     fails(tmp_path, capsys, [*to_mcore, "--ep", 2], "--ep 2 needs an MoE model")
-    fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", model, "--out", tmp_path / "out"], "not a megatron dist checkpoint")
+    fails(tmp_path, capsys, ["mcore-to-hf", "--ckpt", model, "--out", tmp_path / "out"],
+          "not a megatron dist checkpoint")
     fails(tmp_path, capsys, ["hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out"],
           f"--hf: no config.json in {tmp_path / 'nowhere'}")  # the flag given, not the config key model.path
     # an index naming a file that is not there, then a truncated shard
@@ -191,7 +193,8 @@ def test_check_conversion_and_inspect(tmp_path, capsys):
     for kind, path in (("hf", model), ("mcore", tmp_path / "ckpt")):
         assert inspect.main([str(path)]) == 0
         lines[kind] = capsys.readouterr().out.splitlines()
-    numel = sum(t.numel() for t in __import__("safetensors.torch").torch.load_file(str(model / "model.safetensors")).values())
+    numel = sum(t.numel()
+                for t in __import__("safetensors.torch").torch.load_file(str(model / "model.safetensors")).values())
     for kind, out in lines.items():
         summary = next(line for line in out if line.startswith(f"{kind} checkpoint"))
         assert f"{numel:,} parameters" in summary and "(2 of 4 experts)" in summary, summary

@@ -29,7 +29,8 @@ _RUNS: dict = {}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
-    return {f: make_tiny_model(root / f, TinyShape(family=f), seed=3) for f in ("qwen2", "qwen3_moe", "mixtral", "qwen2_moe")}, root
+    return {f: make_tiny_model(root / f, TinyShape(family=f), seed=3)
+            for f in ("qwen2", "qwen3_moe", "mixtral", "qwen2_moe")}, root
 
 
 def run(models, family, layout, head="lm", nproc=2):
@@ -125,7 +126,8 @@ def test_expert_tp2_on_gloo_runs_the_allgather_dispatcher_and_matches_expert_tp1
     """EP=2 × TP=2 (SP) on four processes, expert TP 2 asking for alltoall: megatron's alltoall all-gathers uneven
     token counts over the expert TP group, which gloo refuses; megarl runs allgather instead, said once, and the
     logprobs, loss, grad norm and stepped weights equal expert TP 1's and one process's."""
-    (one, one_w), (two, two_w) = (run(models, "qwen3_moe", layout, nproc=4) for layout in ("ep2_tp2_etp1", "ep2_tp2_etp2"))
+    (one, one_w), (two, two_w) = (run(models, "qwen3_moe", layout, nproc=4)
+                                  for layout in ("ep2_tp2_etp1", "ep2_tp2_etp2"))
     assert (one["world"], one["ep"], one["tp"], one["etp"], one["dispatcher"]) == (4, 2, 2, 1, "alltoall")
     assert (two["world"], two["ep"], two["tp"], two["etp"], two["dispatcher"]) == (4, 2, 2, 2, "allgather")
     assert one["said"] == [] and len(two["said"]) == 1 and "parallel.etp=2" in two["said"][0]  # one line, rank 0

@@ -11,8 +11,8 @@ from helpers.scripts import run_script
 
 
 def run(tmp_path, engine_tp: int, fault: str) -> dict:
-    return run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/workers/restart_checks.py",
-                       str(tmp_path), f"engine.tensor_parallel_size={engine_tp}"],
+    return run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       "tests/workers/restart_checks.py", str(tmp_path), f"engine.tensor_parallel_size={engine_tp}"],
                       env={"OMP_NUM_THREADS": "1", "MEGARL_TEST_FAULT": fault}, timeout=600)
 
 

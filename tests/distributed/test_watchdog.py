@@ -54,8 +54,8 @@ def test_a_hung_call_ends_the_process_with_75_its_stacks_and_the_exit_file(tmp_p
     exit_file.parent.mkdir()
     start = time.monotonic()
     cleaned = tmp_path / "cleaned"
-    proc = subprocess.run([sys.executable, "-c", HUNG, "0.5", str(cleaned)], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "MEGARL_EXIT_FILE": str(exit_file)})
+    proc = subprocess.run([sys.executable, "-c", HUNG, "0.5", str(cleaned)], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "MEGARL_EXIT_FILE": str(exit_file)})
     took = time.monotonic() - start
     assert proc.returncode == EXIT_REQUEUE, proc.stdout + proc.stderr
     assert "returned in time" in proc.stdout
@@ -235,7 +235,8 @@ def _forward_fault(tmp_path, fault: str, what: str, wait_s: float, hang_s: float
     print(f"{fault}, peer_wait_s={wait_s}, hang_timeout_s={hang_s}: code {r.code}, {r.took:.0f}s in all, "
           f"{r.after_mark:.1f}s from the fault to the end; {fired}")
     step, _, nth = fault.partition("@")[2].partition(":")
-    assert f"rank 1: forward error injected by MEGARL_TEST_FAULT at call {nth} of RL step {step}" in r.out, r.out[-6000:]
+    assert (f"rank 1: forward error injected by MEGARL_TEST_FAULT at call {nth} of RL step {step}"
+            in r.out), r.out[-6000:]
     assert f"rank 1: {what} raised RuntimeError: forward fault injected" in r.out  # the cause, with its traceback
     assert r.code == 1, r.out[-6000:]  # torchrun's status for a failed worker; the exit file has ours
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"

@@ -94,7 +94,8 @@ def test_the_same_model_passes_and_a_policy_subdir_is_not_a_step_dir(models):
     validate_resume_model(load_config(None, [f"model.path={m['qwen2']}", f"train.run_dir={m['run']}"]), qwen2)
     with pytest.raises(ConfigError, match="tied embeddings: checkpoint no, model yes"):
         validate_resume_model(load_config(None, [f"train.resume={m['step']}"]), llama)
-    for path, message in ((m["step"] / "policy", f"expected a run checkpoint step dir ({m['step']}), got its policy/ subdir"),
+    for path, message in ((m["step"] / "policy",
+                           f"expected a run checkpoint step dir ({m['step']}), got its policy/ subdir"),
                           (m["run"], f"got a run dir; pass {m['step']}"),
                           (m["conv"], "a megatron dist checkpoint of the weights alone")):
         with pytest.raises(ConfigError, match=__import__("re").escape(message)):

@@ -2,7 +2,8 @@
 contains, as it does mid-phase: the replicas are restarted in fresh processes and re-synced, the evaluation runs
 again (its result as if nothing happened), counted in ``faults/engine_restarts`` and logged; with no restarts
 left the evaluation is skipped (NaN, ``faults/evals_skipped``) and the next phase stops the run with a checkpoint.
-Real replica processes, SIGKILLed (tests/workers/eval_fault_checks.py); slow: two replica restarts (~1 min each here)."""
+Real replica processes, SIGKILLed (tests/workers/eval_fault_checks.py); slow: two replica restarts
+(~1 min each here)."""
 
 import pytest
 

@@ -124,11 +124,11 @@ def _train_with_audit_kill(tmp_path, *overrides: str):
     import os
 
     run, tag = tmp_path / "run", f"audit-kill-{os.getpid()}-{tmp_path.name}"
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "train.steps=3", "warmup.steps=2",
-           "train.time_limit_s=0", f"train.run_dir={run}", f"model.path={tmp_path / 'model'}", "data.eval_size=0",
-           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=16", "engine.slots=8",
-           "engine.kv_cache_gib=0.0625", "engine.placement=disaggregated", "engine.replicas=2",
-           "sync.check_every=1", *overrides]
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml", "train.steps=3",
+           "warmup.steps=2", "train.time_limit_s=0", f"train.run_dir={run}", f"model.path={tmp_path / 'model'}",
+           "data.eval_size=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+           "rollout.max_new_tokens=16", "engine.slots=8", "engine.kv_cache_gib=0.0625",
+           "engine.placement=disaggregated", "engine.replicas=2", "sync.check_every=1", *overrides]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MEGARL_TEST_FAULT": "replica_dies_before_audit@2",
            "MEGARL_TEST_TAG": tag}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)

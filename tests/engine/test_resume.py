@@ -53,7 +53,8 @@ def baseline(tmp_path_factory):
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 6] and records[-1]["final"]
     assert any(r.get("loss/grad_norm", 0) > 0 for r in records), "the reference run must move its weights"
-    assert RunCheckpoints(run).steps()[:2] == [6, 4] and (run / "checkpoints" / "latest").read_text().strip() == "step_000006"
+    assert (RunCheckpoints(run).steps()[:2] == [6, 4]
+            and (run / "checkpoints" / "latest").read_text().strip() == "step_000006")
     state = final_state(run)
     assert state["controller"]["live"], "partial mode: unfinished samples are in the buffer at the checkpoint"
     no_prompt_lost_or_twice(state)
@@ -306,7 +307,8 @@ def test_engine_failing_past_max_restarts_stops_with_a_checkpoint(baseline, tmp_
     # an engine fault is the job's to retry: keeper.EXIT_REQUEUE (75), which slurm/train.sbatch requeues (this slow
     # test still expected 1, from before engine faults were requeued)
     out = train(model, run, "engine.max_restarts=0", env={"MEGARL_TEST_FAULT": "engine_error@2"}, rc=75)
-    assert "step 1: engine failed 1 times in a row (engine.max_restarts=0); last: RuntimeError: engine fault injected" in out
+    assert ("step 1: engine failed 1 times in a row (engine.max_restarts=0); "
+            "last: RuntimeError: engine fault injected") in out
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
     state = final_state(run)
     assert state["step"] == 1 and state["controller"]["live"]  # the buffer as it was before the failed phase

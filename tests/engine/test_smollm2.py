@@ -25,7 +25,8 @@ def test_trainer_logprobs_equal_transformers_in_fp32_and_track_them_and_the_engi
 def test_its_nine_heads_are_refused_at_tensor_parallel_2_naming_the_key(smollm2):
     hf = read_hf_config(smollm2)
     assert (hf["num_attention_heads"], hf["num_key_value_heads"]) == (9, 3)
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 must divide attention heads \(9\) and KV heads \(3\); valid: \[1, 3\]"):
+    with pytest.raises(ConfigError,
+                       match=r"parallel.tp=2 must divide attention heads \(9\) and KV heads \(3\); valid: \[1, 3\]"):
         validate(load_config(None, [f"model.path={smollm2}", "parallel.tp=2"]), 2, hf)
     validate(load_config(None, [f"model.path={smollm2}", "parallel.pp=2"]), 2, hf)  # 30 layers: PP 2 is fine
 

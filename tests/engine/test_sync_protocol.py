@@ -94,8 +94,8 @@ def test_loop_syncs_by_protocol_with_audit_and_cpu_sleep_skipped(tmp_path):
 def test_a_load_failing_on_one_engine_rank_restores_every_rank(tmp_path):
     """Engine TP=2 across two trainer processes: rank 1's load fails, rank 0's succeeds → both keep the old weights."""
     model = make_tiny_model(tmp_path / "moe", TinyShape(family="qwen3_moe"), seed=3)
-    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/workers/protocol_checks.py",
-                      "ranks", str(model)], env={"OMP_NUM_THREADS": "1"})
+    out = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      "tests/workers/protocol_checks.py", "ranks", str(model)], env={"OMP_NUM_THREADS": "1"})
     for rank, r in enumerate(out["ranks"]):
         assert r["failed"]["sync/failures"] == 1.0 and r["failed"]["engine/version"] == 0.0, rank
         assert r["unchanged"], rank  # the old weights on both ranks, exactly: never a mix across ranks

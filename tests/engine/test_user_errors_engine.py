@@ -111,7 +111,8 @@ def test_kv_cache_larger_than_this_machines_memory_is_a_config_error():
     check_local_engine_memory(load_config(None, [f"engine.kv_cache_gib={suggested}"]))
     check_local_engine_memory(load_config(None, ["engine.kv_cache_gib=0.25"]))  # asks vLLM for 1 GiB
     many = int(available) + 2  # colocated: one engine (1 GiB at least) per process launched here
-    with pytest.raises(ConfigError, match=rf"engine.kv_cache_gib=0.25 \({many} engine processes × 1 GiB = {many} GiB\)"):
+    with pytest.raises(ConfigError,
+                       match=rf"engine.kv_cache_gib=0.25 \({many} engine processes × 1 GiB = {many} GiB\)"):
         check_local_engine_memory(load_config(None, ["engine.kv_cache_gib=0.25"]), many)
 
 

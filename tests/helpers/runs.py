@@ -68,8 +68,10 @@ def no_prompt_lost_or_twice(state: dict) -> None:
     """Every drawn prompt is in exactly one of: live (buffer), re-queued (or the long-prompt queue), released;
     the batches generated ahead and not yet trained (``rollout.overlap``) hold released ones, each once."""
     c = state["controller"]
-    live, requeued, released = set(c["live"]), [item.index for item, *_ in [*c["requeued"], *c.get("long_queue", [])]], c["released"]
+    live, requeued, released = (set(c["live"]), [item.index for item, *_ in [*c["requeued"], *c.get("long_queue", [])]],
+                                c["released"])
     everything = sorted([*live, *requeued, *released])
     assert everything == list(range(state["source"]["drawn"])), "a prompt was lost or is held twice"
-    ahead = [g.prompt_index for r in pickle.loads(state["pipeline"]["queue"]) for g in r.groups] if "pipeline" in state else []
+    ahead = ([g.prompt_index for r in pickle.loads(state["pipeline"]["queue"]) for g in r.groups]
+             if "pipeline" in state else [])
     assert len(set(ahead)) == len(ahead) and set(ahead) <= set(released), "a batch generated ahead lost or doubled"

@@ -74,7 +74,8 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     precision = spec.pop("precision", "fp32")
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
     optim_keys = {f.name for f in dataclasses.fields(optim)}
-    optim = dataclasses.replace(optim, **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
+    optim = dataclasses.replace(optim,
+                                **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
     ps = build_parallel_state(**spec)
     activate_cpu()
     from megatron.core import tensor_parallel

@@ -263,7 +263,8 @@ def test_an_extreme_log_ratio_gives_a_finite_loss():
     assert torch.isfinite(ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0]).all()
     assert torch.isfinite(gspo_loss(logp, old * 2, adv, mask, 3e-4, 4e-4)[0]).all()
     assert torch.isfinite(kl_penalty(old, logp, "k3")).all()
-    small = ppo_clip_loss(torch.tensor([[-0.9]]), torch.tensor([[-1.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2, 0.2)
+    small = ppo_clip_loss(torch.tensor([[-0.9]]), torch.tensor([[-1.0]]), torch.tensor([[1.0]]), torch.ones(1, 1),
+                          0.2, 0.2)
     assert small[0].item() == pytest.approx(-torch.exp(torch.tensor(0.1)).item())  # within the clamp: unchanged
 
 

@@ -88,7 +88,8 @@ def test_ppo_value_targets_use_its_lambda():
     (["algo.lam=1.5"], r"algo.lam must be in \[0, 1\].*got 1.5"),
     (["algo.lam_critic=-0.1"], r"algo.lam_critic must be in \[0, 1\]"),
     (["algo.lam=.nan"], r"algo.lam must be in \[0, 1\]"),
-    (["algo.preset=dapo", "algo.oversample_cap=0"], r"algo.oversample_cap must be >= 1 with algo.dynamic_sampling.*got 0"),
+    (["algo.preset=dapo", "algo.oversample_cap=0"],
+     r"algo.oversample_cap must be >= 1 with algo.dynamic_sampling.*got 0"),
     (["algo.dynamic_sampling=true", "algo.oversample_cap=0.5"], r"algo.oversample_cap must be >= 1"),
     (["algo.overlong_cache=-5"], r"algo.overlong_cache must be >= 0 .*got -5"),
     (["algo.loss_norm_tokens=-3"], r"algo.loss_norm_tokens must be >= 0 .*got -3"),
@@ -101,7 +102,8 @@ def test_ppo_value_targets_use_its_lambda():
     (["algo.overlong_penalty=-1"], r"algo.overlong_penalty must be >= 0"),
     (["algo.curriculum_eps=0"], r"algo.curriculum_eps must be > 0"),
     (["algo.preset=vapo", "train.steps=2"], r"algo.critic_warmup_steps=2 must be < train.steps \(2\)"),
-    (["algo.advantage=gae", "algo.critic_warmup_steps=20"], r"algo.critic_warmup_steps=20 must be < train.steps \(20\)"),
+    (["algo.advantage=gae", "algo.critic_warmup_steps=20"],
+     r"algo.critic_warmup_steps=20 must be < train.steps \(20\)"),
     (["algo.advantage=grpo", "algo.critic_warmup_steps=2"],
      r"algo.critic_warmup_steps=2 with algo.advantage=grpo \(a group advantage: no critic is built.*skip the policy"),
     (["algo.advantage=rloo", "algo.whiten_advantages=true"], r"algo.whiten_advantages=true with algo.advantage=rloo"),
@@ -123,7 +125,8 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
     [], ["algo.preset=ppo"], ["algo.preset=vapo"], ["algo.preset=dapo", "algo.oversample_cap=1"],
     ["algo.preset=gspo", "algo.tis=token"], ["algo.oversample_cap=0"],  # no dynamic sampling: the cap is unused
     ["rollout.top_p=0.9", "algo.tis=sequence"], ["algo.kl_estimator=k1", "algo.kl_coef=0"],
-    ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
+    ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1",
+     "algo.clip_low=0"],
 ])
 def test_defaults_presets_and_edges_validate(overrides):
     validate(load_config(None, overrides), 1, MOE)

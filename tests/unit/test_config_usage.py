@@ -21,7 +21,8 @@ def test_a_key_given_twice_names_the_file_line_and_key(tmp_path):
         load_config(tmp_path / "twice.yaml")
     with pytest.raises(ConfigError, match="duplicate key 'a'"):
         load_config(None, ["eval.output={a: 1, a: 2}"])
-    (tmp_path / "ok.yaml").write_text("train:\n  steps: 3\noptim:\n  lr: 1e-4\n")  # the same key in two sections is fine
+    # the same key in two sections is fine
+    (tmp_path / "ok.yaml").write_text("train:\n  steps: 3\noptim:\n  lr: 1e-4\n")
     cfg = load_config(tmp_path / "ok.yaml")
     assert cfg.train.steps == 3 and cfg.optim.lr == 1e-4
 

@@ -13,8 +13,8 @@ from megarl.data.rows import DataError
 from megarl.data.source import DatasetSource, build_prompts
 from megarl.models.tiny import build_tokenizer
 
-ROWS = [{"prompt": [{"role": "user", "content": f"What is {i}/{i + 1} + 1?"}], "answer": rf"\frac{{{2 * i + 1}}}{{{i + 1}}}",
-         "level": i % 3, "source": "synthetic"} for i in range(12)]
+ROWS = [{"prompt": [{"role": "user", "content": f"What is {i}/{i + 1} + 1?"}],
+         "answer": rf"\frac{{{2 * i + 1}}}{{{i + 1}}}", "level": i % 3, "source": "synthetic"} for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,8 @@ def test_chat_prompts_render_to_the_ids_of_apply_chat_template(tmp_path, tok):
     chat, plain = src.next(), src.next()
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert chat.ids == want and chat.text.endswith("<|im_start|>assistant\n")
-    sys_plain = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Plain 12+7?"}]
+    sys_plain = [{"role": "system", "content": "You are a helpful assistant."},
+                 {"role": "user", "content": "Plain 12+7?"}]
     assert plain.ids == tok.apply_chat_template(sys_plain, add_generation_prompt=True, tokenize=True)["input_ids"]
     raw = DatasetSource(RowStore(str(tmp_path / "d.jsonl")), PromptRenderer(tok, "none"), shuffle=False)
     raw.next()
@@ -112,7 +113,8 @@ def test_a_line_that_is_not_utf8_is_a_bad_row_saying_so(tmp_path, tok):
     """Junk bytes were reported as a UTF-16 decode error (json.loads guessed the codec from them); a UTF-8 BOM on
     the first line (Windows editors) is read, not refused."""
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b'\xef\xbb\xbf{"prompt": "bom", "answer": "1"}\n\xff\xfe{"prompt": "x"}\n{"prompt": "ok", "answer": "2"}\n')
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "bom", "answer": "1"}\n\xff\xfe{"prompt": "x"}\n'
+                     b'{"prompt": "ok", "answer": "2"}\n')
     with pytest.raises(DataError, match=r"line 2: not UTF-8 text \(byte 1 of the line: b'\\xff\\xfe") as info:
         check_data(DataConfig(path=str(path), on_bad_row="error"))
     assert "utf-16" not in str(info.value) and "line 1" not in str(info.value) and "1 more" not in str(info.value)
@@ -166,7 +168,8 @@ def test_a_held_out_set_in_another_layout_has_keys_of_its_own(tmp_path, tok):
     assert [(p.text.count("1+1?"), p.answer) for p in src.eval_prompts()][1] == (1, "2")
     assert src.next().answer in {r["answer"] for r in ROWS[:3]}  # the training set still read with its own keys
     with pytest.raises(DataError, match=r"'answer' \(data.eval_answer_key\); set data.eval_answer_key"):
-        check_data(DataConfig(path=str(train), eval_path=str(bench), eval_prompt_key="problem", eval_answer_key="answer"))
+        check_data(DataConfig(path=str(train), eval_path=str(bench), eval_prompt_key="problem",
+                              eval_answer_key="answer"))
 
 
 def test_cursor_epochs_and_state_round_trip(tmp_path, tok):
@@ -225,8 +228,10 @@ def test_plain_text_prompts_start_with_bos_where_the_tokenizer_adds_one(tmp_path
     bos = tok.bos_token_id
     plain = PromptRenderer(tok, "none")
     assert plain("What is 2+2?")[1][:1] != [bos]  # no post-processor: nothing added
-    tok._tokenizer.post_processor = TemplateProcessing(single="<|reserved_0|> $A", special_tokens=[("<|reserved_0|>", bos)])
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|reserved_0|> $A",
+                                                       special_tokens=[("<|reserved_0|>", bos)])
     text, ids = PromptRenderer(tok, "none")("What is 2+2?")
-    assert ids[0] == bos and ids.count(bos) == 1 and ids[1:] == tok("What is 2+2?", add_special_tokens=False)["input_ids"]
+    assert (ids[0] == bos and ids.count(bos) == 1
+            and ids[1:] == tok("What is 2+2?", add_special_tokens=False)["input_ids"])
     chat = PromptRenderer(tok, "auto")([{"role": "user", "content": "hi"}])[1]
     assert bos not in chat  # the ChatML template writes no BOS; nothing is added to a rendered template

@@ -123,8 +123,8 @@ def _check_pytest(args: list[str]) -> None:
                 assert words <= markers, f"-m {value!r}: unknown markers {words - markers}"
             else:
                 names = {p.stem for p in (ROOT / "tests").rglob("test_*.py")} | set(
-                    re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py")),
-                               re.M))
+                    re.findall(r"^def (test_\w+)",
+                               "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py")), re.M))
                 assert all(any(w in n for n in names) for w in words), f"-k {value!r} names no test"
             continue
         if not a.startswith("-"):

@@ -18,7 +18,8 @@ from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
 from megarl.rollout.sim.simulator import SimSettings, on_policy_bubble_floor, paper_workload, simulate
 
 G, CAP, ENGINES, SLOTS, U = 4, 256, 2, 16, 8  # a long round (U × G samples) fills every slot, as on the paper workload
-MODEL = StepTimeModel("batch", 0.02, 0.0008)  # a full engine decodes 1.64× slower per step than an empty one (paper: 1.64×)
+# a full engine decodes 1.64× slower per step than an empty one (paper: 1.64×)
+MODEL = StepTimeModel("batch", 0.02, 0.0008)
 
 
 def paper_like(seed, prompts=96):

@@ -106,7 +106,8 @@ def test_memory_of_a_dense_layout_matches_the_hand_calculation():
 def test_precision_sizes_the_trainer_and_the_engine_and_the_plan_states_its_bytes_per_parameter(tmp_path, capsys):
     """trainer.precision=bf16: 2 B weights, fp32 gradients, 12 B of optimizer state (fp32 main weights + Adam);
     the engine in bf16 too unless engine.dtype says otherwise; the table says what it assumed."""
-    job = ["parallel.tp=8", "parallel.sequence_parallel=true", "engine.tensor_parallel_size=8", "engine.kv_cache_gib=16"]
+    job = ["parallel.tp=8", "parallel.sequence_parallel=true", "engine.tensor_parallel_size=8",
+           "engine.kv_cache_gib=16"]
     fp32 = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=fp32"])
     bf16 = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=bf16"])
     mixed = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.precision=bf16", "engine.dtype=float32"])
@@ -119,7 +120,8 @@ def test_precision_sizes_the_trainer_and_the_engine_and_the_plan_states_its_byte
                                                                     "engine": 4}
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_32B))
     main(["--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "8", "--precision", "bf16", *job])
-    assert "precision bf16 (bytes per parameter: weights 2, gradients 4, optimizer 12, engine 2)" in capsys.readouterr().out
+    assert ("precision bf16 (bytes per parameter: weights 2, gradients 4, optimizer 12, engine 2)"
+            in capsys.readouterr().out)
 
 
 def res_bytes(res: dict) -> dict:
@@ -310,7 +312,8 @@ def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, cap
            "trainer.precision=fp32"]
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
     out = capsys.readouterr().out
-    assert "sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out and "defaults" not in out
+    assert ("sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out
+            and "defaults" not in out)
     assert ("no layout of 1 node × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
             "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
     assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *run]) == 0  # as it said
@@ -326,7 +329,8 @@ def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit):
         main(["--help"])
-    usage = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("megarl plan --model"))
+    usage = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.strip().startswith("megarl plan --model"))
     args = usage.split("megarl plan ", 1)[1].replace("[--gpu-mem-gib 80]", "").split()
     assert main(args) in (0, 1)  # planned (fits or not), not refused; run from the repository root
     assert "megarl plan:" not in capsys.readouterr().err
@@ -388,7 +392,8 @@ def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequenc
 def test_the_plan_states_what_moe_routes_add_per_token_and_per_step():
     from megarl.launch.plan import route_bytes
 
-    cfg = load_config(None, ["rollout.prompts_per_step=64", "rollout.samples_per_prompt=16", "engine.max_model_len=8192"])
+    cfg = load_config(None, ["rollout.prompts_per_step=64", "rollout.samples_per_prompt=16",
+                             "engine.max_model_len=8192"])
     r = route_bytes(QWEN3_235B_A22B, cfg)
     assert r["bytes_per_token"] == 94 * 8  # 94 MoE layers × top-8, one byte an id (128 experts)
     assert r["gib_per_step"] == pytest.approx(752 * 64 * 16 * 8192 / GIB)

@@ -123,7 +123,8 @@ def test_admission_starts_no_more_than_the_bound_lets_train(monkeypatch):
     peak, ctrl = _live_peaks(2, lengths)
     assert peak <= 4 and not ctrl.live  # at the bound: only this batch's groups ran, all released
     assert _live_peaks(1, lengths)[0] <= 8
-    assert _live_peaks(0, lengths)[0] > 8  # no bound at lag 0: free slots filled past rollout_groups, as without overlap
+    # no bound at lag 0: free slots filled past rollout_groups, as without overlap
+    assert _live_peaks(0, lengths)[0] > 8
     plain = _partial(steps=12)
     per_token = 3 * sum(plain["phase_s_exact"]) / sum(plain["phase_trained_tokens"])
     ruled = _partial(steps=12, trainer=TrainerModel("async", per_token, 0.1))

@@ -70,7 +70,8 @@ def test_tokenizer_is_byte_level_bpe_with_single_digits_and_chatml():
 
 def test_qkv_interleave_round_trip_and_layout():
     cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8, "head_dim": 2}
-    q, k, v = torch.arange(16.).reshape(8, 2), 100 + torch.arange(8.).reshape(4, 2), 200 + torch.arange(8.).reshape(4, 2)
+    q, k, v = (torch.arange(16.).reshape(8, 2), 100 + torch.arange(8.).reshape(4, 2),
+               200 + torch.arange(8.).reshape(4, 2))
     fused = qkv_to_megatron(q, k, v, cfg)
     # group 0 = q heads 0,1 (rows 0..3), k head 0 (rows 0..1), v head 0
     assert torch.equal(fused[:4], q[:4]) and torch.equal(fused[4:6], k[:2]) and torch.equal(fused[6:8], v[:2])

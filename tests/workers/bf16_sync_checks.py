@@ -6,9 +6,9 @@ A trainer in bf16 and one in fp32 each take two PPO steps and stream their weigh
 engine through the loop's sync (``StreamingSync``: buckets in the engine's dtype). After each sync every engine
 weight is read back: plain tensors (embedding, norms, lm_head) as they are, the linear layers that vLLM's CPU
 backend repacked for oneDNN through the layer itself on an identity matrix (exact: one product of 1.0 per output,
-accumulated in fp32, rounded to bf16; on a GPU they are plain tensors). Prints, per trainer, how many HF tensors equal the trainer's own bit for
-bit (the bf16 trainer's as they are, the fp32 trainer's rounded to bf16), the bytes sent, and the trainer/engine
-logprob gap.
+accumulated in fp32, rounded to bf16; on a GPU they are plain tensors). Prints, per trainer, how many HF tensors equal
+the trainer's own bit for bit (the bf16 trainer's as they are, the fp32 trainer's rounded to bf16), the bytes sent, and
+the trainer/engine logprob gap.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def replica_tp(run_dir: str, *overrides: str) -> None:
         proto = WeightSync(s.trainer, s.engines.dtype, cfg.sync.bucket_mib, check_every=1, say=lines.append)
         failed = proto.run(s.engines, 3, stream=WeightsOverride(stream, broken())).metrics()
         ok = proto.run(s.engines, 3).metrics()
-        print(json.dumps({"gaps": [m["sync/logprob_gap"] for m in steps], "versions": [m["engine/version"] for m in steps],
+        print(json.dumps({"gaps": [m["sync/logprob_gap"] for m in steps],
+                          "versions": [m["engine/version"] for m in steps],
                           "failed": failed, "log": lines, "ok": ok}), flush=True)
     finally:
         s.engines.close()

@@ -78,7 +78,8 @@ def main(run_dir: str, *overrides: str) -> None:
             except StopRun as exc:
                 stop = str(exc)
         print(json.dumps({
-            "clean": clean, "recovered": recovered, "same_tokens": tokens_before == tokens_after, "recovered_s": recovered_s, "pids_before": pids, **restarted,
+            "clean": clean, "recovered": recovered, "same_tokens": tokens_before == tokens_after,
+            "recovered_s": recovered_s, "pids_before": pids, **restarted,
             "skipped_is_nan": math.isnan(skipped), "evals_skipped": keeper.faults.evals_skipped, "stop": stop,
             "restarts": keeper.faults.restarts, "log": log.getvalue().splitlines(),
         }), flush=True)

@@ -41,7 +41,8 @@ def main(run: Path) -> None:
     aside = sorted(p.name for p in run.iterdir() if p.name.startswith("previous_run_"))
     prev = run / aside[0] if aside else run
     print(json.dumps({
-        "resumed": str(fresh), "aside": aside, "steps": new.steps(), "hf": sorted(p.name for p in (run / "hf").iterdir()),
+        "resumed": str(fresh), "aside": aside, "steps": new.steps(),
+        "hf": sorted(p.name for p in (run / "hf").iterdir()),
         "prev_steps": RunCheckpoints(prev).steps(), "prev_hf": sorted(p.name for p in (prev / "hf").iterdir()),
         "prev_weights": (prev / "checkpoints" / "step_000007" / "policy" / "weights").read_text(),
         "prev_metrics": (prev / "metrics.jsonl").read_text(), "prev_config": (prev / "config.json").read_text(),

@@ -48,7 +48,8 @@ def main(*model_dirs: str) -> None:
         parts = _flat({**state, **optim})
         validate_sharding_integrity(determine_global_metadata(parts)[1])
         shapes = {p.key: list(p.global_shape) for p in parts if p.key in SHOWN}
-        megatron = {(p.key, tuple(p.global_shape), tuple(p.global_offset)) for p in _flat(skeleton(cfg).sharded_state_dict())}
+        megatron = {(p.key, tuple(p.global_shape), tuple(p.global_offset))
+                    for p in _flat(skeleton(cfg).sharded_state_dict())}
         ours = {(p.key, tuple(p.global_shape), tuple(p.global_offset)) for p in _flat(state)}
         out[model_dir] = {"shapes": shapes, "as_megatron": ours == megatron}
     print(json.dumps({"ok": True, "models": out}), flush=True)

@@ -50,7 +50,8 @@ def sleep_checks(workdir: str, level: int) -> None:
     torch.cuda.synchronize()
     print(json.dumps({"freed_bytes": asleep - awake, "weights_bytes": weights_bytes,
                       "same_tokens": before.token_ids == after.token_ids,
-                      "max_logprob_diff": max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs))}), flush=True)
+                      "max_logprob_diff": max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs))}),
+          flush=True)
 
 
 def offload_checks(workdir: str) -> None:

@@ -59,10 +59,12 @@ def main(layout: str, model_dir: str, out_dir: str, head: str = "lm") -> None:
         torch.save({k: v.float() for k, v in full.items()}, os.path.join(out_dir, "weights.pt"))
     if ps.is_last_stage and ps.dp_rank == 0 and ps.tp_rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"], "metrics": metrics,
+            json.dump({"layout": layout, "head": head, "loss": metrics.get("loss"), "grad_norm": metrics["grad_norm"],
+                       "metrics": metrics,
                        "logprobs": logp.tolist(), "mask": batch.loss_mask.tolist(), "world": ps.world_size,
                        "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "ep": ps.ep, "etp": ps.etp,
-                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(trainer_model._SAID), "grad_norms": norms}, f)
+                       "dispatcher": trainer.tcfg.moe_token_dispatcher_type, "said": sorted(trainer_model._SAID),
+                       "grad_norms": norms}, f)
     end_process_group()
 
 

@@ -34,7 +34,8 @@ def main(layout: str, model_dir: str, out_dir: str, steps: str) -> None:
     chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
     main_dtypes = sorted({str(p.dtype) for o in chain for g in o.optimizer.param_groups for p in g["params"]})
     model_dtypes = sorted({str(p.dtype) for m in trainer.modules for p in m.parameters()})
-    grad_dtypes = sorted({str(b.grad_data.dtype) for c in trainer.chunks for b in c.buffers + c.expert_parallel_buffers})
+    grad_dtypes = sorted({str(b.grad_data.dtype)
+                          for c in trainer.chunks for b in c.buffers + c.expert_parallel_buffers})
     os.makedirs(out_dir, exist_ok=True)
     if ps.is_last_stage and ps.dp_rank == 0 and ps.tp_rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:

@@ -44,7 +44,8 @@ def main(workdir: str) -> None:
     for preset in PRESETS:
         extra = ["algo.minibatches=2", "algo.ppo_epochs=2"] if preset == "ppo" else []
         extra += ["algo.tis=token", "algo.entropy_coef=0.001"] if preset == "grpo" else []
-        extra += ["algo.dual_clip=3.0", "algo.prioritized_replay=true", "algo.minibatches=2"] if preset == "rloo" else []
+        extra += (["algo.dual_clip=3.0", "algo.prioritized_replay=true", "algo.minibatches=2"]
+                  if preset == "rloo" else [])
         extra += ["data.pool_size=8", "algo.curriculum=true"] if preset == "dr_grpo" else []
         cfg = load_config(None, base + [f"algo.preset={preset}"] + extra)
         s.cfg = cfg

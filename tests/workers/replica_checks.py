@@ -116,7 +116,8 @@ def main(run_dir: str, *overrides: str) -> None:
         print(json.dumps({
             "steps": cfg.train.steps, "versions": versions, "gaps": gaps, "events": seen,
             "drawn": sorted(drawn), "released": sorted(released), "live": sorted(live), "requeued": sorted(requeued),
-            "buckets": total, "failed": failed, "log": lines, "unchanged_after_failure": before == after, "gap_stale": gap_stale,
+            "buckets": total, "failed": failed, "log": lines, "unchanged_after_failure": before == after,
+            "gap_stale": gap_stale,
             "version_before": version_before, "ok": ok, "gap_each_replica": gap_each,
             "replica_versions": versions_after_ok, "local_error": local_error,
             "unchanged_after_local_failure": unchanged_local, "after_local": after_local,

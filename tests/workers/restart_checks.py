@@ -6,7 +6,8 @@ Builds the run's session (trainer TP 2; ``engine.tensor_parallel_size=1``: two r
 engine over both ranks), runs two RL steps through the keeper (the injected engine error fires in step 1,
 on every rank's engine), saves a run checkpoint, and checks the engine still generates and matches the
 trainer (``helpers.trainers.rank_gaps``). With ``engine_unrecoverable@1`` too, the recovery is refused: the keeper's
-``StopRun`` saves a checkpoint of the steps done, as ``megarl train`` does. Rank 0 prints one JSON line with every rank's record.
+``StopRun`` saves a checkpoint of the steps done, as ``megarl train`` does. Rank 0 prints one JSON line with every
+rank's record.
 """
 
 from __future__ import annotations

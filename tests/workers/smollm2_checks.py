@@ -48,7 +48,8 @@ def main(model_dir: str) -> None:
     from megarl.types import GenerationRequest
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for p in PROMPTS]
     engine = VLLMEngine(model_dir, max_model_len=128, kv_cache_gib=0.25, seed=0, max_num_seqs=8, dtype="bfloat16")
     outs = engine.generate([GenerationRequest(list(p), n=1, max_tokens=24, greedy=True) for p in prompts], seed=0)

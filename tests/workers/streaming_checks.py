@@ -4,9 +4,9 @@
     python tests/workers/streaming_checks.py memory MODEL_DIR BUCKET_MIB
 
 ``engine``: one vLLM engine (TP = world) is built once; then, for each layout in turn, a fresh
-trainer takes optimizer steps (as many as the layout's position: the engine is always stale), and the script records on every rank: whether the streamed
-HF tensors equal ``gather_hf_weights`` exactly, the engine-vs-trainer logprob gap before the sync
-(stale weights) and after it, and the sync's stats. Rank 0 prints one JSON line.
+trainer takes optimizer steps (as many as the layout's position: the engine is always stale), and the script records on
+every rank: whether the streamed HF tensors equal ``gather_hf_weights`` exactly, the engine-vs-trainer logprob gap
+before the sync (stale weights) and after it, and the sync's stats. Rank 0 prints one JSON line.
 
 ``memory`` (one process, no engine): the peak RSS added by a streamed sync whose tensors are
 consumed and dropped (through buckets, and zero-copy: the one-process path of the colocated

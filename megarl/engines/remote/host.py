@@ -2,7 +2,8 @@
 
 ::
 
-    trainer node(s): torchrun → trainer ranks        engine node(s): python -m megarl.engines.remote.host (no trainer rank)
+    trainer node(s): torchrun → trainer ranks        engine node(s): python -m megarl.engines.remote.host
+                                                     (no trainer rank)
       rank 0: HostPool ── Listener (a free port, a per-run authkey)
               └─ <run_dir>/engine_hosts.json  ◀── polled on the shared filesystem (0600; this job's tag)
                                    ◀─────────────── Client(address, authkey) → ("host", node, host name, pid)
@@ -113,11 +114,12 @@ class HostPool:
             names = allocation_nodes()
             named = ", ".join(f"{n} ({names[n]})" if n < len(names) else str(n) for n in missing)
             strays = sorted({n for _, n, _, _ in got} - set(expected))
-            raise RuntimeError(f"engine replica host(s) of node(s) {named or expected} (engine.replica_nodes_dedicated: "
-                               f"the allocation's last {hosts} node(s)) did not connect to trainer rank 0 at "
-                               f"{self.address[0]}:{self.address[1]} (published in {self.path}) "
-                               f"{waited(timeout_s)}; each engine node runs `python -m megarl.engines.remote.host --config FILE "
-                               "[key=value ...]` (slurm/train.sbatch starts it)"
+            raise RuntimeError(f"engine replica host(s) of node(s) {named or expected} "
+                               f"(engine.replica_nodes_dedicated: the allocation's last {hosts} node(s)) did not "
+                               f"connect to trainer rank 0 at {self.address[0]}:{self.address[1]} (published in "
+                               f"{self.path}) {waited(timeout_s)}; each engine node runs "
+                               "`python -m megarl.engines.remote.host --config FILE [key=value ...]` "
+                               "(slurm/train.sbatch starts it)"
                                + (f"; hosts that did link said nodes {sorted(n for _, n, _, _ in got)}" if got else "")
                                + (f"; node(s) {strays} are not engine-only nodes: valid --node values are "
                                   f"{expected[0]}..{expected[-1]} (the trainer's {self.first_node} node(s) come first)"
@@ -128,7 +130,8 @@ class HostPool:
         _, node, name, pid = self.links[i]
         return f"replica host pid {pid} on node {node} ({name})"
 
-    def spawn(self, rendezvous: tuple, shares: list[list[tuple[int, dict]]], timeout_s: float = 120.0) -> dict[int, int]:
+    def spawn(self, rendezvous: tuple, shares: list[list[tuple[int, dict]]],
+              timeout_s: float = 120.0) -> dict[int, int]:
         """Every host ends its old replicas and spawns its share (host i: ``shares[i]``, [(replica index, spec)]),
         which connect to ``rendezvous`` (``nodes.Rendezvous.address``); replica index → pid."""
         pids: dict[int, int] = {}
@@ -158,8 +161,8 @@ class HostPool:
 
 
 def connect(path: Path, wait_s: float):
-    """The host's side: poll ``path`` for this job's rendezvous, connect with its secret (retrying a stale one);
-    the link and whom it reached (address, job tag)."""
+    """The host's side: poll ``path`` for this job's rendezvous, connect with its secret (retrying a refused,
+    stale or half-written one); the link and whom it reached (address, job tag)."""
     deadline, last = time.monotonic() + wait_s, ""
     while True:
         try:
@@ -170,7 +173,7 @@ def connect(path: Path, wait_s: float):
             last = f"{path} is job {info['job']}'s, not this job's ({job_tag()})"
         except FileNotFoundError:
             last = f"{path} does not exist yet"
-        except (OSError, ValueError, KeyError, EOFError, AuthenticationError) as exc:  # a refused, stale or half-written rendezvous
+        except (OSError, ValueError, KeyError, EOFError, AuthenticationError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() > deadline:
             raise TimeoutError(f"trainer rank 0 did not publish a reachable rendezvous in {path} within "
@@ -233,7 +236,8 @@ def serve_host(conn, node: int, name: str) -> None:
             _end(procs)
             try:
                 for k, spec in jobs:
-                    procs[k] = ctx.Process(target=serve_remote, args=(rendezvous, k, node, spec), name=f"megarl-engine-{k}")
+                    procs[k] = ctx.Process(target=serve_remote, args=(rendezvous, k, node, spec),
+                                           name=f"megarl-engine-{k}")
                     handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in PREEMPTION}  # the replica
                     try:  # inherits them ignored (a block is not inherited for sure: multiprocessing may lift it)
                         procs[k].start()

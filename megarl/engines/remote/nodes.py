@@ -1,4 +1,5 @@
-"""Disaggregated replicas on nodes other than rank 0's (``engine.replica_nodes``): where each one runs, and its link home.
+"""Disaggregated replicas on nodes other than rank 0's (``engine.replica_nodes``): where each one runs, and its
+link home.
 
 ::
 

@@ -208,7 +208,8 @@ class _Replica:
             start, used = time.perf_counter(), _usage()
             if u.stage_only:  # the bench's transfer-only figure: received and staged, nothing loaded
                 phases = llm.collective_rpc("megarl_recv_staged", args=(u.plan, u.groups, u.dtype))[0]
-                return Updated(self.version, seconds=time.perf_counter() - start, phases={**phases, **_used_since(used)})
+                return Updated(self.version, seconds=time.perf_counter() - start,
+                               phases={**phases, **_used_since(used)})
             llm.collective_rpc("megarl_set_rollback", args=(u.rollback,))
             started = True
             llm.start_weight_update()

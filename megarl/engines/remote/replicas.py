@@ -176,8 +176,9 @@ class EngineReplicas:
         a, tp = self._args, self._args["tp"]
         return dict(model=a["model"], tp=tp, max_model_len=a["max_model_len"], kv_cache_gib=a["kv_cache_gib"],
                     slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
-                    dtype=a["dtype"], enforce_eager=a["enforce_eager"], gpu_memory_utilization=a["gpu_memory_utilization"],
-                    route_experts=a["route_experts"], cpu_threads=a["cpu_threads"],
+                    dtype=a["dtype"], enforce_eager=a["enforce_eager"],
+                    gpu_memory_utilization=a["gpu_memory_utilization"], route_experts=a["route_experts"],
+                    cpu_threads=a["cpu_threads"],
                     cpus=[(c.threads, c.cores) for c in a["cpus"][j]] if j < len(a["cpus"]) else None)
 
     def _spawn_on_hosts(self, rendezvous) -> None:

@@ -249,7 +249,8 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
                tokens_generated=total.tokens_generated, sim_seconds=total.duration,
                groups_per_step_mean=sum(batches) / len(batches), groups_per_step_max=max(batches),
                groups_per_step_min=min(batches), phase_s_mean=sum(phase_s) / len(phase_s), phase_s_max=max(phase_s),
-               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s], phase_s_exact=phase_s, phase_trained_tokens=phase_tokens,
+               groups_per_step=batches, phase_s=[round(x, 1) for x in phase_s], phase_s_exact=phase_s,
+               phase_trained_tokens=phase_tokens,
                slot_s_busy=total.slot_time_busy, slot_capacity=s.engines * s.slots)
     return out
 
@@ -270,7 +271,8 @@ def with_trainer(out: dict, overlap: str, train_s_per_token: float, sync_s: floa
     the weights this timeline gives them); a run without one stands for ``none`` only.
     """
     if overlap != "none" and out["trainer"] != (overlap, train_s_per_token, sync_s, k):
-        raise ValueError(f"a run simulated with trainer {out['trainer']} timed as {(overlap, train_s_per_token, sync_s, k)}"
+        raise ValueError(f"a run simulated with trainer {out['trainer']} timed as "
+                         f"{(overlap, train_s_per_token, sync_s, k)}"
                          ": simulate it with TrainerModel(overlap, train_s_per_token, sync_s) and that staleness limit")
     gen = out["phase_s_exact"]
     train = [train_s_per_token * t for t in out["phase_trained_tokens"]]
