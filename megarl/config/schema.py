@@ -188,10 +188,18 @@ class AlgoConfig:
     """KL estimator: 'k1', 'k2' or 'k3'."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss −= coef · entropy)."""
-    tis: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling of the trainer/engine mismatch: 'none', 'token', 'sequence'."""
+    tis: Literal["none", "token", "sequence", "mask_token", "mask_sequence"] = "none"
+    """Correction of the trainer/engine mismatch and of stale samples by ρ = π_prox/π_behaviour (the loss then clips
+    against π_prox): 'token' or 'sequence' weight the loss by ρ truncated at tis_cap (TIS); 'mask_token' (IcePop)
+    keeps ρ_t as the weight where it is within [mask_low, mask_high] and drops the token elsewhere; 'mask_sequence'
+    drops a sequence whose geometric-mean ρ is outside that band; 'none'."""
     tis_cap: float = 2.0
     """TIS cap C on the importance weight."""
+    mask_low: float = 0.5
+    """algo.tis=mask_token|mask_sequence: the band's lower bound, inclusive (< 1; 0: none)."""
+    mask_high: float = 2.0
+    """algo.tis=mask_token|mask_sequence: the band's upper bound, inclusive (> 1; IcePop used 5). A sequence's
+    geometric mean moves far less than one token's ρ: mask_sequence wants a band near 1 (verl: 1.0001 to 1.001)."""
     decoupled_ppo: bool = False
     """AReaL's decoupled PPO for stale samples: clip against the proximal policy (the trainer's logprobs before the
     update), weight by min(π_prox/π_behaviour, tis_cap) per token (algo.tis=token's computation, named)."""

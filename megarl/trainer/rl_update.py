@@ -15,7 +15,7 @@ from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_t
 from megarl.algo.batch import aggregation_weights, batch_routes, build_batch, per_token, positive_nll_scale
 from megarl.algo.curriculum import minibatch_rows
 from megarl.algo.filters import overlong_mask
-from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
+from megarl.algo.losses import masked_fractions, mismatch_metrics, mismatch_weights, sequence_mean
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
 from megarl.trainer.policy import PolicyTrainer
@@ -67,11 +67,25 @@ def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, s
 
 
 def proximal_level(a) -> str | None:
-    """The level of the truncated IS weight π_prox/π_behaviour when the loss clips against the proximal policy
-    (``algo.tis``, or ``algo.decoupled_ppo``: per token), None when it clips against the behaviour policy."""
+    """The mismatch correction when the loss clips against the proximal policy (``algo.tis``: truncated IS or a mask
+    of π_prox/π_behaviour, ``mismatch_weights``; ``algo.decoupled_ppo`` alone: 'token'), None when it clips against
+    the behaviour policy."""
     if a.tis != "none":
         return a.tis
     return "token" if a.decoupled_ppo else None
+
+
+def proximal_correction(prox: torch.Tensor, batch: TrainBatch, mode: str, a) -> dict[str, float]:
+    """Decoupled: the ratio against the proximal logprobs ``prox``, the mismatch weight on each token
+    (``batch.old_logprobs`` are the behaviour's on entry, ``prox`` on return); the mismatch metrics of the batch."""
+    mask = batch.loss_mask
+    out = {k: float(v) for k, v in mismatch_metrics(prox, batch.old_logprobs, mask).items()}
+    out["mismatch/abs_max"] = float(((prox - batch.old_logprobs) * mask).abs().max())
+    batch.is_weight = mismatch_weights(prox, batch.old_logprobs, mask, mode, a.tis_cap, a.mask_low, a.mask_high)
+    if mode.startswith("mask_"):
+        out.update({k: float(v) for k, v in masked_fractions(batch.is_weight, mask).items()})
+    batch.old_logprobs = prox
+    return out
 
 
 def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
@@ -85,9 +99,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         agreement = dict(learners.policy.route_stats) if engine_routes is not None else {}  # own vs the engine's
     if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
         prox = learners.policy.logprobs(batch)  # (the policy before this update: AReaL's proximal policy)
-        out.update(mismatch_metrics(prox, batch.old_logprobs, mask))
-        batch.is_weight = truncated_is_weights(prox, batch.old_logprobs, mask, level, a.tis_cap)
-        batch.old_logprobs = prox
+        out.update(proximal_correction(prox, batch, level, a))
     if learners.reference is not None:
         batch.ref_logprobs = learners.reference.logprobs(batch)
     if a.advantage == "gae":

@@ -76,6 +76,12 @@ def _ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"algo.curriculum_eps must be > 0 (the ε of weights p(1−p) + ε), got {a.curriculum_eps}")
     if not a.tis_cap > 0:
         raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")
+    if not 0 <= a.mask_low < 1:  # (a band without 1 would drop the tokens trainer and engine agree on, ρ ≈ 1)
+        raise ConfigError(f"algo.mask_low must be in [0, 1) (the lower bound of the band of π_prox/π_behaviour that "
+                          f"algo.tis=mask_token|mask_sequence keeps, which must hold ρ = 1; 0: none), got {a.mask_low}")
+    if not a.mask_high > 1:
+        raise ConfigError(f"algo.mask_high must be > 1 (the upper bound of the band of π_prox/π_behaviour that "
+                          f"algo.tis=mask_token|mask_sequence keeps, which must hold ρ = 1), got {a.mask_high}")
     if a.ppo_epochs < 1 or a.minibatches < 1:
         raise ConfigError(f"algo.ppo_epochs and algo.minibatches must be >= 1, got {a.ppo_epochs}, {a.minibatches}")
 
