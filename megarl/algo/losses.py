@@ -86,6 +86,30 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     return loss, metrics
 
 
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+               clip_low: float, clip_high: float,
+               is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): clip the importance weight, not the update.
+
+    r_t = exp(logp_t − old_logp_t);  ℓ_t = −w_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · Â_t · logp_t, so that
+    ∇ℓ_t = −w_t · clip(r_t, 1−ε_low, 1+ε_high) · Â_t · ∇log π_θ(y_t): a token outside the band still sends its
+    gradient, weighted at the bound (PPO-clip's min sends none there). ε_low ≥ 1 is no lower bound (MiniMax's
+    choice); w_t as for PPO-clip (1 when absent). At r = 1 the gradient is PPO-clip's (−Â·∇log π).
+    """
+    log_ratio = ((logp.detach() - old_logp.detach()) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max(1.0 - clip_low, 0.0), 1.0 + clip_high)
+    if is_weight is not None:
+        weight = weight * is_weight.detach()
+    metrics = {
+        # tokens whose weight the clip bounds (they keep a gradient, unlike PPO-clip's clip_frac)
+        "clip_frac": masked_mean(((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+    }
+    return -weight * adv * logp * mask, metrics
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020, "Approximating KL"):
     k1 = log r, k2 = ½(log r)², k3 = exp(−log r) − 1 + log r, with log r = logp − ref_logp."""

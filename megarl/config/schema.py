@@ -166,16 +166,18 @@ class EngineConfig:
 
 @dataclass
 class AlgoConfig:
-    preset: Literal["", "grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo", "vapo"] = ""
-    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo; replaces algo keys of earlier layers (file before override), keys in its own or a later layer win."""
+    preset: Literal["", "grpo", "dr_grpo", "rloo", "dapo", "gspo", "cispo", "ppo", "vapo"] = ""
+    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, cispo, ppo, vapo; replaces algo keys of
+    earlier layers (file before override), keys in its own or a later layer win."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
     """'grpo' (group mean/std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out), 'gae' (critic)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """'ppo' (token ratio, clipped) or 'gspo' (sequence ratio, length-normalised)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """'ppo' (token ratio, clipped), 'gspo' (sequence ratio, length-normalised) or 'cispo' (the clipped ratio as a
+    detached weight on −Â·log π: no token loses its gradient)."""
     clip_low: float = 0.2
-    """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range)."""
+    """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range; CISPO: the weight's, 1 = none)."""
     clip_high: float = 0.2
-    """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low)."""
+    """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low; CISPO: the weight's bound)."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative advantages (0: off)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"

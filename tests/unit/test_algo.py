@@ -23,6 +23,7 @@ from megarl.algo.filters import (
     soft_overlong_penalty,
 )
 from megarl.algo.losses import (
+    cispo_loss,
     gspo_loss,
     kl_penalty,
     masked_fractions,
@@ -376,6 +377,47 @@ def test_mismatch_kl_is_the_k3_estimate_and_zero_when_the_logprobs_agree():
     assert same["mismatch/kl"].item() == 0.0 and same["mismatch/abs_mean"].item() == 0.0
 
 
+def test_cispo_weights_minus_adv_log_p_by_the_clipped_detached_ratio():
+    """ℓ_t = −sg(clip(r_t, 1−ε_low, 1+ε_high))·Â_t·log π(y_t): ∇ = −clip(r_t)·Â_t on every token, also where
+    PPO-clip's min sends nothing (r above the band with Â > 0, below it with Â < 0)."""
+    old = torch.log(torch.tensor([[0.4, 0.5, 0.05, 0.8]]))
+    # r = 0.5 (Â < 0: PPO clips at 0.8), 1.1 (inside), 10 (Â > 0: PPO clips at 1.2), 1.0
+    logp = torch.log(torch.tensor([[0.2, 0.55, 0.5, 0.8]])).requires_grad_(True)
+    adv, mask = torch.tensor([[-1.0, 2.0, 1.0, 0.5]]), torch.ones(1, 4)
+    loss, m = cispo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    weight = [0.8, 1.1, 1.2, 1.0]
+    expected = [-w * a * lp for w, a, lp in zip(weight, adv[0].tolist(), logp[0].tolist())]
+    assert loss[0].tolist() == pytest.approx(expected, rel=1e-5)
+    loss.sum().backward()
+    # detached weight: exactly −clip(r)·Â (with the weight not detached, the in-band token would also get −r·Â·log p)
+    assert logp.grad[0].tolist() == pytest.approx([-w * a for w, a in zip(weight, adv[0].tolist())], rel=1e-5)
+    assert m["clip_frac"].item() == pytest.approx(0.5)  # two weights at a bound, both still with a gradient
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    ppo, _ = ppo_clip_loss(ppo_logp, old, adv, mask, 0.2, 0.2)
+    ppo.sum().backward()
+    assert ppo_logp.grad[0, 0].item() == 0.0 and ppo_logp.grad[0, 2].item() == 0.0  # PPO-clip drops both
+    assert logp.grad[0, 0].item() != 0.0 and logp.grad[0, 2].item() != 0.0
+
+
+def test_cispo_on_policy_is_ppo_and_takes_the_is_weight_and_no_lower_bound():
+    old = torch.log(torch.tensor([[0.3, 0.6]]))
+    adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    grads = []
+    for fn in (cispo_loss, ppo_clip_loss):
+        logp = old.clone().requires_grad_(True)
+        fn(logp, old, adv, mask, 0.2, 0.2)[0].sum().backward()
+        grads.append(logp.grad)
+    assert torch.allclose(grads[0], grads[1]) and torch.allclose(grads[0], -adv)  # r = 1: both −Â·∇log π
+    w = torch.tensor([[0.5, 0.0]])  # e.g. a mismatch weight: the dropped token sends nothing
+    logp = old.clone().requires_grad_(True)
+    cispo_loss(logp, old, adv, mask, 0.2, 0.2, is_weight=w)[0].sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-0.5, 0.0])
+    # ε_low = 1 (the preset's): no lower bound, a ratio of 0.01 is its own weight
+    far = torch.log(torch.tensor([[0.003, 0.6]]))
+    loss, m = cispo_loss(far, old, adv, mask, clip_low=1.0, clip_high=4.0)
+    assert loss[0, 0].item() == pytest.approx(-0.01 * 1.0 * math.log(0.003), rel=1e-4) and m["clip_frac"] == 0
+
+
 def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     from megarl.trainer.rl_update import proximal_correction, proximal_level
 
@@ -391,3 +433,10 @@ def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     assert out["mismatch/abs_max"] == pytest.approx(math.log(4)) and out["mismatch/kl"] > 0
     tis = build_batch([[5, 6]], [[7, 8, 9, 10, 11]], [BEHAVIOUR[0].tolist()], [1.0])
     assert "mismatch/masked_token_frac" not in proximal_correction(prox, tis, "token", AlgoConfig(tis="token"))
+
+
+def test_policy_loss_fn_runs_cispo():
+    a = AlgoConfig(policy_loss="cispo", clip_low=1.0, clip_high=4.0)
+    mb = {"old_logprobs": BEHAVIOUR, "advantages": torch.ones(1, 5), "loss_mask": torch.tensor([[1.0, 1, 1, 1, 0]])}
+    loss, _ = policy_loss_fn(a)(PROX, mb)
+    assert torch.equal(loss, cispo_loss(PROX, BEHAVIOUR, mb["advantages"], mb["loss_mask"], 1.0, 4.0)[0])

@@ -112,6 +112,9 @@ def test_ppo_value_targets_use_its_lambda():
      r"algo.lam_critic=0.95 \(from algo.preset=ppo\).* with algo.advantage=dr_grpo"),
     (["algo.policy_loss=gspo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=gspo"),
     (["algo.preset=gspo", "algo.dual_clip=3"], r"algo.dual_clip.*algo.policy_loss=gspo"),
+    (["algo.preset=cispo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=cispo"),
+    (["algo.policy_loss=cispo", "algo.clip_low=1.5"], r"algo.clip_low must be in \[0, 1\] with algo.policy_loss=cispo"),
+    (["algo.preset=cispo", "algo.policy_loss=ppo"], r"algo.clip_low must be in \[0, 1\) .*got 1.0"),
     # the mismatch mask's band must hold ρ = 1 (lower ≥ upper, negative and 1-excluding bands refused by key)
     (["algo.tis=mask_token", "algo.mask_low=-0.1"], r"algo.mask_low must be in \[0, 1\) .*got -0.1"),
     (["algo.tis=mask_token", "algo.mask_low=1"], r"algo.mask_low must be in \[0, 1\)"),
@@ -130,6 +133,7 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
     ["algo.preset=gspo", "algo.tis=token"], ["algo.oversample_cap=0"],  # no dynamic sampling: the cap is unused
     ["rollout.top_p=0.9", "algo.tis=sequence"], ["algo.kl_estimator=k1", "algo.kl_coef=0"],
     ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1", "algo.clip_low=0"],
+    ["algo.preset=cispo"], ["algo.policy_loss=cispo"], ["algo.preset=cispo", "algo.tis=mask_token"],
     ["algo.tis=mask_token", "algo.mask_low=0", "algo.mask_high=5"],
     ["algo.tis=mask_sequence", "algo.mask_low=0.999", "algo.mask_high=1.001"],
     ["rollout.top_p=0.9", "algo.tis=mask_token"],

@@ -63,7 +63,10 @@ def _ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"algo.{key} must be in [0, 1] (a GAE discount / λ: above 1 the advantages diverge, "
                               "below 0 their terms alternate in sign), "
                               f"got {value}")
-    if not 0 <= a.clip_low < 1:
+    if a.policy_loss == "cispo" and not 0 <= a.clip_low <= 1:
+        raise ConfigError(f"algo.clip_low must be in [0, 1] with algo.policy_loss=cispo (the importance weight's lower "
+                          f"bound is 1 − clip_low; 1: none, MiniMax's choice), got {a.clip_low}")
+    if a.policy_loss != "cispo" and not 0 <= a.clip_low < 1:
         raise ConfigError(f"algo.clip_low must be in [0, 1) (the ratio's lower bound 1 − clip_low must stay above 0), "
                           f"got {a.clip_low}")
     if not a.clip_high >= 0:
@@ -113,9 +116,10 @@ def _combinations(cfg: RunConfig) -> None:
     if a.overlong_cache >= r.max_new_tokens:
         raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens "
                           f"({r.max_new_tokens})")
-    if a.policy_loss == "gspo" and a.dual_clip:
-        raise ConfigError(f"algo.dual_clip={a.dual_clip} does not apply with algo.policy_loss=gspo (GSPO's sequence "
-                          "ratio has no dual clip); set algo.dual_clip=0 or algo.policy_loss=ppo")
+    if a.policy_loss != "ppo" and a.dual_clip:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip} does not apply with algo.policy_loss={a.policy_loss} (dual "
+                          "clip bounds PPO-clip's token objective; GSPO's sequence ratio and CISPO's clipped weight "
+                          "have none); set algo.dual_clip=0 or algo.policy_loss=ppo")
     if a.critic_warmup_steps and a.critic_warmup_steps >= cfg.train.steps:
         raise ConfigError(f"algo.critic_warmup_steps={a.critic_warmup_steps} must be < train.steps "
                           f"({cfg.train.steps}): the policy trains only from step critic_warmup_steps + 1 on, so this "
