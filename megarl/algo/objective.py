@@ -15,6 +15,7 @@ from megarl.algo.losses import (
     gspo_loss,
     kl_penalty,
     masked_mean,
+    mismatch_metrics,
     ppo_clip_loss,
     value_loss,
 )
@@ -65,13 +66,19 @@ def policy_term(logp: torch.Tensor, mb: dict, a: AlgoConfig) -> tuple[torch.Tens
     return ppo_clip_loss(*args, a.dual_clip, mb.get("is_weight"))
 
 
-def policy_loss_fn(a: AlgoConfig):
+def policy_loss_fn(a: AlgoConfig, measure_mismatch: bool = False):
     """ℓ_t = policy term (PPO-clip, GSPO or CISPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples), the last one
-    scaled (``nll_scale``) to be a mean over the positive samples' tokens."""
+    scaled (``nll_scale``) to be a mean over the positive samples' tokens.
+
+    ``measure_mismatch``: also report ``mismatch_metrics`` of this forward's logprobs against ``old_logprobs``; for
+    the first optimizer step of a run whose ``old_logprobs`` are the behaviour's (no proximal forward), where the
+    weights are still the pre-update ones."""
 
     def loss(logp: torch.Tensor, mb: dict):
         mask = mb["loss_mask"]
         per_token, metrics = policy_term(logp, mb, a)
+        if measure_mismatch:
+            metrics.update(mismatch_metrics(logp, mb["old_logprobs"], mask))
         if a.kl_coef:
             kl = kl_penalty(logp, mb["ref_logprobs"], a.kl_estimator) * mask
             per_token = per_token + a.kl_coef * kl

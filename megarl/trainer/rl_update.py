@@ -7,7 +7,7 @@ module knows the algorithm's data flow, not engines or scheduling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,21 +49,26 @@ def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[Tra
     return batch, rewards
 
 
-def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, seed: int) -> dict[str, float]:
-    """``ppo_epochs`` × ``minibatches`` optimizer steps; each mini-batch re-normalises its own weights."""
+def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, seed: int,
+           first_loss_fn=None) -> dict[str, float]:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps; each mini-batch re-normalises its own weights. The first step
+    runs ``first_loss_fn`` when given (the weights are still the pre-update ones there); each metric is the mean over
+    the steps that report it."""
     a = cfg.algo
     priority = sequence_mean(batch.advantages.abs(), batch.loss_mask)
     gen = torch.Generator().manual_seed(seed)
-    metrics: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     steps = minibatch_rows(priority, a.minibatches, a.ppo_epochs, a.prioritized_replay, gen)
-    for rows in steps:
-        mb = batch.select(rows) if len(steps) > 1 else batch
+    for i, rows in enumerate(steps):
+        mb = batch.select(rows) if len(steps) > 1 else replace(batch)
         mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, norm_tokens(cfg))
         if a.positive_nll_coef and mb.positive is not None:  # (the critic's loss has no such term)
             mb.nll_scale = positive_nll_scale(mb.positive, mb.weights)
-        for k, v in learner.train_step(mb, loss_fn).items():
-            metrics[k] = metrics.get(k, 0.0) + v / len(steps)
-    return metrics
+        for k, v in learner.train_step(mb, first_loss_fn if i == 0 and first_loss_fn else loss_fn).items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] = counts.get(k, 0) + 1
+    return {k: v / counts[k] for k, v in sums.items()}
 
 
 def proximal_level(a) -> str | None:
@@ -116,7 +121,9 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         batch.advantages = per_token(group_advantages(rewards, a.advantage).flatten().tolist(), mask)
     if step < a.critic_warmup_steps:  # value pre-training: the policy waits for a useful critic (no loss/* logged)
         return out
-    policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1)
+    # without a proximal forward, the mismatch is measured in the first training forward (pre-update weights)
+    measure = policy_loss_fn(a, measure_mismatch=True) if level is None else None
+    policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1, first_loss_fn=measure)
     out.update({
         "loss/policy": policy.get("loss", 0.0),
         "loss/clip_frac": policy.get("clip_frac", 0.0),
@@ -126,6 +133,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     for key in ("kl_ref", "entropy", "dual_clip_frac"):
         if key in policy:
             out[f"loss/{key}"] = policy[key]
+    out.update({k: v for k, v in policy.items() if k.startswith("mismatch/")})
     if a.routing_replay != "trainer":  # routing agreement with the engine (trainer/routing.py); R2's: measured above
         agreement = {k: v for k, v in policy.items() if k.startswith("moe/")}
     out.update(agreement)

@@ -418,6 +418,19 @@ def test_cispo_on_policy_is_ppo_and_takes_the_is_weight_and_no_lower_bound():
     assert loss[0, 0].item() == pytest.approx(-0.01 * 1.0 * math.log(0.003), rel=1e-4) and m["clip_frac"] == 0
 
 
+def test_policy_loss_fn_runs_cispo_and_measures_the_mismatch_on_request():
+    a = AlgoConfig(policy_loss="cispo", clip_low=1.0, clip_high=4.0)
+    mask = torch.tensor([[1.0, 1, 1, 1, 0]])
+    mb = {"old_logprobs": BEHAVIOUR, "advantages": torch.ones(1, 5), "loss_mask": mask}
+    loss, m = policy_loss_fn(a)(PROX, mb)
+    direct, _ = cispo_loss(PROX, BEHAVIOUR, mb["advantages"], mask, 1.0, 4.0)
+    assert torch.equal(loss, direct) and not any(k.startswith("mismatch/") for k in m)
+    _, measured = policy_loss_fn(a, measure_mismatch=True)(PROX, mb)
+    expected = mismatch_metrics(PROX, BEHAVIOUR, mask)
+    assert {k: v.item() for k, v in measured.items() if k.startswith("mismatch/")} == \
+        {k: v.item() for k, v in expected.items()}
+
+
 def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     from megarl.trainer.rl_update import proximal_correction, proximal_level
 
@@ -433,10 +446,3 @@ def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     assert out["mismatch/abs_max"] == pytest.approx(math.log(4)) and out["mismatch/kl"] > 0
     tis = build_batch([[5, 6]], [[7, 8, 9, 10, 11]], [BEHAVIOUR[0].tolist()], [1.0])
     assert "mismatch/masked_token_frac" not in proximal_correction(prox, tis, "token", AlgoConfig(tis="token"))
-
-
-def test_policy_loss_fn_runs_cispo():
-    a = AlgoConfig(policy_loss="cispo", clip_low=1.0, clip_high=4.0)
-    mb = {"old_logprobs": BEHAVIOUR, "advantages": torch.ones(1, 5), "loss_mask": torch.tensor([[1.0, 1, 1, 1, 0]])}
-    loss, _ = policy_loss_fn(a)(PROX, mb)
-    assert torch.equal(loss, cispo_loss(PROX, BEHAVIOUR, mb["advantages"], mb["loss_mask"], 1.0, 4.0)[0])
