@@ -140,3 +140,56 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
 ])
 def test_defaults_presets_and_edges_validate(overrides):
     validate(load_config(None, overrides), 1, MOE)
+
+
+STALE = {  # every way a run trains tokens sampled by older weights
+    "one_step": ["rollout.overlap=one_step"],
+    "async k=1": ["rollout.overlap=async", "rollout.staleness_limit=1"],
+    "async k=3": ["rollout.overlap=async", "rollout.staleness_limit=3"],
+    "partial k=1": ["rollout.mode=partial", "rollout.staleness_limit=1"],
+}
+FRESH = {"sync": [], "async k=0": ["rollout.overlap=async", "rollout.staleness_limit=0"],
+         "partial k=0": ["rollout.mode=partial", "rollout.staleness_limit=0"], "on_policy": ["rollout.mode=on_policy"]}
+CORRECTED = [["algo.tis=token"], ["algo.tis=sequence"], ["algo.tis=mask_token"], ["algo.tis=mask_sequence"],
+             ["algo.decoupled_ppo=true"], ["algo.preset=cispo"], ["algo.policy_loss=cispo"]]
+
+
+def _notes(*overrides):
+    from megarl.config.validate.algo import algo_notes
+
+    cfg = load_config(None, ["engine.placement=disaggregated", *overrides])
+    validate(cfg, 1, MOE)  # (a note, not an error: the run is valid)
+    return algo_notes(cfg)
+
+
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("loss", [[], ["algo.preset=gspo"]])
+def test_stale_data_without_an_off_policy_correction_is_noted(stale, loss):
+    """One-step and async overlap, partial rollouts: at every k ≥ 1, not only past AReaL's staleness 2."""
+    (note,) = _notes(*STALE[stale], *loss)
+    assert stale.split()[0] in note and "no off-policy correction" in note
+    assert "algo.decoupled_ppo=true" in note and "algo.tis=token|sequence|mask_token|mask_sequence" in note
+    assert "algo.policy_loss=cispo" in note
+    assert ("beyond staleness 2" in note) == (stale == "async k=3")
+
+
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("correction", CORRECTED, ids=lambda c: " ".join(c))
+def test_stale_data_with_an_off_policy_correction_is_not_noted(stale, correction):
+    assert _notes(*STALE[stale], *correction) == []
+
+
+@pytest.mark.parametrize("fresh", sorted(FRESH))
+def test_fresh_data_is_not_noted(fresh):
+    assert _notes(*FRESH[fresh]) == []
+
+
+def test_the_stale_data_note_is_said_before_launch(tmp_path, capsys):
+    from megarl.config.validate.prelaunch import checked_config
+
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe",
+           "engine.placement=disaggregated", "rollout.overlap=one_step"]
+    checked_config(None, run, 1, command="plan")
+    assert "megarl: note: rollout.overlap=one_step trains every batch 1 version after" in capsys.readouterr().err
+    checked_config(None, [*run, "algo.tis=mask_token"], 1, command="plan")
+    assert "off-policy" not in capsys.readouterr().err

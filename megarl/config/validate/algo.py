@@ -7,6 +7,9 @@ and the entropy are only computed for coefficients > 0, ``session.build_learners
 uninformative groups, ``critic_warmup_steps`` ≥ ``train.steps`` never moves the
 policy, and critic-only switches with a group advantage (no critic is built) do
 nothing or skip policy steps. Defaults always pass.
+
+``algo_notes`` says, before launch, what is allowed but likely unmeant: stale samples trained
+with no off-policy correction.
 """
 
 from __future__ import annotations
@@ -143,3 +146,43 @@ def _combinations(cfg: RunConfig) -> None:
         if a.length_adaptive_alpha:
             raise ConfigError(f"algo.length_adaptive_alpha={a.length_adaptive_alpha} {group}: it would be ignored; "
                               "set algo.length_adaptive_alpha=0 or algo.advantage=gae")
+
+
+def stale_source(cfg: RunConfig) -> str:
+    """What makes this run train tokens sampled by older weights ('' when nothing can): one-step overlap, async
+    overlap or partial rollouts with ``rollout.staleness_limit`` k ≥ 1 (at k = 0 both are as fresh as 'none')."""
+    r = cfg.rollout
+    if r.overlap == "one_step":
+        return "rollout.overlap=one_step trains every batch 1 version after the weights that sampled it"
+    if r.overlap == "async" and r.staleness_limit >= 1:
+        return (f"rollout.overlap=async with rollout.staleness_limit={r.staleness_limit} trains tokens up to "
+                f"{r.staleness_limit} versions old")
+    if r.mode == "partial" and r.staleness_limit >= 1:
+        return (f"rollout.mode=partial with rollout.staleness_limit={r.staleness_limit} resumes samples whose tokens "
+                f"are up to {r.staleness_limit} versions old")
+    return ""
+
+
+def off_policy_correction(a: AlgoConfig) -> str:
+    """The key that corrects the objective for off-policy tokens ('' when none does): a decoupled ratio with its
+    truncated IS weight or mask (``algo.tis``, ``algo.decoupled_ppo``), or CISPO's clipped importance weight."""
+    if a.tis != "none":
+        return f"algo.tis={a.tis}"
+    if a.decoupled_ppo:
+        return "algo.decoupled_ppo=true"
+    return "algo.policy_loss=cispo" if a.policy_loss == "cispo" else ""
+
+
+def algo_notes(cfg: RunConfig) -> list[str]:
+    """Said before launch, not refused: stale data trained by a loss that clips against the behaviour policy with no
+    off-policy correction (PPO-clip or GSPO with the engine's logprobs as the old policy)."""
+    a, r = cfg.algo, cfg.rollout
+    source = stale_source(cfg)
+    if not source or off_policy_correction(a):
+        return []
+    areal = (" (plain PPO against the behaviour policy was found unstable beyond staleness 2: AReaL)"
+             if r.overlap != "one_step" and r.staleness_limit > 2 else "")
+    return [f"{source}, and algo.policy_loss={a.policy_loss} clips against the behaviour policy with no off-policy "
+            f"correction{areal}: set algo.decoupled_ppo=true (clip against the proximal policy, weight by "
+            "min(π_prox/π_behaviour, algo.tis_cap)), algo.tis=token|sequence|mask_token|mask_sequence, or "
+            "algo.policy_loss=cispo (see docs/algorithms.md)"]
