@@ -193,10 +193,13 @@ def mismatch_metrics(trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     samples (Schulman 2020; each term ≥ 0, all 0 when the logprobs are equal);  mismatch/abs_mean = mean |log ρ_t|;
     mismatch/nll = mean −log π_trainer(y_t), the trainer's entropy estimated on the sampled tokens (its
     cross-entropy against the behaviour policy: H(π_b) + KL(π_b ‖ π_trainer) in expectation; no full-vocabulary pass).
+    k3 is taken in float64 as expm1(log ρ) − log ρ and kept ≥ 0: at the gap of equal weights (|log ρ| ~ 1e-6) the
+    float32 exp(log ρ) − 1 − log ρ rounds to either sign, and its mean came out −7e-11.
     """
     log_rho = ((trainer_logp - behaviour_logp) * mask).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    x = log_rho.double()
     return {
-        "mismatch/kl": masked_mean(torch.exp(log_rho) - 1 - log_rho, mask),
+        "mismatch/kl": masked_mean((torch.expm1(x) - x).clamp(min=0), mask),
         "mismatch/abs_mean": masked_mean(log_rho.abs(), mask),
         "mismatch/nll": masked_mean(-trainer_logp.detach(), mask),
     }

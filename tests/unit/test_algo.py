@@ -375,6 +375,11 @@ def test_mismatch_kl_is_the_k3_estimate_and_zero_when_the_logprobs_agree():
     assert m["mismatch/nll"].item() == pytest.approx(nll, rel=1e-6)
     same = mismatch_metrics(PROX, PROX.clone(), mask)
     assert same["mismatch/kl"].item() == 0.0 and same["mismatch/abs_mean"].item() == 0.0
+    # a gap of ~1e-6 (the same weights in fp32): k3 ≈ (log ρ)²/2, where float32's exp(x) − 1 − x rounds to either
+    # sign (its mean was −7e-11 in a run)
+    tiny = torch.tensor([[1e-6, -1e-6, 2e-6, -3e-7, 0.0]])
+    kl = mismatch_metrics(tiny, torch.zeros(1, 5), mask)["mismatch/kl"].item()
+    assert kl == pytest.approx(sum(x * x / 2 for x in (1e-6, -1e-6, 2e-6, -3e-7)) / 4, rel=1e-3)
 
 
 def test_cispo_weights_minus_adv_log_p_by_the_clipped_detached_ratio():
