@@ -86,6 +86,30 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     return loss, metrics
 
 
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+               clip_low: float, clip_high: float,
+               is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): clip the importance weight, not the update.
+
+    r_t = exp(logp_t − old_logp_t);  ℓ_t = −w_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · Â_t · logp_t, so that
+    ∇ℓ_t = −w_t · clip(r_t, 1−ε_low, 1+ε_high) · Â_t · ∇log π_θ(y_t): a token outside the band still sends its
+    gradient, weighted at the bound (PPO-clip's min sends none there). ε_low ≥ 1 is no lower bound (MiniMax's
+    choice); w_t as for PPO-clip (1 when absent). At r = 1 the gradient is PPO-clip's (−Â·∇log π).
+    """
+    log_ratio = ((logp.detach() - old_logp.detach()) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max(1.0 - clip_low, 0.0), 1.0 + clip_high)
+    if is_weight is not None:
+        weight = weight * is_weight.detach()
+    metrics = {
+        # tokens whose weight the clip bounds (they keep a gradient, unlike PPO-clip's clip_frac)
+        "clip_frac": masked_mean(((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+    }
+    return -weight * adv * logp * mask, metrics
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020, "Approximating KL"):
     k1 = log r, k2 = ½(log r)², k3 = exp(−log r) − 1 + log r, with log r = logp − ref_logp."""
@@ -117,24 +141,65 @@ def nll_loss(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict
     return loss, {"nll": masked_mean(-logp, mask)}
 
 
-def truncated_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
-                         level: str, cap: float) -> torch.Tensor:
-    """Truncated importance sampling of the trainer/engine mismatch (Yao et al. 2025):
-    token: w_t = min(π_trainer(y_t)/π_engine(y_t), C);  sequence: w_i = min(Π_t π_trainer/π_engine, C)."""
-    log_w = (prox_logp - behaviour_logp) * mask
-    if level == "token":
-        return torch.clamp(torch.exp(log_w), max=cap) * mask
-    if level == "sequence":
-        return torch.clamp(torch.exp(log_w.sum(dim=1, keepdim=True)), max=cap) * mask
-    raise ValueError(f"unknown TIS level {level!r}; valid: 'token', 'sequence'")
+def mismatch_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                     cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> torch.Tensor:
+    """Per-token weight w of the trainer/engine mismatch (detached; 0 off the mask), from the ratio of the trainer's
+    pre-update (proximal) policy to the behaviour policy that sampled the token, ρ_t = π_prox(y_t)/π_behaviour(y_t):
+
+    token (TIS, Yao et al. 2025):             w_t = min(ρ_t, C)
+    sequence (TIS):                           w_t = min(Π_t ρ_t, C), one weight for every token of the sequence
+    mask_token (IcePop, Ling team 2025;       w_t = ρ_t if low ≤ ρ_t ≤ high, else 0: a token outside the band is
+      verl's masked IS):                      dropped instead of truncated (its loss and gradient are 0)
+    mask_sequence (geometric rejection,       w_t = 1 if low ≤ exp(mean_t log ρ_t) ≤ high, else 0 for every token of
+      verl's geo_mean):                       the sequence (the geometric mean, not the product: it does not grow
+                                              with the length; a mask, not an importance weight)
+
+    The bounds are inclusive. A masked token keeps its place in the loss aggregation's denominator (IcePop's
+    1/Σ|y_i|): it adds 0 to the mean, it does not shrink it.
+    """
+    log_rho = ((prox_logp - behaviour_logp) * mask).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if mode == "token":
+        return torch.clamp(torch.exp(log_rho), max=cap) * mask
+    if mode == "sequence":
+        return torch.clamp(torch.exp(log_rho.sum(dim=1, keepdim=True)), max=cap) * mask
+    if mode == "mask_token":
+        rho = torch.exp(log_rho)
+        return torch.where((rho >= low) & (rho <= high), rho, torch.zeros_like(rho)) * mask
+    if mode == "mask_sequence":
+        geo = torch.exp(sequence_mean(log_rho, mask)).unsqueeze(1)
+        return ((geo >= low) & (geo <= high)).to(mask.dtype) * mask
+    raise ValueError(f"unknown mismatch correction {mode!r}; valid: 'token', 'sequence', 'mask_token', "
+                     "'mask_sequence'")
 
 
-def mismatch_metrics(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Sampler-vs-trainer logprob gap: mean and max |Δ|, and a k3 estimate of KL(engine ‖ trainer)."""
-    diff = (prox_logp - behaviour_logp) * mask
-    n = mask.sum().clamp(min=1)
+def masked_fractions(weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a mismatch mask dropped: the share of trained tokens with weight 0 (``mismatch/masked_token_frac``) and
+    of sequences with a trained token with weight 0 (``mismatch/masked_seq_frac``; under ``mask_sequence``: the
+    masked sequences)."""
+    dropped = ((weight == 0) & (mask > 0)).float()
+    has = (mask.sum(dim=1) > 0).float()
     return {
-        "mismatch/abs_mean": float(diff.abs().sum() / n),
-        "mismatch/abs_max": float(diff.abs().max()),
-        "mismatch/kl": float(((torch.exp(diff) - 1 - diff) * mask).sum() / n),
+        "mismatch/masked_token_frac": masked_mean(dropped, mask),
+        "mismatch/masked_seq_frac": (dropped.amax(dim=1) * has).sum() / has.sum().clamp(min=1),
+    }
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The trainer/engine gap on the trained tokens, with log ρ_t = log π_trainer(y_t) − log π_behaviour(y_t) from the
+    trainer's logprobs under its pre-update weights; masked means:
+
+    mismatch/kl = mean (ρ_t − 1) − log ρ_t, the k3 estimate of KL(π_behaviour ‖ π_trainer) from the behaviour's own
+    samples (Schulman 2020; each term ≥ 0, all 0 when the logprobs are equal);  mismatch/abs_mean = mean |log ρ_t|;
+    mismatch/nll = mean −log π_trainer(y_t), the trainer's entropy estimated on the sampled tokens (its
+    cross-entropy against the behaviour policy: H(π_b) + KL(π_b ‖ π_trainer) in expectation; no full-vocabulary pass).
+    k3 is taken in float64 as expm1(log ρ) − log ρ and kept ≥ 0: at the gap of equal weights (|log ρ| ~ 1e-6) the
+    float32 exp(log ρ) − 1 − log ρ rounds to either sign, and its mean came out −7e-11.
+    """
+    log_rho = ((trainer_logp - behaviour_logp) * mask).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    x = log_rho.double()
+    return {
+        "mismatch/kl": masked_mean((torch.expm1(x) - x).clamp(min=0), mask),
+        "mismatch/abs_mean": masked_mean(log_rho.abs(), mask),
+        "mismatch/nll": masked_mean(-trainer_logp.detach(), mask),
     }

@@ -10,7 +10,15 @@ import torch
 
 from megarl.algo.advantage import grpo_advantages, rloo_advantages
 from megarl.algo.filters import soft_overlong_penalty
-from megarl.algo.losses import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
+from megarl.algo.losses import (
+    cispo_loss,
+    gspo_loss,
+    kl_penalty,
+    masked_mean,
+    mismatch_metrics,
+    ppo_clip_loss,
+    value_loss,
+)
 from megarl.config.schema import AlgoConfig
 from megarl.types import Group
 
@@ -48,18 +56,29 @@ def whiten(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (adv - mean) / (var.sqrt() + 1e-8) * mask
 
 
-def policy_loss_fn(a: AlgoConfig):
-    """ℓ_t = policy term (PPO-clip or GSPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples), the last one
-    scaled (``nll_scale``) to be a mean over the positive samples' tokens."""
+def policy_term(logp: torch.Tensor, mb: dict, a: AlgoConfig) -> tuple[torch.Tensor, dict]:
+    """The policy term ``algo.policy_loss`` names: PPO-clip, GSPO or CISPO, each weighted by ``is_weight`` if set."""
+    args = (logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], a.clip_low, a.clip_high)
+    if a.policy_loss == "gspo":
+        return gspo_loss(*args, mb.get("is_weight"))
+    if a.policy_loss == "cispo":
+        return cispo_loss(*args, mb.get("is_weight"))
+    return ppo_clip_loss(*args, a.dual_clip, mb.get("is_weight"))
+
+
+def policy_loss_fn(a: AlgoConfig, measure_mismatch: bool = False):
+    """ℓ_t = policy term (PPO-clip, GSPO or CISPO) + β·KL_t − c_H·H_t + μ·(−log p_t on positive samples), the last one
+    scaled (``nll_scale``) to be a mean over the positive samples' tokens.
+
+    ``measure_mismatch``: also report ``mismatch_metrics`` of this forward's logprobs against ``old_logprobs``; for
+    the first optimizer step of a run whose ``old_logprobs`` are the behaviour's (no proximal forward), where the
+    weights are still the pre-update ones."""
 
     def loss(logp: torch.Tensor, mb: dict):
         mask = mb["loss_mask"]
-        if a.policy_loss == "gspo":
-            per_token, metrics = gspo_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low, a.clip_high,
-                                           mb.get("is_weight"))
-        else:
-            per_token, metrics = ppo_clip_loss(logp, mb["old_logprobs"], mb["advantages"], mask, a.clip_low,
-                                               a.clip_high, a.dual_clip, mb.get("is_weight"))
+        per_token, metrics = policy_term(logp, mb, a)
+        if measure_mismatch:
+            metrics.update(mismatch_metrics(logp, mb["old_logprobs"], mask))
         if a.kl_coef:
             kl = kl_penalty(logp, mb["ref_logprobs"], a.kl_estimator) * mask
             per_token = per_token + a.kl_coef * kl

@@ -32,6 +32,11 @@ PRESETS: dict[str, dict] = {
     # Zheng et al. 2025 (GSPO): sequence-level length-normalised ratio with a tight clip range.
     "gspo": {"advantage": "grpo", "policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "clip_low": 3e-4,
              "clip_high": 4e-4},
+    # Chen et al. 2025 (MiniMax-M1): CISPO, the clipped importance weight detached on −Â·log π (no token loses its
+    # gradient), no lower bound (ε_low = 1), token-level loss, group advantages. MiniMax tunes ε_high: 4 (weight ≤ 5)
+    # is torchtitan's CISPO default.
+    "cispo": {"advantage": "grpo", "policy_loss": "cispo", "loss_agg": "token_mean", "clip_low": 1.0,
+              "clip_high": 4.0},
     # Schulman et al. 2017 / Ouyang et al. 2022: critic, GAE, clipped value loss, KL to the reference (a k3 loss
     # term, as GRPO puts it; InstructGPT penalises the reward instead).
     # λ = 0.95 for the policy's advantages and the critic's value targets alike (VAPO decouples them).

@@ -169,16 +169,18 @@ class EngineConfig:
 
 @dataclass
 class AlgoConfig:
-    preset: Literal["", "grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo", "vapo"] = ""
-    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, ppo, vapo; replaces algo keys of earlier layers (file before override), keys in its own or a later layer win."""
+    preset: Literal["", "grpo", "dr_grpo", "rloo", "dapo", "gspo", "cispo", "ppo", "vapo"] = ""
+    """Named defaults for the keys below: grpo, dr_grpo, rloo, dapo, gspo, cispo, ppo, vapo; replaces algo keys of
+    earlier layers (file before override), keys in its own or a later layer win."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
     """'grpo' (group mean/std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out), 'gae' (critic)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """'ppo' (token ratio, clipped) or 'gspo' (sequence ratio, length-normalised)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """'ppo' (token ratio, clipped), 'gspo' (sequence ratio, length-normalised) or 'cispo' (the clipped ratio as a
+    detached weight on −Â·log π: no token loses its gradient)."""
     clip_low: float = 0.2
-    """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range)."""
+    """PPO clip bound below: ratio ≥ 1 − clip_low (GSPO: its own, much smaller range; CISPO: the weight's, 1 = none)."""
     clip_high: float = 0.2
-    """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low)."""
+    """PPO clip bound above: ratio ≤ 1 + clip_high (clip-higher when > clip_low; CISPO: the weight's bound)."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative advantages (0: off)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
@@ -191,10 +193,18 @@ class AlgoConfig:
     """KL estimator: 'k1', 'k2' or 'k3'."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss −= coef · entropy)."""
-    tis: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling of the trainer/engine mismatch: 'none', 'token', 'sequence'."""
+    tis: Literal["none", "token", "sequence", "mask_token", "mask_sequence"] = "none"
+    """Correction of the trainer/engine mismatch and of stale samples by ρ = π_prox/π_behaviour (the loss then clips
+    against π_prox): 'token' or 'sequence' weight the loss by ρ truncated at tis_cap (TIS); 'mask_token' (IcePop)
+    keeps ρ_t as the weight where it is within [mask_low, mask_high] and drops the token elsewhere; 'mask_sequence'
+    drops a sequence whose geometric-mean ρ is outside that band; 'none'."""
     tis_cap: float = 2.0
     """TIS cap C on the importance weight."""
+    mask_low: float = 0.5
+    """algo.tis=mask_token|mask_sequence: the band's lower bound, inclusive (< 1; 0: none)."""
+    mask_high: float = 2.0
+    """algo.tis=mask_token|mask_sequence: the band's upper bound, inclusive (> 1; IcePop used 5). A sequence's
+    geometric mean moves far less than one token's ρ: mask_sequence wants a band near 1 (verl: 1.0001 to 1.001)."""
     decoupled_ppo: bool = False
     """AReaL's decoupled PPO for stale samples: clip against the proximal policy (the trainer's logprobs before the
     update), weight by min(π_prox/π_behaviour, tis_cap) per token (algo.tis=token's computation, named)."""

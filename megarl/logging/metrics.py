@@ -26,6 +26,7 @@ STEP_SCALARS = (
     "response/len_mean",
     "response/len_max",
     "loss/policy",
+    "mismatch/kl",
     "timing/gen_s",
     "timing/train_s",
     "timing/sync_s",

@@ -7,14 +7,14 @@ module knows the algorithm's data flow, not engines or scheduling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megarl.algo.advantage import gae, length_adaptive_lambda, outcome_rewards_to_tokens
 from megarl.algo.batch import aggregation_weights, batch_routes, build_batch, per_token, positive_nll_scale
 from megarl.algo.filters import overlong_mask
-from megarl.algo.losses import mismatch_metrics, sequence_mean, truncated_is_weights
+from megarl.algo.losses import masked_fractions, mismatch_metrics, mismatch_weights, sequence_mean
 from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
@@ -55,29 +55,48 @@ def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[Tra
     return batch, rewards
 
 
-def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, seed: int) -> dict[str, float]:
-    """``ppo_epochs`` × ``minibatches`` optimizer steps; each mini-batch re-normalises its own weights."""
+def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, seed: int,
+           first_loss_fn=None) -> dict[str, float]:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps; each mini-batch re-normalises its own weights. The first step
+    runs ``first_loss_fn`` when given (the weights are still the pre-update ones there); each metric is the mean over
+    the steps that report it."""
     a = cfg.algo
     priority = sequence_mean(batch.advantages.abs(), batch.loss_mask)
     gen = torch.Generator().manual_seed(seed)
-    metrics: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     steps = minibatch_rows(priority, a.minibatches, a.ppo_epochs, a.prioritized_replay, gen)
-    for rows in steps:
-        mb = batch.select(rows) if len(steps) > 1 else batch
+    for i, rows in enumerate(steps):
+        mb = batch.select(rows) if len(steps) > 1 else replace(batch)
         mb.weights = aggregation_weights(mb.loss_mask, a.loss_agg, norm_tokens(cfg))
         if a.positive_nll_coef and mb.positive is not None:  # (the critic's loss has no such term)
             mb.nll_scale = positive_nll_scale(mb.positive, mb.weights)
-        for k, v in learner.train_step(mb, loss_fn).items():
-            metrics[k] = metrics.get(k, 0.0) + v / len(steps)
-    return metrics
+        for k, v in learner.train_step(mb, first_loss_fn if i == 0 and first_loss_fn else loss_fn).items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] = counts.get(k, 0) + 1
+    return {k: v / counts[k] for k, v in sums.items()}
 
 
 def proximal_level(a) -> str | None:
-    """The level of the truncated IS weight π_prox/π_behaviour when the loss clips against the proximal policy
-    (``algo.tis``, or ``algo.decoupled_ppo``: per token), None when it clips against the behaviour policy."""
+    """The mismatch correction when the loss clips against the proximal policy (``algo.tis``: truncated IS or a mask
+    of π_prox/π_behaviour, ``mismatch_weights``; ``algo.decoupled_ppo`` alone: 'token'), None when it clips against
+    the behaviour policy."""
     if a.tis != "none":
         return a.tis
     return "token" if a.decoupled_ppo else None
+
+
+def proximal_correction(prox: torch.Tensor, batch: TrainBatch, mode: str, a) -> dict[str, float]:
+    """Decoupled: the ratio against the proximal logprobs ``prox``, the mismatch weight on each token
+    (``batch.old_logprobs`` are the behaviour's on entry, ``prox`` on return); the mismatch metrics of the batch."""
+    mask = batch.loss_mask
+    out = {k: float(v) for k, v in mismatch_metrics(prox, batch.old_logprobs, mask).items()}
+    out["mismatch/abs_max"] = float(((prox - batch.old_logprobs) * mask).abs().max())
+    batch.is_weight = mismatch_weights(prox, batch.old_logprobs, mask, mode, a.tis_cap, a.mask_low, a.mask_high)
+    if mode.startswith("mask_"):
+        out.update({k: float(v) for k, v in masked_fractions(batch.is_weight, mask).items()})
+    batch.old_logprobs = prox
+    return out
 
 
 def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
@@ -91,9 +110,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         agreement = dict(learners.policy.route_stats) if engine_routes is not None else {}  # own vs the engine's
     if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
         prox = learners.policy.logprobs(batch)  # (the policy before this update: AReaL's proximal policy)
-        out.update(mismatch_metrics(prox, batch.old_logprobs, mask))
-        batch.is_weight = truncated_is_weights(prox, batch.old_logprobs, mask, level, a.tis_cap)
-        batch.old_logprobs = prox
+        out.update(proximal_correction(prox, batch, level, a))
     if learners.reference is not None:
         batch.ref_logprobs = learners.reference.logprobs(batch)
     if a.advantage == "gae":
@@ -110,7 +127,9 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         batch.advantages = per_token(group_advantages(rewards, a.advantage).flatten().tolist(), mask)
     if step < a.critic_warmup_steps:  # value pre-training: the policy waits for a useful critic (no loss/* logged)
         return out
-    policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1)
+    # without a proximal forward, the mismatch is measured in the first training forward (pre-update weights)
+    measure = policy_loss_fn(a, measure_mismatch=True) if level is None else None
+    policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1, first_loss_fn=measure)
     out.update({
         "loss/policy": policy.get("loss", 0.0),
         "loss/clip_frac": policy.get("clip_frac", 0.0),
@@ -120,6 +139,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     for key in ("kl_ref", "entropy", "dual_clip_frac"):
         if key in policy:
             out[f"loss/{key}"] = policy[key]
+    out.update({k: v for k, v in policy.items() if k.startswith("mismatch/")})
     if a.routing_replay != "trainer":  # routing agreement with the engine (trainer/routing.py); R2's: measured above
         agreement = {k: v for k, v in policy.items() if k.startswith("moe/")}
     out.update(agreement)

@@ -41,6 +41,18 @@ def test_tis_and_entropy_report_their_metrics(runs):
     assert m["loss/entropy"] > 0
 
 
+def test_every_policy_step_measures_the_mismatch_and_the_mask_reports_what_it_dropped(runs):
+    """``mismatch/kl`` every step that trains the policy: from the proximal forward (grpo: algo.tis=token; cispo:
+    mask_token) or else from the first optimizer step's forward (ppo there is the first of 2 mini-batches × 2 epochs)."""
+    for preset, r in runs.items():
+        for m in r["steps"]:
+            if "loss/policy" in m:
+                assert 0.0 <= m["mismatch/kl"] < 1e-3 and m["mismatch/nll"] > 0, preset  # fp32: a tiny gap
+    for m in runs["cispo"]["steps"]:
+        assert m["mismatch/masked_token_frac"] == 0.0 == m["mismatch/masked_seq_frac"]  # nothing near the band's edges
+    assert "mismatch/abs_max" in runs["grpo"]["steps"][0] and "mismatch/abs_max" not in runs["dapo"]["steps"][0]
+
+
 def test_dynamic_sampling_counts_filtered_groups(runs):
     assert all("rollout/groups_filtered" in m for m in runs["dapo"]["steps"])
 

@@ -22,7 +22,16 @@ from megarl.algo.filters import (
     oversampling_factor,
     soft_overlong_penalty,
 )
-from megarl.algo.losses import gspo_loss, kl_penalty, mismatch_metrics, ppo_clip_loss, truncated_is_weights, value_loss
+from megarl.algo.losses import (
+    cispo_loss,
+    gspo_loss,
+    kl_penalty,
+    masked_fractions,
+    mismatch_metrics,
+    mismatch_weights,
+    ppo_clip_loss,
+    value_loss,
+)
 from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn
 from megarl.config.schema import AlgoConfig
@@ -128,7 +137,7 @@ def test_gspo_applies_the_tis_weight_per_token():
     assert torch.allclose(plain, torch.tensor([[-j[0], -j[0], 0], [-j[1]] * 3]))
     assert torch.allclose(weighted, torch.tensor([[-2 * j[0], -0.5 * j[0], 0], [-j[1], -j[1], -0.5 * j[1]]]))
     # sequence-level TIS (one weight per row, as rl_update builds it): the sequence's term is −w_i·J_i
-    ws = truncated_is_weights(torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])),
+    ws = mismatch_weights(torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])),
                               torch.log(torch.tensor([[0.25, 0.5, 0.9], [0.9, 0.9, 0.9]])), mask, "sequence", 10.0)
     seq_weighted, _ = gspo_loss(logp, old, adv, mask, 0.05, 0.05, is_weight=ws)
     assert torch.allclose(seq_weighted, torch.tensor([[-2 * j[0], -2 * j[0], 0], [-j[1]] * 3]))
@@ -181,12 +190,12 @@ def test_truncated_importance_sampling_and_mismatch_metrics():
     prox = torch.log(torch.tensor([[0.5, 0.9, 0.3]]))
     beh = torch.log(torch.tensor([[0.25, 0.3, 0.3]]))
     mask = torch.ones(1, 3)
-    w = truncated_is_weights(prox, beh, mask, "token", cap=2.0)
+    w = mismatch_weights(prox, beh, mask, "token", cap=2.0)
     assert w.tolist()[0] == pytest.approx([2.0, 2.0, 1.0])  # 2.0 and 3.0 capped at 2
-    ws = truncated_is_weights(prox, beh, mask, "sequence", cap=10.0)
+    ws = mismatch_weights(prox, beh, mask, "sequence", cap=10.0)
     assert ws.tolist()[0] == pytest.approx([6.0] * 3)
     m = mismatch_metrics(prox, beh, mask)
-    assert m["mismatch/abs_max"] == pytest.approx(math.log(3))
+    assert m["mismatch/abs_mean"].item() == pytest.approx((math.log(2) + math.log(3)) / 3)
     assert m["mismatch/kl"] > 0
 
 
@@ -303,5 +312,144 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_with_a_token_is_weight(
     assert proximal_level(AlgoConfig(decoupled_ppo=True)) == "token"
     assert proximal_level(AlgoConfig(decoupled_ppo=True, tis="sequence")) == "sequence"
     prox, beh = torch.log(torch.tensor([[0.5, 0.9]])), torch.log(torch.tensor([[0.1, 0.9]]))
-    w = truncated_is_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(decoupled_ppo=True)), cap=2.0)
+    w = mismatch_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(decoupled_ppo=True)), cap=2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0]]))  # min(π_prox/π_behaviour, cap) per token
+
+
+# ρ = π_prox/π_behaviour = [0.25, 0.5, 1.5, 2.0, 3.0], exact in float32 (powers of two over the behaviour's 0.25)
+PROX = torch.log(torch.tensor([[0.0625, 0.125, 0.375, 0.5, 0.75]]))
+BEHAVIOUR = torch.log(torch.full((1, 5), 0.25))
+
+
+def test_mask_token_keeps_rho_inside_the_band_and_drops_the_token_outside():
+    """IcePop / masked IS: w_t = ρ_t on [low, high] (bounds inclusive), 0 outside; TIS truncates instead."""
+    mask = torch.ones(1, 5)
+    w = mismatch_weights(PROX, BEHAVIOUR, mask, "mask_token", low=0.5, high=2.0)
+    assert w.tolist()[0] == [0.0, 0.5, 1.5, 2.0, 0.0]  # 0.5 and 2.0 sit exactly on the bounds: kept
+    tis = mismatch_weights(PROX, BEHAVIOUR, mask, "token", cap=2.0)
+    assert tis.tolist()[0] == [0.25, 0.5, 1.5, 2.0, 2.0]  # truncated, never dropped
+    off = torch.tensor([[1.0, 1, 1, 1, 0]])  # a position off the loss mask has weight 0 whatever its ratio
+    wide = mismatch_weights(PROX, BEHAVIOUR, off, "mask_token", low=0.1, high=5.0)
+    assert wide.tolist()[0] == [0.25, 0.5, 1.5, 2.0, 0]
+    f = masked_fractions(w, mask)
+    assert f["mismatch/masked_token_frac"].item() == pytest.approx(2 / 5)
+    assert f["mismatch/masked_seq_frac"].item() == 1.0  # the one sequence has a dropped token
+    # a dropped token sends no gradient and adds 0 to the loss; it stays in token_mean's denominator (IcePop)
+    logp = PROX.clone().requires_grad_(True)
+    loss, _ = ppo_clip_loss(logp, PROX, torch.ones(1, 5), mask, 0.2, 0.2, is_weight=w)
+    (loss * aggregation_weights(mask, "token_mean")).sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 5, -1.5 / 5, -2.0 / 5, 0.0])
+
+
+def test_mask_sequence_drops_a_sequence_by_its_geometric_mean_ratio():
+    """w_t = 1 on every token of a sequence whose exp(mean_t log ρ_t) is in the band, else 0."""
+    beh = torch.log(torch.full((4, 2), 0.125))
+    # token ratios per row: [2, 0.5] (geo 1: kept, though each token is at a bound), [4, 1] (geo 2: on the bound,
+    # kept), [4, 4] (geo 4: dropped), [8, 8] with no trained token (not a sequence of the batch)
+    prox = torch.log(torch.tensor([[0.25, 0.0625], [0.5, 0.125], [0.5, 0.5], [1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1], [1, 1], [1, 1], [0, 0]])
+    w = mismatch_weights(prox, beh, mask, "mask_sequence", low=0.5, high=2.0)
+    assert w.tolist() == [[1, 1], [1, 1], [0, 0], [0, 0]]
+    f = masked_fractions(w, mask)
+    assert f["mismatch/masked_token_frac"].item() == pytest.approx(2 / 6)
+    assert f["mismatch/masked_seq_frac"].item() == pytest.approx(1 / 3)  # of the 3 sequences with tokens
+    tight = mismatch_weights(prox, beh, mask, "mask_sequence", low=0.999, high=1.001)
+    assert tight.tolist() == [[1, 1], [0, 0], [0, 0], [0, 0]]  # only the row whose ratios cancel
+
+
+def test_an_empty_loss_mask_gives_zero_weights_and_finite_metrics():
+    empty = torch.zeros(1, 5)
+    for mode in ("token", "sequence", "mask_token", "mask_sequence"):
+        assert not mismatch_weights(PROX, BEHAVIOUR, empty, mode).any()
+    values = {**mismatch_metrics(PROX, BEHAVIOUR, empty), **masked_fractions(torch.zeros(1, 5), empty)}
+    assert all(v.item() == 0.0 for v in values.values())
+    with pytest.raises(ValueError, match="unknown mismatch correction 'mask'"):
+        mismatch_weights(PROX, BEHAVIOUR, empty, "mask")
+
+
+def test_mismatch_kl_is_the_k3_estimate_and_zero_when_the_logprobs_agree():
+    mask = torch.tensor([[1.0, 1, 1, 1, 0]])  # ρ = 0.25, 0.5, 1.5, 2.0 on the trained tokens
+    m = mismatch_metrics(PROX, BEHAVIOUR, mask)
+    k3 = [(r - 1) - math.log(r) for r in (0.25, 0.5, 1.5, 2.0)]  # E_behaviour[(ρ − 1) − log ρ] = KL(π_b ‖ π_trainer)
+    assert m["mismatch/kl"].item() == pytest.approx(sum(k3) / 4, rel=1e-6)
+    assert m["mismatch/abs_mean"].item() == pytest.approx(sum(abs(math.log(r)) for r in (0.25, 0.5, 1.5, 2.0)) / 4)
+    nll = -sum(math.log(p) for p in (0.0625, 0.125, 0.375, 0.5)) / 4  # the trainer's mean −log p of the samples
+    assert m["mismatch/nll"].item() == pytest.approx(nll, rel=1e-6)
+    same = mismatch_metrics(PROX, PROX.clone(), mask)
+    assert same["mismatch/kl"].item() == 0.0 and same["mismatch/abs_mean"].item() == 0.0
+    # a gap of ~1e-6 (the same weights in fp32): k3 ≈ (log ρ)²/2, where float32's exp(x) − 1 − x rounds to either
+    # sign (its mean was −7e-11 in a run)
+    tiny = torch.tensor([[1e-6, -1e-6, 2e-6, -3e-7, 0.0]])
+    kl = mismatch_metrics(tiny, torch.zeros(1, 5), mask)["mismatch/kl"].item()
+    assert kl == pytest.approx(sum(x * x / 2 for x in (1e-6, -1e-6, 2e-6, -3e-7)) / 4, rel=1e-3)
+
+
+def test_cispo_weights_minus_adv_log_p_by_the_clipped_detached_ratio():
+    """ℓ_t = −sg(clip(r_t, 1−ε_low, 1+ε_high))·Â_t·log π(y_t): ∇ = −clip(r_t)·Â_t on every token, also where
+    PPO-clip's min sends nothing (r above the band with Â > 0, below it with Â < 0)."""
+    old = torch.log(torch.tensor([[0.4, 0.5, 0.05, 0.8]]))
+    # r = 0.5 (Â < 0: PPO clips at 0.8), 1.1 (inside), 10 (Â > 0: PPO clips at 1.2), 1.0
+    logp = torch.log(torch.tensor([[0.2, 0.55, 0.5, 0.8]])).requires_grad_(True)
+    adv, mask = torch.tensor([[-1.0, 2.0, 1.0, 0.5]]), torch.ones(1, 4)
+    loss, m = cispo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    weight = [0.8, 1.1, 1.2, 1.0]
+    expected = [-w * a * lp for w, a, lp in zip(weight, adv[0].tolist(), logp[0].tolist())]
+    assert loss[0].tolist() == pytest.approx(expected, rel=1e-5)
+    loss.sum().backward()
+    # detached weight: exactly −clip(r)·Â (with the weight not detached, the in-band token would also get −r·Â·log p)
+    assert logp.grad[0].tolist() == pytest.approx([-w * a for w, a in zip(weight, adv[0].tolist())], rel=1e-5)
+    assert m["clip_frac"].item() == pytest.approx(0.5)  # two weights at a bound, both still with a gradient
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    ppo, _ = ppo_clip_loss(ppo_logp, old, adv, mask, 0.2, 0.2)
+    ppo.sum().backward()
+    assert ppo_logp.grad[0, 0].item() == 0.0 and ppo_logp.grad[0, 2].item() == 0.0  # PPO-clip drops both
+    assert logp.grad[0, 0].item() != 0.0 and logp.grad[0, 2].item() != 0.0
+
+
+def test_cispo_on_policy_is_ppo_and_takes_the_is_weight_and_no_lower_bound():
+    old = torch.log(torch.tensor([[0.3, 0.6]]))
+    adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    grads = []
+    for fn in (cispo_loss, ppo_clip_loss):
+        logp = old.clone().requires_grad_(True)
+        fn(logp, old, adv, mask, 0.2, 0.2)[0].sum().backward()
+        grads.append(logp.grad)
+    assert torch.allclose(grads[0], grads[1]) and torch.allclose(grads[0], -adv)  # r = 1: both −Â·∇log π
+    w = torch.tensor([[0.5, 0.0]])  # e.g. a mismatch weight: the dropped token sends nothing
+    logp = old.clone().requires_grad_(True)
+    cispo_loss(logp, old, adv, mask, 0.2, 0.2, is_weight=w)[0].sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-0.5, 0.0])
+    # ε_low = 1 (the preset's): no lower bound, a ratio of 0.01 is its own weight
+    far = torch.log(torch.tensor([[0.003, 0.6]]))
+    loss, m = cispo_loss(far, old, adv, mask, clip_low=1.0, clip_high=4.0)
+    assert loss[0, 0].item() == pytest.approx(-0.01 * 1.0 * math.log(0.003), rel=1e-4) and m["clip_frac"] == 0
+
+
+def test_policy_loss_fn_runs_cispo_and_measures_the_mismatch_on_request():
+    a = AlgoConfig(policy_loss="cispo", clip_low=1.0, clip_high=4.0)
+    mask = torch.tensor([[1.0, 1, 1, 1, 0]])
+    mb = {"old_logprobs": BEHAVIOUR, "advantages": torch.ones(1, 5), "loss_mask": mask}
+    loss, m = policy_loss_fn(a)(PROX, mb)
+    direct, _ = cispo_loss(PROX, BEHAVIOUR, mb["advantages"], mask, 1.0, 4.0)
+    assert torch.equal(loss, direct) and not any(k.startswith("mismatch/") for k in m)
+    _, measured = policy_loss_fn(a, measure_mismatch=True)(PROX, mb)
+    expected = mismatch_metrics(PROX, BEHAVIOUR, mask)
+    assert {k: v.item() for k, v in measured.items() if k.startswith("mismatch/")} == \
+        {k: v.item() for k, v in expected.items()}
+
+
+def test_the_proximal_correction_weights_masks_and_reports_the_batch():
+    from megarl.trainer.rl_update import proximal_correction, proximal_level
+
+    batch = build_batch([[5, 6]], [[7, 8, 9, 10, 11]], [BEHAVIOUR[0].tolist()], [1.0])
+    prox = torch.zeros_like(batch.old_logprobs)
+    prox[:, -5:] = PROX  # the response's label positions
+    a = AlgoConfig(tis="mask_token", mask_low=0.5, mask_high=2.0)
+    assert proximal_level(a) == "mask_token"
+    out = proximal_correction(prox, batch, proximal_level(a), a)
+    assert batch.is_weight[0, -5:].tolist() == [0.0, 0.5, 1.5, 2.0, 0.0] and not batch.is_weight[0, :-5].any()
+    assert torch.equal(batch.old_logprobs, prox)  # the ratio is now against the proximal policy
+    assert out["mismatch/masked_token_frac"] == pytest.approx(0.4) and out["mismatch/masked_seq_frac"] == 1.0
+    assert out["mismatch/abs_max"] == pytest.approx(math.log(4)) and out["mismatch/kl"] > 0
+    tis = build_batch([[5, 6]], [[7, 8, 9, 10, 11]], [BEHAVIOUR[0].tolist()], [1.0])
+    assert "mismatch/masked_token_frac" not in proximal_correction(prox, tis, "token", AlgoConfig(tis="token"))

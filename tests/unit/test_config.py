@@ -211,7 +211,7 @@ def test_overlap_needs_disaggregated_engines_and_says_why(overlap):
     validate(load_config(None, [f"rollout.overlap={overlap}", "engine.placement=disaggregated"]), 1, MOE)
 
 
-def test_async_staleness_is_read_and_plain_ppo_past_2_is_noted():
+def test_async_staleness_is_read():
     from megarl.config.validate.limits import unread_keys
 
     def notes(*overrides):
@@ -220,6 +220,4 @@ def test_async_staleness_is_read_and_plain_ppo_past_2_is_noted():
     assert any("rollout.staleness_limit=3 is not read" in n for n in notes("rollout.staleness_limit=3"))
     assert not any("staleness_limit" in n and "not read" in n
                    for n in notes("rollout.staleness_limit=3", "rollout.overlap=async"))
-    assert any("algo.decoupled_ppo=true" in n for n in notes("rollout.staleness_limit=3", "rollout.overlap=async"))
-    assert not any("decoupled_ppo" in n for n in notes("rollout.staleness_limit=3", "rollout.overlap=async",
-                                                        "algo.decoupled_ppo=true"))
+    # (stale data without an off-policy correction: validate/algo.py's algo_notes, test_config_algo.py)

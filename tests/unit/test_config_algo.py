@@ -114,6 +114,15 @@ def test_ppo_value_targets_use_its_lambda():
      r"algo.lam_critic=0.95 \(from algo.preset=ppo\).* with algo.advantage=dr_grpo"),
     (["algo.policy_loss=gspo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=gspo"),
     (["algo.preset=gspo", "algo.dual_clip=3"], r"algo.dual_clip.*algo.policy_loss=gspo"),
+    (["algo.preset=cispo", "algo.dual_clip=3"], r"algo.dual_clip=3.0 does not apply with algo.policy_loss=cispo"),
+    (["algo.policy_loss=cispo", "algo.clip_low=1.5"], r"algo.clip_low must be in \[0, 1\] with algo.policy_loss=cispo"),
+    (["algo.preset=cispo", "algo.policy_loss=ppo"], r"algo.clip_low must be in \[0, 1\) .*got 1.0"),
+    # the mismatch mask's band must hold ρ = 1 (lower ≥ upper, negative and 1-excluding bands refused by key)
+    (["algo.tis=mask_token", "algo.mask_low=-0.1"], r"algo.mask_low must be in \[0, 1\) .*got -0.1"),
+    (["algo.tis=mask_token", "algo.mask_low=1"], r"algo.mask_low must be in \[0, 1\)"),
+    (["algo.tis=mask_sequence", "algo.mask_low=0.9", "algo.mask_high=0.8"], r"algo.mask_high must be > 1 .*got 0.8"),
+    (["algo.tis=mask_token", "algo.mask_high=-2"], r"algo.mask_high must be > 1"),
+    (["algo.mask_high=.nan"], r"algo.mask_high must be > 1"),
 ])
 def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overrides, message):
     cfg = load_config(None, overrides)
@@ -127,6 +136,63 @@ def test_out_of_range_or_contradictory_algo_keys_are_refused_before_launch(overr
     ["rollout.top_p=0.9", "algo.tis=sequence"], ["algo.kl_estimator=k1", "algo.kl_coef=0"],
     ["algo.advantage=gae", "algo.kl_coef=0", "algo.entropy_coef=0", "algo.value_clip=0", "algo.gamma=0", "algo.lam=1",
      "algo.clip_low=0"],
+    ["algo.preset=cispo"], ["algo.policy_loss=cispo"], ["algo.preset=cispo", "algo.tis=mask_token"],
+    ["algo.tis=mask_token", "algo.mask_low=0", "algo.mask_high=5"],
+    ["algo.tis=mask_sequence", "algo.mask_low=0.999", "algo.mask_high=1.001"],
+    ["rollout.top_p=0.9", "algo.tis=mask_token"],
 ])
 def test_defaults_presets_and_edges_validate(overrides):
     validate(load_config(None, overrides), 1, MOE)
+
+
+STALE = {  # every way a run trains tokens sampled by older weights
+    "one_step": ["rollout.overlap=one_step"],
+    "async k=1": ["rollout.overlap=async", "rollout.staleness_limit=1"],
+    "async k=3": ["rollout.overlap=async", "rollout.staleness_limit=3"],
+    "partial k=1": ["rollout.mode=partial", "rollout.staleness_limit=1"],
+}
+FRESH = {"sync": [], "async k=0": ["rollout.overlap=async", "rollout.staleness_limit=0"],
+         "partial k=0": ["rollout.mode=partial", "rollout.staleness_limit=0"], "on_policy": ["rollout.mode=on_policy"]}
+CORRECTED = [["algo.tis=token"], ["algo.tis=sequence"], ["algo.tis=mask_token"], ["algo.tis=mask_sequence"],
+             ["algo.decoupled_ppo=true"], ["algo.preset=cispo"], ["algo.policy_loss=cispo"]]
+
+
+def _notes(*overrides):
+    from megarl.config.validate.algo import algo_notes
+
+    cfg = load_config(None, ["engine.placement=disaggregated", *overrides])
+    validate(cfg, 1, MOE)  # (a note, not an error: the run is valid)
+    return algo_notes(cfg)
+
+
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("loss", [[], ["algo.preset=gspo"]])
+def test_stale_data_without_an_off_policy_correction_is_noted(stale, loss):
+    """One-step and async overlap, partial rollouts: at every k ≥ 1, not only past AReaL's staleness 2."""
+    (note,) = _notes(*STALE[stale], *loss)
+    assert stale.split()[0] in note and "no off-policy correction" in note
+    assert "algo.decoupled_ppo=true" in note and "algo.tis=token|sequence|mask_token|mask_sequence" in note
+    assert "algo.policy_loss=cispo" in note
+    assert ("beyond staleness 2" in note) == (stale == "async k=3")
+
+
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("correction", CORRECTED, ids=lambda c: " ".join(c))
+def test_stale_data_with_an_off_policy_correction_is_not_noted(stale, correction):
+    assert _notes(*STALE[stale], *correction) == []
+
+
+@pytest.mark.parametrize("fresh", sorted(FRESH))
+def test_fresh_data_is_not_noted(fresh):
+    assert _notes(*FRESH[fresh]) == []
+
+
+def test_the_stale_data_note_is_said_before_launch(tmp_path, capsys):
+    from megarl.config.validate.prelaunch import checked_config
+
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe",
+           "engine.placement=disaggregated", "rollout.overlap=one_step"]
+    checked_config(None, run, 1, command="plan")
+    assert "megarl: note: rollout.overlap=one_step trains every batch 1 version after" in capsys.readouterr().err
+    checked_config(None, [*run, "algo.tis=mask_token"], 1, command="plan")
+    assert "off-policy" not in capsys.readouterr().err

@@ -47,6 +47,7 @@ def main(workdir: str) -> None:
         extra += (["algo.dual_clip=3.0", "algo.prioritized_replay=true", "algo.minibatches=2"]
                   if preset == "rloo" else [])
         extra += ["data.pool_size=8", "algo.curriculum=true"] if preset == "dr_grpo" else []
+        extra += ["algo.tis=mask_token"] if preset == "cispo" else []  # CISPO's weight times IcePop's mask
         cfg = load_config(None, base + [f"algo.preset={preset}"] + extra)
         s.cfg = cfg
         s.learners = build_learners(cfg, s.hf_cfg, s.ps)

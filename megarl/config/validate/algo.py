@@ -7,6 +7,9 @@ and the entropy are only computed for coefficients > 0, ``session.build_learners
 uninformative groups, ``critic_warmup_steps`` ≥ ``train.steps`` never moves the
 policy, and critic-only switches with a group advantage (no critic is built) do
 nothing or skip policy steps. Defaults always pass.
+
+``algo_notes`` says, before launch, what is allowed but likely unmeant: stale samples trained
+with no off-policy correction.
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ def _ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"algo.{key} must be in [0, 1] (a GAE discount / λ: above 1 the advantages diverge, "
                               "below 0 their terms alternate in sign), "
                               f"got {value}")
-    if not 0 <= a.clip_low < 1:
+    if a.policy_loss == "cispo" and not 0 <= a.clip_low <= 1:
+        raise ConfigError(f"algo.clip_low must be in [0, 1] with algo.policy_loss=cispo (the importance weight's lower "
+                          f"bound is 1 − clip_low; 1: none, MiniMax's choice), got {a.clip_low}")
+    if a.policy_loss != "cispo" and not 0 <= a.clip_low < 1:
         raise ConfigError(f"algo.clip_low must be in [0, 1) (the ratio's lower bound 1 − clip_low must stay above 0), "
                           f"got {a.clip_low}")
     if not a.clip_high >= 0:
@@ -76,6 +82,12 @@ def _ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"algo.curriculum_eps must be > 0 (the ε of weights p(1−p) + ε), got {a.curriculum_eps}")
     if not a.tis_cap > 0:
         raise ConfigError(f"algo.tis_cap must be > 0, got {a.tis_cap}")
+    if not 0 <= a.mask_low < 1:  # (a band without 1 would drop the tokens trainer and engine agree on, ρ ≈ 1)
+        raise ConfigError(f"algo.mask_low must be in [0, 1) (the lower bound of the band of π_prox/π_behaviour that "
+                          f"algo.tis=mask_token|mask_sequence keeps, which must hold ρ = 1; 0: none), got {a.mask_low}")
+    if not a.mask_high > 1:
+        raise ConfigError(f"algo.mask_high must be > 1 (the upper bound of the band of π_prox/π_behaviour that "
+                          f"algo.tis=mask_token|mask_sequence keeps, which must hold ρ = 1), got {a.mask_high}")
     if a.ppo_epochs < 1 or a.minibatches < 1:
         raise ConfigError(f"algo.ppo_epochs and algo.minibatches must be >= 1, got {a.ppo_epochs}, {a.minibatches}")
 
@@ -107,9 +119,10 @@ def _combinations(cfg: RunConfig) -> None:
     if a.overlong_cache >= r.max_new_tokens:
         raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens "
                           f"({r.max_new_tokens})")
-    if a.policy_loss == "gspo" and a.dual_clip:
-        raise ConfigError(f"algo.dual_clip={a.dual_clip} does not apply with algo.policy_loss=gspo (GSPO's sequence "
-                          "ratio has no dual clip); set algo.dual_clip=0 or algo.policy_loss=ppo")
+    if a.policy_loss != "ppo" and a.dual_clip:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip} does not apply with algo.policy_loss={a.policy_loss} (dual "
+                          "clip bounds PPO-clip's token objective; GSPO's sequence ratio and CISPO's clipped weight "
+                          "have none); set algo.dual_clip=0 or algo.policy_loss=ppo")
     if a.critic_warmup_steps and a.critic_warmup_steps >= cfg.train.steps:
         raise ConfigError(f"algo.critic_warmup_steps={a.critic_warmup_steps} must be < train.steps "
                           f"({cfg.train.steps}): the policy trains only from step critic_warmup_steps + 1 on, so this "
@@ -133,3 +146,43 @@ def _combinations(cfg: RunConfig) -> None:
         if a.length_adaptive_alpha:
             raise ConfigError(f"algo.length_adaptive_alpha={a.length_adaptive_alpha} {group}: it would be ignored; "
                               "set algo.length_adaptive_alpha=0 or algo.advantage=gae")
+
+
+def stale_source(cfg: RunConfig) -> str:
+    """What makes this run train tokens sampled by older weights ('' when nothing can): one-step overlap, async
+    overlap or partial rollouts with ``rollout.staleness_limit`` k ≥ 1 (at k = 0 both are as fresh as 'none')."""
+    r = cfg.rollout
+    if r.overlap == "one_step":
+        return "rollout.overlap=one_step trains every batch 1 version after the weights that sampled it"
+    if r.overlap == "async" and r.staleness_limit >= 1:
+        return (f"rollout.overlap=async with rollout.staleness_limit={r.staleness_limit} trains tokens up to "
+                f"{r.staleness_limit} versions old")
+    if r.mode == "partial" and r.staleness_limit >= 1:
+        return (f"rollout.mode=partial with rollout.staleness_limit={r.staleness_limit} resumes samples whose tokens "
+                f"are up to {r.staleness_limit} versions old")
+    return ""
+
+
+def off_policy_correction(a: AlgoConfig) -> str:
+    """The key that corrects the objective for off-policy tokens ('' when none does): a decoupled ratio with its
+    truncated IS weight or mask (``algo.tis``, ``algo.decoupled_ppo``), or CISPO's clipped importance weight."""
+    if a.tis != "none":
+        return f"algo.tis={a.tis}"
+    if a.decoupled_ppo:
+        return "algo.decoupled_ppo=true"
+    return "algo.policy_loss=cispo" if a.policy_loss == "cispo" else ""
+
+
+def algo_notes(cfg: RunConfig) -> list[str]:
+    """Said before launch, not refused: stale data trained by a loss that clips against the behaviour policy with no
+    off-policy correction (PPO-clip or GSPO with the engine's logprobs as the old policy)."""
+    a, r = cfg.algo, cfg.rollout
+    source = stale_source(cfg)
+    if not source or off_policy_correction(a):
+        return []
+    areal = (" (plain PPO against the behaviour policy was found unstable beyond staleness 2: AReaL)"
+             if r.overlap != "one_step" and r.staleness_limit > 2 else "")
+    return [f"{source}, and algo.policy_loss={a.policy_loss} clips against the behaviour policy with no off-policy "
+            f"correction{areal}: set algo.decoupled_ppo=true (clip against the proximal policy, weight by "
+            "min(π_prox/π_behaviour, algo.tis_cap)), algo.tis=token|sequence|mask_token|mask_sequence, or "
+            "algo.policy_loss=cispo (see docs/algorithms.md)"]

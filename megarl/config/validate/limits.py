@@ -146,10 +146,6 @@ def unread_keys(cfg: RunConfig) -> list[str]:
     if r.staleness_limit != RolloutConfig.staleness_limit and r.mode != "partial" and r.overlap != "async":
         out.append(f"rollout.staleness_limit={r.staleness_limit} is not read in rollout.mode={r.mode} with "
                    f"rollout.overlap={r.overlap} (only in partial mode and with rollout.overlap=async)")
-    if r.overlap == "async" and r.staleness_limit > 2 and cfg.algo.tis == "none" and not cfg.algo.decoupled_ppo:
-        out.append(f"rollout.overlap=async with rollout.staleness_limit={r.staleness_limit}: plain PPO against the "
-                   "behaviour policy was found unstable beyond staleness 2 (AReaL); algo.decoupled_ppo=true clips "
-                   "against the proximal policy instead")
     if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
         out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
     return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from megarl.config.errors import ConfigError
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import algo_notes
 from megarl.config.validate.layout import check_job_shape
 from megarl.config.validate.limits import unread_keys
 from megarl.config.validate.model import (
@@ -28,7 +29,8 @@ from megarl.rewards.base import check_reward_call, import_reward_fn
 def checked_config(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = "",
                    notes: bool = True, say: Callable[[str], None] | None = None) -> RunConfig:
     """The config, after every check made before a process starts (``ConfigError`` naming what is wrong).
-    ``notes``: say which keys set the run will not read (on stderr); ``say``: where the loader's notes go."""
+    ``notes``: say which keys set the run will not read, and stale data met by no off-policy correction (on
+    stderr); ``say``: where the loader's notes go."""
     cfg = load_config(config, overrides, say=say)
     hf = model_config(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
@@ -43,7 +45,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
     check_reward(cfg, check_run_data(cfg, stores))  # a usable row in a sample (prompt length too); its columns
     if notes:  # (once every check passed: an error comes alone)
-        for note in unread_keys(cfg) + _tiny_model_note(cfg):
+        for note in unread_keys(cfg) + algo_notes(cfg) + _tiny_model_note(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)
     return cfg
 
