@@ -52,7 +52,7 @@ from megarl.distributed.watchdog import start as start_watchdog
 from megarl.engines.protocol import EngineRestartRefused
 from megarl.faults import Action, FaultPolicy, one_line
 from megarl.logging.console import main_only
-from megarl.rollout.pipeline import Rollout, staleness
+from megarl.rollout.pipeline import Preempted, Rollout, staleness
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,11 @@ error), 126/127 (the shell) or 128 + N (killed by signal N). ``slurm/train.sbatc
 
 class StopRun(Exception):
     """The run cannot go on; the loop saves a checkpoint and stops. ``fatal``: not the engines' fault (the data, the
-    rewards): exit status 1, never requeued."""
+    rewards): exit status 1, never requeued. ``preempted``: a preemption signal, not a fault (exit status 0)."""
 
-    def __init__(self, reason: str, fatal: bool = False) -> None:
+    def __init__(self, reason: str, fatal: bool = False, preempted: bool = False) -> None:
         super().__init__(reason)
-        self.fatal = fatal
+        self.fatal, self.preempted = fatal, preempted
 
 
 class Taken(enum.Enum):
@@ -81,6 +81,7 @@ class Taken(enum.Enum):
     NOW = "nothing: generate it now"
     ERROR = "an engine error in the phase generated ahead"
     FATAL = "a data error in the phase generated ahead"
+    PREEMPTED = "a preemption signal while it waited"
 
 
 class RunKeeper:
@@ -116,6 +117,12 @@ class RunKeeper:
         step = state["step"]
         self.sync(self.s.policy_version)  # the engines serve the checkpoint's policy
         self.s.pipeline.engines_serve(min(self.s.engines.served_versions()))
+        if dropped := self.s.pipeline.untrainable():  # generated ahead under another overlap mode or k
+            groups = [g for r in dropped for g in r.groups]
+            self.s.controller.requeue_groups(groups, self.s.policy_version)
+            self.say(f"resume under rollout.overlap={self.cfg.rollout.overlap}, rollout.staleness_limit="
+                     f"{self.cfg.rollout.staleness_limit}: {len(dropped)} batches the checkpoint generated ahead "
+                     f"({len(groups)} groups) cannot be trained as they are; their prompts are re-queued")
         self.s.weight_sync.failures += self.run.get("sync_failures", 0)  # goes on counting across the resume
         self.s.logger.resume_at(step, finished=step >= t.steps)  # a finished run keeps its final eval
         live = self.s.controller.state_dict()
@@ -123,11 +130,13 @@ class RunKeeper:
                  f"(digest {buffer_digest(live)}), {len(live['requeued'])} re-queued")
         return step
 
-    def save(self, step: int) -> None:
-        """A run checkpoint of ``step`` done steps (every rank calls it)."""
+    def save(self, step: int, exact: bool = True) -> None:
+        """A run checkpoint of ``step`` done steps (every rank calls it), within one engine step: a phase in flight
+        is paused, its progress saved with the controller (``Pipeline.pause``; ``exact``: one_step's phase ends first,
+        so that a resume is exact)."""
         self.run.update(**self.faults.state_dict(), sync_failures=self.s.weight_sync.failures)
         s = self.s
-        with guard(f"checkpoint save of step {step}"), s.pipeline.hold():  # no phase runs: queue + buffer still
+        with guard(f"checkpoint save of step {step}"), s.pipeline.pause(exact):  # queue + controller still
             with s.timeline.span(s.trainer_track, "checkpoint"):
                 path = s.saver.save(step, capture(s, step, self.run) if dist.get_rank() == 0 else None)
         self.say(f"checkpoint {path}")
@@ -146,24 +155,26 @@ class RunKeeper:
     def end_of_step(self, step: int) -> bool:
         """Save when due, preempted or stopping; True when the loop must stop."""
         every = self.cfg.train.save_every
-        if self.preemption.due() and not self.stopped:
+        preempted = self.preemption.due() and not self.stopped
+        if preempted:
             self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
         due = self.stopped or (every and step % every == 0)
-        with self.s.pipeline.hold() if due else contextlib.nullcontext():
+        with self.s.pipeline.pause(exact=not preempted) if due else contextlib.nullcontext():
             # (async: the phase k versions ahead of what the engines serve may start)
             self.s.pipeline.step_done(self.s.policy_version, min(self.s.engines.served_versions()))
             if due:
-                self.save(step)
+                self.save(step, exact=not preempted)
         if self.stopped:
             self.say(f"step {step}: {self.stopped}; checkpoint saved, stopping")
         return bool(self.stopped)
 
     def stop(self, step: int, stop: StopRun) -> None:
         """Stop now: save the state of ``step`` done steps (or of the step whose weight sync failed: its update is
-        done, its controller state advanced)."""
+        done, its controller state advanced). A preemption's save does not wait for the phase in flight."""
         step = max(step, self.trained_to)
-        self.stopped, self.error, self.requeue = str(stop), True, not stop.fatal
-        self.save(step)
+        fault = not stop.preempted
+        self.stopped, self.error, self.requeue = str(stop), fault, fault and not stop.fatal
+        self.save(step, exact=not stop.preempted)
         self.say(f"step {step}: {stop}; checkpoint saved, stopping")
 
     def finish(self, step: int) -> None:
@@ -179,11 +190,14 @@ class RunKeeper:
         self._check_rewards()
         p, start = self.s.pipeline, time.perf_counter()
         rollout, error = p.take()
-        taken = ((Taken.FATAL, str(error)) if isinstance(error, DataError) else (Taken.ERROR, one_line(error))
-                 if error else (Taken.AHEAD, rollout) if rollout is not None else (Taken.NOW, None))
+        taken = ((Taken.FATAL, str(error)) if isinstance(error, DataError) else (Taken.PREEMPTED, str(error))
+                 if isinstance(error, Preempted) else (Taken.ERROR, one_line(error)) if error else
+                 (Taken.AHEAD, rollout) if rollout is not None else (Taken.NOW, None))
         kind, detail = share(taken) if self.s.ps.world_size > 1 else taken
         if kind is Taken.FATAL:
             raise StopRun(f"data error (not an engine fault, not requeued): {detail}", fatal=True)
+        if kind is Taken.PREEMPTED:
+            raise StopRun(f"{detail} received", preempted=True)
         if kind is Taken.ERROR:
             self._recover(error or RuntimeError(detail), f"step {step + 1}: engine error in a phase generated ahead",
                           "its prompts re-queued, the phase runs again now", self.s.policy_version)
@@ -250,7 +264,7 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                with guard(f"evaluation at step {step}"), self.s.pipeline.hold():
+                with guard(f"evaluation at step {step}"), self.s.pipeline.pause(exact=True):
                     with self.s.timeline.span(self.s.trainer_track, "evaluate"):
                         value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)

@@ -165,10 +165,10 @@ def build_session(cfg: RunConfig) -> Session:
         source = pool_prompt_source(pool, tokenizer, d.seed, draw)
         score = tracking_scorer(score, tracker)
         stateful = {"tracker": tracker, **({"curriculum": draw} if draw is not None else {})}
-    timeline = Timeline(ps.rank, keep_all=cfg.train.trace)
+    timeline = Timeline(ps.rank, keep_all=cfg.train.trace, append_to=run_dir / "trace" if cfg.train.trace else None)
     # rank 0's generating thread runs the phases (``phases``, built below from the controller this pipeline gates)
     pipeline = Pipeline(cfg.rollout.overlap, lambda version, batch: phases(version, batch, alone=True),
-                        cfg.rollout.staleness_limit, leader=ps.rank == 0)
+                        cfg.rollout.staleness_limit, leader=ps.rank == 0, batches=cfg.train.steps)
     controller = build_controller(
         cfg, engines.slot_engines(), IndexedSource(source), traced_scorer(score, timeline),
         engine_turn=pipeline.gate.step,

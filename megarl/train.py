@@ -63,18 +63,19 @@ def pass_at_1(s: Session) -> float:
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
-    cfg, t0 = s.cfg, time.time()
+    cfg = s.cfg
     torch.manual_seed(cfg.train.seed * 100003 + step)  # every rank alike (engine TP); replicas derive own streams
     version = s.policy_version  # updates made so far: staleness counts updates, not steps (a skipped step makes none)
     start = time.perf_counter()  # (the timeline's clock)
     rollout = (keeper.next_rollout(step, version) if keeper  # generated ahead or now (rollout.overlap); rewarded
-               else Rollout(*s.controller.run_phase(version), {**s.rewards.step_metrics(), **s.prompts.metrics()}))
+               else Rollout(*s.controller.run_phase(version), {**s.rewards.step_metrics(), **s.prompts.metrics(),
+                                                               "timing/gen_s": time.perf_counter() - start}))
     groups, phase = rollout.groups, rollout.phase
     t1 = time.time()
     if not groups:  # e.g. dynamic sampling found no informative group within its cap: nothing to learn
         # (its reward failures and bad rows are still logged: that is when they matter)
         log.info(f"step {step + 1}: no useful group released ({phase.groups_filtered} filtered); update skipped")
-        return {"timing/gen_s": t1 - t0, **rollout.metrics, **phase.summary()}
+        return {**rollout.metrics, **phase.summary()}
     s.handover.to_train()  # engines sleep (engine.sleep_level); trainer state back on device
     updates = s.trainer.updates
     with s.timeline.span(s.trainer_track, "train"):
@@ -95,7 +96,6 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
         **rollout.metrics,  # reward/errors, timeouts (+ _step), reward/<name>; data/epoch, bad_rows; pipeline/*
         "response/len_mean": sum(lengths) / len(lengths),
         "response/len_max": max(lengths),
-        "timing/gen_s": t1 - t0,
         "timing/train_s": t2 - t1,
         **sync,
         **metrics,

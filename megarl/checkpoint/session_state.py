@@ -108,7 +108,7 @@ def capture(s, step: int, run: dict) -> dict:
         "step": step,
         "policy_version": s.policy_version,
         "lr": s.trainer.optimizer.param_groups[0]["lr"],
-        "controller": s.controller.state_dict(),
+        "controller": pickle.loads(s.controller.snapshot()),  # (a copy: a group may still be being scored)
         "pipeline": s.pipeline.state_dict(),  # batches generated ahead (rollout.overlap), taken inside its hold
         "source": s.controller.next_prompt.state_dict(),
         "stateful": {name: state_of(obj) for name, obj in stateful(s).items()},

@@ -5,11 +5,14 @@ Tracks: ``rollout`` (one span per generation phase), ``replica K`` (its engine s
 one ``generate`` span), ``reward`` (each released group scored), ``trainer rank R`` (``train``, ``sync``,
 ``checkpoint``, ``evaluate``). The per-step figures come from the spans inside a step's window:
 
-- ``timing/engine_idle_s``: the step's wall time in which no phase ran;
-- ``pipeline/overlap_fraction``: the share of it in which a phase ran *and* the trainer trained.
+- ``timing/engine_idle_s``: the step's wall time in which an engine took no step, from each replica's own spans
+  (the mean over replicas: a phase waiting at the engines' gate, for a sync or a checkpoint, is idle time);
+- ``pipeline/overlap_fraction``: the share of it in which an engine stepped *and* the trainer trained.
 
-``write`` merges every rank's spans into ``trace.json`` (the Trace Event Format: one complete event per span,
-one process per rank, one thread per track), which Perfetto (ui.perfetto.dev) and chrome://tracing open.
+``write_trace`` merges every rank's spans into ``trace.json`` at the run's end (the Trace Event Format: one complete
+event per span, one process per rank, one thread per track), which Perfetto (ui.perfetto.dev) and chrome://tracing
+open. Meanwhile each rank appends its finished spans to ``trace/rank_N.<start time>.json`` every step (``flush``: a
+JSON array the format lets stay unterminated), so a run killed with SIGKILL keeps its trace up to its last step.
 """
 
 from __future__ import annotations
@@ -57,13 +60,18 @@ class Timeline:
     """Spans of this process (thread-safe); ``keep_all`` (``train.trace``) keeps every span for the trace, else
     only those a step's figures still need."""
 
-    def __init__(self, rank: int = 0, keep_all: bool = False) -> None:
+    def __init__(self, rank: int = 0, keep_all: bool = False, append_to: str | Path | None = None) -> None:
+        """``append_to``: the directory this rank's trace is appended to, step by step (``train.trace``)."""
         self.rank, self.keep_all = rank, keep_all
         self.spans: list[list] = []  # [track, name, start, end] in perf_counter seconds
         self._last: dict[tuple[str, str], list] = {}
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
         self.origin_wall = time.time()
+        # one file per rank and process start: a resumed run keeps the trace of the segment before it
+        self.file = Path(append_to) / f"rank_{rank}.{int(self.origin_wall)}.json" if append_to is not None else None
+        self._written: set[int] = set()  # id() of the spans the file holds
+        self._tracks: list[str] = []  # the file's tracks, by thread id
 
     def add(self, track: str, name: str, start: float, end: float, merge: bool = False) -> None:
         with self._lock:
@@ -88,18 +96,47 @@ class Timeline:
             with self._lock:
                 span[3] = time.perf_counter()
 
+    def flush(self) -> None:
+        """Append the spans that ended since the last flush to this rank's trace file (``append_to``)."""
+        if self.file is None:
+            return
+        with self._lock:
+            done = [s for s in self.spans if s[3] != math.inf and id(s) not in self._written]
+            self._written.update(id(s) for s in done)
+        if not done:
+            return
+        lines = [] if self.file.exists() else ["["]
+        base = (self.origin_wall - self.origin) * 1e6
+        for track, name, start, end in done:
+            if track not in self._tracks:
+                self._tracks.append(track)
+                lines.append(json.dumps({"ph": "M", "name": "thread_name", "pid": self.rank,
+                                         "tid": self._tracks.index(track), "args": {"name": track}}) + ",")
+            lines.append(json.dumps({"ph": "X", "name": name, "cat": track.split(" ")[0], "pid": self.rank,
+                                     "tid": self._tracks.index(track), "ts": round(base + start * 1e6, 1),
+                                     "dur": round(max(end - start, 0.0) * 1e6, 1)}) + ",")
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.file, "a") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
     def step_metrics(self, start: float, end: float, trainer_track: str) -> dict[str, float]:
         """This step's engine idle time and overlap (see the module docstring), from the spans in [start, end]."""
+        self.flush()
         wall = max(end - start, 1e-9)
         with self._lock:
             clipped = [(t, max(a, start), min(b, end)) for t, _, a, b in self.spans if b > start and a < end]
             if not self.keep_all:  # what a later step may still need: spans open or still running at this step's end
                 self.spans = [s for s in self.spans if s[3] >= end]
                 self._last = {k: v for k, v in self._last.items() if v[3] >= end}
-        gen = _union([(a, b) for t, a, b in clipped if t == "rollout"])
+        replicas = sorted({t for t, _, _ in clipped if t.startswith("replica ")})
+        busy = [_union([(a, b) for t, a, b in clipped if t == r]) for r in replicas]
         train = _union([(a, b) for t, a, b in clipped if t == trainer_track])
-        return {"timing/engine_idle_s": max(0.0, wall - _length(gen)),
-                "pipeline/overlap_fraction": _length(_intersect(gen, train)) / wall}
+        idle = sum(wall - _length(b) for b in busy) / len(busy) if busy else wall
+        stepping = _union([x for b in busy for x in b])
+        return {"timing/engine_idle_s": max(0.0, idle),
+                "pipeline/overlap_fraction": _length(_intersect(stepping, train)) / wall}
 
     def events(self) -> list[dict]:
         """This process's spans as Trace Event Format complete events (µs since the run's start, wall clock)."""

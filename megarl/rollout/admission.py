@@ -11,6 +11,8 @@ checkpoint of all of it (``state_dict``). Pure Python.
 from __future__ import annotations
 
 import collections
+import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +59,10 @@ class PromptBuffer:
         self.slot_time: collections.Counter = collections.Counter()  # (index, j) → engine slot-time spent
         self.source_done = False
         self.clock = 0.0  # engine time across phases
+        self.in_phase: dict[int, LiveGroup] = {}  # groups the phase in flight released so far (its batch-to-be)
+        # held while the state changes outside the engines' gate (a released group being scored), so that a
+        # checkpoint (``state_dict``) taken then sees every group in one place
+        self.lock = threading.RLock()
 
     def _new_group(self, item: PromptItem, version: int, discards: int = 0, first: int | None = None) -> int:
         if item.index in self.live or item.index in self.released:
@@ -181,6 +187,14 @@ class PromptBuffer:
             members.add(index)
         return members
 
+    def requeue_groups(self, groups: list, version: int) -> None:
+        """Released groups that will not be trained (``Group``s of batches a resumed run cannot take): their prompts
+        back at the head of the queue, generated again."""
+        for g in reversed(groups):
+            self.released.discard(g.prompt_index)
+            item = PromptItem(g.prompt_index, list(g.samples[0].prompt_ids), g.prompt_text, g.answer, extras=g.extras)
+            self.requeued.appendleft((item, 0, version))
+
     def forget_time(self, index: int) -> None:
         for j in range(self.cfg.group_size):
             self.slot_time.pop((index, j), None)
@@ -188,13 +202,27 @@ class PromptBuffer:
 
     # ---- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Everything live and parked; taken while a phase runs (between two engine steps: ``Pipeline.pause``), the
+        groups it released so far count as live again and its running samples as resumed (``load_state_dict``), so
+        that a run resumed from it generates the batch again from there."""
+        with self.lock:
+            return self._state()
+
+    def snapshot(self) -> bytes:
+        """``state_dict`` pickled at once, under the lock: a copy that later changes (a group still being scored
+        when a checkpoint is taken) cannot reach."""
+        with self.lock:
+            return pickle.dumps(self._state())
+
+    def _state(self) -> dict:
+        live = {**self.live, **self.in_phase}
         return {
-            "live": {i: (g.item, g.samples, g.discards, g.admitted_version) for i, g in self.live.items()},
+            "live": {i: (g.item, g.samples, g.discards, g.admitted_version) for i, g in live.items()},
             "requeued": list(self.requeued),
             "long_queue": list(self.long_queue),
             "progress": dict(self.progress),
             "length_cache": dict(self.length_cache),
-            "released": set(self.released),
+            "released": set(self.released) - set(self.in_phase),
             "slot_time": dict(self.slot_time),
             "source_done": self.source_done,
             "clock": self.clock,
@@ -202,6 +230,13 @@ class PromptBuffer:
 
     def load_state_dict(self, state: dict) -> None:
         self.live = {i: LiveGroup(*v) for i, v in state["live"].items()}
+        self.in_phase = {}
+        for g in self.live.values():  # a state taken mid-phase: running samples resume, released ones are done
+            for x in g.samples:
+                if x.status is SampleStatus.RUNNING:
+                    x.status = SampleStatus.RESUMED
+                elif x.status is SampleStatus.CONSUMED:
+                    x.status = SampleStatus.FINISHED if x.finish_reason == "stop" else SampleStatus.TRUNCATED
         # a requeued entry saved as a 2-tuple (an older state) gets a 0 appended
         self.requeued = collections.deque((*e, 0) if len(e) == 2 else tuple(e) for e in state["requeued"])
         self.long_queue = collections.deque(tuple(e) for e in state.get("long_queue", ()))

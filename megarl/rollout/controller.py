@@ -169,40 +169,47 @@ class RolloutController(PromptBuffer):
         m.groups_over_bound += 1
         if cfg.mode == "partial":
             return  # held whole, released first in the next phase (its staleness checked then)
-        g = self.live.pop(index)  # on-policy: its tokens are of this version only; discarded, re-queued
-        m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
-        self.forget_time(index)
-        if g.item.key is not None:
-            self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
-        self.requeued.appendleft((g.item, g.discards, g.admitted_version))
+        with self.lock:
+            g = self.live.pop(index)  # on-policy: its tokens are of this version only; discarded, re-queued
+            m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+            self.forget_time(index)
+            if g.item.key is not None:
+                self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
+            self.requeued.appendleft((g.item, g.discards, g.admitted_version))
 
     def release(self, index: int, version: int, released: list[Group], m: PhaseMetrics) -> None:
-        g = self.live.pop(index)
-        self.released.add(index)
-        self.progress.pop(index, None)
+        """Group ``index`` leaves the live set for the batch: scored (without the lock: a checkpoint taken meanwhile
+        finds it among the phase's released groups, ``in_phase``), then kept, or filtered out (dynamic sampling)."""
+        with self.lock:
+            g = self.live.pop(index)
+            self.released.add(index)
+            self.progress.pop(index, None)
+            self.in_phase[index] = g
         group = Group(index, g.item.prompt_text, g.item.answer, g.samples, g.item.extras)
         self.score(group)
-        lengths = [len(s.response_ids) for s in g.samples]
-        if g.item.key is not None:
-            self.length_cache[g.item.key] = sum(lengths) / len(lengths)
-        times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
-        self.forget_time(index)
-        if not self.keep_group(group):
-            m.groups_filtered += 1
-            m.tokens_wasted += sum(lengths)
-            return
-        for s, spent in zip(g.samples, times):
-            s.status = SampleStatus.CONSUMED
-            for v, n in collections.Counter(s.versions).items():
-                m.staleness[version - v] += n
-            m.interruptions += s.interruptions
-            m.slot_time_useful += spent
-        m.samples_trained += len(g.samples)
-        m.groups_trained += 1
-        m.tokens_useful += sum(lengths)
-        m.len_trained_sum += sum(lengths)
-        m.wait_phases_max = max(m.wait_phases_max, version - g.admitted_version)
-        released.append(group)
+        with self.lock:
+            lengths = [len(s.response_ids) for s in g.samples]
+            if g.item.key is not None:
+                self.length_cache[g.item.key] = sum(lengths) / len(lengths)
+            times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
+            self.forget_time(index)
+            if not self.keep_group(group):
+                del self.in_phase[index]
+                m.groups_filtered += 1
+                m.tokens_wasted += sum(lengths)
+                return
+            for s, spent in zip(g.samples, times):
+                s.status = SampleStatus.CONSUMED
+                for v, n in collections.Counter(s.versions).items():
+                    m.staleness[version - v] += n
+                m.interruptions += s.interruptions
+                m.slot_time_useful += spent
+            m.samples_trained += len(g.samples)
+            m.groups_trained += 1
+            m.tokens_useful += sum(lengths)
+            m.len_trained_sum += sum(lengths)
+            m.wait_phases_max = max(m.wait_phases_max, version - g.admitted_version)
+            released.append(group)
 
     def end_phase(self, running: dict, engine_of: dict, m: PhaseMetrics, released: int = 1) -> None:
         """Abort what is still running: keep it (partial) or discard it and re-queue its prompt (on-policy). An

@@ -60,6 +60,7 @@ class Phase:
         self.budget = self.cfg.buffer_samples or float("inf")
         self.members: set[int] | None = None  # a long round's groups (None: not a long round)
         self.pinned: set[int] = set()
+        self.completed: list[int] = []  # groups whose samples the last engine step finished, to release
 
     def run(self) -> tuple[list[Group], PhaseMetrics]:
         engines = self.c.engine_turn  # one engine step at a time (an in-flight weight sync comes between two)
@@ -72,7 +73,12 @@ class Phase:
             self.dispatch()
         while self.running and not self.done():
             with engines():
-                self.step()
+                k = self.step()
+            for index in self.completed:  # scored outside the engines' gate: a sync or a checkpoint need not wait
+                self.complete(index)
+            self.completed = []
+            with engines():
+                self.after_step(k)
         with engines():
             return self.end()
 
@@ -85,11 +91,11 @@ class Phase:
                 engine.reseed(self.c.phase_seed + k)
 
     def release_held(self) -> None:
-        """Partial mode: stale samples expire, and groups held whole past the last bound come first in this batch."""
+        """Partial mode: stale samples expire. Groups held whole (past the last bound, or released by a phase a
+        checkpoint caught in flight) come first in this batch."""
         c = self.c
-        if self.cfg.mode != "partial":
-            return
-        c.expire_stale(self.version, self.m)
+        if self.cfg.mode == "partial":
+            c.expire_stale(self.version, self.m)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
                 c.release(index, self.version, self.released, self.m)
@@ -153,10 +159,10 @@ class Phase:
             return float("inf")
         return (max(cfg.staleness_limit - lag, 0) + 1) * cfg.update_groups - len(self.released)
 
-    def step(self) -> None:
-        """One step of the engine furthest behind in time; its tokens go to their samples, complete groups are
-        harvested; then the admissions and the dispatch that step allows."""
-        c, cfg, m = self.c, self.cfg, self.m
+    def step(self) -> int:
+        """One step of the engine furthest behind in time (which one it was); its tokens go to their samples, and
+        the groups it completed are noted (``completed``)."""
+        c, m = self.c, self.m
         k = min((k for k in range(len(c.engines)) if c.engines[k].num_active()), key=lambda k: self.times[k])
         start = time.perf_counter()
         report: StepReport = c.engines[k].step()
@@ -171,6 +177,11 @@ class Phase:
         m.slot_time_busy += report.active * report.elapsed
         for ev in report.events:
             self.record(ev, report.elapsed)
+        return k
+
+    def after_step(self, k: int) -> None:
+        """The admissions and the dispatch engine ``k``'s step allows."""
+        c, cfg, m = self.c, self.cfg, self.m
         if self.fill and self.pinned and (len(self.released) + self.pending_pinned() >= cfg.update_groups
                                           or self.at_cap()):
             self.drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
@@ -208,13 +219,14 @@ class Phase:
             m.samples_finished += 1
             m.len_finished_sum += len(s.response_ids)
             if all(x.status in DONE for x in c.live[index].samples):
-                self.complete(index)
+                self.completed.append(index)
 
     def complete(self, index: int) -> None:
         """A group whose samples are all done: released (or held) if every sample is within k versions of this
         batch's, else its stale samples run again (engines that a failed sync left behind sampled them)."""
         c = self.c
-        stale = c.regenerate_stale(index, self.version, self.m)
+        with c.lock:
+            stale = c.regenerate_stale(index, self.version, self.m)
         if stale:
             self.m.samples_regenerated_at_release += len(stale)
             self.queue.extendleft((index, j) for j in reversed(stale))
@@ -273,6 +285,7 @@ class Phase:
         """Abort what still runs (kept or discarded by mode), advance the clock, fill in the phase's metrics."""
         c, m = self.c, self.m
         c.end_phase(self.running, self.engine_of, m, len(self.released))
+        c.in_phase.clear()  # (the batch leaves with this phase)
         end = max(self.times) if self.times else c.clock
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0

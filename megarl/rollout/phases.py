@@ -13,6 +13,7 @@ that scale).
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 
 from megarl.rollout.pipeline import Rollout
@@ -35,9 +36,10 @@ class PhaseRunner:
         """``alone``: rank 0's phase that it shares with no rank (the pipeline's thread; the trainer's thread
         shares what it takes); otherwise every rank learns the phase (``controller.run_phase``)."""
         c = self.controller
-        snapshot = pickle.dumps(c.state_dict())
+        snapshot = c.snapshot()
         c.next_prompt.mark()
         c.phase_seed = self.seed * SEED_STRIDE + batch * BATCH_STRIDE  # the same state samples alike (resume)
+        start = time.perf_counter()
         try:
             with self.span("rollout", f"generate batch {batch}"):
                 groups, phase = (c.generate if alone else c.run_phase)(version)
@@ -48,4 +50,5 @@ class PhaseRunner:
             self.requeued = len(drawn)
             self.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
             raise
-        return Rollout(groups, phase, {**self.rewards.step_metrics(), **self.prompts.metrics()}, batch)
+        figures = {**self.rewards.step_metrics(), **self.prompts.metrics(), "timing/gen_s": time.perf_counter() - start}
+        return Rollout(groups, phase, figures, batch)

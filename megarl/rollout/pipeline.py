@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megarl.distributed.signals import signalled
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.types import Group
 
@@ -64,20 +65,38 @@ def staleness(groups: list[Group], version: int) -> collections.Counter:
     return out
 
 
+class Preempted(Exception):
+    """A preemption signal came while the trainer waited for a batch generated ahead (``take``)."""
+
+
+class PhaseInterrupted(RuntimeError):
+    """The phase in flight was stopped between two engine steps (the pipeline closed: the run ends or restarts its
+    engines); its controller is put back as it was before it (``rollout.phases``)."""
+
+
 class EngineGate:
     """One driver of the engines at a time: the generating thread for each engine step (``step``), or the trainer's
-    main thread for a weight sync between two of them (``exclusive``, which waits for one step, never a phase)."""
+    main thread for a weight sync, a checkpoint or an evaluation between two of them (``exclusive``, which waits for
+    one step, never a phase). ``interrupt``: the next step raises ``PhaseInterrupted`` instead."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._owner = ""
         self._wanted = 0
+        self.interrupted = False
+
+    def interrupt(self, on: bool = True) -> None:
+        with self._cond:
+            self.interrupted = on
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def step(self):
         with self._cond:
-            while self._owner == "sync" or self._wanted:
+            while (self._owner == "sync" or self._wanted) and not self.interrupted:
                 self._cond.wait()
+            if self.interrupted:
+                raise PhaseInterrupted("the phase in flight was stopped between two engine steps")
             self._owner = "step"
         try:
             yield
@@ -110,8 +129,10 @@ class Pipeline:
     whatever needs idle engines. Only rank 0 (``leader``) runs a thread; the caller shares what ``take`` gives."""
 
     def __init__(self, mode: str, generate: Callable[[int, int], Rollout], staleness_limit: int,
-                 leader: bool = True) -> None:
+                 leader: bool = True, batches: int = 0) -> None:
+        """``batches``: the run's steps (``train.steps``): no batch is generated past the last (0: no end)."""
         self.mode, self.generate, self.k, self.leader = mode, generate, staleness_limit, leader
+        self.batches = batches
         self.gate = EngineGate()
         self.queue: collections.deque[Rollout] = collections.deque()
         self.generated = 0  # batches generated (the next one's index)
@@ -125,6 +146,7 @@ class Pipeline:
         self._stop = False
         self._busy = False  # a phase runs in the thread (set when it decides to start one, under the lock)
         self._now = False  # the trainer's thread is generating the next batch itself (async: the thread waits)
+        self._paused = 0  # pauses in force (``pause`` nests)
 
     # ---- the trainer's side (main thread) ---------------------------------------------------------------------
     def take(self) -> tuple[Rollout | None, BaseException | None]:
@@ -143,7 +165,9 @@ class Pipeline:
                 if not self._busy and self.generated == self.done and not self._may_start(self.generated, self.k):
                     self._now = True  # the engines serve weights too old for it: the caller generates it now
                     return None, None
-                self._cond.wait()
+                if signalled():  # a preemption: the caller saves and stops now, not after the phase in flight
+                    return None, Preempted(signalled())
+                self._cond.wait(timeout=0.5)
             if self.queue:
                 return self.queue.popleft(), None
             return None, self._pop_error()
@@ -196,8 +220,10 @@ class Pipeline:
             self._cond.notify_all()
 
     def _may_start(self, batch: int, k: int) -> bool:
-        """Batch ``batch``'s phase may start: the engines serve within ``k`` of the version it trains at (at most
-        the policy's now plus one update per step until its turn)."""
+        """Batch ``batch``'s phase may start: the run trains it, and the engines serve within ``k`` of the version it
+        trains at (at most the policy's now plus one update per step until its turn)."""
+        if self.batches and batch >= self.batches:
+            return False
         return self.served >= self.version + (batch - self.done) - k
 
     @contextlib.contextmanager
@@ -221,23 +247,70 @@ class Pipeline:
                 self._held -= 1
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def pause(self, exact: bool = False):
+        """Generation still inside, without waiting for a phase to end (checkpoints, evaluations): async takes the
+        engines between two engine steps and starts no phase meanwhile; a phase in flight is suspended, its samples
+        so far and the groups it released so far in the controller's state (``RolloutController.state_dict``).
+        one_step: the same, unless ``exact`` (its phase ends first, as ``hold``: a resume then gives the metrics of a
+        run never stopped). Pauses nest."""
+        if not self.leader or self.mode == "none" or (self.mode == "one_step" and exact):
+            with self.hold():
+                yield
+            return
+        with self._cond:
+            self._held += 1
+            first = self._paused == 0
+            self._paused += 1
+        try:
+            with self.gate.exclusive() if first else contextlib.nullcontext():
+                yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._paused -= 1
+                self._cond.notify_all()
+
     def stop_ahead(self) -> None:
-        """The thread ends after the phase in flight (its error, if any, dropped: the controller is already put
-        back); the next ``take`` starts it again. For an engine restart, which needs idle engines."""
+        """The thread ends, the phase in flight stopped between two engine steps (its controller put back, its
+        error, if any, dropped); the next ``take`` starts it again. For an engine restart, which needs idle
+        engines."""
         self.close()
         self._stop = False
         self._pop_error()
 
     def close(self) -> None:
+        """The thread ends now: the phase in flight is stopped between two engine steps, none starts."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._join()
+        self.gate.interrupt()
+        try:
+            self._join()
+        finally:
+            self.gate.interrupt(False)
 
     def engine_version(self, _now: float = 0.0) -> int:
         """The weights the engines serve (the controller's ``engine_version``; a load in flight counts once its step
         is done: until then the lag reads one too many, which only admits less)."""
         return self.served
+
+    def untrainable(self) -> list[Rollout]:
+        """Batches of a resumed checkpoint that this run's mode or k may not train (generated ahead under another
+        ``rollout.overlap``, or more versions ahead, or with older tokens, than this run's k allows): taken out of the
+        queue, the next batch generated again in their place; the caller re-queues their prompts. With none."""
+        k = {"none": -1, "one_step": 1}.get(self.mode, self.k)
+        keep = 0
+        for r in self.queue:
+            train_at = self.version + (r.batch - self.done)
+            oldest = min((v for g in r.groups for x in g.samples for v in x.versions), default=train_at)
+            if r.batch - self.done > max(k, 0) or train_at - oldest > k or k < 0:
+                break
+            keep += 1
+        dropped = list(self.queue)[keep:]
+        self.queue = collections.deque(list(self.queue)[:keep])
+        self.generated -= len(dropped)
+        return dropped
 
     def queued_groups(self) -> int:
         return sum(len(r.groups) for r in self.queue)

@@ -58,14 +58,14 @@ def test_megarl_train_status_and_exit_file(tmp_path, monkeypatch):
     path = tmp_path / "logs" / "7.0.exit"
     monkeypatch.setenv("MEGARL_EXIT_FILE", str(path))
     monkeypatch.setenv("RANK", "0")
-    assert _exit_status({"stopped": "engine failed 4 times in a row", "error": True, "requeue": True}) == EXIT_REQUEUE
+    assert _exit_status(requeue=True, error=True) == EXIT_REQUEUE  # an engine fault stopped it with a checkpoint
     assert path.read_text() == f"{EXIT_REQUEUE}\n"
-    assert _exit_status({"stopped": "2 non-finite steps in a row", "error": True, "requeue": False}) == 1
-    assert _exit_status({"stopped": "SIGUSR1 received", "error": False}) == 0
+    assert _exit_status(requeue=False, error=True) == 1  # non-finite steps in a row: not requeued
+    assert _exit_status(requeue=False, error=False) == 0  # preempted: the checkpoint is saved
     assert path.read_text() == "0\n"
     monkeypatch.setenv("RANK", "1")  # only rank 0 writes
     os.remove(path)
-    assert _exit_status({"error": True, "requeue": True}) == EXIT_REQUEUE and not path.exists()
+    assert _exit_status(requeue=True, error=True) == EXIT_REQUEUE and not path.exists()
 
 
 @pytest.mark.slow

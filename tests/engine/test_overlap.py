@@ -7,6 +7,7 @@ no prompt across a kill -9, loads weights while a phase runs, and with k = 0 giv
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -44,13 +45,13 @@ def one_step(model, tmp_path_factory):
 
 
 def test_one_step_trains_each_batch_one_version_after_the_weights_that_sampled_it(one_step):
-    """Staleness exactly 1 from the second step on (the first batch is generated before any update), and the
-    batch generated ahead of the last step is in the final checkpoint."""
+    """Staleness exactly 1 from the second step on (the first batch is generated before any update), and no batch is
+    generated for a step the run will not train."""
     steps = _steps(one_step)
     assert len(steps) == STEPS and steps[0]["rollout/staleness_max"] == 0
     assert all(r["rollout/staleness_max"] == 1 and r["rollout/staleness_mean"] > 0 for r in steps[1:])
     state = final_state(one_step)
-    assert state["pipeline"]["generated"] == STEPS + 1 and state["pipeline"]["done"] == STEPS
+    assert state["pipeline"]["generated"] == STEPS and state["pipeline"]["done"] == STEPS  # none past the last step
     no_prompt_lost_or_twice(state)
 
 
@@ -135,3 +136,46 @@ def test_an_in_flight_update_recomputes_the_kv_of_running_requests(tmp_path):
     assert r["versions"][:n] == [0] * n and r["versions"][n] == 1
     assert r["after"][0] == r["fresh"][0], r
     assert abs(r["after"][1] - r["fresh"][1]) <= 1e-5, r
+
+
+def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
+    """SIGTERM to every process of an async run (as Slurm signals a job step) while the trainer waits for a batch
+    whose phase runs long (a verifier of 1 s a call): the wait ends, the phase in flight is paused between two engine
+    steps (the bound: one engine step, the scoring of the groups it completes included) and saved with the
+    checkpoint (its samples so far, its groups released so far), the run exits 0 long before the phase would have
+    ended; resumed, it loses no prompt."""
+    import os
+    import subprocess
+    import time
+
+    from helpers.runs import reap, start
+    from helpers.scripts import TESTS
+
+    run = tmp_path / "run"
+    extra = ["rollout.overlap=async", "rollout.staleness_limit=1", "reward.fn=helpers.reward_fns:slow_match",
+             "reward.timeout_s=30", "train.save_every=0", "data.eval_size=1"]
+    proc = start(_args(model, run, *extra), env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "1"},
+                 out=subprocess.PIPE)
+    lines, sent, saved = [], 0.0, 0.0
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if not sent and line.startswith("step 1/"):
+                time.sleep(2)  # the phase of a batch ahead is in flight, its verifier calls a second each
+                os.killpg(proc.pid, signal.SIGTERM)
+                sent = time.monotonic()
+            if sent and "checkpoint saved, stopping" in line:
+                saved = time.monotonic()
+        assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
+    finally:
+        reap(proc)
+    out = "".join(lines)
+    phase_s = float(re.search(r"timing/gen_s ([0-9.]+)", out).group(1))  # how long a phase of this run takes
+    assert saved and saved - sent < min(8.0, phase_s / 2), (saved - sent, phase_s, out[-3000:])
+    assert "SIGTERM received; checkpoint saved, stopping" in out and "eval after RL" not in out
+    state = final_state(run)
+    no_prompt_lost_or_twice(state)
+    assert any(x.response_ids for _, samples, *_ in state["controller"]["live"].values() for x in samples)
+    _train(model, run, *extra, env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "0"})  # resumed, to the end
+    no_prompt_lost_or_twice(final_state(run))
+    assert [r["step"] for r in _steps(run)][-1] == STEPS

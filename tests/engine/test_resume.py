@@ -278,11 +278,12 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
             draw = CurriculumSource(pool, lambda p: p.prompt, tracker, seed=1) if curriculum else None
             source = pool_prompt_source(pool, tokenizer, 1, draw)
             stateful = {"tracker": tracker, **({"curriculum": draw} if draw else {})}
-        controller = SimpleNamespace(next_prompt=IndexedSource(source), state_dict=dict, load_state_dict=lambda _: None)
+        controller = SimpleNamespace(next_prompt=IndexedSource(source), snapshot=lambda: pickle.dumps({}),
+                                     load_state_dict=lambda _: None)
         optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
         return SimpleNamespace(task=task, rewards=None, controller=controller, stateful=stateful,
                                trainer=SimpleNamespace(optimizer=optimizer), policy_version=0,
-                               pipeline=Pipeline("none", None, 1))
+                               pipeline=Pipeline("none", None, 1))  # (nothing generated ahead)
 
     for pool_size in (0, 12):
         a = session(pool_size)

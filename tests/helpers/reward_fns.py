@@ -28,3 +28,9 @@ def not_a_number(response: str, answer: str, **_):
 def overlong_penalty(response: str, answer: str, finish_reason: str, **_) -> float:
     """DAPO-style shaping that needs to know whether the sample was cut at the length cap."""
     return -1.0 if finish_reason == "length" else float(response.strip() == answer)
+
+
+def slow_match(response: str, answer: str, **_) -> float:
+    """1.0 when the response ends with the answer, after ``SLOW_REWARD_S`` seconds (a slow verifier: a long phase)."""
+    time.sleep(float(os.environ.get("SLOW_REWARD_S", "1")))
+    return float(response.strip().endswith(str(answer)))

@@ -80,13 +80,18 @@ def test_hold_lets_no_phase_start_and_waits_for_the_one_running():
 
 
 def test_a_step_sees_a_span_still_open_and_the_overlap_in_its_window(tmp_path):
-    t = Timeline(keep_all=True)
+    """The figures come from the replicas' own engine steps: a phase that steps beside the trainer overlaps it, and
+    one held (at the engines' gate, for a sync) leaves the engines idle though its span is open."""
+    t = Timeline(keep_all=True, append_to=tmp_path / "trace")
     opened, gate = threading.Event(), threading.Event()
 
     def phase():
         with t.span("rollout", "generate batch 1"):
             opened.set()
-            gate.wait()
+            while not gate.is_set():  # engine steps, back to back: one merged span
+                a = time.perf_counter()
+                time.sleep(0.001)
+                t.add("replica 0", "generate", a, time.perf_counter(), merge=True)
 
     worker = threading.Thread(target=phase)
     worker.start()
@@ -101,9 +106,20 @@ def test_a_step_sees_a_span_still_open_and_the_overlap_in_its_window(tmp_path):
     path = write_trace(tmp_path / "trace.json", [t.events()])
     events = json.loads(path.read_text())["traceEvents"]
     spans = {e["name"]: e for e in events if e["ph"] == "X"}
-    assert set(spans) == {"generate batch 1", "train"} and all(e["dur"] > 0 for e in spans.values())
+    assert set(spans) == {"generate batch 1", "generate", "train"} and all(e["dur"] > 0 for e in spans.values())
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert names == {"rollout", "trainer rank 0"}
+    assert names == {"rollout", "replica 0", "trainer rank 0"}
+    with t.span("rollout", "generate batch 2"):  # a phase held at the gate: its span open, no engine step
+        start = time.perf_counter()
+        with t.span("trainer rank 0", "sync"):
+            time.sleep(0.02)
+        held = t.step_metrics(start, time.perf_counter(), "trainer rank 0")
+    assert held["pipeline/overlap_fraction"] == 0.0 and held["timing/engine_idle_s"] > 0.015
+    # every finished span was appended to this rank's trace as the steps went: a killed run keeps it (a JSON array
+    # the Trace Event Format lets stay unterminated)
+    (appended,) = (tmp_path / "trace").iterdir()
+    kept = json.loads(appended.read_text().rstrip().rstrip(",") + "]")
+    assert {e["name"] for e in kept if e["ph"] == "X"} == {"generate batch 1", "generate", "train", "sync"}
 
 
 def test_async_gates_on_the_version_the_engines_serve_and_hands_a_lagging_batch_to_the_trainer():
