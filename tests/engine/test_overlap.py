@@ -140,8 +140,8 @@ def test_an_in_flight_update_recomputes_the_kv_of_running_requests(tmp_path):
 
 def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
     """SIGTERM to every process of an async run (as Slurm signals a job step) while the trainer waits for a batch
-    whose phase runs long (a verifier of 1 s a call): the wait ends, the phase in flight is paused between two engine
-    steps (the bound: one engine step, the scoring of the groups it completes included) and saved with the
+    whose phase runs long (a verifier of 2 s a call): the wait ends, the phase in flight is paused between two engine
+    steps (the bound: one engine step; the groups it completed are scored outside it) and saved with the
     checkpoint (its samples so far, its groups released so far), the run exits 0 long before the phase would have
     ended; resumed, it loses no prompt."""
     import os
@@ -154,14 +154,14 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
     run = tmp_path / "run"
     extra = ["rollout.overlap=async", "rollout.staleness_limit=1", "reward.fn=helpers.reward_fns:slow_match",
              "reward.timeout_s=30", "train.save_every=0", "data.eval_size=1"]
-    proc = start(_args(model, run, *extra), env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "1"},
+    proc = start(_args(model, run, *extra), env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "2"},
                  out=subprocess.PIPE)
     lines, sent, saved = [], 0.0, 0.0
     try:
         for line in proc.stdout:
             lines.append(line)
             if not sent and line.startswith("step 1/"):
-                time.sleep(2)  # the phase of a batch ahead is in flight, its verifier calls a second each
+                time.sleep(2)  # the phase of a batch ahead is in flight, its verifier calls seconds each
                 os.killpg(proc.pid, signal.SIGTERM)
                 sent = time.monotonic()
             if sent and "checkpoint saved, stopping" in line:
@@ -171,7 +171,7 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
         reap(proc)
     out = "".join(lines)
     phase_s = float(re.search(r"timing/gen_s ([0-9.]+)", out).group(1))  # how long a phase of this run takes
-    assert saved and saved - sent < min(8.0, phase_s / 2), (saved - sent, phase_s, out[-3000:])
+    assert saved and saved - sent < min(10.0, phase_s / 2), (saved - sent, phase_s, out[-3000:])
     assert "SIGTERM received; checkpoint saved, stopping" in out and "eval after RL" not in out
     state = final_state(run)
     no_prompt_lost_or_twice(state)
