@@ -7,6 +7,7 @@ no prompt across a kill -9, loads weights while a phase runs, and with k = 0 giv
 
 from __future__ import annotations
 
+import pickle
 import re
 import signal
 
@@ -177,5 +178,33 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
     no_prompt_lost_or_twice(state)
     assert any(x.response_ids for _, samples, *_ in state["controller"]["live"].values() for x in samples)
     _train(model, run, *extra, env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "0"})  # resumed, to the end
+    no_prompt_lost_or_twice(final_state(run))
+    assert [r["step"] for r in _steps(run)][-1] == STEPS
+
+
+@pytest.mark.slow
+def test_async_evaluates_every_step_under_a_short_watchdog(model, tmp_path):
+    """An evaluation after every step beside the generating thread, with a 20 s hang timeout: the evaluation pauses
+    generation between two engine steps, each thread's guarded calls have their own watchdog slot, and the healthy
+    run ends (one shared slot once let a returned call's slot stand and ended a run with 75)."""
+    run = tmp_path / "run"
+    out = _train(model, run, "rollout.overlap=async", "rollout.staleness_limit=1", "train.eval_every=1",
+                 "engine.hang_timeout_s=20", "train.save_every=0")
+    assert "megarl watchdog" not in out
+    steps = _steps(run)
+    assert len(steps) == STEPS and all("eval/pass_at_1" in r for r in read_metrics(run / "metrics.jsonl")[1:])
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_overlap_mode_requeues_what_was_generated_ahead(model, tmp_path):
+    """A one_step run killed in step 3 left the batch generated ahead in its step-2 checkpoint; resumed with
+    rollout.overlap=none, which cannot take it, its prompts are re-queued (said), none is lost or trained twice."""
+    run = tmp_path / "run"
+    _train(model, run, "rollout.overlap=one_step", "rollout.staleness_limit=2",
+           env={"MEGARL_TEST_KILL": "optimizer_step@3"}, rc=-signal.SIGKILL)
+    saved = final_state(run)
+    ahead = len(pickle.loads(saved["pipeline"]["queue"]))
+    out = _train(model, run, "rollout.overlap=none", "rollout.staleness_limit=2")
+    assert ahead and f"{ahead} batches the checkpoint generated ahead" in out and "their prompts are re-queued" in out
     no_prompt_lost_or_twice(final_state(run))
     assert [r["step"] for r in _steps(run)][-1] == STEPS
