@@ -91,7 +91,8 @@ def run(mode: str, work: Path, tag: str, args, warm: Path) -> dict:
             "t_gen": mean("timing/gen_s"), "t_train": mean("timing/train_s") + mean("timing/sync_s"),
             "trainer_wait_s": mean("timing/trainer_wait_s"), "engine_idle_s": mean("timing/engine_idle_s"),
             "overlap_fraction": mean("pipeline/overlap_fraction"),
-            "staleness_mean": mean("rollout/staleness_mean"), "staleness_max": max(r["rollout/staleness_max"] for r in steps),
+            "staleness_mean": mean("rollout/staleness_mean"),
+            "staleness_max": max(r["rollout/staleness_max"] for r in steps),
             "wasted_token_fraction": mean("rollout/wasted_token_fraction")}
 
 

@@ -100,8 +100,9 @@ def engine_part(model: str, precision: str, new: int) -> dict:
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29577"))
     engine = VLLMEngine(model, max_model_len=256, kv_cache_gib=0.5, seed=0, max_num_seqs=16, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in PROMPTS]
+    prompts = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
     requests = [GenerationRequest(p, n=1, max_tokens=new, greedy=True) for p in prompts]
     engine.generate(requests[:1], seed=0)  # warm-up
     start = time.perf_counter()
@@ -112,11 +113,13 @@ def engine_part(model: str, precision: str, new: int) -> dict:
     start = time.perf_counter()
     engine.update_weights(sync.weights())
     sync_s = time.perf_counter() - start
+    first_weight = next(iter(gather_hf_weights(trainer.modules, trainer.hf_cfg, trainer.ps,
+                                               num_experts(trainer.hf_cfg))))[1]
     batch = build_batch(prompts, [o[0].token_ids for o in outs], [o[0].logprobs for o in outs])
     gap = (trainer.logprobs(batch) - batch.old_logprobs).abs() * batch.loss_mask
     return {"decode_tokens_per_s": decode, "sync_bytes": sync.stats.bytes, "sync_s": sync_s,
             "gap_max": float(gap.max()), "gap_mean": float(gap.sum() / batch.loss_mask.sum()),
-            "dtype_ok": str(next(iter(dict(gather_hf_weights(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg))).values())).dtype) == f"torch.{dtype}"}
+            "dtype_ok": str(first_weight.dtype) == f"torch.{dtype}"}
 
 
 def child(part: str, *args) -> dict:

@@ -101,7 +101,8 @@ class ModeRun:
         if not self.done or len(self.ctrl.released) < self.prompts:
             raise RuntimeError(f"{self.mode}: {len(self.ctrl.released)} of {self.prompts} prompts trained "
                                f"in {self.version} phases")
-        return {"mode": self.mode, "bubble_ratio": out["bubble_ratio"], "tokens_per_cpu_s": total.tokens_generated / cpu,
+        return {"mode": self.mode, "bubble_ratio": out["bubble_ratio"],
+                "tokens_per_cpu_s": total.tokens_generated / cpu,
                 "useful_tokens_per_cpu_s": total.tokens_useful / cpu, "tokens_per_s": total.tokens_generated / wall,
                 "useful_tokens_per_s": total.tokens_useful / wall,
                 "wasted_token_fraction": out["wasted_token_fraction"], "samples_trained": total.samples_trained,

@@ -230,7 +230,8 @@ def bench_sync(engine, trainer: BenchTrainer, model_dir: Path, work: Path, args)
             expected.setdefault(v, got)
             if probe_gap(got, expected[v]) > 1e-4 or probe_gap(got, expected[1 - v]) <= 1e-3:
                 raise SystemExit(f"sync by {name}: the engine does not serve weight version {v} "
-                                 f"(gap {probe_gap(got, expected[v]):.2e}, to the other {probe_gap(got, expected[1 - v]):.2e})")
+                                 f"(gap {probe_gap(got, expected[v]):.2e}, "
+                                 f"to the other {probe_gap(got, expected[1 - v]):.2e})")
             if r:
                 times[name].append(took)
     mem, reload_s, fresh_s = (statistics.median(times[k]) for k in ("memory", "reload", "fresh"))
@@ -322,7 +323,8 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
         figures.append(f"{layers} layers ({trainer.nbytes / 2**20:.0f} MiB): buckets {buckets / 2**20:.1f} MiB = "
                        f"{buckets / trainer.nbytes:.3f} of the model, zero-copy {zero / 2**20:.1f} MiB, bound one "
                        f"bucket + the largest tensor {(bucket + largest) / 2**20:.1f} MiB")
-    print(f"memory peak extra RSS of a streamed sync (bucket {args.bucket_mib:g} MiB): " + "; ".join(figures), flush=True)
+    print(f"memory peak extra RSS of a streamed sync (bucket {args.bucket_mib:g} MiB): " + "; ".join(figures),
+          flush=True)
     engines, resyncing = ColocatedEngines(engine, 8, 1), ColocatedEngines(engine, 8, 1, rollback="resync")
     proto = WeightSync(trainer, engines.dtype, args.bucket_mib)
     proto.run(engines, 1)  # warm: vLLM's first reload allocates its own bookkeeping
@@ -336,9 +338,9 @@ def bench_memory(engine, model_dir: Path, ps, work: Path, args) -> None:
     no_backup = peak_added(lambda: rmetrics.update(resync.run(resyncing, 3).metrics()))
     model = trainer.nbytes
     print(f"memory sync.rollback, engine side ({model / 2**20:.0f} MiB model): copy (all or nothing) "
-          f"{into / 2**20:.1f} MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB + vLLM's old packed "
-          f"weights held) vs resync (no backup) {no_backup / 2**20:.1f} MiB = {no_backup / model:.3f} (backup "
-          f"{rmetrics['sync/backup_mib']:.1f} MiB)", flush=True)
+          f"{into / 2**20:.1f} MiB = {into / model:.3f} of the model (backup {metrics['sync/backup_mib']:.1f} MiB "
+          f"+ vLLM's old packed weights held) vs resync (no backup) {no_backup / 2**20:.1f} MiB = "
+          f"{no_backup / model:.3f} (backup {rmetrics['sync/backup_mib']:.1f} MiB)", flush=True)
     print(f"memory with the engine loading ({model / 2**20:.0f} MiB model): the loop's sync {into / 2**20:.1f} MiB = "
           f"{into / model:.3f} of the model (all or nothing: vLLM's old packed GEMM weights are held until the new "
           f"ones are complete, + a {metrics['sync/backup_mib']:.1f} MiB copy of the in-place tensors); the same stream "

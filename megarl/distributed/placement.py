@@ -113,7 +113,8 @@ def place_node(cores: list[int], trainer_procs: int, replica_workers: list[int],
         raise ValueError(f"{asked} asks for more than this node's {n} cores ({_ranges(tuple(cores))}); "
                          "set fewer threads, or 0 (auto) to let megarl split the cores")
     if not both:
-        trainer, flat = _side(cores, trainer_procs, trainer_threads, False), _side(cores, workers, engine_threads, False)
+        trainer = _side(cores, trainer_procs, trainer_threads, False)
+        flat = _side(cores, workers, engine_threads, False)
     elif n < trainer_procs + workers:  # fewer cores than processes: nothing pinned, one thread each
         trainer, flat = [CpuShare(1)] * trainer_procs, [CpuShare(1)] * workers
     else:

@@ -237,7 +237,8 @@ def _one_replica_fails(client) -> None:
                         if len(shape) == 2 and shape[0] != shape[1])
             name, shape = plan[b][j]
             plan[b][j] = (name, (shape[1], shape[0]))
-            log.info(f"engine replica {client.index}: its weight update's plan broken by MEGARL_TEST_FAULT (a test hook)")
+            log.info(f"engine replica {client.index}: its weight update's plan broken by MEGARL_TEST_FAULT "
+                     "(a test hook)")
             msg = dataclasses.replace(msg, plan=plan)
         return call(msg, reply)
 

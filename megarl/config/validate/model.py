@@ -69,8 +69,9 @@ def validate_resume_model(cfg: RunConfig, hf: dict) -> None:
         check_same_model(step / "policy", hf, f"model.path={cfg.model.path}")
     except ModelMismatch as exc:
         auto = cfg.train.resume == "auto"
-        raise ConfigError(f"train.resume={cfg.train.resume}{f' in train.run_dir={cfg.train.run_dir}' if auto else ''}: "
-                          f"{exc}{' (train.resume=never starts afresh, setting that run aside)' if auto else ''}") from None
+        where = f" in train.run_dir={cfg.train.run_dir}" if auto else ""
+        fresh = " (train.resume=never starts afresh, setting that run aside)" if auto else ""
+        raise ConfigError(f"train.resume={cfg.train.resume}{where}: {exc}{fresh}") from None
     except (OSError, EOFError, RuntimeError):
         return  # an unreadable checkpoint: the resume verifies it and names the problem
 
