@@ -264,7 +264,8 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                with guard(f"evaluation at step {step}"), self.s.pipeline.pause(exact=True):
+                # (a phase in flight ends first: its requests share the engines a batch generation steps)
+                with guard(f"evaluation at step {step}"), self.s.pipeline.hold():
                     with self.s.timeline.span(self.s.trainer_track, "evaluate"):
                         value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)

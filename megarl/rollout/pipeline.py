@@ -249,8 +249,9 @@ class Pipeline:
 
     @contextlib.contextmanager
     def pause(self, exact: bool = False):
-        """Generation still inside, without waiting for a phase to end (checkpoints, evaluations): async takes the
-        engines between two engine steps and starts no phase meanwhile; a phase in flight is suspended, its samples
+        """Generation still inside, without waiting for a phase to end (checkpoints): async takes the engines between
+        two engine steps and starts no phase meanwhile (nothing inside may use them: the phase's requests are still in
+        them); a phase in flight is suspended, its samples
         so far and the groups it released so far in the controller's state (``RolloutController.state_dict``).
         one_step: the same, unless ``exact`` (its phase ends first, as ``hold``: a resume then gives the metrics of a
         run never stopped). Pauses nest."""

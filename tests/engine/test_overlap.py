@@ -184,9 +184,9 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
 
 @pytest.mark.slow
 def test_async_evaluates_every_step_under_a_short_watchdog(model, tmp_path):
-    """An evaluation after every step beside the generating thread, with a 20 s hang timeout: the evaluation pauses
-    generation between two engine steps, each thread's guarded calls have their own watchdog slot, and the healthy
-    run ends (one shared slot once let a returned call's slot stand and ended a run with 75)."""
+    """An evaluation after every step beside the generating thread, with a 20 s hang timeout: each thread's guarded
+    calls have their own watchdog slot, and the healthy run ends (one shared slot once let a returned call's slot
+    stand and ended a run with 75)."""
     run = tmp_path / "run"
     out = _train(model, run, "rollout.overlap=async", "rollout.staleness_limit=1", "train.eval_every=1",
                  "engine.hang_timeout_s=20", "train.save_every=0")
