@@ -33,7 +33,8 @@ class Preemption:
     _current: Preemption | None = None  # the instance the waiter reports to (the latest installed)
 
     def __init__(self) -> None:
-        self.received: str = ""
+        self.received: str = ""  # the latest signal taken
+        self.seen: set[str] = set()  # every signal taken (two may be taken in either order, by two threads)
         self.install()
 
     def install(self) -> None:
@@ -61,6 +62,7 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         global _signalled
         self.received = _signalled = signal.Signals(signum).name
+        self.seen.add(self.received)
 
     def due(self) -> bool:
         """Whether any rank got a signal (an all-reduce: call it on every rank at the same point)."""
