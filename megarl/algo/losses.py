@@ -77,11 +77,11 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
     loss = -per_token * mask
-    has = (mask.sum(dim=1) > 0).float()
     metrics = {
-        # sequences whose clip is active (the clipped branch is the min: no gradient), as PPO-clip's clip_frac
-        "clip_frac": (clipped < s * a).float().mul(has).sum() / has.sum().clamp(min=1),
-        "ratio_mean": (s * has).sum() / has.sum().clamp(min=1),
+        # the loss tokens of sequences whose clip is active (the clipped branch is the min: no gradient), and the
+        # sequence ratio, as token means like every metric: the same however the rows are cut into micro-batches
+        "clip_frac": masked_mean((clipped < s * a).float().unsqueeze(1).expand_as(mask), mask),
+        "ratio_mean": masked_mean(s.unsqueeze(1).expand_as(mask), mask),
     }
     return loss, metrics
 
