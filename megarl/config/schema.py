@@ -330,6 +330,14 @@ class TrainerConfig:
     reference follow it; FP8 (``model.fp8``) runs on bf16."""
     offload_during_rollout: bool = False
     """Move the optimizer state and gradient buffers to host memory while the engines generate (GPU)."""
+    packing: bool = True
+    """Lay each micro-batch's sequences end to end (position ids restarting, attention within each sequence), so the
+    forward holds no padding beyond what the layout needs (a multiple of TP under sequence parallelism, one length
+    per step under PP); false: every row padded to the batch's longest. Same objective either way."""
+    max_tokens_per_microbatch: int = 0
+    """Token-balanced micro-batches (needs ``packing``): at most this many tokens each, rows spread over DP ranks
+    with equal token loads and micro-batch counts; 0: off (``optim.micro_batch_size`` rows each). At least
+    ``engine.max_model_len`` − 1, the longest row a rollout can give."""
 
 
 @dataclass

@@ -102,3 +102,21 @@ def test_lengths_ride_along_row_selection_and_padding():
     padded = batch.pad_rows(2).pad_columns(3)
     assert padded.lengths.tolist() == [4, 1, 0, 0] and padded.seq_len == batch.seq_len + 3
     assert padded.row_lengths() == [4, 1, 0, 0]
+
+
+def test_the_token_budget_is_checked_before_launch_against_the_longest_row():
+    from megarl.config import ConfigError, load_config, validate
+
+    def check(*overrides):
+        validate(load_config(None, ["engine.max_model_len=256", *overrides]), world_size=1)
+
+    cfg = load_config(None, [])
+    assert cfg.trainer.packing is True and cfg.trainer.max_tokens_per_microbatch == 0  # packed, by rows
+    check("trainer.max_tokens_per_microbatch=255")  # a rollout's row holds at most max_model_len − 1 positions
+    check("trainer.packing=false")
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_microbatch=254 .*engine.max_model_len 256 .* 255"):
+        check("trainer.max_tokens_per_microbatch=254")
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_microbatch=512 .*trainer.packing=true"):
+        check("trainer.max_tokens_per_microbatch=512", "trainer.packing=false")
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_microbatch must be >= 0"):
+        check("trainer.max_tokens_per_microbatch=-1")
