@@ -43,7 +43,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
         "clip_frac": masked_mean((clipped < unclipped).float(), mask),
         "dual_clip_frac": masked_mean(dual, mask),
         "ratio_mean": masked_mean(ratio, mask),
-        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
     }
     return -objective * mask, metrics
 
@@ -96,7 +96,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         return 0.5 * log_r**2
     if kind == "k3":
         log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(-log_r) - 1 + log_r
+        return torch.expm1(-log_r) + log_r  # (expm1: no fp32 cancellation in exp(x) − 1 for the small x it sees)
     raise ValueError(f"unknown KL estimator {kind!r}; valid: 'k1', 'k2', 'k3'")
 
 
@@ -136,5 +136,5 @@ def mismatch_metrics(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask
     return {
         "mismatch/abs_mean": float(diff.abs().sum() / n),
         "mismatch/abs_max": float(diff.abs().max()),
-        "mismatch/kl": float(((torch.exp(diff) - 1 - diff) * mask).sum() / n),
+        "mismatch/kl": float(((torch.expm1(diff) - diff) * mask).sum() / n),
     }

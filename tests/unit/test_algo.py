@@ -303,3 +303,21 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_with_a_token_is_weight(
     prox, beh = torch.log(torch.tensor([[0.5, 0.9]])), torch.log(torch.tensor([[0.1, 0.9]]))
     w = truncated_is_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(decoupled_ppo=True)), cap=2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0]]))  # min(π_prox/π_behaviour, cap) per token
+
+
+def test_k3_estimates_keep_their_precision_for_small_log_ratios():
+    """k3 = e^x − 1 − x at the small |x| of a near-on-policy step: computed through expm1, fp32 keeps ~1e-6 of it
+    (through exp(x) − 1 a relative error of ~1e-3 at x = 1e-2: the packed and padded runs' metrics then differed by
+    1e-4 from rounding alone)."""
+    from megarl.algo.losses import kl_penalty, mismatch_metrics, ppo_clip_loss
+
+    x64 = torch.linspace(-3e-2, 3e-2, 101, dtype=torch.float64).unsqueeze(0)
+    exact = (torch.expm1(x64) - x64).mean()
+    x = x64.float()
+    zeros, ones = torch.zeros_like(x), torch.ones_like(x)
+    _, metrics = ppo_clip_loss(x, zeros, ones, ones, 0.2, 0.2)
+    assert float(metrics["approx_kl"]) == pytest.approx(float(exact), rel=1e-5)
+    each, big = torch.expm1(x64) - x64, x64.abs() >= 5e-3  # k3 of every token with |x| ≥ 5e-3: each within 1e-4
+    error = (kl_penalty(zeros, x, "k3").double() - each).abs() / each.clamp(min=1e-12)
+    assert error[big].max() < 1e-4  # (through exp(x) − 1: up to 5e-3)
+    assert mismatch_metrics(x, zeros, ones)["mismatch/kl"] == pytest.approx(float(exact), rel=1e-5)
