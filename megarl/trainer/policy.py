@@ -99,7 +99,11 @@ class PolicyTrainer:
     ``precision='bf16'`` is megatron's mixed precision: the model's weights and activations in bf16, gradients
     accumulated and reduced in fp32 (DDP's buffers), fp32 main parameters and Adam state in the optimizer (the
     distributed optimizer shards them), each step's result cast back into the bf16 weights. Logits are bf16 (as an
-    engine's are), their log-softmax, the loss and the advantages fp32."""
+    engine's are), their log-softmax, the loss and the advantages fp32.
+
+    ``packing``: each micro-batch is its rows laid end to end (``algo/packing.py``, megatron's ``thd`` path),
+    ``micro_batch_size`` rows each or, with ``max_tokens_per_microbatch``, by tokens (``trainer.*`` keys; the class
+    default is unpacked, the config's packed)."""
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
@@ -322,7 +326,8 @@ class PolicyTrainer:
         return box[0]
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank."""
+        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank (packed: 0 past
+        each row's length; unpacked: whatever the padding scored; masked out by every caller)."""
         for c in self.chunks:
             c.eval()
         out = self._run(batch, None, forward_only=True)
