@@ -29,11 +29,18 @@ class PackedDotProductAttention(DotProductAttention):
         # divides softmax_scale by a coefficient the softmax multiplies back)
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout = self.attention_dropout.p if self.training else 0.0
+        if key.shape[1] != query.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
+            # (expanded here, as megatron's own attention does: with enable_gqa SDPA runs its math kernel on CPU)
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
         out = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, L, head dim]
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
-                                               enable_gqa=k.shape[0] != q.shape[0])
-            out.append(o.transpose(0, 1))
+        # torch.split, not a slice per row: a slice's backward writes its gradient into a zeroed copy of the whole
+        # pack, rows × pack work (measured: a third of a 32-row step)
+        for q, k, v in zip(*(torch.split(x, lengths) for x in (query, key, value))):
+            # [1, heads, L, head dim]: 4-D, or SDPA passes its fused CPU kernel over for the math one
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+            out.append(o[0].transpose(0, 1))
         return torch.cat(out).reshape(query.shape[0], -1)  # [t, heads · head dim]
