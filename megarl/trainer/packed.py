@@ -17,12 +17,13 @@ from megarl.types import no_route
 
 
 def packed_seq_params(mb: dict):
-    """megatron's ``PackedSeqParams`` (``thd``) of a packed micro-batch (``algo.packing.pack``)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """megatron's ``PackedSeqParams`` (``thd``) of a packed micro-batch (``algo.packing.pack``), with the rows'
+    grouping the local spec's attention reads (``packed_attention.RowGroups``; TE's attention ignores it)."""
+    from megarl.trainer.packed_attention import RowGroups, RowPackedSeqParams  # (megatron's class, subclassed)
 
     cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    return RowPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest, row_groups=RowGroups.of(cu.tolist()))
 
 
 def rows_to_batch(pieces: list[tuple[torch.Tensor, torch.Tensor]], size: int, seq_len: int) -> torch.Tensor:
