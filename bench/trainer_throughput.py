@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Trainer figures, each measured side by side in one run:
 
-1. throughput: training tokens/s of the megatron-core trainer vs a plain HF transformers model of the
-   same config on the same batch (forward + backward + Adam step), printed as a ratio;
+1. throughput: training tokens/s of the megatron-core trainer (padded, and packed: ``trainer.packing``) vs a plain
+   HF transformers model of the same config (rows padded to the longest) on the same batch (forward + backward +
+   Adam step), steps interleaved, medians as ratios; on a batch of equal lengths and on the long-tail task's batch;
 2. logprob memory: peak resident memory of per-token logprobs + backward from final hidden states,
    naive (full [tokens × vocab] logits, log_softmax) vs megarl's chunked path, vocab 151,936.
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +50,27 @@ def peak_logprob_memory(mode: str, tokens: int, vocab: int, hidden: int, chunk: 
             "logprob_sum": float(logp.sum()), "grad_norm": float(w.grad.norm())}
 
 
+def long_tail_rows(rows: int, group: int = 8, seed: int = 0) -> list[list[int]]:
+    """``rows`` sequences (prompt + reference answer + EOS, the answer cut at 128 tokens) of the addition task on the
+    long tail (``data.max_digits=12 data.tail_alpha=0.5``), ``group`` per prompt, in the tiny tokenizer's ids."""
+    from megarl.data import encode
+    from megarl.data.addition import AdditionTask
+    from megarl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    out = []
+    for p in AdditionTask(12, 0.5, seed=seed, eval_size=0).next_problems(max(1, rows // group)):
+        answer = (encode(tok, p.response) + [tok.eos_token_id])[:128]
+        out.extend([encode(tok, p.prompt) + answer] * group)
+    return out[:rows]
+
+
 def trainer_throughput(steps: int, batch: int, seq: int) -> dict:
+    """Training tokens/s (forward + backward + Adam step) of the megatron-core trainer, padded and packed
+    (``trainer.packing``), and of a plain HF transformers model (rows padded to the longest, attention mask), on two
+    batches: ``batch`` × ``seq`` random tokens (equal lengths: no padding anywhere) and the long-tail batch. Steps are
+    interleaved (each repeat steps each trainer once) and the medians compared, per wall second and per CPU second of
+    the process; tokens are the rows' own."""
     from transformers import AutoModelForCausalLM
 
     from megarl.algo.batch import build_batch
@@ -69,32 +91,53 @@ def trainer_throughput(steps: int, batch: int, seq: int) -> dict:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         cfg = read_hf_config(path)
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(2, 17, (batch, seq), generator=g).tolist()
-        b = build_batch([t[:8] for t in tokens], [t[8:] for t in tokens])
-        trainer = PolicyTrainer(cfg, str(path), ps, OptimConfig(lr=1e-4, micro_batch_size=batch))
+        batches = {"equal": torch.randint(2, 17, (batch, seq), generator=g).tolist(),
+                   "long_tail": long_tail_rows(batch * 8)}
+        optim = OptimConfig(lr=1e-4, micro_batch_size=batch * 8)
+        trainers = {"megatron_padded": PolicyTrainer(cfg, str(path), ps, optim),
+                    "megatron_packed": PolicyTrainer(cfg, str(path), ps, optim, packing=True)}
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
-        ids = torch.tensor(tokens)
-        n_tokens = batch * (seq - 1)
-
-        def hf_step():
-            out = hf(ids[:, :-1])
-            logp = torch.log_softmax(out.logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-            (-logp.mean()).backward()
-            opt.step()
-            opt.zero_grad()
-
-        def mc_step():
-            trainer.train_step(b, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))
-
         result = {}
-        for name, fn in (("megatron", mc_step), ("hf", hf_step)):
-            fn()  # warm-up
-            start = time.perf_counter()
+        for name, rows in batches.items():
+            b = build_batch([t[:8] for t in rows], [t[8:] for t in rows])
+            width = max(len(t) for t in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            attention = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, t in enumerate(rows):
+                ids[i, :len(t)], attention[i, :len(t)] = torch.tensor(t), 1
+            real = attention[:, 1:].float()
+            n_tokens = int(real.sum())
+
+            def hf_step(ids=ids, attention=attention, real=real):
+                out = hf(ids[:, :-1], attention_mask=attention[:, :-1])
+                logp = torch.log_softmax(out.logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                (-(logp * real).sum() / real.sum()).backward()
+                opt.step()
+                opt.zero_grad()
+
+            steps_of = {n: (lambda t=t, b=b: t.train_step(b, lambda lp, mb: nll_loss(lp, mb["loss_mask"])))
+                        for n, t in trainers.items()}
+            steps_of["hf_padded"] = hf_step
+            times: dict[str, list[float]] = {n: [] for n in steps_of}
+            cpu: dict[str, list[float]] = {n: [] for n in steps_of}
+            for fn in steps_of.values():
+                fn()  # warm-up
             for _ in range(steps):
-                fn()
-            result[f"{name}_tokens_per_s"] = steps * n_tokens / (time.perf_counter() - start)
-        result["ratio_megatron_over_hf"] = result["megatron_tokens_per_s"] / result["hf_tokens_per_s"]
+                for n, fn in steps_of.items():
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    fn()
+                    times[n].append(time.perf_counter() - start)
+                    cpu[n].append(time.process_time() - start_cpu)
+            rate = {n: n_tokens / statistics.median(ts) for n, ts in times.items()}
+            per_cpu = {n: n_tokens / statistics.median(ts) for n, ts in cpu.items()}
+            result[name] = {"rows": len(rows), "tokens": n_tokens, "padded_positions": len(rows) * (width - 1),
+                            **{f"{n}_tokens_per_s": r for n, r in rate.items()},
+                            "packed_over_hf": rate["megatron_packed"] / rate["hf_padded"],
+                            "padded_over_hf": rate["megatron_padded"] / rate["hf_padded"],
+                            "packed_over_hf_per_cpu_s": per_cpu["megatron_packed"] / per_cpu["hf_padded"],
+                            "padded_over_hf_per_cpu_s": per_cpu["megatron_padded"] / per_cpu["hf_padded"],
+                            "step_s": times}
         return result
 
 
@@ -104,15 +147,30 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5, help="interleaved repeats (after one warm-up)")
+    p.add_argument("--batch", type=int, default=32, help="rows of the equal-length batch (the long tail: 8x)")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--throughput-only", action="store_true", help="skip the logprob memory figures")
     p.add_argument("--memory-only", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads (0: torch's default, what a user gets); 1 makes the per-CPU-second "
+                        "figures robust on a machine shared with other jobs (no thread waits on a busy core)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_only:
         print(json.dumps(peak_logprob_memory(args.memory_only, args.tokens, args.vocab, args.hidden, args.chunk)))
         return
-    print(json.dumps({"throughput": trainer_throughput(args.steps, args.batch, args.seq)}), flush=True)
+    load = os.getloadavg()[0]
+    throughput = trainer_throughput(args.steps, args.batch, args.seq)
+    print(json.dumps({"throughput": throughput, "load": [load, os.getloadavg()[0]], "threads": torch.get_num_threads()}),
+          flush=True)
+    for name, r in throughput.items():
+        print(f"{name}: {r['rows']} rows, {r['tokens']} tokens ({r['padded_positions']} padded): megatron packed "
+              f"{r['packed_over_hf']:.2f}x, padded {r['padded_over_hf']:.2f}x HF padded's tokens/s (per CPU second: "
+              f"{r['packed_over_hf_per_cpu_s']:.2f}x, {r['padded_over_hf_per_cpu_s']:.2f}x)")
+    if args.throughput_only:
+        return
     mem = {}
     for mode in ("naive", "chunked"):
         cmd = [sys.executable, __file__, "--memory-only", mode, "--tokens", str(args.tokens), "--vocab",

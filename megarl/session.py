@@ -200,7 +200,8 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
-                  transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision)
+                  transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision,
+                  packing=cfg.trainer.packing, max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
                            routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg)), **common)
     critic = reference = None

@@ -98,6 +98,7 @@ class TrainBatch:
     old_values: torch.Tensor | None = None  # critic values at rollout time
     returns: torch.Tensor | None = None  # value targets
     routes: torch.Tensor | None = None  # routing replay: experts per input position [N, T, MoE layers, k] (uint8)
+    lengths: torch.Tensor | None = None  # [N] input positions of each row (the rest is padding); None: all T
 
     @property
     def size(self) -> int:
@@ -121,6 +122,8 @@ class TrainBatch:
                 extra.zero_()
             if k == "routes":
                 extra.fill_(no_route(v.dtype))
+            if k == "lengths":
+                extra.zero_()
             return torch.cat([v, extra])
 
         return TrainBatch(**{k: pad(k, v) for k, v in self.as_dict().items()})
@@ -128,6 +131,8 @@ class TrainBatch:
     def pad_columns(self, n: int) -> "TrainBatch":
         """Append ``n`` label positions that count for nothing (zero mask and weight; positions continue)."""
         def pad(k, v):
+            if k == "lengths":
+                return v
             extra = torch.zeros(v.shape[0], n, *v.shape[2:], dtype=v.dtype)
             if k == "routes":
                 extra.fill_(no_route(v.dtype))
@@ -136,6 +141,10 @@ class TrainBatch:
             return torch.cat([v, extra], dim=1)
 
         return TrainBatch(**{k: pad(k, v) for k, v in self.as_dict().items()})
+
+    def row_lengths(self) -> list[int]:
+        """Input positions of each row (the batch's width where ``lengths`` is unknown)."""
+        return self.lengths.tolist() if self.lengths is not None else [self.seq_len] * self.size
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The fields that are set (optional ones left None are omitted)."""

@@ -51,7 +51,8 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logpro
             adv[i, start:start + len(r)] = float(advantages[i])
     weights = aggregation_weights(mask, loss_agg, norm_tokens)
     positions = torch.arange(width).unsqueeze(0).expand(n, -1).contiguous()
-    return TrainBatch(input_ids, positions, labels, mask, weights, old, adv)
+    lengths = torch.tensor([len(t) - 1 for t in full], dtype=torch.long)
+    return TrainBatch(input_ids, positions, labels, mask, weights, old, adv, lengths=lengths)
 
 
 def batch_routes(routes: list, width: int) -> torch.Tensor | None:

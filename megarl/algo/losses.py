@@ -43,7 +43,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
         "clip_frac": masked_mean((clipped < unclipped).float(), mask),
         "dual_clip_frac": masked_mean(dual, mask),
         "ratio_mean": masked_mean(ratio, mask),
-        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
     }
     return -objective * mask, metrics
 
@@ -77,11 +77,11 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
     loss = -per_token * mask
-    has = (mask.sum(dim=1) > 0).float()
     metrics = {
-        # sequences whose clip is active (the clipped branch is the min: no gradient), as PPO-clip's clip_frac
-        "clip_frac": (clipped < s * a).float().mul(has).sum() / has.sum().clamp(min=1),
-        "ratio_mean": (s * has).sum() / has.sum().clamp(min=1),
+        # the loss tokens of sequences whose clip is active (the clipped branch is the min: no gradient), and the
+        # sequence ratio, as token means like every metric: the same however the rows are cut into micro-batches
+        "clip_frac": masked_mean((clipped < s * a).float().unsqueeze(1).expand_as(mask), mask),
+        "ratio_mean": masked_mean(s.unsqueeze(1).expand_as(mask), mask),
     }
     return loss, metrics
 
@@ -120,7 +120,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         return 0.5 * log_r**2
     if kind == "k3":
         log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(-log_r) - 1 + log_r
+        return torch.expm1(-log_r) + log_r  # (expm1: no fp32 cancellation in exp(x) − 1 for the small x it sees)
     raise ValueError(f"unknown KL estimator {kind!r}; valid: 'k1', 'k2', 'k3'")
 
 

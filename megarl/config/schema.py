@@ -346,6 +346,14 @@ class TrainerConfig:
     cpu_threads: int = 0
     """Compute threads of each trainer rank (0: megarl chooses: the node's cores split between its ranks, and with
     the replicas while generation runs beside training; see docs/cluster.md)."""
+    packing: bool = True
+    """Lay each micro-batch's sequences end to end (position ids restarting, attention within each sequence), so the
+    forward holds no padding beyond what the layout needs (a multiple of TP under sequence parallelism, one length
+    per step under PP); false: every row padded to the batch's longest. Same objective either way."""
+    max_tokens_per_microbatch: int = 0
+    """Token-balanced micro-batches (needs ``packing``): at most this many tokens each, rows spread over DP ranks
+    with equal token loads and micro-batch counts; 0: off (``optim.micro_batch_size`` rows each). At least
+    ``engine.max_model_len`` − 1, the longest row a rollout can give."""
 
 
 @dataclass

@@ -5,7 +5,8 @@
 
 ``--model`` is a local checkpoint directory or ``config.json`` (nothing is downloaded; ``examples/models/`` holds
 the shapes of the example models). Memory is sized at the config's sequence length and batch
-(``engine.max_model_len``, ``optim.micro_batch_size``, ``engine.slots``, the rollout's sequences): without
+(``engine.max_model_len``, ``optim.micro_batch_size`` or ``trainer.max_tokens_per_microbatch``, ``engine.slots``, the
+rollout's sequences): without
 ``--config`` and those keys, the schema defaults, i.e. the tiny CPU demo's 256-token sequences; give yours with
 ``--config FILE`` or ``key=value``. When no layout fits, the closest is shown and the plan says what would fit.
 
@@ -24,8 +25,9 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
 - activations (no recompute; megarl's trainer does not recompute): per layer and token,
   w·(2h + 2·q + 2·kv) for attention, w·(h + 3f) for a dense MLP and
   w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
-  norms' 3h stay whole), times
-  micro_batch_size · max_model_len tokens, times all layers (1F1B keeps PP microbatches of
+  norms' 3h stay whole), times the tokens of a micro-batch — ``trainer.max_tokens_per_microbatch`` when packed
+  micro-batches are balanced by tokens (at most that many each), else micro_batch_size · max_model_len (rows of the
+  longest length, packed or not) —, times all layers (1F1B keeps PP microbatches of
   L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps only w·h per layer.
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
 - vLLM: all weights · w / engine TP (TP < world: world/TP replicas, each holding the whole model);
@@ -217,7 +219,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
             per_token += h + 3 * hf["intermediate_size"]
     # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
     replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
-    tokens = cfg.optim.micro_batch_size * cfg.engine.max_model_len
+    tokens = microbatch_tokens(cfg)
     inflight = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
     act = ((per_token - replicated) / lay.tp + replicated) * tokens * w * inflight
     act_recompute = layers * h * tokens * w / lay.tp * inflight
@@ -242,6 +244,16 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     parts["kv_cache_sequences"] = kv["sequences"]
     parts["kv_cache_sequences_held"] = kv["held"]
     return parts
+
+
+def microbatch_tokens(cfg: RunConfig) -> int:
+    """The tokens of one trainer micro-batch activations are sized at: ``trainer.max_tokens_per_microbatch`` (a
+    packed micro-batch holds at most that many, padding aside), else ``optim.micro_batch_size`` rows of
+    ``engine.max_model_len`` (the worst case, packed or padded)."""
+    t = cfg.trainer
+    if t.packing and t.max_tokens_per_microbatch:
+        return t.max_tokens_per_microbatch
+    return cfg.optim.micro_batch_size * cfg.engine.max_model_len
 
 
 def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
@@ -350,12 +362,15 @@ def route_bytes(hf: dict, cfg: RunConfig) -> dict:
 
 
 SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",
-               "rollout.samples_per_prompt", "engine.kv_cache_gib")
-"""The settings activations and the KV cache are sized at (the plan prints them)."""
+               "rollout.samples_per_prompt", "engine.kv_cache_gib", "trainer.max_tokens_per_microbatch")
+"""The settings activations and the KV cache are sized at (the plan prints them; the token budget when set)."""
 
 
 def sizing(cfg: RunConfig) -> dict:
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SIZING_KEYS}
+    out = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SIZING_KEYS}
+    if not (cfg.trainer.packing and out["trainer.max_tokens_per_microbatch"]):
+        out.pop("trainer.max_tokens_per_microbatch")
+    return out
 
 
 def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,

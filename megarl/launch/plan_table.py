@@ -31,6 +31,12 @@ def amount(x_gib: float, res: dict, width: int = 0) -> str:
     return f"{x_gib * unit_of(res)[1]:>{width}.2f}"
 
 
+def _batch_key(res: dict) -> str:
+    """The key that sizes a micro-batch's activations (``plan.microbatch_tokens``)."""
+    budget = "trainer.max_tokens_per_microbatch"
+    return budget if res["sized_at"].get(budget) else "optim.micro_batch_size"
+
+
 def kv_note(res: dict) -> str:
     """engine.kv_cache_gib (the row's value) against what the rollout's sequences need at engine.max_model_len."""
     want, held, need = res["kv_cache_sequences"], res["kv_cache_sequences_held"], res["kv_cache_needed"]
@@ -77,12 +83,12 @@ def format_table(res: dict) -> str:
     if not res["proposed"] and not res["fits"]:
         lines.append("this layout does not fit at these sizes. "
                      + (f"Would fit: {'; '.join(res['would_fit'])}; or" if res.get("would_fit") else "Try")
-                     + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
+                     + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}")
     if res["proposed"] and not res["fits"]:
         lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} fits in "
                      f"{res['gpu_mem_gib']:g} GiB per {per} at these sizes; the one shown is the closest. "
                      + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
                         f"None fits with trainer.precision=bf16 or up to --nodes {16 * res['nodes']} either; try")
-                     + " a shorter engine.max_model_len or a smaller optim.micro_batch_size")
+                     + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}")
     lines.append("settings  " + " ".join(res["overrides"]))
     return "\n".join(lines)

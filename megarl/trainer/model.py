@@ -140,8 +140,10 @@ def stage_layers(cfg: dict, ps: ParallelState, vp_stage: int = 0) -> list[int]:
 
 
 def _local_spec(tcfg, moe: bool):
-    """megatron's local layer spec (dense or MoE) with ``TorchNorm`` norms."""
+    """megatron's local layer spec (dense or MoE) with ``TorchNorm`` norms and attention that takes packed rows."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megarl.trainer.packed_attention import PackedDotProductAttention  # (megatron's class, subclassed)
 
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts if moe else None,
@@ -151,6 +153,7 @@ def _local_spec(tcfg, moe: bool):
     )
     sub = spec.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = TorchNorm
+    sub.self_attention.submodules.core_attention = PackedDotProductAttention  # + packed rows (trainer.packing)
     if tcfg.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = QKTorchNorm
     return spec

@@ -15,12 +15,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.algo.packing import PackedLayout, pack, plan_microbatches, unpack
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
+from megarl.trainer.packed import (
+    gather_pieces,
+    packed_routes,
+    packed_seq_params,
+    recorded_pieces,
+    rows_to_batch,
+    step_metrics,
+)
 from megarl.trainer.routing import (
     RouteStats,
     assemble_recorded,
@@ -76,12 +85,17 @@ class PolicyTrainer:
     ``precision='bf16'`` is megatron's mixed precision: the model's weights and activations in bf16, gradients
     accumulated and reduced in fp32 (DDP's buffers), fp32 main parameters and Adam state in the optimizer (the
     distributed optimizer shards them), each step's result cast back into the bf16 weights. Logits are bf16 (as an
-    engine's are), their log-softmax, the loss and the advantages fp32."""
+    engine's are), their log-softmax, the loss and the advantages fp32.
+
+    ``packing``: each micro-batch is its rows laid end to end (``algo/packing.py``, megatron's ``thd`` path),
+    ``micro_batch_size`` rows each or, with ``max_tokens_per_microbatch``, by tokens (``trainer.*`` keys; the class
+    default is unpacked, the config's packed)."""
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
                  trainable: bool = True, entropy: bool = False, fp8: str = "",
-                 transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none") -> None:
+                 transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none",
+                 packing: bool = False, max_tokens_per_microbatch: int = 0) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -96,6 +110,8 @@ class PolicyTrainer:
         self.precision, self.dtype = precision, getattr(torch, PRECISION_DTYPES[precision])
         self.hf_cfg, self.ps, self.optim_cfg, self.temperature = hf_cfg, ps, optim, temperature
         self.head, self.entropy = head, entropy
+        # trainer.packing: micro-batches of rows laid end to end (algo/packing.py), by tokens when max_tokens is set
+        self.packing, self.max_tokens = packing, max_tokens_per_microbatch
         moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
@@ -189,6 +205,16 @@ class PolicyTrainer:
             batch = batch.pad_columns(self.ps.tp - batch.seq_len % self.ps.tp)
         return batch
 
+    def _plan(self, batch: TrainBatch) -> list[list[PackedLayout]]:
+        """Every DP rank's packed micro-batches (``algo/packing.py``) shaped for the layout: a multiple of TP
+        positions under sequence parallelism; one length under PP (equal p2p shapes) and under megatron's
+        all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches under virtual stages."""
+        ps = self.ps
+        same = ps.pp > 1 or (ps.ep > 1 and self.tcfg.moe_token_dispatcher_type == "allgather")
+        return plan_microbatches(batch.row_lengths(), ps.dp, self.optim_cfg.micro_batch_size, self.max_tokens,
+                                 multiple=ps.tp if ps.sequence_parallel else 1, equal_length=same,
+                                 count_multiple=ps.pp if ps.vpp > 1 else 1)
+
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size
         return [batch.slice(i, i + mbs).as_dict() for i in range(0, batch.size, mbs)]
@@ -196,8 +222,15 @@ class PolicyTrainer:
     def _run(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batch = self._local(batch)
-        mbs = self._microbatches(batch)
+        if self.packing:  # this rank's rows laid end to end, one sequence per micro-batch
+            mine = self._plan(batch)[self.ps.dp_rank]
+            fields = batch.as_dict()
+            mbs = [pack(fields, layout) for layout in mine]
+            seq_length, rows_per_mb = max(layout.padded for layout in mine), 1
+        else:
+            batch = self._local(batch)
+            mbs = self._microbatches(batch)
+            seq_length, rows_per_mb = batch.seq_len, min(self.optim_cfg.micro_batch_size, batch.size)
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
         chunk = self.chunk
@@ -216,7 +249,8 @@ class PolicyTrainer:
                 stats.microbatch = passes[id(model)] = passes.get(id(model), -1) + 1
                 set_targets(taps, mb.pop("routes", None), self.routing_replay != "none", stats, self.ps.tp_rank,
                             self.ps.tp, self.ps.sequence_parallel)
-            output = model(mb["input_ids"], mb["position_ids"], None)
+            packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
+            output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed)
 
             def loss_func(logits):
                 if head == "value":
@@ -227,13 +261,20 @@ class PolicyTrainer:
                     out = token_logprobs(logits, mb["labels"], temperature)
                     if with_entropy:
                         mb["entropy"] = token_entropy(logits, temperature, self.ps.tp_group if self.ps.tp > 1 else None)
-                if loss_fn is None:  # forward only: hand the logprobs (or values) back
-                    return torch.zeros((), requires_grad=False), {"logprobs": out.detach().cpu()}
+                if packed is not None:  # each row's span of the pack: the loss reads rows, as unpacked
+                    out = unpack(out, mb)
+                    if "entropy" in mb:
+                        mb["entropy"] = unpack(mb["entropy"], mb)
+                if loss_fn is None:  # forward only: hand the logprobs (or values) back, with their batch rows
+                    back = {"logprobs": out.detach().cpu()}
+                    if packed is not None:
+                        back["rows"] = mb["rows"].cpu()
+                    return torch.zeros((), requires_grad=False), back
                 per_token, metrics = loss_fn(out, mb)
                 loss = (per_token * mb["weights"]).sum() * scale
                 report = {k: v.detach().float() for k, v in metrics.items()}
                 report["loss_sum"] = loss.detach() / scale
-                report["has_tokens"] = (mb["weights"] != 0).any()  # padding microbatches report nothing
+                report["tokens"] = mb["loss_mask"].sum()  # metrics are token means: padding counts for nothing
                 return loss, report
 
             return output, loss_func
@@ -245,8 +286,8 @@ class PolicyTrainer:
                 data_iterator=[iter(mbs) for _ in self.chunks] if self.ps.vpp > 1 else iter(mbs),
                 model=self.chunks,
                 num_microbatches=len(mbs),
-                seq_length=batch.seq_len,
-                micro_batch_size=min(self.optim_cfg.micro_batch_size, batch.size),
+                seq_length=seq_length,
+                micro_batch_size=rows_per_mb,
                 forward_only=forward_only,
             )
         finally:
@@ -266,14 +307,18 @@ class PolicyTrainer:
         return box[0]
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank."""
+        """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank (packed: 0 past
+        each row's length; unpacked: whatever the padding scored; masked out by every caller)."""
         for c in self.chunks:
             c.eval()
         out = self._run(batch, None, forward_only=True)
         for c in self.chunks:
             c.train()
         local = None
-        if self.ps.is_last_stage:
+        if self.ps.is_last_stage and self.packing:  # each micro-batch's rows, from every DP rank
+            pieces = gather_pieces([(o["rows"], o["logprobs"]) for o in out], self.ps.dp_group if self.ps.dp > 1 else None)
+            local = rows_to_batch(pieces, batch.size, batch.seq_len)
+        elif self.ps.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)
             if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
                 # without the rows ``_local`` padded for the pipeline schedule (else the next rank's rows are lost)
@@ -294,8 +339,12 @@ class PolicyTrainer:
             self.logprobs(batch)
         finally:
             self.routing_replay = saved
+        k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
+        if self.packing:  # each packed micro-batch's routes, back in rows
+            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1)
+            return packed_routes(self._plan(batch), pieces, batch.size, batch.seq_len, len(self.route_columns), k,
+                                 self.ps.tp)
         local = self._local(batch)
-        split = self.ps.sequence_parallel and self.ps.tp > 1
         seq_local = local.seq_len // self.ps.tp if split else local.seq_len
         mine = {}
         for chunk_taps in self.taps.values():
@@ -305,7 +354,6 @@ class PolicyTrainer:
         pieces = [None] * dist.get_world_size() if dist.is_initialized() else [piece]
         if dist.is_initialized():
             dist.all_gather_object(pieces, piece)
-        k = self.tcfg.moe_router_topk
         return assemble_recorded(pieces, batch.size, batch.seq_len, len(self.route_columns), k)
 
     def grad_buffers(self) -> list[torch.Tensor]:
@@ -328,17 +376,7 @@ class PolicyTrainer:
             self.updates += bool(ok)
         metrics: dict[str, float] = {"grad_norm": float(grad_norm or 0.0), "skipped": float(not ok)}
         if out:
-            metrics["loss"] = float(sum(o["loss_sum"] for o in out))
-            real = [o for o in out if o["has_tokens"]] or out
-            for key in out[0]:
-                if key not in ("loss_sum", "has_tokens"):
-                    metrics[key] = float(sum(o[key] for o in real) / len(real))
-            if self.ps.dp > 1:  # the loss is a sum over the DP ranks' rows; the other metrics are means
-                keys = sorted(k for k in metrics if k not in ("grad_norm", "skipped"))
-                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-                torch.distributed.all_reduce(values, group=self.ps.dp_group)
-                for k, v in zip(keys, values.tolist()):
-                    metrics[k] = v if k == "loss" else v / self.ps.dp
+            metrics.update(step_metrics(out, self.ps.dp_group if self.ps.dp > 1 else None, self.device))
         metrics = self._from_last_stage(metrics)
         if batch.routes is not None:  # measured on every rank, over every rank
             metrics.update(self.route_stats)

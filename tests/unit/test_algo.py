@@ -453,3 +453,21 @@ def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     assert out["mismatch/abs_max"] == pytest.approx(math.log(4)) and out["mismatch/kl"] > 0
     tis = build_batch([[5, 6]], [[7, 8, 9, 10, 11]], [BEHAVIOUR[0].tolist()], [1.0])
     assert "mismatch/masked_token_frac" not in proximal_correction(prox, tis, "token", AlgoConfig(tis="token"))
+
+
+def test_k3_estimates_keep_their_precision_for_small_log_ratios():
+    """k3 = e^x − 1 − x at the small |x| of a near-on-policy step: computed through expm1, fp32 keeps ~1e-6 of it
+    (through exp(x) − 1 a relative error of ~1e-3 at x = 1e-2: the packed and padded runs' metrics then differed by
+    1e-4 from rounding alone)."""
+    from megarl.algo.losses import kl_penalty, mismatch_metrics, ppo_clip_loss
+
+    x64 = torch.linspace(-3e-2, 3e-2, 101, dtype=torch.float64).unsqueeze(0)
+    exact = (torch.expm1(x64) - x64).mean()
+    x = x64.float()
+    zeros, ones = torch.zeros_like(x), torch.ones_like(x)
+    _, metrics = ppo_clip_loss(x, zeros, ones, ones, 0.2, 0.2)
+    assert float(metrics["approx_kl"]) == pytest.approx(float(exact), rel=1e-5)
+    each, big = torch.expm1(x64) - x64, x64.abs() >= 5e-3  # k3 of every token with |x| ≥ 5e-3: each within 1e-4
+    error = (kl_penalty(zeros, x, "k3").double() - each).abs() / each.clamp(min=1e-12)
+    assert error[big].max() < 1e-4  # (through exp(x) − 1: up to 5e-3)
+    assert float(mismatch_metrics(x, zeros, ones)["mismatch/kl"]) == pytest.approx(float(exact), rel=1e-5)

@@ -399,3 +399,20 @@ def test_the_plan_states_what_moe_routes_add_per_token_and_per_step():
     assert r["gib_per_step"] == pytest.approx(752 * 64 * 16 * 8192 / GIB)
     assert route_bytes(MIXTRAL_8X7B, cfg)["bytes_per_token"] == 32 * 2
     assert route_bytes(QWEN25_32B, cfg) == {}
+
+
+def test_a_token_budget_sizes_the_activations_by_tokens_per_micro_batch(capsys, tmp_path):
+    """Packed micro-batches of at most trainer.max_tokens_per_microbatch tokens: the activations scale with that
+    budget instead of micro_batch_size × max_model_len, and the plan says what it sized at."""
+    job = ["parallel.tp=8", "parallel.sequence_parallel=true", "engine.tensor_parallel_size=8",
+           "engine.kv_cache_gib=16", "optim.micro_batch_size=4"]
+    rows = _plan(QWEN25_32B, 1, 8, 141, job)["memory_gib_per_gpu"]["activations"]
+    budget = _plan(QWEN25_32B, 1, 8, 141, [*job, "trainer.max_tokens_per_microbatch=8192"])
+    assert budget["memory_gib_per_gpu"]["activations"] == pytest.approx(rows * 8192 / (4 * 4096))
+    assert budget["sized_at"]["trainer.max_tokens_per_microbatch"] == 8192
+    assert "trainer.max_tokens_per_microbatch" not in _plan(QWEN25_32B, 1, 8, 141, job)["sized_at"]
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN25_32B))
+    assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *job,
+                 "trainer.max_tokens_per_microbatch=8192"]) in (0, 1)
+    assert "trainer.max_tokens_per_microbatch=8192" in capsys.readouterr().out

@@ -55,6 +55,23 @@ def check_engine_sizes(cfg: RunConfig) -> None:
         raise ConfigError(f"engine.kv_cache_gib must be > 0, got {e.kv_cache_gib}")
 
 
+def check_microbatch_tokens(cfg: RunConfig) -> None:
+    """``trainer.max_tokens_per_microbatch`` against packing and the longest row: a rollout's row feeds prompt +
+    response less its last token (a label only), at most ``engine.max_model_len`` − 1 positions, and a row longer
+    than the budget fits in no micro-batch."""
+    t, longest = cfg.trainer, cfg.engine.max_model_len - 1
+    if t.max_tokens_per_microbatch < 0:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch must be >= 0 (0: off), got {t.max_tokens_per_microbatch}")
+    if t.max_tokens_per_microbatch and not t.packing:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} balances packed "
+                          "micro-batches: set trainer.packing=true, or trainer.max_tokens_per_microbatch=0 (then "
+                          "optim.micro_batch_size rows each)")
+    if 0 < t.max_tokens_per_microbatch < longest:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is less than the longest "
+                          f"row a rollout can give (engine.max_model_len {cfg.engine.max_model_len} − 1 = {longest} "
+                          f"positions), which would fit in no micro-batch: set it to at least {longest}")
+
+
 def check_local_engine_memory(cfg: RunConfig, local_processes: int = 1) -> None:
     """``engine.kv_cache_gib`` against the memory available on this machine, for vLLM's CPU engine (``megarl
     train``/``eval`` before launching ``local_processes`` processes here; not ``megarl plan``, which sizes other

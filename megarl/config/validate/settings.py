@@ -14,7 +14,7 @@ from megarl.config.loader import check_choices
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import validate_algo
 from megarl.config.validate.layout import check_world_layout, validate_replica_nodes
-from megarl.config.validate.limits import check_engine_sizes, check_ranges, cuda_available
+from megarl.config.validate.limits import check_engine_sizes, check_microbatch_tokens, check_ranges, cuda_available
 from megarl.config.validate.model import check_model_fits
 
 MAX_OVERSUBSCRIPTION = 64.0
@@ -38,6 +38,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
     _validate_data_reward_eval(cfg)
     check_ranges(cfg)
     check_engine_sizes(cfg)
+    check_microbatch_tokens(cfg)
     if hf_config is not None:
         check_model_fits(cfg, hf_config, here)
 

@@ -1,0 +1,100 @@
+"""The trainer's side of packed micro-batches (``trainer.packing``): megatron's packed-sequence parameters of a
+micro-batch, its rows' outputs put back in the batch, and the routes a packed forward recorded (R2) as rows.
+
+The micro-batches themselves are data (``megarl/algo/packing.py``): which rows, where each sits in the pack. A
+packed micro-batch runs through megatron's ``thd`` path (``PackedSeqParams``; on the local layer spec
+``trainer/packed_attention.py``), batch dimension 1; its logprobs (values, entropy) come back to the rows by the
+same spans before the loss sees them, so every loss and metric reads rows as it does unpacked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.packing import PackedLayout
+from megarl.types import no_route
+
+
+def packed_seq_params(mb: dict):
+    """megatron's ``PackedSeqParams`` (``thd``) of a packed micro-batch (``algo.packing.pack``), with the rows'
+    grouping the local spec's attention reads (``packed_attention.RowGroups``; TE's attention ignores it)."""
+    from megarl.trainer.packed_attention import RowGroups, RowPackedSeqParams  # (megatron's class, subclassed)
+
+    cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
+    return RowPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest, row_groups=RowGroups.of(cu.tolist()))
+
+
+def rows_to_batch(pieces: list[tuple[torch.Tensor, torch.Tensor]], size: int, seq_len: int) -> torch.Tensor:
+    """(batch rows, their values [rows, w]) of every micro-batch → [size, seq_len] (0 where no row reached)."""
+    out = torch.zeros(size, seq_len)
+    for rows, values in pieces:
+        if len(rows):
+            out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+def gather_pieces(pieces: list, group) -> list:
+    """Every data-parallel rank's pieces, on every rank of ``group`` (all of them when the group has one rank)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return pieces
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, pieces, group=group)
+    return [p for part in everyone for p in part]
+
+
+def packed_routes(plan: list[list[PackedLayout]], pieces: list[tuple], rows: int, seq_len: int, layers: int,
+                  k: int, tp: int) -> torch.Tensor:
+    """What every rank's route taps recorded in one packed forward pass, as [rows, seq_len, layers, k].
+
+    ``pieces``: each rank's ``(dp rank, tp rank or -1 without sequence parallelism, {column: [per micro-batch
+    [positions held, k]]})`` (pipeline stages hold their own columns); a micro-batch's positions are split in ``tp``
+    equal chunks under sequence parallelism. Positions no row owns (padding) are dropped."""
+    dtype = next((ids.dtype for *_, columns in pieces for parts in columns.values() for ids in parts), torch.uint8)
+    out = torch.full((rows, seq_len, layers, k), no_route(dtype), dtype=dtype)
+    for dp_rank, tp_rank, columns in pieces:
+        for column, parts in columns.items():
+            for layout, ids in zip(plan[dp_rank], parts):
+                first = 0 if tp_rank < 0 else tp_rank * (layout.padded // tp)
+                for row, start, n in zip(layout.rows, layout.cu_seqlens(), layout.lengths):
+                    lo, hi = max(start, first), min(start + n, first + ids.shape[0])
+                    if lo < hi:
+                        out[row, lo - start:hi - start, column] = ids[lo - first:hi - first]
+    return out
+
+
+def recorded_pieces(taps: dict, dp_rank: int, tp_rank: int) -> list[tuple]:
+    """Every rank's ``(dp rank, tp rank or -1, {column: what its taps recorded, per micro-batch})``, gathered from
+    all ranks (a collective); the taps stop recording."""
+    columns = {}
+    for chunk_taps in taps.values():
+        for tap in chunk_taps:
+            columns[tap.column] = list(tap.recorded or [])
+            tap.recorded = None
+    piece = (dp_rank, tp_rank, columns)
+    if not dist.is_initialized():
+        return [piece]
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, piece)
+    return pieces
+
+
+def step_metrics(out: list[dict], dp_group=None, device=None) -> dict[str, float]:
+    """A step's loss (a sum over every micro-batch and DP rank) and each metric as a mean over the step's loss
+    tokens: micro-batch means weighted by their ``tokens``, so the figure is the same however the rows were cut
+    into micro-batches (packed or not, by rows or by tokens), and padding micro-batches count for nothing (plain
+    means where no micro-batch has a token)."""
+    keys = sorted(k for k in out[0] if k not in ("loss_sum", "tokens"))
+    n = torch.tensor([float(o["tokens"]) for o in out], dtype=torch.float64)
+    values = torch.tensor([[float(o[k]) for k in keys] for o in out], dtype=torch.float64).reshape(len(out), -1)
+    totals = torch.tensor([float(n.sum()), len(out), float(sum(o["loss_sum"] for o in out))], dtype=torch.float64)
+    sums = torch.cat([(values * n[:, None]).sum(0), values.sum(0), totals])
+    if dp_group is not None:  # (NCCL reduces device tensors only)
+        sums = sums.to(device) if device is not None else sums
+        dist.all_reduce(sums, group=dp_group)
+    sums = sums.cpu().tolist()
+    weighted, plain, (tokens, count, loss) = sums[:len(keys)], sums[len(keys):2 * len(keys)], sums[-3:]
+    metrics = {k: (w / tokens if tokens else p / count) for k, w, p in zip(keys, weighted, plain)}
+    metrics["loss"] = loss
+    return metrics
