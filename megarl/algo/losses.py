@@ -105,7 +105,7 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ma
         # tokens whose weight the clip bounds (they keep a gradient, unlike PPO-clip's clip_frac)
         "clip_frac": masked_mean(((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(), mask),
         "ratio_mean": masked_mean(ratio, mask),
-        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3 estimate of KL(old ‖ new)
     }
     return -weight * adv * logp * mask, metrics
 
