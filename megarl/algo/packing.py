@@ -21,7 +21,7 @@ Assignment (``plan_microbatches``), computed alike on every rank from the whole 
   micro-batches of ≤ M tokens that longest-first, least-loaded placement (LPT) finds; every rank then builds the
   most any rank needs (equal micro-batch counts: pipeline schedules, expert-parallel collectives), re-balanced.
 
-Invariants (tests/unit/test_packing.py): every row with a position is in exactly one micro-batch; a micro-batch
+Invariants (tests/unit/test_packing_layout.py): every row with a position is in exactly one micro-batch; a micro-batch
 holds ≤ M real tokens; every rank has the same number of micro-batches (a multiple of ``count_multiple``); each
 micro-batch's length is a multiple of ``multiple`` and, with ``equal_length``, the same on every rank.
 """
