@@ -33,7 +33,7 @@ import time
 
 import torch
 
-TASKS = {"demo": dict(max_digits=6, tail_alpha=1.0, max_new_tokens=80),
+TASKS = {"demo": dict(max_digits=4, tail_alpha=1.0, max_new_tokens=80),  # configs/demo.yaml
          "long_tail": dict(max_digits=12, tail_alpha=0.5, max_new_tokens=128)}
 
 

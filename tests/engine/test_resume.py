@@ -249,7 +249,7 @@ def test_bad_checkpoint_settings_are_config_errors(override, message):
 def test_deterministic_refuses_a_wall_clock_limit():
     from megarl.config import ConfigError, load_config, validate
 
-    cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.deterministic=true"])  # the demo has time_limit_s: 420
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.deterministic=true"])  # the demo has time_limit_s: 600
     with pytest.raises(ConfigError, match="train.deterministic=true needs train.time_limit_s=0"):
         validate(cfg, 1)
 
