@@ -7,12 +7,13 @@ the long tail (``data.max_digits=12 data.tail_alpha=0.5 rollout.max_new_tokens=1
 batches are real: a short ``megarl train`` of the demo per task (``--warmup`` supervised steps, then ``--rl-steps`` RL
 steps with the task's settings, ``rollout.mode`` as given) records the samples of its last RL step, which the trainers
 then take. Without it: the task's prompts with their reference answers (what the warm-up teaches, cut at
-``rollout.max_new_tokens``; the same length for a group's 8 samples, where a policy's vary). Three trainers from the same weights take GRPO steps on it in turn, repeat after
-repeat: padded (``trainer.packing=false``: every row padded to the batch's longest), packed by rows (the default:
-64 rows a micro-batch laid end to end) and packed by tokens (``trainer.max_tokens_per_microbatch``). Trained tokens
-are the rows' own (prompt + response − 1 each); the figure is the median over repeats of each trainer's step time,
-as tokens per second and as a ratio to padded, and the same per CPU second of the process (``time.process_time``:
-less moved by other jobs on a shared machine). Torch's default threads (what a user gets).
+``rollout.max_new_tokens``; the same length for a group's 8 samples, where a policy's vary). Three trainers from the
+same weights take GRPO steps on it in turn, repeat after repeat: padded (``trainer.packing=false``: every row padded to
+the batch's longest), packed by rows (the default: 64 rows a micro-batch laid end to end) and packed by tokens
+(``trainer.max_tokens_per_microbatch``). Trained tokens are the rows' own (prompt + response − 1 each); the figure is
+the median over repeats of each trainer's step time, as tokens per second and as a ratio to padded, and the same per CPU
+second of the process (``time.process_time``: less moved by other jobs on a shared machine). Torch's default threads
+(what a user gets).
 
     .venv/bin/python bench/packing.py [--repeats 5] [--max-tokens 4096] [--tasks demo,long_tail] [--threads 1]
                                       [--rollouts [--warmup 100] [--rl-steps 3] [--mode partial]]

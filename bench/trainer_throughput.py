@@ -163,8 +163,8 @@ def main() -> None:
         return
     load = os.getloadavg()[0]
     throughput = trainer_throughput(args.steps, args.batch, args.seq)
-    print(json.dumps({"throughput": throughput, "load": [load, os.getloadavg()[0]], "threads": torch.get_num_threads()}),
-          flush=True)
+    print(json.dumps({"throughput": throughput, "load": [load, os.getloadavg()[0]],
+                      "threads": torch.get_num_threads()}), flush=True)
     for name, r in throughput.items():
         print(f"{name}: {r['rows']} rows, {r['tokens']} tokens ({r['padded_positions']} padded): megatron packed "
               f"{r['packed_over_hf']:.2f}x, padded {r['padded_over_hf']:.2f}x HF padded's tokens/s (per CPU second: "

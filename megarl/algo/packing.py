@@ -116,7 +116,8 @@ def _token_bins(rows: list[int], lengths: dict[int, int], cap: int) -> list[list
 
 
 def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1, max_tokens: int = 0,
-                      multiple: int = 1, equal_length: bool = False, count_multiple: int = 1) -> list[list[PackedLayout]]:
+                      multiple: int = 1, equal_length: bool = False,
+                      count_multiple: int = 1) -> list[list[PackedLayout]]:
     """Per data-parallel rank, its packed micro-batches (see the module docstring). Rows of length 0 carry no
     position and are left out; a row longer than ``max_tokens`` raises, naming the key."""
     known = {i: int(n) for i, n in enumerate(lengths) if n > 0}

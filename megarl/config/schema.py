@@ -18,7 +18,8 @@ class ModelConfig:
     path: str = "runs/tiny_moe/model"
     """HF checkpoint directory (config.json, *.safetensors, tokenizer) of the policy."""
     make_tiny: Literal["", "qwen3_moe", "qwen2", "mixtral", "qwen2_moe"] = ""
-    """If set ('qwen3_moe', 'qwen2', 'mixtral', 'qwen2_moe') and ``path`` holds no checkpoint, create a tiny one there."""
+    """If set ('qwen3_moe', 'qwen2', 'mixtral', 'qwen2_moe') and ``path`` holds no checkpoint, create a tiny one
+    there."""
     seed: int = 0
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
     fp8: Literal["", "delayed", "tensorwise", "blockwise", "mxfp8"] = ""
@@ -67,7 +68,8 @@ class DataConfig:
     chat_template: str = "auto"
     """'auto' (the tokenizer's chat template, plain text if it has none), 'none' (plain text), or a Jinja file path."""
     max_prompt_tokens: int = 0
-    """Drop prompts longer than this many tokens, counted as data/prompts_too_long (0: max_model_len − max_new_tokens)."""
+    """Drop prompts longer than this many tokens, counted as data/prompts_too_long
+    (0: max_model_len − max_new_tokens)."""
     shuffle: bool = True
     """Shuffle the dataset each epoch (seeded by ``seed`` and the epoch)."""
     on_bad_row: Literal["skip", "error"] = "skip"
@@ -114,11 +116,14 @@ class RolloutConfig:
     max_update_groups: int = 0
     """Most groups one step trains (0: prompts_per_step); a phase still ends at prompts_per_step useful groups."""
     long_rounds: bool = True
-    """On-policy starvation guard: tail batching (prompts discarded max_discards times run in a long round of their own); false: drain them in a pinned phase."""
+    """On-policy starvation guard: tail batching (prompts discarded max_discards times run in a long round of
+    their own); false: drain them in a pinned phase."""
     buffer_samples: int = 0
-    """SortedRL admission budget: unfinished samples live at most while admitting for free slots (0: one per free slot)."""
+    """SortedRL admission budget: unfinished samples live at most while admitting for free slots
+    (0: one per free slot)."""
     long_round_groups: int = 0
-    """On-policy long rounds: long-queue prompts per round, topped up with new ones (0: prompts_per_step; fewer: shorter rounds, more bubble)."""
+    """On-policy long rounds: long-queue prompts per round, topped up with new ones (0: prompts_per_step;
+    fewer: shorter rounds, more bubble)."""
     overlap: Literal["none", "one_step", "async"] = "none"
     """Generation beside training (disaggregated engines): 'none' (they take turns), 'one_step' (the next phase is
     generated with the previous weights while this batch trains; staleness 1), 'async' (engines never wait: batches
@@ -133,7 +138,8 @@ class EngineConfig:
     """KV cache per engine worker (each tensor-parallel rank of an engine) in GiB; vLLM reserves exactly this
     (vLLM's CPU default would take ~10 GiB; on a GPU, instead of its default 90% of the memory)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP colocated replicas."""
+    """vLLM tensor-parallel size; divides the world: TP = world is one engine, TP < world gives world/TP
+    colocated replicas."""
     slots: int = 256
     """Concurrent sequences per engine (vLLM max_num_seqs); the controller never exceeds it."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -141,17 +147,21 @@ class EngineConfig:
     replicas: int = 1
     """Disaggregated engine replicas, each with its own tensor parallelism, fed by one shared pull queue."""
     replica_devices: str = ""
-    """Disaggregated on GPUs: CUDA device ids on each hosting node for its replicas ('4,5,6,7': replicas/node × TP of them)."""
+    """Disaggregated on GPUs: CUDA device ids on each hosting node for its replicas
+    ('4,5,6,7': replicas/node × TP of them)."""
     replica_nodes: int = 0
     """Disaggregated: the job's last N nodes host the replicas, engine.replicas / N each (0: all on rank 0's node)."""
     replica_nodes_dedicated: bool = False
-    """With engine.replica_nodes=N: those last N nodes run only replicas (a replica host each, no trainer rank; slurm/train.sbatch)."""
+    """With engine.replica_nodes=N: those last N nodes run only replicas
+    (a replica host each, no trainer rank; slurm/train.sbatch)."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocated engines sleep while the trainer trains: 0 never, 1 weights to host + KV dropped, 2 both dropped."""
     max_restarts: int = 3
-    """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run with a checkpoint."""
+    """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run
+    with a checkpoint."""
     hang_timeout_s: float = 1800.0
-    """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process with exit 75 (requeue); 0 off."""
+    """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process
+    with exit 75 (requeue); 0 off."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engines' weights and activations: 'auto' (the trainer's precision: bf16 → 'bfloat16', fp32 →
     'float32'), or one named; the weight sync casts to it on the way."""
@@ -161,7 +171,8 @@ class EngineConfig:
     """GPU engines: the share of each GPU vLLM may take (weights + KV cache) instead of ``kv_cache_gib``
     (0: ``kv_cache_gib`` sizes the KV cache exactly). Not used on CPU."""
     peer_wait_s: float = 60.0
-    """Colocated engine TP > 1: a rank whose engine step failed waits this long for the engine's other ranks, then exits 75 (they are stuck in vLLM's collectives)."""
+    """Colocated engine TP > 1: a rank whose engine step failed waits this long for the engine's other ranks, then
+    exits 75 (they are stuck in vLLM's collectives)."""
     cpu_threads: int = 0
     """Compute threads of each disaggregated replica worker (0: megarl chooses: the replicas' share of the node's
     cores, pinned, while generation runs beside training; see docs/cluster.md)."""
@@ -332,7 +343,8 @@ class SyncConfig:
     timeout_s: float = 300.0
     """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
     rollback: Literal["copy", "resync"] = "copy"
-    """A load failing mid-way: 'copy' (engine backs up its weights first, ~1 model of host RAM; keeps serving the old version) or 'resync' (no backup; engine unusable until re-synced)."""
+    """A load failing mid-way: 'copy' (engine backs up its weights first, ~1 model of host RAM; keeps serving the
+    old version) or 'resync' (no backup; engine unusable until re-synced)."""
 
 
 @dataclass
@@ -361,7 +373,8 @@ class RewardConfig:
     fn: str = ""
     """'math' (math-verify), 'exact', 'addition', or 'package.module:function' ('' : the built-in task's own)."""
     format_coef: float = 0.0
-    """Built-in rewards: added when the response ends in a well-formed answer (math: \\boxed{}), subtracted otherwise."""
+    """Built-in rewards: added when the response ends in a well-formed answer (math: \\boxed{}),
+    subtracted otherwise."""
     workers: int = 2
     """Reward worker processes (a hung call is killed with its worker, which is replaced)."""
     timeout_s: float = 10.0
@@ -369,7 +382,8 @@ class RewardConfig:
     on_error: float = 0.0
     """Reward given to a call that raised, timed out or returned something that is not a number."""
     max_failed_steps: int = 3
-    """Stop the run (exit 1, not requeued) after this many steps in a row in which every reward call failed (0: never)."""
+    """Stop the run (exit 1, not requeued) after this many steps in a row in which every reward call failed
+    (0: never)."""
 
 
 @dataclass

@@ -193,7 +193,8 @@ def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here:
     check_job_shape(cfg, hf, nodes, gpus_per_node)
 
 
-def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32", cpu: bool = False) -> dict:
+def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32",
+               cpu: bool = False) -> dict:
     """Memory per GPU (``cpu``: per process, no CUDA runtime) in GiB, by part (see the module docstring)."""
     w = WEIGHT_BYTES[precision]
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
@@ -455,7 +456,8 @@ def trainer_nodes(cfg: RunConfig, nodes: int) -> int:
     engine_only = engine_only_nodes(cfg)
     if engine_only and nodes - engine_only < 1:
         raise ConfigError(f"--nodes {nodes} leaves no trainer node beside engine.replica_nodes={engine_only} "
-                          f"engine-only nodes (engine.replica_nodes_dedicated=true); valid: --nodes >= {engine_only + 1}")
+                          f"engine-only nodes (engine.replica_nodes_dedicated=true); "
+                          f"valid: --nodes >= {engine_only + 1}")
     return nodes - engine_only
 
 

@@ -38,8 +38,8 @@ STEP_SCALARS = (
 # Scalars measured with the wall clock: they differ between two runs of the same config, so an exact
 # (deterministic) resume is compared without them (``deterministic_view``).
 WALL_CLOCK = ("timing/", "rollout/bubble_ratio", "rollout/eta_gen", "rollout/tokens_per_s",
-              "rollout/useful_tokens_per_s", "pipeline/overlap_fraction", "sync/replica_load_s", "sync/replica_update_s",
-              "sync/transfer_s")
+              "rollout/useful_tokens_per_s", "pipeline/overlap_fraction", "sync/replica_load_s",
+              "sync/replica_update_s", "sync/transfer_s")
 
 
 def deterministic_view(record: dict) -> dict:

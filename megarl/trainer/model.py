@@ -292,7 +292,8 @@ def load_hf_weights(modules: list[torch.nn.Module], model_dir: str | Path, cfg: 
             for name, p in params.items():
                 src = mine[name]
                 if src.shape != p.shape:
-                    raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
+                    raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, "
+                                     f"model expects {tuple(p.shape)}")
                 p.copy_(src.to(p.dtype))
 
 

@@ -316,7 +316,8 @@ class PolicyTrainer:
             c.train()
         local = None
         if self.ps.is_last_stage and self.packing:  # each micro-batch's rows, from every DP rank
-            pieces = gather_pieces([(o["rows"], o["logprobs"]) for o in out], self.ps.dp_group if self.ps.dp > 1 else None)
+            pieces = gather_pieces([(o["rows"], o["logprobs"]) for o in out],
+                                   self.ps.dp_group if self.ps.dp > 1 else None)
             local = rows_to_batch(pieces, batch.size, batch.seq_len)
         elif self.ps.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)

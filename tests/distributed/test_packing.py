@@ -51,8 +51,8 @@ LAYOUTS = [("qwen2", "single"), ("qwen3_moe", "single"), ("qwen3_moe", "pp2_vpp2
            pytest.param("qwen2", "tp2_sp", marks=SLOW), pytest.param("qwen2", "pp2", marks=SLOW),
            pytest.param("qwen2", "pp2_vpp2", marks=SLOW), pytest.param("qwen2", "dp2", marks=SLOW),
            pytest.param("qwen3_moe", "tp2_sp", marks=SLOW), pytest.param("qwen3_moe", "pp2", marks=SLOW),
-           pytest.param("qwen3_moe", "ep2_alltoall", marks=SLOW), pytest.param("qwen3_moe", "ep2_allgather", marks=SLOW),
-           pytest.param("qwen3_moe", "dp2", marks=SLOW)]
+           pytest.param("qwen3_moe", "ep2_alltoall", marks=SLOW),
+           pytest.param("qwen3_moe", "ep2_allgather", marks=SLOW), pytest.param("qwen3_moe", "dp2", marks=SLOW)]
 
 
 @pytest.mark.parametrize("family,layout", LAYOUTS)

@@ -43,7 +43,8 @@ def test_tis_and_entropy_report_their_metrics(runs):
 
 def test_every_policy_step_measures_the_mismatch_and_the_mask_reports_what_it_dropped(runs):
     """``mismatch/kl`` every step that trains the policy: from the proximal forward (grpo: algo.tis=token; cispo:
-    mask_token) or else from the first optimizer step's forward (ppo there is the first of 2 mini-batches × 2 epochs)."""
+    mask_token) or else from the first optimizer step's forward (ppo there is the first of 2 mini-batches × 2
+    epochs)."""
     for preset, r in runs.items():
         for m in r["steps"]:
             if "loss/policy" in m:

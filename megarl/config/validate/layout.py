@@ -49,7 +49,8 @@ def check_model_layout(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
     def said(name: str, value: int) -> str:
         return f"--{name} {value}" if flags else f"parallel.{name}={value}"
 
-    heads, kv, layers, vocab = hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"], hf["vocab_size"]
+    heads, kv, layers, vocab = (hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"],
+                                hf["vocab_size"])
     experts = num_experts(hf)
     if heads % tp or kv % tp:
         valid = [d for d in divisors(kv) if heads % d == 0 and vocab % d == 0]
@@ -78,7 +79,8 @@ def check_job_shape(cfg, hf: dict, nodes: int, gpus_per_node: int) -> None:
     nodes that host replicas, vLLM's rule for the engine TP."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
-    if not cfg.engine.replica_nodes_dedicated:  # replicas spawned on the last N of these nodes (engines/remote/nodes.place)
+    # replicas spawned on the last N of these nodes (engines/remote/nodes.place)
+    if not cfg.engine.replica_nodes_dedicated:
         check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, nodes, nodes * gpus_per_node)
     tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
     if gpus_per_node % tp:
@@ -91,7 +93,8 @@ def check_job_shape(cfg, hf: dict, nodes: int, gpus_per_node: int) -> None:
 
 
 def check_replica_share(replicas: int, replica_nodes: int) -> None:
-    """The hosting nodes take equal shares: ``engine.replica_nodes`` divides ``engine.replicas`` (0: no hosting nodes)."""
+    """The hosting nodes take equal shares: ``engine.replica_nodes`` divides ``engine.replicas``
+    (0: no hosting nodes)."""
     if replica_nodes and replicas % replica_nodes:
         raise ConfigError(f"engine.replica_nodes={replica_nodes} must divide engine.replicas={replicas} "
                           "(the hosting nodes take equal shares)")
@@ -116,7 +119,8 @@ def expert_layout_error(p, dp: int, experts: int = 0) -> str:
 
 def check_replica_nodes_fit(replicas: int, replica_nodes: int, trainer_nodes: int, trainer_processes: int = 0) -> None:
     """``engine.replica_nodes`` (replicas spawned by trainer ranks, not ``replica_nodes_dedicated``) against the job's
-    trainer nodes, known before launch: Slurm's node count, ``--nproc`` on one machine, torchrun's world / local world."""
+    trainer nodes, known before launch: Slurm's node count, ``--nproc`` on one machine, torchrun's world / local
+    world."""
     if replica_nodes <= trainer_nodes:
         return
     procs = f" ({trainer_processes} trainer processes)" if trainer_processes else ""

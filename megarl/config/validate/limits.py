@@ -20,9 +20,11 @@ def check_ranges(cfg: RunConfig) -> None:
     o, w, t, r = cfg.optim, cfg.warmup, cfg.train, cfg.rollout
     for key, value in (("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.weight_decay", o.weight_decay),
                        ("optim.grad_clip", o.grad_clip), ("optim.lr_warmup_steps", o.lr_warmup_steps),
-                       ("optim.moe_aux_loss_coeff", o.moe_aux_loss_coeff), ("optim.moe_z_loss_coeff", o.moe_z_loss_coeff),
+                       ("optim.moe_aux_loss_coeff", o.moe_aux_loss_coeff),
+                       ("optim.moe_z_loss_coeff", o.moe_z_loss_coeff),
                        ("optim.logprob_chunk", o.logprob_chunk), ("warmup.lr", w.lr), ("warmup.steps", w.steps),
-                       ("train.steps", t.steps), ("train.time_limit_s", t.time_limit_s), ("train.eval_every", t.eval_every),
+                       ("train.steps", t.steps), ("train.time_limit_s", t.time_limit_s),
+                       ("train.eval_every", t.eval_every),
                        ("train.export_hf_every", t.export_hf_every), ("rollout.token_budget", r.token_budget)):
         if not value >= 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
@@ -105,7 +107,8 @@ def check_local_cpus(cfg: RunConfig, local_processes: int = 1) -> str:
     ranks here (``megarl train``/``eval`` before launching them); the placement megarl will use, described."""
     from megarl.distributed.placement import node_placement  # deferred: the CLI's config errors stay instant
 
-    for key, value in (("trainer.cpu_threads", cfg.trainer.cpu_threads), ("engine.cpu_threads", cfg.engine.cpu_threads)):
+    for key, value in (("trainer.cpu_threads", cfg.trainer.cpu_threads),
+                       ("engine.cpu_threads", cfg.engine.cpu_threads)):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0 (0: megarl chooses), got {value}")
     try:

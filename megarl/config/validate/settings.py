@@ -50,8 +50,9 @@ def _validate_rollout(cfg: RunConfig) -> None:
     if r.prompts_per_step < 1 or r.max_new_tokens < 1:
         raise ConfigError("rollout.prompts_per_step and rollout.max_new_tokens must be >= 1")
     if r.mode != "sync" and not 1.0 <= r.oversubscription <= MAX_OVERSUBSCRIPTION:
-        raise ConfigError(f"rollout.oversubscription must be in [1.0, {MAX_OVERSUBSCRIPTION:g}] (live groups per update "
-                          f"group: more update batches in flight than that only go stale), got {r.oversubscription}")
+        raise ConfigError(f"rollout.oversubscription must be in [1.0, {MAX_OVERSUBSCRIPTION:g}] "
+                          f"(live groups per update group: more update batches in flight than that only go stale), "
+                          f"got {r.oversubscription}")
     if r.staleness_limit < 0:
         raise ConfigError(f"rollout.staleness_limit must be >= 0, got {r.staleness_limit}")
     if r.max_discards < 1:
@@ -62,7 +63,8 @@ def _validate_rollout(cfg: RunConfig) -> None:
     if r.buffer_samples < 0:
         raise ConfigError(f"rollout.buffer_samples must be >= 0 (0: no bound), got {r.buffer_samples}")
     if r.long_round_groups < 0:
-        raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), got {r.long_round_groups}")
+        raise ConfigError(f"rollout.long_round_groups must be >= 0 (0: rollout.prompts_per_step), "
+                          f"got {r.long_round_groups}")
     if r.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}")
     if r.overlap != "none" and cfg.engine.placement != "disaggregated":
@@ -78,7 +80,8 @@ def _validate_engine_and_sync(cfg: RunConfig) -> None:
     if s.bucket_mib <= 0:
         raise ConfigError(f"sync.bucket_mib must be > 0 (e.g. 64), got {s.bucket_mib}")
     if e.replicas < 1 or (e.replicas > 1 and e.placement != "disaggregated"):
-        raise ConfigError(f"engine.replicas={e.replicas}: must be >= 1, and > 1 only with engine.placement=disaggregated")
+        raise ConfigError(f"engine.replicas={e.replicas}: must be >= 1, "
+                          "and > 1 only with engine.placement=disaggregated")
     if s.transport == "nccl" and e.placement != "disaggregated":
         raise ConfigError("sync.transport=nccl applies to engine.placement=disaggregated (colocated engines load "
                           "in place); set sync.transport=gloo or engine.placement=disaggregated")
@@ -102,8 +105,8 @@ def _validate_engine_and_sync(cfg: RunConfig) -> None:
     if s.timeout_s <= 0:
         raise ConfigError(f"sync.timeout_s must be > 0 seconds (e.g. 300), got {s.timeout_s}")
     if not 0.0 <= e.gpu_memory_utilization < 1.0:
-        raise ConfigError(f"engine.gpu_memory_utilization must be in [0, 1) (a share of each GPU; 0: engine.kv_cache_gib "
-                          f"sizes the KV cache), got {e.gpu_memory_utilization}")
+        raise ConfigError(f"engine.gpu_memory_utilization must be in [0, 1) (a share of each GPU; "
+                          f"0: engine.kv_cache_gib sizes the KV cache), got {e.gpu_memory_utilization}")
     if e.enforce_eager is False and not cuda_available():
         raise ConfigError("engine.enforce_eager=false asks vLLM for CUDA graphs, and CUDA is absent here (vLLM's CPU "
                           "backend runs eager only); set engine.enforce_eager=auto")
@@ -123,9 +126,11 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
         raise ConfigError("warmup.steps and data.pool_size work with the built-in task only (they need its "
                           f"reference responses / problem pool); set them to 0 with data.path={d.path!r}")
     if d.path and not r.fn:
-        raise ConfigError("reward.fn must be set with data.path: 'math', 'exact', 'addition' or 'package.module:function'")
+        raise ConfigError("reward.fn must be set with data.path: "
+                          "'math', 'exact', 'addition' or 'package.module:function'")
     if r.fn and ":" not in r.fn and r.fn not in ("math", "exact", "addition"):
-        raise ConfigError(f"reward.fn {r.fn!r} is not known; valid: 'math', 'exact', 'addition' or 'package.module:function'")
+        raise ConfigError(f"reward.fn {r.fn!r} is not known; "
+                          "valid: 'math', 'exact', 'addition' or 'package.module:function'")
     if r.workers < 1 or r.timeout_s <= 0:
         raise ConfigError(f"reward.workers must be >= 1 and reward.timeout_s > 0, got {r.workers} and {r.timeout_s}")
     if r.max_failed_steps < 0:
@@ -138,7 +143,8 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
 
 
 def _validate_train(cfg: RunConfig) -> None:
-    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``, ``engine.hang_timeout_s``, ``engine.peer_wait_s``)."""
+    """Checkpoint, resume and fault keys (``train.*``, ``engine.max_restarts``, ``engine.hang_timeout_s``,
+    ``engine.peer_wait_s``)."""
     t = cfg.train
     for key in ("save_every", "max_bad_steps"):
         if getattr(t, key) < 0:
