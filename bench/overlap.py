@@ -9,8 +9,8 @@ out (the pipeline filling, first-call costs). For each run: trained samples and 
 second of step wall time (``timing/step_s``: generation or the wait for it, reward, train, sync), the staleness
 seen, the share of generated tokens wasted (partial samples regenerated once stale: ``rollout/wasted_token_fraction``)
 and the phase times T_gen (``timing/gen_s``) and T_train (``timing/train_s`` + ``timing/sync_s``). Both units
-are printed: the modes' answers part in length as their policies part, and neither unit alone is the work done
-(generation's cost follows the tokens; a training step's the batch's longest row, to which every row is padded).
+are printed: the modes' answers part in length as their policies part (generation's cost follows the tokens and
+their length; a training step's, packed, the tokens; ``trainer.packing=false``: the batch's longest row).
 A warm-up per run could end elsewhere and answer at other lengths: hence the one warm start.
 
 Nothing is set in the environment and no thread setting is given: each run computes on the cores megarl chooses
