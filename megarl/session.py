@@ -31,7 +31,7 @@ from megarl.data.source import Prompt, build_prompts
 from megarl.distributed.bootstrap import detect
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState, build_parallel_state
-from megarl.distributed.placement import NodePlacement, node_placement
+from megarl.distributed.placement import RankPlacement, node_placement
 from megarl.distributed.placement import apply as use_cpus
 from megarl.engines.colocated import ColocatedEngines
 from megarl.engines.memory import Handover, sleep_supported
@@ -85,6 +85,7 @@ class Session:
     eval_prompts: list[Prompt]
     stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
     policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
+    cpus: RankPlacement | None = None  # this rank's cores (distributed.placement), the whole node while it is alone
 
     @property
     def trainer_track(self) -> str:
@@ -139,7 +140,7 @@ def build_session(cfg: RunConfig) -> Session:
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.reward, d)
-    engines = build_engines(cfg, hf_cfg, cpus.replicas, main_only(log.info, ps.rank))
+    engines = build_engines(cfg, hf_cfg, cpus.node.replicas, main_only(log.info, ps.rank))
     activate_cpu()
     from megatron.core import tensor_parallel
 
@@ -181,7 +182,8 @@ def build_session(cfg: RunConfig) -> Session:
     handover = Handover(engines, trainer, cfg.trainer.offload_during_rollout, main_only(log.info, ps.rank))
     saver = RunSaver(cfg.train.run_dir, cfg.train.keep_checkpoints, learners.named())
     s = Session(cfg, ps, hf_cfg, tokenizer, engines, trainer, learners, task, rewards, controller, logger, run_dir,
-                weight_sync, handover, saver, phases, pipeline, timeline, prompts, prompts.eval_prompts(), stateful)
+                weight_sync, handover, saver, phases, pipeline, timeline, prompts, prompts.eval_prompts(), stateful,
+                cpus=cpus)
     install_test_faults(s)  # the fault hooks a test asks for, wrapped around the rooms (testing/); else nothing
     return s
 
@@ -222,7 +224,7 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
                 route_experts=experts if captures_routes(cfg, experts) else 0)
 
 
-def place_trainer(cfg: RunConfig, ps: ParallelState) -> NodePlacement:
+def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:
     """This node's cpu placement (``distributed.placement``), applied to this trainer rank and said by rank 0."""
     launch = detect()
     local = max(1, launch.local_world_size)
@@ -230,7 +232,7 @@ def place_trainer(cfg: RunConfig, ps: ParallelState) -> NodePlacement:
     use_cpus(node.trainer[launch.local_rank % local])
     if ps.rank == 0:
         log.info(f"megarl: {node.describe()} (trainer.cpu_threads, engine.cpu_threads: 0 = megarl's choice)")
-    return node
+    return RankPlacement(node, launch.local_rank % local)
 
 
 def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None, say=print) -> Engines:

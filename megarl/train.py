@@ -120,8 +120,9 @@ def run(cfg: RunConfig) -> RunResult:
         return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")))
     if not steps:
         if cfg.warmup.steps:
-            supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
-                              cfg.warmup.lr, log=say)
+            with s.cpus.alone():  # no engine generates yet: the trainer may take every core
+                supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
+                                  cfg.warmup.lr, log=say)
             keeper.sync(0)  # survives engine errors, as every sync of the loop
         if s.eval_prompts:
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: pass_at_1(s), 0)  # survives engine errors

@@ -21,6 +21,7 @@ threads of each process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class NodePlacement:
     replicas: list[list[CpuShare]]
     together: bool  # the two sides run at once (generation beside training)
     cores: int
+    node_cores: tuple[int, ...] = ()  # which (the cores placed)
+    trainer_threads: int = 0  # trainer.cpu_threads (0: auto)
 
     def describe(self) -> str:
         parts = [f"trainer rank {r}: {s.describe()}" for r, s in enumerate(self.trainer)]
@@ -126,7 +129,30 @@ def place_node(cores: list[int], trainer_procs: int, replica_workers: list[int],
     for w in replica_workers:
         replicas.append(flat[at:at + w])
         at += w
-    return NodePlacement(trainer, replicas, both, n)
+    return NodePlacement(trainer, replicas, both, n, tuple(cores), trainer_threads)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """A trainer rank's place on its node: ``node.trainer[index]`` is its share."""
+
+    node: NodePlacement
+    index: int
+
+    @contextlib.contextmanager
+    def alone(self):
+        """While the trainer computes and no engine does (the supervised warm-up, before the first phase) under a
+        split placement: this rank takes its share of every core of the node, as when the sides take turns, and
+        its split share again after."""
+        node, procs = self.node, len(self.node.trainer)
+        if not node.together or len(node.node_cores) < procs:
+            yield
+            return
+        apply(_side(list(node.node_cores), procs, node.trainer_threads, True)[self.index])
+        try:
+            yield
+        finally:
+            apply(node.trainer[self.index])
 
 
 def replicas_on_node(placement: str, replicas: int, replica_nodes: int, dedicated: bool, node: int,

@@ -6,7 +6,15 @@ import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.config.validate.limits import check_local_cpus
-from megarl.distributed.placement import CpuShare, node_placement, place_node, replicas_on_node, vllm_binding
+from megarl.distributed.placement import (
+    CpuShare,
+    RankPlacement,
+    available_cores,
+    node_placement,
+    place_node,
+    replicas_on_node,
+    vllm_binding,
+)
 
 
 def test_two_cores_split_when_generation_runs_beside_training():
@@ -20,6 +28,35 @@ def test_each_side_has_every_core_when_they_take_turns():
     assert node.trainer == [CpuShare(2)] and node.replicas == [[CpuShare(2)]]  # unpinned: the OS places them
     two_ranks = place_node([0, 1], 2, [], together=False)  # several processes of one side: pinned apart
     assert two_ranks.trainer == [CpuShare(1, (0,)), CpuShare(1, (1,))]
+
+
+def test_a_trainer_alone_under_a_split_placement_takes_every_core_then_its_share_again():
+    """The supervised warm-up runs before any engine generates: under overlap's split the trainer computes on the
+    whole node meanwhile (as when the sides take turns), and on its own share after (this process's real affinity
+    and torch threads, put back at the end)."""
+    import os
+
+    import torch
+
+    cores = available_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    saved = (os.sched_getaffinity(0), torch.get_num_threads())
+    try:
+        split = RankPlacement(place_node(cores[:2], 1, [1], together=True), 0)
+        with split.alone():
+            assert os.sched_getaffinity(0) == set(cores[:2]) and torch.get_num_threads() == 2
+        assert os.sched_getaffinity(0) == {cores[0]} and torch.get_num_threads() == 1  # its split share
+        ranks = place_node(cores[:2], 2, [], together=False)  # taking turns already: nothing changes
+        os.sched_setaffinity(0, {cores[1]})
+        with RankPlacement(ranks, 1).alone():
+            assert os.sched_getaffinity(0) == {cores[1]}
+        asked = RankPlacement(place_node(cores[:2], 1, [1], together=True, trainer_threads=1), 0)
+        with asked.alone():  # trainer.cpu_threads=1 holds alone too
+            assert torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, saved[0])
+        torch.set_num_threads(saved[1])
 
 
 def test_a_large_node_splits_by_processes_and_never_shares_a_core():
