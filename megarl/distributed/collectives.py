@@ -41,10 +41,10 @@ def any_rank(flag: bool, group=None, timeout_s: float | None = None) -> bool:
     return bool(t.item())
 
 
-def gather(obj) -> list:
-    """Every trainer rank's ``obj``, in rank order."""
-    if rank_and_world()[1] == 1:
+def gather(obj, group=None) -> list:
+    """Every rank's ``obj`` of ``group`` (default: every trainer rank), in rank order."""
+    if rank_and_world()[1] == 1 or dist.get_world_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out

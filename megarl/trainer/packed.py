@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.packing import PackedLayout
+from megarl.distributed.collectives import gather
 from megarl.types import no_route
 
 
@@ -33,15 +34,6 @@ def rows_to_batch(pieces: list[tuple[torch.Tensor, torch.Tensor]], size: int, se
         if len(rows):
             out[rows, : values.shape[1]] = values.float()
     return out
-
-
-def gather_pieces(pieces: list, group) -> list:
-    """Every data-parallel rank's pieces, on every rank of ``group`` (all of them when the group has one rank)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return pieces
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, pieces, group=group)
-    return [p for part in everyone for p in part]
 
 
 def packed_routes(plan: list[list[PackedLayout]], pieces: list[tuple], rows: int, seq_len: int, layers: int,
@@ -72,12 +64,7 @@ def recorded_pieces(taps: dict, dp_rank: int, tp_rank: int) -> list[tuple]:
         for tap in chunk_taps:
             columns[tap.column] = list(tap.recorded or [])
             tap.recorded = None
-    piece = (dp_rank, tp_rank, columns)
-    if not dist.is_initialized():
-        return [piece]
-    pieces: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, piece)
-    return pieces
+    return gather((dp_rank, tp_rank, columns))
 
 
 def step_metrics(out: list[dict], dp_group=None, device=None) -> dict[str, float]:

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from megarl.algo.packing import PackedLayout, pack, plan_microbatches, unpack
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
+from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.trainer.packed import (
-    gather_pieces,
     packed_routes,
     packed_seq_params,
     recorded_pieces,
@@ -316,17 +316,15 @@ class PolicyTrainer:
             c.train()
         local = None
         if self.ps.is_last_stage and self.packing:  # each micro-batch's rows, from every DP rank
-            pieces = gather_pieces([(o["rows"], o["logprobs"]) for o in out],
-                                   self.ps.dp_group if self.ps.dp > 1 else None)
+            mine = [(o["rows"], o["logprobs"]) for o in out]
+            pieces = [p for part in gather(mine, self.ps.dp_group) for p in part]
             local = rows_to_batch(pieces, batch.size, batch.seq_len)
         elif self.ps.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)
             if self.ps.dp > 1:  # every DP rank computed its own rows: put the batch back together
                 # without the rows ``_local`` padded for the pipeline schedule (else the next rank's rows are lost)
                 local = local[: len(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])]
-                parts: list = [None] * self.ps.dp
-                torch.distributed.all_gather_object(parts, local, group=self.ps.dp_group)
-                local = torch.cat(parts, dim=0)
+                local = torch.cat(gather(local, self.ps.dp_group), dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
     def record_routes(self, batch: TrainBatch) -> torch.Tensor:
@@ -352,10 +350,7 @@ class PolicyTrainer:
             mine.update(recorded_rows(chunk_taps, seq_local))
         rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
         piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
-        pieces = [None] * dist.get_world_size() if dist.is_initialized() else [piece]
-        if dist.is_initialized():
-            dist.all_gather_object(pieces, piece)
-        return assemble_recorded(pieces, batch.size, batch.seq_len, len(self.route_columns), k)
+        return assemble_recorded(gather(piece), batch.size, batch.seq_len, len(self.route_columns), k)
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""
