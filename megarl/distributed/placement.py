@@ -45,8 +45,7 @@ class NodePlacement:
     trainer: list[CpuShare]
     replicas: list[list[CpuShare]]
     together: bool  # the two sides run at once (generation beside training)
-    cores: int
-    node_cores: tuple[int, ...] = ()  # which (the cores placed)
+    cores: tuple[int, ...]  # the node's cores, placed
     trainer_threads: int = 0  # trainer.cpu_threads (0: auto)
 
     def describe(self) -> str:
@@ -55,7 +54,7 @@ class NodePlacement:
             parts += [f"replica {k}{f' worker {w}' if len(workers) > 1 else ''}: {s.describe()}"
                       for w, s in enumerate(workers)]
         how = "generation beside training: the cores split" if self.together else "trainer and engines take turns"
-        return f"cpu placement on {self.cores} cores ({how}): " + "; ".join(parts)
+        return f"cpu placement on {len(self.cores)} cores ({how}): " + "; ".join(parts)
 
 
 def available_cores() -> list[int]:
@@ -129,7 +128,7 @@ def place_node(cores: list[int], trainer_procs: int, replica_workers: list[int],
     for w in replica_workers:
         replicas.append(flat[at:at + w])
         at += w
-    return NodePlacement(trainer, replicas, both, n, tuple(cores), trainer_threads)
+    return NodePlacement(trainer, replicas, both, tuple(cores), trainer_threads)
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,10 @@ class RankPlacement:
         split placement: this rank takes its share of every core of the node, as when the sides take turns, and
         its split share again after."""
         node, procs = self.node, len(self.node.trainer)
-        if not node.together or len(node.node_cores) < procs:
+        if not node.together or len(node.cores) < procs:
             yield
             return
-        apply(_side(list(node.node_cores), procs, node.trainer_threads, True)[self.index])
+        apply(_side(list(node.cores), procs, node.trainer_threads, True)[self.index])
         try:
             yield
         finally:
