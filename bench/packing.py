@@ -12,10 +12,10 @@ same weights take GRPO steps on it in turn, repeat after repeat: padded (``train
 the batch's longest), packed by rows (the default: 64 rows a micro-batch laid end to end) and packed by tokens
 (``trainer.max_tokens_per_microbatch``). Trained tokens are the rows' own (prompt + response − 1 each); the figure is
 the median over repeats of each trainer's step time, as tokens per second and as a ratio to padded, and the same per CPU
-second of the process (``time.process_time``: less moved by other jobs on a shared machine). Torch's default threads
-(what a user gets).
+second of the process (``time.process_time``: less moved by other jobs on a shared machine). The process computes
+as megarl places a lone trainer (``distributed/placement.py``: every core of the host): what a user gets.
 
-    .venv/bin/python bench/packing.py [--repeats 5] [--max-tokens 4096] [--tasks demo,long_tail] [--threads 1]
+    .venv/bin/python bench/packing.py [--repeats 5] [--max-tokens 4096] [--tasks demo,long_tail]
                                       [--rollouts [--warmup 100] [--rl-steps 3] [--mode partial]]
 """
 
@@ -172,9 +172,6 @@ def main() -> None:
     p.add_argument("--tasks", default="demo,long_tail", help="comma-separated: demo, long_tail")
     p.add_argument("--rows", type=int, default=256, help="samples in the batch (prompts_per_step × samples_per_prompt)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch.set_num_threads (0: torch's default, what a user gets); 1 makes the per-CPU-second "
-                        "figures robust on a machine shared with other jobs (no thread waits on a busy core)")
     p.add_argument("--rollouts", action="store_true", help="real rollout batches from a short megarl train per task")
     p.add_argument("--warmup", type=int, default=100, help="with --rollouts: supervised warm-up steps")
     p.add_argument("--rl-steps", type=int, default=3, help="with --rollouts: RL steps (the last one's batch is used)")
@@ -195,8 +192,9 @@ def main() -> None:
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
                 with open(out) as f:
                     recorded[task] = json.load(f)[-1]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from megarl.distributed.placement import apply, available_cores, place_node
+
+    apply(place_node(available_cores(), 1, [], together=False).trainer[0])  # megarl's choice for a lone trainer
     result = measure(args.repeats, args.max_tokens, args.tasks.split(","), args.rows, args.group, recorded)
     print(json.dumps(result))
     for name, r in result["tasks"].items():

@@ -152,12 +152,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--throughput-only", action="store_true", help="skip the logprob memory figures")
     p.add_argument("--memory-only", choices=["naive", "chunked"], help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch.set_num_threads (0: torch's default, what a user gets); 1 makes the per-CPU-second "
-                        "figures robust on a machine shared with other jobs (no thread waits on a busy core)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from megarl.distributed.placement import apply, available_cores, place_node
+
+    apply(place_node(available_cores(), 1, [], together=False).trainer[0])  # megarl's choice for a lone trainer
     if args.memory_only:
         print(json.dumps(peak_logprob_memory(args.memory_only, args.tokens, args.vocab, args.hidden, args.chunk)))
         return
