@@ -4,7 +4,10 @@ transformers reads the GGUF and dequantizes it (``from_pretrained(dir, gguf_file
 ``accelerate`` packages); what is written is ordinary HF: safetensors in the dtype asked (the model's
 ``torch_dtype`` says it), ``config.json`` without the quantization marker, the tokenizer with its chat template.
 Only architectures megarl trains are accepted (``GGUF_ARCHITECTURES``: GGUF's name → HF ``model_type``); another
-is refused naming it, before anything is dequantized. Output goes to OUT.tmp and is renamed to OUT when complete.
+is refused naming it, before anything is dequantized. What transformers' reader leaves out of the config and the
+tokenizer (llama3 RoPE scaling, MoE expert sizes, SmolLM2's digit split) is read back from the file
+(``gguf_config``) before the weights are; every dequantized tensor must then have the shape the config gives it.
+Output goes to OUT.tmp and is renamed to OUT when complete.
 """
 
 from __future__ import annotations
@@ -35,6 +38,37 @@ def gguf_architecture(path: str | Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def gguf_config(gguf_file: Path, arch: str):
+    """The HF config of ``gguf_file``: transformers' reading of its metadata, completed from the file itself."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    from megarl.convert.gguf_config import llama3_rope, moe_sizes
+
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    reader = GGUFReader(gguf_file)
+    rope = llama3_rope(gguf_file, reader, arch, config)
+    config.rope_parameters = rope or {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    if arch in ("qwen2moe", "qwen3moe"):
+        for key, size in moe_sizes(gguf_file, reader, arch).items():
+            setattr(config, key, size)
+    return config
+
+
+def check_shapes(gguf_file: Path, model) -> None:
+    """Refuse a dequantized tensor whose shape is not the one the config gives it (transformers 5 loads such a
+    tensor as it is, and the checkpoint written would not load back)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = AutoModelForCausalLM.from_config(model.config).state_dict()
+    for name, tensor in model.state_dict().items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{gguf_file}: {name} has shape {tuple(tensor.shape)} but the config read from the "
+                             f"file makes it {tuple(expected[name].shape)}: a metadata key megarl does not map")
+
+
 def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
                dry_run: bool = False) -> Path:
     """Write the HF checkpoint of ``gguf_file`` to ``out`` in ``dtype``; its path (``dry_run``: check only)."""
@@ -45,14 +79,22 @@ def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torc
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty (the output directory must not exist or be empty)")
+    config = gguf_config(gguf_file, arch)
     if dry_run:
-        print(f"{gguf_file}: {arch} → {out} ({str(dtype).removeprefix('torch.')} safetensors, config, tokenizer)")
+        print(f"{gguf_file}: {arch} → {out} ({str(dtype).removeprefix('torch.')} safetensors, config, tokenizer; "
+              f"RoPE {config.rope_parameters['rope_type']})")
         return out
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.convert.gguf_config import metadata, pre_tokenizer
 
     where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
     tokenizer = AutoTokenizer.from_pretrained(**where)
-    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)  # dequantized
+    if (split := pre_tokenizer(metadata(GGUFReader(gguf_file), "tokenizer.ggml.pre", ""))) is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = split
+    model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)  # dequantized
+    check_shapes(gguf_file, model)
     model.hf_quantizer, model.is_quantized = None, False  # plain weights now: saved as such
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
