@@ -38,15 +38,14 @@ def gguf_architecture(path: str | Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def gguf_config(gguf_file: Path, arch: str):
-    """The HF config of ``gguf_file``: transformers' reading of its metadata, completed from the file itself."""
-    from gguf import GGUFReader
+def gguf_config(gguf_file: Path, reader, arch: str):
+    """The HF config of ``gguf_file`` (read by ``reader``): transformers' reading of its metadata, completed from
+    the file itself."""
     from transformers import AutoConfig
 
     from megarl.convert.gguf_config import llama3_rope, moe_sizes
 
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    reader = GGUFReader(gguf_file)
     rope = llama3_rope(gguf_file, reader, arch, config)
     config.rope_parameters = rope or {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
     if arch in ("qwen2moe", "qwen3moe"):
@@ -58,7 +57,6 @@ def gguf_config(gguf_file: Path, arch: str):
 def check_shapes(gguf_file: Path, model) -> None:
     """Refuse a dequantized tensor whose shape is not the one the config gives it (transformers 5 loads such a
     tensor as it is, and the checkpoint written would not load back)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -79,19 +77,21 @@ def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torc
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty (the output directory must not exist or be empty)")
-    config = gguf_config(gguf_file, arch)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)
+    config = gguf_config(gguf_file, reader, arch)
     if dry_run:
         print(f"{gguf_file}: {arch} → {out} ({str(dtype).removeprefix('torch.')} safetensors, config, tokenizer; "
               f"RoPE {config.rope_parameters['rope_type']})")
         return out
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.convert.gguf_config import metadata, pre_tokenizer
 
     where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
     tokenizer = AutoTokenizer.from_pretrained(**where)
-    if (split := pre_tokenizer(metadata(GGUFReader(gguf_file), "tokenizer.ggml.pre", ""))) is not None:
+    if (split := pre_tokenizer(metadata(reader, "tokenizer.ggml.pre", ""))) is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = split
     model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)  # dequantized
     check_shapes(gguf_file, model)

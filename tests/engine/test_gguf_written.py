@@ -90,6 +90,19 @@ def test_an_expert_size_the_tensors_contradict_is_refused_naming_the_key(tmp_pat
         gguf_to_hf(bad, tmp_path / "out", dry_run=True)
 
 
+def test_a_tensor_whose_shape_the_config_contradicts_is_refused_naming_it(tmp_path):
+    """transformers 5 loads a tensor of another shape than its config's as it is: the checkpoint written would
+    not load back."""
+    from megarl.convert.gguf import gguf_to_hf
+
+    original = make_hf_model(tmp_path / "llama", "llama_tied_llama3")
+    path = write_gguf(original, tmp_path / "ffn.gguf", extra={"feed_forward_length": 100})
+    with pytest.raises(ValueError, match=r"ffn\.gguf: model\.layers\.0\.mlp\.gate_proj\.weight has shape \(192, 128\) "
+                                         r"but the config read from the file makes it \(100, 128\)"):
+        gguf_to_hf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
 def _metadata(path, key):
     from gguf import GGUFReader
 

@@ -106,7 +106,7 @@ def write_gguf(hf_dir: str | Path, path: str | Path, pre: str = "qwen2", extra: 
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_feed_forward_length(extra.pop("feed_forward_length", cfg["intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_key_length(head_dim)
