@@ -6,7 +6,8 @@ transformers reads the GGUF and dequantizes it (``from_pretrained(dir, gguf_file
 Only architectures megarl trains are accepted (``GGUF_ARCHITECTURES``: GGUF's name → HF ``model_type``); another
 is refused naming it, before anything is dequantized. What transformers' reader leaves out of the config and the
 tokenizer (llama3 RoPE scaling, MoE expert sizes, SmolLM2's digit split) is read back from the file
-(``gguf_config``) before the weights are; every dequantized tensor must then have the shape the config gives it.
+(``gguf_config``) before the weights are; every weight must then have come from the file, in the shape the config
+gives it.
 Output goes to OUT.tmp and is renamed to OUT when complete.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.convert.gguf_config import llama3_rope, metadata, moe_sizes, pre_tokenizer
 from megarl.models.hf_config import SUPPORTED_MODEL_TYPES
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
@@ -44,8 +46,6 @@ def gguf_config(gguf_file: Path, reader, arch: str):
     """The HF config of ``gguf_file`` (read by ``reader``): transformers' reading of its metadata, completed from
     the file itself."""
     from transformers import AutoConfig
-
-    from megarl.convert.gguf_config import llama3_rope, moe_sizes
 
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     rope = llama3_rope(gguf_file, reader, arch, config)
@@ -90,8 +90,6 @@ def gguf_to_hf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torc
               f"RoPE {config.rope_parameters['rope_type']})")
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megarl.convert.gguf_config import metadata, pre_tokenizer
 
     where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
     tokenizer = AutoTokenizer.from_pretrained(**where)

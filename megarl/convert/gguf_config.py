@@ -12,8 +12,8 @@ HF class's default. Three such gaps change the model megarl would train:
 - **MoE expert sizes**: ``expert_feed_forward_length`` and ``expert_shared_feed_forward_length`` become
   ``moe_intermediate_size`` / ``shared_expert_intermediate_size``, checked against the expert tensors' shapes.
 - **The pre-tokenizer**: a ``tokenizer.ggml.pre`` transformers has no split for falls back to GPT-2's regex.
-  ``PRE_TOKENIZERS`` holds the models' own pre-tokenizers for the names megarl's models use (SmolLM2's ``smollm``:
-  every digit its own pre-token, as its tokenizer.json and llama.cpp both split).
+  ``pre_tokenizer`` gives the model's own for the names megarl's models use (SmolLM2's ``smollm``: every digit
+  its own pre-token, as its tokenizer.json and llama.cpp both split).
 
 Every refusal names the file and the key.
 """

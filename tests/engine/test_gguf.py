@@ -110,8 +110,7 @@ def test_smollm2_tokenizer_splits_digits_one_by_one_as_smollm2_does(smollm2):
     tok = AutoTokenizer.from_pretrained(smollm2)
     strings = ["a  1", "x =  42", "Total:   1000 apples", "1\n\n2", "  7", "pi is 3.14159", "² and ٣", "17 + 25 = 42"]
     assert [tok(s, add_special_tokens=False)["input_ids"] for s in strings] == _smollm_reference(strings)
-    assert tok.convert_ids_to_tokens(tok("a  1000", add_special_tokens=False)["input_ids"]) == [
-        "a", "ĠĠ", "1", "0", "0", "0"]
+    assert tok.convert_ids_to_tokens(tok("a  1000")["input_ids"]) == ["a", "ĠĠ", "1", "0", "0", "0"]  # (no BOS)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True,
                                   return_dict=False)
     text = "\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

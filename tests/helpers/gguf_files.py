@@ -6,7 +6,10 @@ squeezed; Llama's q/k rows permuted to GGML's rotary layout; each layer's routed
 ``ffn_{gate,up,down}_exps`` tensor [experts, rows, cols]; the expert (and shared expert) sizes as
 ``expert_feed_forward_length`` / ``expert_shared_feed_forward_length``; llama3 RoPE scaling as the per-frequency
 divisors in ``rope_freqs.weight`` (no metadata key holds it); the tokenizer as a ``gpt2`` BPE vocabulary with its
-merges and chat template. Tensors are stored as F32, so the file holds the checkpoint's exact numbers.
+merges and chat template. Tensors are stored as F32, so the file holds the checkpoint's exact numbers. (llama.cpp
+computes ``rope_freqs`` with ``original_max_position_embeddings`` from the config's top level, 8192 when absent,
+which is Llama 3's own value; this writer takes the model's value wherever its config has it, so that the file
+describes the checkpoint's model at any test size.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def llama3_rope_divisors(rope: dict, head_dim: int) -> torch.Tensor:
     """llama.cpp's ``rope_freqs`` for llama3 scaling: by how much each rotary frequency is divided."""
     base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    original = rope["original_max_position_embeddings"]
+    original = rope.get("original_max_position_embeddings", 8192)
     divisors = []
     for freq in base.tolist():
         wavelen = 2 * math.pi / freq
