@@ -58,9 +58,11 @@ def moe_sizes(path: Path, reader, arch: str) -> dict[str, int]:
             raise ValueError(f"{path}: {arch}.{gguf_key} is {stated} but {tensor}.weight has {shape[-2]} rows; "
                              f"the file is inconsistent")
         sizes[hf_key] = int(shape[-2])
-    if "moe_intermediate_size" not in sizes:
-        raise ValueError(f"{path}: an {arch} file without blk.0.ffn_gate_exps.weight (no routed experts in "
-                         f"layer 0); megarl imports {arch} files whose every layer has experts")
+    dense = [i for i in range(int(metadata(reader, f"{arch}.block_count", 0)))
+             if f"blk.{i}.ffn_gate_exps.weight" not in shapes]
+    if dense:
+        raise ValueError(f"{path}: layer {dense[0]} has no routed experts (no blk.{dense[0]}.ffn_gate_exps.weight); "
+                         f"megarl imports {arch} files whose every layer has experts, as llama.cpp writes them")
     return sizes
 
 

@@ -90,6 +90,16 @@ def test_an_expert_size_the_tensors_contradict_is_refused_naming_the_key(tmp_pat
         gguf_to_hf(bad, tmp_path / "out", dry_run=True)
 
 
+def test_an_moe_file_with_a_dense_layer_is_refused_naming_it(tmp_path):
+    """(GGUF has no key for Qwen-MoE's ``mlp_only_layers``: transformers would make every layer MoE.)"""
+    from megarl.convert.gguf import gguf_to_hf
+
+    original = make_hf_model(tmp_path / "moe", "qwen2_moe_dense1")
+    path = write_gguf(original, tmp_path / "dense.gguf")
+    with pytest.raises(ValueError, match=r"dense\.gguf: layer 1 has no routed experts \(no blk\.1\.ffn_gate_exps"):
+        gguf_to_hf(path, tmp_path / "out", dry_run=True)
+
+
 def test_a_tensor_the_config_contradicts_or_lacks_is_refused_naming_it(tmp_path):
     """transformers 5 loads a tensor of another shape than its config's as it is (the checkpoint written would not
     load back) and leaves a weight the file lacks randomly initialised."""
