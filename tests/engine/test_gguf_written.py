@@ -22,27 +22,30 @@ def _logits(model_dir) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids).logits
 
 
-def _round_trip(tmp_path, name: str, **overrides):
+def _round_trip(tmp_path, name: str, extra=None, **overrides):
     """(the original checkpoint, its GGUF converted back by megarl's gguf-to-hf in fp32)."""
     from megarl.convert.gguf import gguf_to_hf
 
     original = make_hf_model(tmp_path / name, name, **overrides)
-    gguf_file = write_gguf(original, tmp_path / f"{name}.gguf", pre="smollm" if name.startswith("llama") else "qwen2")
+    gguf_file = write_gguf(original, tmp_path / f"{name}.gguf", pre="smollm" if name.startswith("llama") else "qwen2",
+                           extra=extra)
     return original, gguf_to_hf(gguf_file, tmp_path / "converted", torch.float32)
 
 
-@pytest.mark.parametrize("rope", [
+@pytest.mark.parametrize("rope,extra", [
     # the tiny model's own: a context of 32 so that 64 positions see the scaling
-    None,
+    (None, None),
+    # the same with the factor and context length in the metadata as well
+    (None, {"rope.scaling.factor": 8.0, "rope.scaling.original_context_length": 32}),
     # Llama 3.1's published values, at head_dim 128 and theta 500000 (the blend spans 6 of its 64 frequencies)
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192, "rope_theta": 500000.0}, None),
 ])
-def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path, rope):
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path, rope, extra):
     """(Before: the converted config had default RoPE and the logits differed by up to 12.9.)"""
     overrides = {} if rope is None else dict(rope_parameters=rope, max_position_embeddings=131072, head_dim=128,
                                              num_attention_heads=2, num_key_value_heads=1)
-    original, converted = _round_trip(tmp_path, "llama_tied_llama3", **overrides)
+    original, converted = _round_trip(tmp_path, "llama_tied_llama3", extra, **overrides)
     want = json.loads((original / "config.json").read_text())["rope_parameters"]
     got = json.loads((converted / "config.json").read_text())["rope_parameters"]
     assert got == want and got["rope_type"] == "llama3"
