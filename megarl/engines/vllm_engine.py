@@ -37,7 +37,7 @@ from megarl.distributed.collectives import any_rank, rank_and_world
 from megarl.distributed.watchdog import end_process, guard, rl_step
 from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import EngineRestartRefused, TrackedRequests
-from megarl.engines.routes import RouteCapture
+from megarl.engines.routes import capture_args, route_capture
 from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent
 from megarl.weight_sync.load import UNUSABLE, EngineUnusable, SyncError, WeightLoadError, load_or_restore
 
@@ -85,7 +85,8 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
                  enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
         """``route_experts``: the MoE model's expert count when each token's routes are captured (routing
-        replay, ``engines.routes``; prefix caching is then off), 0 otherwise."""
+        replay, ``engines.routes``: vLLM's route output on a GPU, the router hook without prefix caching on CPU), 0
+        otherwise."""
         set_cpu_engine_env(kv_cache_gib)
         self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
@@ -100,7 +101,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=not route_experts,  # cached prompt rows are never routed (engines.routes)
+            **capture_args(route_experts, on_gpu()),
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
@@ -118,7 +119,7 @@ class VLLMEngine:
         run_unique_shm_names()
         llm = LLM(**self._args)
         if self.route_experts:
-            self.routes = RouteCapture(llm, self.route_experts)
+            self.routes = route_capture(llm, self._args["model"], on_gpu())
         return llm
 
     def restart(self) -> None:
@@ -290,7 +291,7 @@ class VLLMSlotEngine(TrackedRequests):
 
     def reset(self) -> None:
         if self.engine.routes is not None:
-            self.engine.routes.pending.clear()
+            self.engine.routes.clear()
         super().reset()
 
     def submit(self, request: SlotRequest) -> None:
@@ -342,7 +343,7 @@ class VLLMSlotEngine(TrackedRequests):
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.engine.weight_version)
             if routes is not None:
-                ev.route_start, ev.routes = routes.pop(out.request_id)
+                ev.route_start, ev.routes = routes.take(out)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)

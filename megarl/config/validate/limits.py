@@ -15,6 +15,19 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def vllm_route_output_problem() -> str:
+    """Why vLLM's route output (``enable_return_routed_experts``, ``engines/routes.py``) would be refused at the
+    engine's start on this GPU machine ('' when it would not): it needs Model Runner V2, which needs Triton."""
+    import importlib.util
+    import os
+
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":  # (vLLM reads it as bool(int(value)))
+        return "needs vLLM's Model Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 in the environment forces V1: unset it"
+    if importlib.util.find_spec("triton") is None:
+        return "needs vLLM's Model Runner V2, which needs Triton: install triton (it comes with torch's CUDA wheels)"
+    return ""
+
+
 def check_ranges(cfg: RunConfig) -> None:
     """Numbers out of range in ``optim.*``, ``warmup.*``, ``train.*`` and ``rollout.*`` (``not x >= 0`` catches NaN)."""
     o, w, t, r = cfg.optim, cfg.warmup, cfg.train, cfg.rollout
