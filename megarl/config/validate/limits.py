@@ -163,6 +163,22 @@ ROLLOUT_KEYS_READ_IN = {
 }
 
 
+FLOAT16_MAX = 65504.0
+"""The largest finite float16; bf16 and fp32 reach ~3.4e38."""
+
+
+def engine_dtype_notes(cfg: RunConfig) -> list[str]:
+    """Said before launch, not refused (a GPU without bf16, e.g. V100 or T4, has float16 engines only): a float16
+    engine under a trainer that keeps bf16 or fp32 weights overflows where they do not."""
+    if cfg.engine.dtype != "float16":
+        return []
+    return [f"engine.dtype=float16 under trainer.precision={cfg.trainer.precision}: float16 overflows above "
+            f"{FLOAT16_MAX:g} where the trainer's {cfg.trainer.precision} does not, so a synced weight or an "
+            "activation beyond it becomes inf in the engine (NaN logprobs, garbage samples) while the trainer sees "
+            "finite values; its 10-bit mantissa also rounds differently from bf16's 7, so the behaviour logprobs "
+            "drift from the trainer's. Set engine.dtype=auto (the trainer's precision) unless the GPUs lack bf16"]
+
+
 def unread_keys(cfg: RunConfig) -> list[str]:
     """Keys set away from their defaults that this run does not read (said before launch, not refused: one
     config file is often run in several modes)."""
