@@ -109,7 +109,47 @@ class ReturnedRoutes:
         """Nothing is held here."""
 
 
-class RouteCapture:
+class HeldRoutes:
+    """Routes routed but not yet taken, by external request id (a chunked prefill routes rows in steps that give no
+    output), and how often a request routed again from an earlier position (``restarts``)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, tuple[int, np.ndarray]] = {}  # external id → (first position, routes) not yet taken
+        self.restarts = 0
+
+    def file(self, rid: str, first: int, new: np.ndarray) -> None:
+        """Rows ``new`` of request ``rid`` from position ``first``, after those held (or in their place from
+        ``first`` on, when it routes again from an earlier position)."""
+        held = self.pending.get(rid)
+        if held is not None and first < held[0] + len(held[1]):
+            self.restarts += 1  # routed again from ``first``: what was held from there on is dropped
+            log.info(f"routing replay: request {rid} routes again from position {first} (preempted, or its KV "
+                     f"dropped); {held[0] + len(held[1]) - max(first, held[0])} held rows replaced")
+        if held is not None and held[0] <= first:
+            if held[0] + len(held[1]) < first:
+                raise RuntimeError(f"routing replay: request {rid} routed positions "
+                                   f"{held[0]}..{held[0] + len(held[1]) - 1}, then from {first}")
+            new = np.concatenate([held[1][:first - held[0]], new])
+            first = held[0]
+        # (a sample keeps the routes of positions it already has: ``Sample.add_routes``)
+        self.pending[rid] = (first, new)
+
+    def take(self, out) -> tuple[int, np.ndarray | None]:
+        """(first position, routes) of ``out``'s request (a ``RequestOutput``) since its last take; (0, None) when
+        none."""
+        return self.pending.pop(out.request_id, (0, None))
+
+    def forget(self, request_ids) -> None:
+        """Aborted requests: their untaken routes go with them."""
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+
+    def clear(self) -> None:
+        """Every held route dropped (the controller's reset)."""
+        self.pending.clear()
+
+
+class RouteCapture(HeldRoutes):
     """Collects, per engine step, the routes of every scheduled request of one in-process vLLM ``LLM`` (CPU).
 
     ``collect()`` after each ``llm_engine.step()``, then ``take(output)`` for each request the step had an output
@@ -133,8 +173,7 @@ class RouteCapture:
         self.capturer = RoutedExpertsCapturer(config.scheduler_config.max_num_batched_tokens, config)
         self._rows: list[tuple[str | None, int, int]] = []  # (external id, first position, rows) of this forward
         self._seen: set[int] = set()  # the MoE layers that routed in this forward
-        self.pending: dict[str, tuple[int, np.ndarray]] = {}  # external id → routes not yet taken
-        self.restarts = 0  # requests that routed again from an earlier position (preempted, KV dropped)
+        super().__init__()
         for m in runners:
             m.router.set_capture_fn(self._capture_fn(m.layer_id))
         before_each_forward(self.runner, self._forward_starts)
@@ -176,37 +215,8 @@ class RouteCapture:
         start = 0
         for rid, first, n in rows:
             if n and rid is not None:
-                self._file(rid, first, stacked[start:start + n].copy())  # (not a view of the whole step's array)
+                self.file(rid, first, stacked[start:start + n].copy())  # (not a view of the whole step's array)
             start += n
-
-    def _file(self, rid: str, first: int, new: np.ndarray) -> None:
-        held = self.pending.get(rid)
-        if held is not None and first < held[0] + len(held[1]):
-            self.restarts += 1  # routed again from ``first``: what was held from there on is dropped
-            log.info(f"routing replay: request {rid} routes again from position {first} (preempted, or its KV "
-                     f"dropped); {held[0] + len(held[1]) - max(first, held[0])} held rows replaced")
-        if held is not None and held[0] <= first:
-            if held[0] + len(held[1]) < first:
-                raise RuntimeError(f"routing replay: request {rid} routed positions "
-                                   f"{held[0]}..{held[0] + len(held[1]) - 1}, then from {first}")
-            new = np.concatenate([held[1][:first - held[0]], new])
-            first = held[0]
-        # (a sample keeps the routes of positions it already has: ``Sample.add_routes``)
-        self.pending[rid] = (first, new)
-
-    def take(self, out) -> tuple[int, np.ndarray | None]:
-        """(first position, routes) of ``out``'s request (a ``RequestOutput``) since its last take; (0, None) when
-        none."""
-        return self.pending.pop(out.request_id, (0, None))
-
-    def forget(self, request_ids) -> None:
-        """Aborted requests: their untaken routes go with them."""
-        for rid in request_ids:
-            self.pending.pop(rid, None)
-
-    def clear(self) -> None:
-        """Every held route dropped (the controller's reset)."""
-        self.pending.clear()
 
 
 def step_samples(slots, running: dict, steps: int | None = None) -> int:

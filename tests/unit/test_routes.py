@@ -112,3 +112,21 @@ def test_vllms_route_layout_becomes_megarls():
     assert small.dtype == np.uint8 and small[:, :, 0].tolist() == [[0, 2, 4], [6, 8, 10], [12, 14, 16]]
     with pytest.raises(ValueError, match="decoder layers > 3"):
         vllm_routes(rows[:, :3], [0, 2, 3], np.uint8)
+
+
+def test_a_request_preempted_mid_prefill_routes_again_from_position_0_in_place_of_its_held_rows():
+    """vLLM's scheduler preempts the newest request when a running one needs a KV block and recomputes it from
+    position 0: the rows its chunked prefill had routed (held: no output yet) are replaced, and counted."""
+    from megarl.engines.routes import HeldRoutes
+
+    held = HeldRoutes()
+    held.file("a", 0, rows(0, 64))  # first prefill chunk
+    held.file("a", 64, rows(64, 64))  # second chunk: appended
+    assert held.pending["a"][0] == 0 and len(held.pending["a"][1]) == 128 and held.restarts == 0
+    held.file("a", 0, rows(0, 64, value=7))  # preempted, recomputed from 0
+    first, got = held.pending["a"]
+    assert first == 0 and len(got) == 64 and (got[:, 0, 0] == 7).all() and held.restarts == 1
+    held.file("a", 64, rows(64, 70))  # its prefill goes on, then decodes
+    assert len(held.pending["a"][1]) == 134 and held.restarts == 1
+    with pytest.raises(RuntimeError, match="routed positions 0..133, then from 140"):
+        held.file("a", 140, rows(140, 1))  # a hole is never filled in silently
