@@ -5,7 +5,8 @@
 A KV cache of ``BLOCKS`` blocks of 32 tokens, a batched-token budget (64) shorter than every prompt and more
 slots than the cache holds: vLLM's scheduler preempts the newest requests when a running one needs a block, and
 one preempted mid-prefill, with rows held by the capture and no output yet, starts again from position 0. The
-same prompts are then run one at a time (nothing preempted) as the reference. Prints what was checked.
+same prompts are then run one at a time (nothing preempted) as the reference. Prints what was checked. On a GPU
+(``tests/gpu/``) the same through vLLM's own route output, with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def main(model_dir: str, blocks: int) -> None:
     from megarl.models.hf_config import num_experts, read_hf_config
 
     init_process_group()
-    hf = read_hf_config(model_dir)
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+    hf, gpu = read_hf_config(model_dir), torch.cuda.is_available()
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=not gpu, max_model_len=256, seed=0,
               distributed_executor_backend="external_launcher", max_num_seqs=12, max_num_batched_tokens=64,
               num_gpu_blocks_override=blocks, block_size=32, kv_cache_memory_bytes=64 << 20,
-              **capture_args(num_experts(hf), gpu=False))
-    routes = route_capture(llm, model_dir, gpu=False)
+              async_scheduling=False, **capture_args(num_experts(hf), gpu))
+    routes = route_capture(llm, model_dir, gpu)  # (on a GPU vLLM's own route output: CUDA graphs, prefix caching)
     g = torch.Generator().manual_seed(1)
     prompts = {str(i): torch.randint(2, hf["vocab_size"], (120 + 9 * i,), generator=g).tolist() for i in range(10)}
     together, preempted = run(llm, routes, prompts, 8)
