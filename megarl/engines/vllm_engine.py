@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 import traceback
@@ -51,18 +52,34 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-sync "RotaryEmbedding: Failed to load weights" is noise
 
 
-def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float = 0.0) -> dict:
-    """``LLM``'s KV cache argument for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
-    exactly that much (vLLM's per-GPU size; it then ignores ``gpu_memory_utilization``, whose default 0.9 would
-    take the GPU the colocated trainer shares); the plan's KV line is this. With ``engine.gpu_memory_utilization``
-    set, that share of the GPU instead (vLLM sizes the KV cache from what is left after the weights). On CPU
-    nothing: the environment (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB) sizes it, as
-    ``check_local_engine_memory`` expects."""
+def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float = 0.0,
+                  gpu_total_bytes: int | None = None) -> dict:
+    """``LLM``'s KV cache arguments for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
+    exactly that much (vLLM's per-GPU size); the plan's KV line is this. With ``engine.gpu_memory_utilization``
+    set, that share of the GPU instead (vLLM sizes the KV cache from what is left after the weights and its CUDA
+    graphs). On CPU nothing: the environment (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB)
+    sizes it, as ``check_local_engine_memory`` expects.
+
+    vLLM 0.32 checks at every start, ``kv_cache_memory_bytes`` or not, that the GPU has ``gpu_memory_utilization``
+    × its memory free (``v1/worker/utils.py``, ``request_memory``); beyond that check the share is unread when the
+    KV cache is sized in bytes. Its default (0.92) would fail a start, or an engine restart, once the colocated
+    trainer holds more than 8% of the GPU; so the share asked for is the KV cache's own (``start_share``): the
+    check then refuses only a start whose KV cache cannot fit. ``gpu_total_bytes``: the GPU's memory (None: this
+    process's current device's)."""
     if not gpu:
         return {}
     if gpu_memory_utilization:
         return {"gpu_memory_utilization": gpu_memory_utilization}
-    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+    kv = int(kv_cache_gib * 2**30)
+    if gpu_total_bytes is None:
+        gpu_total_bytes = torch.cuda.mem_get_info()[1]
+    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": start_share(kv, gpu_total_bytes)}
+
+
+def start_share(kv_bytes: int, gpu_total_bytes: int) -> float:
+    """The GPU share that vLLM's start check (``kv_cache_args``) asks to be free: the KV cache's bytes, rounded up
+    to 1e-4 of the GPU (at most all of it: a larger cache is vLLM's own refusal)."""
+    return min(1.0, math.ceil(kv_bytes / gpu_total_bytes * 1e4) / 1e4)
 
 
 SCHEDULING = {"async_scheduling": False}
