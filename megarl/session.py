@@ -34,7 +34,7 @@ from megarl.distributed.parallel import ParallelState, build_parallel_state
 from megarl.distributed.placement import RankPlacement, node_placement
 from megarl.distributed.placement import apply as use_cpus
 from megarl.engines.colocated import ColocatedEngines
-from megarl.engines.memory import Handover, sleep_supported
+from megarl.engines.memory import Handover, on_gpu, sleep_supported
 from megarl.engines.protocol import Engines
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
@@ -205,7 +205,7 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
                   transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision,
                   packing=cfg.trainer.packing, max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
-                           routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg)), **common)
+                           routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg), on_gpu()), **common)
     critic = reference = None
     needed = needed_learners(a)  # the same rule the pre-launch resume check applies
     if "critic" in needed:
@@ -221,7 +221,7 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
     e, experts = cfg.engine, num_experts(hf_cfg)
     return dict(dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
                 gpu_memory_utilization=e.gpu_memory_utilization,
-                route_experts=experts if captures_routes(cfg, experts) else 0)
+                route_experts=experts if captures_routes(cfg, experts, on_gpu()) else 0)
 
 
 def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:

@@ -423,17 +423,31 @@ def resolved_engine_dtype(cfg: RunConfig) -> str:
     return PRECISION_DTYPES[cfg.trainer.precision] if cfg.engine.dtype == "auto" else cfg.engine.dtype
 
 
-def captures_routes(cfg: RunConfig, experts: int) -> bool:
+def captures_routes(cfg: RunConfig, experts: int, gpu: bool = False) -> bool:
     """Whether the engines capture each token's routes (routing replay and the ``moe/*`` agreement metrics): MoE
-    models, except replicas in their own processes at engine TP > 1 (only a TP-1 replica has its driver worker, where
-    the routers run, in its process: ``engines/routes.py``)."""
+    models with ``algo.routing_replay`` other than 'none', where the engines can (``route_capture_limit``)."""
+    return bool(experts) and cfg.algo.routing_replay != "none" and not route_capture_limit(cfg, gpu)
+
+
+def route_capture_limit(cfg: RunConfig, gpu: bool) -> str:
+    """Why the engines cannot capture routes ('' when they can; ``engines/routes.py``): on CPU the router hook runs
+    in the driver worker, which only a replica of engine TP 1 has in its own process; on GPUs vLLM's route output
+    comes back on the first TP rank only, so an engine of TP > 1 inside torchrun's ranks (colocated) fails on the
+    others."""
     e = cfg.engine
-    return bool(experts) and not (e.placement == "disaggregated" and e.tensor_parallel_size > 1)
+    if e.tensor_parallel_size > 1 and gpu and e.placement != "disaggregated":
+        return (f"engine.placement={e.placement} at engine.tensor_parallel_size={e.tensor_parallel_size} on GPUs: "
+                "vLLM returns the routes on the engine's first TP rank only, and each trainer rank runs its own share")
+    if e.tensor_parallel_size > 1 and not gpu and e.placement == "disaggregated":
+        return (f"engine.placement=disaggregated at engine.tensor_parallel_size={e.tensor_parallel_size} on CPU: a "
+                "replica's routes are captured in its driver worker, which only a replica of engine TP 1 has in its "
+                "own process")
+    return ""
 
 
-def resolved_routing_replay(cfg: RunConfig, experts: int) -> str:
+def resolved_routing_replay(cfg: RunConfig, experts: int, gpu: bool = False) -> str:
     """``algo.routing_replay`` as the run applies it ('auto': 'rollout' where routes are captured, else 'none')."""
     mode = cfg.algo.routing_replay
     if mode == "auto":
-        return "rollout" if captures_routes(cfg, experts) else "none"
+        return "rollout" if captures_routes(cfg, experts, gpu) else "none"
     return mode

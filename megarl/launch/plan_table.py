@@ -5,7 +5,7 @@ from __future__ import annotations
 
 ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
         ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
-        ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
+        ("cuda_graphs", "vLLM CUDA graphs"), ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
 
 
 def params(n: float) -> str:
@@ -67,9 +67,9 @@ def format_table(res: dict) -> str:
     ]
     notes = {"optimizer": f"without the distributed optimizer: {amount(res['optimizer_without_distributed'], res)}",
              "activations": f"no recompute; full recompute: {amount(res['activations_full_recompute'], res)}",
-             "kv_cache": kv_note(res)}
+             "kv_cache": kv_note(res), "cuda_graphs": "estimated (engine.enforce_eager=true: none)"}
     for key, label in ROWS:
-        if key == "overhead" and res.get("device") == "cpu":
+        if key in ("overhead", "cuda_graphs") and res.get("device") == "cpu":
             continue
         lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"

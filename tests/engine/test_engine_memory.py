@@ -20,6 +20,35 @@ def test_sleep_level_is_checked_before_launch():
     assert load_config(None, ["trainer.offload_during_rollout=true"]).trainer.offload_during_rollout
 
 
+def test_an_engine_sized_in_bytes_starts_beside_a_trainer_holding_most_of_the_gpu():
+    """vLLM 0.32's start check (``request_memory``, run here as vLLM runs it on a GPU's figures) wants
+    ``gpu_memory_utilization`` × the GPU free even when ``kv_cache_memory_bytes`` sizes the cache: with its default
+    a colocated engine's start or restart fails once the trainer holds more than 8%; with ``kv_cache_args`` it
+    passes while the KV cache fits, and still fails where it does not."""
+    from vllm.config import CacheConfig
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    from megarl.engines.vllm_engine import kv_cache_args
+
+    gib = 2**30
+
+    def start(free_gib: float, **args) -> int:
+        snapshot = MemorySnapshot(free_memory=int(free_gib * gib), total_memory=80 * gib, device="cpu",
+                                  auto_measure=False)
+        return request_memory(snapshot, CacheConfig(**args))
+
+    ours = kv_cache_args(12.0, gpu=True, gpu_total_bytes=80 * gib)
+    assert ours["kv_cache_memory_bytes"] == 12 * gib and ours["gpu_memory_utilization"] == 0.15
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        start(40.0, kv_cache_memory_bytes=12 * gib)  # the trainer holds half the GPU: vLLM's default share fails
+    assert start(40.0, **ours) == 12 * gib  # the KV cache's own share: starts
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        start(10.0, **ours)  # 12 GiB of KV cache cannot fit in 10 GiB free: still refused
+    assert kv_cache_args(12.0, gpu=True, gpu_memory_utilization=0.5) == {"gpu_memory_utilization": 0.5}
+    assert kv_cache_args(12.0, gpu=False) == {}  # CPU: VLLM_CPU_KVCACHE_SPACE sizes it
+
+
 def test_cpu_skips_sleep_and_offload_with_one_line_each():
     from types import SimpleNamespace
 

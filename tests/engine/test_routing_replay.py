@@ -97,6 +97,20 @@ def test_replay_in_other_moe_families(captured, family):
     assert r["differ"] == 0 and r["gap_replayed"][1] < r["gap_own"][1]
 
 
+@pytest.mark.slow  # (its own engine: ~20 s on a quiet 2-core host; tests/unit/test_routes.py keeps the bookkeeping)
+def test_requests_preempted_mid_prefill_get_the_routes_of_an_unpreempted_run(tmp_path):
+    """A tiny KV cache, prompts longer than the batched-token budget, more slots than the cache holds: vLLM preempts
+    requests, one of them mid-prefill with rows held and no output yet; a Qwen2-MoE written by transformers with a
+    dense layer in the middle (``mlp_only_layers=[1]``: vLLM's layer 1 is no column of the routes)."""
+    from helpers.hf_models import make_hf_model
+
+    model = make_hf_model(tmp_path / "model", "qwen2_moe_dense1")
+    r = run_script(["tests/workers/route_preemption_checks.py", str(model), "14"], env=ENV)
+    assert r["preempted"] >= 1 and r["restarts"] >= 1, "the scenario must preempt a request mid-prefill"
+    assert r["lengths_ok"] and r["same_tokens"] and r["same_routes"]
+    assert r["layers"] == [0, 2, 3] and r["shape"] == [3, 2] and r["prefix_caching"] is False
+
+
 def _run_args(model, run_dir, *extra):
     return tiny_partial_run(model, run_dir, 4, "model.make_tiny=qwen3_moe", "algo.routing_replay=rollout",
                             "trainer.precision=bf16", "algo.entropy_coef=0.01", *extra)

@@ -176,6 +176,21 @@ def test_fp8_without_transformer_engine_is_a_config_error():
         validate(load_config(None, ["model.transformer_engine=true"]), 1, MOE)
 
 
+def test_a_float16_engine_under_a_bf16_trainer_is_said_before_launch(tmp_path, capsys):
+    """The overflow the note names is real: a bf16 weight the sync casts to the engine's float16 becomes inf."""
+    from megarl.config.validate.limits import FLOAT16_MAX
+    from megarl.config.validate.prelaunch import checked_config
+
+    weight = torch.tensor([1.0, 2 * FLOAT16_MAX], dtype=torch.bfloat16)
+    assert torch.isfinite(weight).all() and torch.isinf(weight.to(torch.float16)).tolist() == [False, True]
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe"]
+    checked_config(None, [*run, "engine.dtype=float16"], 1, command="plan")
+    err = capsys.readouterr().err
+    assert "megarl: note: engine.dtype=float16 under trainer.precision=bf16: float16 overflows above 65504" in err
+    checked_config(None, run, 1, command="plan")  # auto: the trainer's precision, nothing to say
+    assert "float16" not in capsys.readouterr().err
+
+
 def test_precision_and_engine_numerics_keys():
     from megarl.config.schema import resolved_engine_dtype
 

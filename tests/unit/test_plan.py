@@ -375,7 +375,8 @@ def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequenc
     assert small["memory_gib_per_gpu"]["kv_cache"] == 8.0 and small["fits"]
     assert small["kv_cache_sequences_held"] == 42 and sized["kv_cache_sequences_held"] == 64  # ⌊8 / (12/64)⌋
     cfg = load_config(None, [*RUN, *layout, "engine.kv_cache_gib=8"])
-    assert kv_cache_args(cfg.engine.kv_cache_gib, gpu=True)["kv_cache_memory_bytes"] == 8 * GIB  # what is reserved
+    reserved = kv_cache_args(cfg.engine.kv_cache_gib, gpu=True, gpu_total_bytes=80 * GIB)["kv_cache_memory_bytes"]
+    assert reserved == 8 * GIB  # what is reserved
     assert kv_cache_args(cfg.engine.kv_cache_gib, gpu=False) == {}  # CPU: VLLM_CPU_KVCACHE_SPACE sizes it
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN3_30B_A3B))
@@ -416,3 +417,20 @@ def test_a_token_budget_sizes_the_activations_by_tokens_per_micro_batch(capsys, 
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *job,
                  "trainer.max_tokens_per_microbatch=8192"]) in (0, 1)
     assert "trainer.max_tokens_per_microbatch=8192" in capsys.readouterr().out
+
+
+def test_the_plan_counts_cuda_graphs_and_a_gpu_memory_utilization_share():
+    """CUDA graphs (engine.enforce_eager auto on GPUs) have a line of their own: the largest captured decode batch
+    (min(2 · slots, 512) tokens) of activations and fp32 logits; with engine.gpu_memory_utilization the engine
+    holds that share of the GPU in all, its KV cache what is left after its weights and graphs."""
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=16", "parallel.etp=1",
+              "engine.tensor_parallel_size=16", "engine.kv_cache_gib=12", "engine.slots=256"]
+    graphs = _plan(QWEN3_30B_A3B, 2, 8, 80, layout)["memory_gib_per_gpu"]
+    eager = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.enforce_eager=true"])["memory_gib_per_gpu"]
+    per_token = (2 * 2048 + 2 * 4096 + 2 * 512 + 8 * 2 * 768) * 4 + 151936 * 4  # fp32 engine: activations, logits
+    assert graphs["cuda_graphs"] == pytest.approx(512 * per_token / 16 / GIB) and eager["cuda_graphs"] == 0.0
+    assert graphs["total"] == pytest.approx(eager["total"] + graphs["cuda_graphs"])
+    share = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.gpu_memory_utilization=0.5"])["memory_gib_per_gpu"]
+    assert share["engine_weights"] + share["cuda_graphs"] + share["kv_cache"] == pytest.approx(40.0)
+    assert share["total"] == pytest.approx(graphs["total"] - 12.0 - graphs["engine_weights"] - graphs["cuda_graphs"]
+                                           + 40.0)

@@ -50,7 +50,7 @@ def test_routing_replay_on_a_dense_model_is_refused_before_launch():
     with pytest.raises(ConfigError, match="algo.routing_replay=rollout: .* is a dense model"):
         validate(load_config(None, ["algo.routing_replay=rollout"]), 1, DENSE)
     validate(load_config(None, ["algo.routing_replay=trainer"]), 1, MOE)
-    with pytest.raises(ConfigError, match="engine.tensor_parallel_size=2: a replica's routes"):
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size=2 on CPU: a replica's routes"):
         validate(load_config(None, ["algo.routing_replay=rollout", "engine.placement=disaggregated",
                                     "engine.tensor_parallel_size=2"]), 2, MOE)
     with pytest.raises(ConfigError, match="algo.routing_replay must be one of"):
@@ -66,3 +66,67 @@ def test_auto_replays_the_engines_routes_wherever_they_are_captured():
     remote_tp2 = load_config(None, ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"])
     assert resolved_routing_replay(remote_tp2, 4) == "none"  # no capture in a TP-2 replica
     assert resolved_routing_replay(load_config(None, ["algo.routing_replay=none"]), 4) == "none"
+
+
+def test_prefix_caching_is_off_only_while_the_hook_captures_routes():
+    from megarl.config.schema import captures_routes
+    from megarl.engines.routes import capture_args
+
+    assert not captures_routes(load_config(None, ["algo.routing_replay=none"]), 4)  # no routes asked for: none taken
+    assert captures_routes(load_config(None), 4)
+    assert captures_routes(load_config(None, ["algo.routing_replay=trainer"]), 4)
+    assert capture_args(0, gpu=False) == {"enable_prefix_caching": True}
+    assert capture_args(4, gpu=False) == {"enable_prefix_caching": False}  # the CPU hook never sees cached rows
+    # vLLM's own route output keeps each cached block's routes, and requires prefix caching
+    assert capture_args(4, gpu=True) == {"enable_prefix_caching": True, "enable_return_routed_experts": True}
+
+
+def test_on_gpus_routes_are_captured_where_vllm_returns_them_and_refused_elsewhere(monkeypatch):
+    from megarl.config.schema import captures_routes, resolved_routing_replay
+    from megarl.config.validate.limits import vllm_route_output_problem
+
+    colocated_tp2 = load_config(None, ["engine.tensor_parallel_size=2"])
+    assert captures_routes(colocated_tp2, 4, gpu=False)  # the CPU hook: every rank routes every token
+    assert not captures_routes(colocated_tp2, 4, gpu=True)  # vLLM's output: the first TP rank's only
+    assert resolved_routing_replay(colocated_tp2, 4, gpu=True) == "none"
+    remote_tp2 = load_config(None, ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"])
+    assert captures_routes(remote_tp2, 4, gpu=True) and not captures_routes(remote_tp2, 4, gpu=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in vllm_route_output_problem()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_route_output_problem() == ""  # (triton is installed here)
+
+
+def test_vllms_route_layout_becomes_megarls():
+    """vLLM's rows [tokens, every decoder layer, k] (uint8 up to 256 experts, else uint16; a dense layer's rows
+    never written) → [tokens, MoE layers, k] in megarl's dtype (255 is no_route: 255 experts and more are int16)."""
+    from megarl.engines.routes import moe_layer_ids, route_dtype, vllm_routes
+
+    hf = {**MOE, "num_hidden_layers": 4, "mlp_only_layers": [1]}
+    assert moe_layer_ids(hf) == [0, 2, 3]
+    rows = np.zeros((3, 4, 2), dtype=np.uint16)
+    rows[:, [0, 2, 3]] = np.arange(18, dtype=np.uint16).reshape(3, 3, 2) + 250
+    got = vllm_routes(rows, moe_layer_ids(hf), route_dtype(300))
+    assert got.dtype == np.int16 and got.shape == (3, 3, 2) and got[2, 2].tolist() == [266, 267]
+    small = vllm_routes((rows[:, :, :1] - 250).astype(np.uint8), [0, 2, 3], route_dtype(4))
+    assert small.dtype == np.uint8 and small[:, :, 0].tolist() == [[0, 2, 4], [6, 8, 10], [12, 14, 16]]
+    with pytest.raises(ValueError, match="decoder layers > 3"):
+        vllm_routes(rows[:, :3], [0, 2, 3], np.uint8)
+
+
+def test_a_request_preempted_mid_prefill_routes_again_from_position_0_in_place_of_its_held_rows():
+    """vLLM's scheduler preempts the newest request when a running one needs a KV block and recomputes it from
+    position 0: the rows its chunked prefill had routed (held: no output yet) are replaced, and counted."""
+    from megarl.engines.routes import HeldRoutes
+
+    held = HeldRoutes()
+    held.file("a", 0, rows(0, 64))  # first prefill chunk
+    held.file("a", 64, rows(64, 64))  # second chunk: appended
+    assert held.pending["a"][0] == 0 and len(held.pending["a"][1]) == 128 and held.restarts == 0
+    held.file("a", 0, rows(0, 64, value=7))  # preempted, recomputed from 0
+    first, got = held.pending["a"]
+    assert first == 0 and len(got) == 64 and (got[:, 0, 0] == 7).all() and held.restarts == 1
+    held.file("a", 64, rows(64, 70))  # its prefill goes on, then decodes
+    assert len(held.pending["a"][1]) == 134 and held.restarts == 1
+    with pytest.raises(RuntimeError, match="routed positions 0..133, then from 140"):
+        held.file("a", 140, rows(140, 1))  # a hole is never filled in silently

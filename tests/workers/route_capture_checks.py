@@ -1,11 +1,12 @@
-"""Routes captured from a real vLLM CPU engine (``engines.routes``), saved for the trainer's replay checks.
+"""Routes captured from a real vLLM engine (``engines.routes``: CPU, or a GPU's), saved for the trainer's replay checks.
 
     python tests/workers/route_capture_checks.py MODEL_DIR OUT.pt DTYPE
 
 An engine of ``DTYPE`` (float32 / bfloat16) that captures routes samples 8 responses through the slot face the
 controller drives; half of them are aborted after a few steps and resumed from their tokens (the partial
 buffer's path: the resumed request re-prefills every earlier position, whose routes must stay those of the
-first request). Saves the samples (prompt, response, behaviour logprobs, routes) and prints what was checked.
+first request; on a GPU the aborted request returns none, and the resumed one all). Saves the samples (prompt,
+response, behaviour logprobs, routes) and prints what was checked.
 """
 
 from __future__ import annotations
@@ -47,18 +48,21 @@ def main(model_dir: str, out: str, dtype: str) -> None:
     for request, s in list(running.items())[::2]:  # every other unfinished sample: aborted, resumed later
         slots.abort([request])
         del running[request]
-        interrupted[request] = (s, s.route_array().copy(), len(s.response_ids))
+        before = s.route_array()  # (None on a GPU: vLLM returns a request's routes when it finishes)
+        interrupted[request] = (s, None if before is None else before.copy(), len(s.response_ids))
     step_samples(slots, running)
     resumed = {submit(request.rsplit(":", 1)[0], s, 1): s for request, (s, _, _) in interrupted.items()}
     step_samples(slots, resumed)
-    kept = all(np.array_equal(s.route_array()[:len(before)], before) for s, before, _ in interrupted.values())
+    kept = all(before is None or np.array_equal(s.route_array()[:len(before)], before)
+               for s, before, _ in interrupted.values())
     lengths_ok = all(len(s.route_array()) == len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples.values())
     first = next(iter(samples.values())).route_array()
     torch.save([dict(prompt=s.prompt_ids, response=s.response_ids, logprobs=s.logprobs, routes=s.route_array())
                 for s in samples.values()], out)
     print(json.dumps({"samples": len(samples), "interrupted": len(interrupted), "kept": kept,
                       "lengths_ok": lengths_ok, "dtype": str(first.dtype), "shape": list(first.shape[1:]),
-                      "prefix_caching": engine._args["enable_prefix_caching"],
+                      "prefix_caching": engine._args["enable_prefix_caching"], "eager": engine._args["enforce_eager"],
+                      "capture": type(engine.routes).__name__,
                       "max_id": int(max(s.route_array().max() for s in samples.values()))}))
 
 

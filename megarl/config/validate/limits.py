@@ -5,6 +5,9 @@ response lengths, the KV cache against this machine's memory, and the attention 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RolloutConfig, RunConfig
 
@@ -13,6 +16,16 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def vllm_route_output_problem() -> str:
+    """Why vLLM's route output (``enable_return_routed_experts``, ``engines/routes.py``) would be refused at the
+    engine's start on this GPU machine ('' when it would not): it needs Model Runner V2, which needs Triton."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":  # (vLLM reads it as bool(int(value)))
+        return "needs vLLM's Model Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 in the environment forces V1: unset it"
+    if importlib.util.find_spec("triton") is None:
+        return "needs vLLM's Model Runner V2, which needs Triton: install triton (it comes with torch's CUDA wheels)"
+    return ""
 
 
 def check_ranges(cfg: RunConfig) -> None:
@@ -148,6 +161,22 @@ ROLLOUT_KEYS_READ_IN = {
     "stale_action": ("partial",),
     "max_discards": ("on_policy",), "long_rounds": ("on_policy",), "long_round_groups": ("on_policy",),
 }
+
+
+FLOAT16_MAX = 65504.0
+"""The largest finite float16; bf16 and fp32 reach ~3.4e38."""
+
+
+def engine_dtype_notes(cfg: RunConfig) -> list[str]:
+    """Said before launch, not refused (a GPU without bf16, e.g. V100 or T4, has float16 engines only): a float16
+    engine under a trainer that keeps bf16 or fp32 weights overflows where they do not."""
+    if cfg.engine.dtype != "float16":
+        return []
+    return [f"engine.dtype=float16 under trainer.precision={cfg.trainer.precision}: float16 overflows above "
+            f"{FLOAT16_MAX:g} where the trainer's {cfg.trainer.precision} does not, so a synced weight or an "
+            "activation beyond it becomes inf in the engine (NaN logprobs, garbage samples) while the trainer sees "
+            "finite values; its 10-bit mantissa also rounds differently from bf16's 7, so the behaviour logprobs "
+            "drift from the trainer's. Set engine.dtype=auto (the trainer's precision) unless the GPUs lack bf16"]
 
 
 def unread_keys(cfg: RunConfig) -> list[str]:

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RunConfig, captures_routes
+from megarl.config.schema import RunConfig, captures_routes, route_capture_limit
 from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.layout import check_model_layout
-from megarl.config.validate.limits import check_engine_head_size
+from megarl.config.validate.limits import check_engine_head_size, cuda_available, vllm_route_output_problem
 from megarl.models.hf_config import check_sequence_length, num_experts, read_hf_config
 
 # Deferred imports below (each marked): torch comes with megarl.models.tiny and megarl.checkpoint; config errors and
@@ -41,10 +41,13 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
     if replay in ("rollout", "trainer") and not num_experts(hf):
         raise ConfigError(f"algo.routing_replay={replay}: {cfg.model.path} is a dense model (no experts to route to); "
                           "set 'none' or 'auto'")
-    if replay == "rollout" and not captures_routes(cfg, num_experts(hf)):
-        raise ConfigError(f"algo.routing_replay=rollout with engine.placement=disaggregated at "
-                          f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}: a replica's routes are "
-                          "captured in its driver worker, which only a replica of engine TP 1 has in its own process")
+    gpu = here and cuda_available()
+    if replay == "rollout" and num_experts(hf) and (why := route_capture_limit(cfg, gpu)):
+        raise ConfigError(f"algo.routing_replay=rollout: the engines cannot capture each token's routes with {why}; "
+                          "set algo.routing_replay=trainer (R2: the trainer's own routes) or none")
+    if gpu and captures_routes(cfg, num_experts(hf), gpu) and (why := vllm_route_output_problem()):
+        raise ConfigError(f"algo.routing_replay={replay} captures the engines' routes through vLLM's route output "
+                          f"on GPUs, which {why}; or set algo.routing_replay=none")
     if cfg.engine.max_model_len > hf.get("max_position_embeddings", cfg.engine.max_model_len):
         raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
                           f"max_position_embeddings ({hf['max_position_embeddings']})")

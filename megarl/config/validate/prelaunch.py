@@ -13,7 +13,7 @@ from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import algo_notes
 from megarl.config.validate.layout import check_job_shape
-from megarl.config.validate.limits import unread_keys
+from megarl.config.validate.limits import engine_dtype_notes, unread_keys
 from megarl.config.validate.model import (
     check_resume_learners,
     check_resume_precision,
@@ -45,7 +45,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
     check_reward(cfg, check_run_data(cfg, stores))  # a usable row in a sample (prompt length too); its columns
     if notes:  # (once every check passed: an error comes alone)
-        for note in unread_keys(cfg) + algo_notes(cfg) + _tiny_model_note(cfg):
+        for note in unread_keys(cfg) + algo_notes(cfg) + engine_dtype_notes(cfg) + _tiny_model_note(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)
     return cfg
 

@@ -38,7 +38,7 @@ from megarl.engines.remote.messages import (
     Update,
     Updated,
 )
-from megarl.engines.routes import RouteCapture
+from megarl.engines.routes import capture_args, route_capture
 from megarl.engines.vllm_engine import SCHEDULING, generate_batch, kv_cache_args, numerics_args, sampled_logprobs
 from megarl.logging.console import configure as configure_console
 from megarl.types import SlotRequest, TokenEvent
@@ -69,7 +69,7 @@ def _llm(spec: dict):
     return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
-               enable_prefix_caching=not spec.get("route_experts"),  # cached prompt rows are never routed
+               **capture_args(spec.get("route_experts", 0), gpu),
                worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
 
 
@@ -116,7 +116,7 @@ def serve(conn, spec: dict) -> None:
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer, which names the replica)
         conn.send(Outcome(f"{type(exc).__name__}: {exc}"))
         return
-    replica = _Replica(llm, spec.get("route_experts", 0))
+    replica = _Replica(llm, route_capture(llm, spec["model"], on_gpu()) if spec.get("route_experts") else None)
     conn.send(Outcome())
     while True:
         try:
@@ -134,10 +134,11 @@ def serve(conn, spec: dict) -> None:
 class _Replica:
     """The replica's state between commands: the version it serves, its requests, why it refuses to generate."""
 
-    def __init__(self, llm, route_experts: int = 0) -> None:
+    def __init__(self, llm, routes=None) -> None:
+        """``routes``: the capture of each token's routes (``engines.routes.route_capture``), None for none."""
         self.llm, self.engine = llm, llm.llm_engine
         self.version, self.active, self.unusable = 0, set(), ""
-        self.routes = RouteCapture(llm, route_experts) if route_experts else None
+        self.routes = routes
 
     def answer(self, msg):
         """The reply to ``msg`` (None for the commands that have none)."""
@@ -191,7 +192,7 @@ class _Replica:
                 c = out.outputs[0]
                 ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.version)
                 if self.routes is not None:
-                    ev.route_start, ev.routes = self.routes.pop(out.request_id)
+                    ev.route_start, ev.routes = self.routes.take(out)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                     self.active.discard(out.request_id)
