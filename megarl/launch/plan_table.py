@@ -3,6 +3,8 @@ at and, when no layout fits, what would (``megarl/launch/plan.py`` computes all 
 
 from __future__ import annotations
 
+from megarl.launch.plan_timing import timing_lines
+
 ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
         ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
         ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
@@ -62,7 +64,7 @@ def format_table(res: dict) -> str:
         + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else "") +
         f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
         f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
-        f"{'   [proposed]' if res['proposed'] else ''}",
+        f"{engines_where(lay)}{'   [proposed]' if res['proposed'] else ''}",
         f"memory per {per} ({unit})",
     ]
     notes = {"optimizer": f"without the distributed optimizer: {amount(res['optimizer_without_distributed'], res)}",
@@ -73,7 +75,8 @@ def format_table(res: dict) -> str:
             continue
         lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict}")
+    lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict} "
+                 f"(the peak: {res['peak']})")
     if res.get("routes"):
         r = res["routes"]
         lines.append(f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
@@ -91,4 +94,14 @@ def format_table(res: dict) -> str:
                         f"None fits with trainer.precision=bf16 or up to --nodes {16 * res['nodes']} either; try")
                      + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}")
     lines.append("settings  " + " ".join(res["overrides"]))
-    return "\n".join(lines)
+    return "\n".join(lines + timing_lines(res))
+
+
+def engines_where(lay: dict) -> str:
+    """' colocated, asleep while training (sleep 1)', ' on 1 engine-only node'."""
+    if lay.get("placement", "colocated") != "colocated":
+        n = lay["engine_nodes"]
+        return f" on {n} engine-only node{'s' if n != 1 else ''}" if n else " disaggregated"
+    asleep = f", asleep while training (sleep {lay['sleep_level']})" if lay.get("sleep_level") else ""
+    return " colocated" + asleep + (", trainer offloaded while generating" if lay.get("offload_during_rollout")
+                                    else "")

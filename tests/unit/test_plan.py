@@ -308,11 +308,12 @@ def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path
 def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, capsys):
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN25_32B))
-    run = ["optim.micro_batch_size=1", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024",
-           "trainer.precision=fp32"]
+    # (micro-batches of 2 × 4096 tokens: no sleep level or offload makes one node's training phase fit)
+    run = ["optim.micro_batch_size=2", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024",
+           "trainer.precision=fp32", "--gpu-mem-gib", "80"]
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
     out = capsys.readouterr().out
-    assert ("sized at  engine.max_model_len=4096 optim.micro_batch_size=1 engine.slots=64" in out
+    assert ("sized at  engine.max_model_len=4096 optim.micro_batch_size=2 engine.slots=64" in out
             and "defaults" not in out)
     assert ("no layout of 1 node × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
             "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
