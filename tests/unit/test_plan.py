@@ -8,17 +8,12 @@ import sys
 import pytest
 import torch
 
-from helpers.plans import QWEN25_32B, RUN
+from helpers.plans import QWEN3_30B_A3B, QWEN25_32B, RUN
 from helpers.scripts import ROOT
 from megarl.config import ConfigError, load_config
 from megarl.launch.plan import GIB, check_layout, count_params, main, plan
 
 # config.json values as published on the Hugging Face Hub (only the keys a plan reads, plus the type).
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-                 "max_position_embeddings": 40960, "tie_word_embeddings": False}
 QWEN3_235B_A22B = {"model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
                    "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
                    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
