@@ -185,7 +185,7 @@ def test_an_engine_tp_that_fits_is_ranked_over_a_faster_one_that_does_not_at_eve
 
 
 @pytest.mark.parametrize("hf,run", [(QWEN3_30B_A3B, README_RUN),
-                                    pytest.param(QWEN25_32B, README_RUN, marks=pytest.mark.slow)],
+                                    (QWEN25_32B, README_RUN)],
                          ids=["moe", "dense"])
 def test_doubling_the_nodes_never_raises_the_proposals_step_time(hf, run):
     cfg = load_config(None, run)
@@ -241,3 +241,37 @@ def test_bad_flag_values_are_refused_naming_the_flag_and_what_is_valid(tmp_path,
 def test_gpu_of_refuses_unknown_figures():
     with pytest.raises(ConfigError, match="unknown GPU figure 'tflops'"):
         gpu_of("h100", tflops=1.0)
+
+
+def test_the_simulator_takes_a_named_layouts_costs_from_the_plan(tmp_path, capsys):
+    """tools/simulate_rollout.py --plan: engines = the layout's replicas, slots = its batch, the planner's cost of a
+    decode step; on equal lengths a sync phase lasts the planner's decode steps (no tail: nothing runs longer)."""
+    import importlib.util
+
+    from helpers.scripts import ROOT
+
+    spec = importlib.util.spec_from_file_location("simulate_rollout", ROOT / "tools/simulate_rollout.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN3_30B_A3B))
+    assert main(["--model", str(model), "--nodes", "2", "--json", *README_RUN]) == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(capsys.readouterr().out)
+    res = json.loads(plan_file.read_text())
+    second = res["proposals"][1]["step_time"]
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("1000\n" * 256)  # 32 groups of 8, all 1000 tokens
+    assert tool.main(["--lengths", str(lengths), "--group-size", "8", "--prompts-per-step", "32", "--max-tokens",
+                      "3072", "--mode", "sync", "--plan", str(plan_file), "--proposal", "2", "--overlap",
+                      "none"]) == 0
+    gen, timed = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    r = second["rollout"]
+    waves = math.ceil(256 / (r["replicas"] * r["batch"]))
+    assert gen["phase_s_max"] == pytest.approx(waves * 1000 * r["decode_step_s"], rel=0.02)
+    # training at the plan's seconds per response token (its train_s over its 256 × 1536), one sync of the plan's
+    per_token = second["train_s"] / (256 * second["work"]["response_tokens"])
+    assert timed["wall_s"] == pytest.approx(gen["phase_s_max"] + per_token * 256 * 1000 + second["sync_s"], rel=0.02)
+    for bad, message in ((["--proposal", "9"], "--proposal 9: "), (["--plan", str(lengths)], "not a megarl plan")):
+        with pytest.raises(SystemExit, match=message):
+            tool.main(["--lengths", str(lengths), "--group-size", "8", "--plan", str(plan_file), *bad])
