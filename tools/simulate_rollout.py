@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             elif mode == "on_policy":
                 out["bubble_floor"] = on_policy_bubble_floor(out["at_cap_samples_trained"], out["tokens_generated"],
                                                              sync_phase_s, s.max_tokens, s.slots,
-                                                             StepTimeModel(s.step_time_model))
+                                                             StepTimeModel(s.step_time_model, s.step_base_s,
+                                                                           s.step_per_seq_s))
             if args.mode in ("all", mode):
                 print(json.dumps({k: v for k, v in out.items() if k not in BULKY}), flush=True)
             if mode == "sync" and overlaps:
