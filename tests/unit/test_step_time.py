@@ -229,7 +229,7 @@ def test_presets_and_flags_set_the_figures(tmp_path, capsys):
     (["--gpu-mem-gib", "0"], "--gpu-mem-gib must be > 0, got 0"),
     (["--response-tokens", "5000"], "--response-tokens 5000: valid 1 .. rollout.max_new_tokens=3072"),
     (["--prompt-tokens", "4000"], "--prompt-tokens 4000: valid 1 .. 2560 (engine.max_model_len=4096 less the mean"),
-], ids=["gpu", "mfu0", "mfu40", "bubble", "hbm", "mem", "response", "prompt"])
+], ids=["preset", "mfu0", "mfu40", "bubble", "hbm", "mem", "response", "prompt"])
 def test_bad_flag_values_are_refused_naming_the_flag_and_what_is_valid(tmp_path, capsys, flags, message):
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN3_30B_A3B))
@@ -238,7 +238,7 @@ def test_bad_flag_values_are_refused_naming_the_flag_and_what_is_valid(tmp_path,
     assert message in err, err
 
 
-def test_gpu_of_refuses_unknown_figures():
+def test_a_figure_no_preset_has_is_refused():
     with pytest.raises(ConfigError, match="unknown GPU figure 'tflops'"):
         gpu_of("h100", tflops=1.0)
 
