@@ -10,7 +10,9 @@ the GPU's figures (``gpus.Gpu``). Pure arithmetic; every term keeps the inputs i
       EP        per GPU: T/(DP·TP) tokens · (L_moe/PP) · topk · h · w · 4 all-to-alls (dispatch and combine,
                 forward and backward), the share (EP−1)/EP leaving the GPU: over NVLink to peers in the node,
                 the network to the others
-      PP        the 1F1B bubble: (PP−1) / (micro-batches · VPP) × (compute + TP + EP)
+      PP        the 1F1B bubble, (PP−1) / (micro-batches · VPP) × (compute + TP + EP), + the activations
+                between stages: 2 (forward, backward) · (T/DP) · h · w over NVLink, the network when TP·PP
+                spans nodes
       DP        per GPU: parameters · (4 B reduce-scatter of fp32 gradients + w all-gather of weights) ·
                 (DP−1)/DP under the distributed optimizer (2 · 4 B all-reduce without); experts over the expert
                 data-parallel group; over the network when the job has several nodes, else NVLink
@@ -112,7 +114,9 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
         moved = tokens / (lay.dp * lay.tp) * moe_layers(hf) / lay.pp * int(hf["num_experts_per_tok"]) * h * w
         ep = moved * collectives * ((in_node - 1) / lay.ep / nvlink + (lay.ep - in_node) / lay.ep / network)
     micro = max(1, math.ceil(tokens / lay.dp / microbatch_tokens(cfg)))
-    pp = (lay.pp - 1) / (micro * lay.vpp) * (compute + tp + ep)
+    p2p_link = network if lay.tp * lay.pp > lay.gpus_per_node else nvlink  # stages on other nodes
+    p2p = 2 * (1 + ref) * tokens / lay.dp * h * w / p2p_link if lay.pp > 1 else 0.0
+    pp = (lay.pp - 1) / (micro * lay.vpp) * (compute + tp + ep) + p2p
     shared, expert = rank_params(counts, lay)
     distributed = cfg.optim.distributed_optimizer and lay.dp > 1
     per_param = 4 + w if distributed else 8

@@ -49,7 +49,8 @@ def test_training_terms_of_a_dense_model_match_the_hand_calculation():
     assert t["ep_s"] == 0.0
     micro = math.ceil(T / 2 / 2048)  # a DP rank's tokens in rows of engine.max_model_len
     assert t["microbatches"] == micro
-    assert t["pp_s"] == pytest.approx(1 / micro * (t["compute_s"] + t["tp_s"]))
+    p2p = 2 * T / 2 * h * 2 / NVLINK  # activations between the 2 stages, in the node (TP·PP = 8)
+    assert t["pp_s"] == pytest.approx(1 / micro * (t["compute_s"] + t["tp_s"]) + p2p)
     c = count_params(QWEN25_32B)
     shared = (c.attention + c.dense) / 8 + max(c.embedding, c.head) / 4  # PP 2: a stage holds one of them
     assert t["dp_s"] == pytest.approx(shared * (4 + 2) * 1 / 2 / NETWORK)  # reduce-scatter fp32 + gather bf16
