@@ -24,6 +24,15 @@ costs ``--train-s-per-token`` per trained token (default: what makes training ``
 0.25) and each sync ``--sync-s`` (default: 1% of the mean sync step).
 
     python tools/simulate_rollout.py --workload sortedrl-paper --overlap all
+
+``--plan PLAN.json`` takes a named layout's costs from ``megarl plan --json`` (``--proposal N``: its N-th ranked
+layout; 0 or a plan of a given layout: the layout shown): engines = its replicas, slots = the batch each holds,
+the batch step model's seconds per decode step and per active sequence, training's seconds per generated token
+(its step's training over its responses' tokens) and the sync's seconds. The workload (``--workload`` or
+``--lengths``) still gives the lengths; a flag given beside ``--plan`` wins over it.
+
+    .venv/bin/megarl plan --model examples/models/qwen3-30b-a3b.json --nodes 2 --json > plan.json
+    python tools/simulate_rollout.py --workload lognormal --plan plan.json --proposal 1 --mode sync --overlap none
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from megarl.rollout.sim.engines import StepTimeModel
 from megarl.rollout.sim.simulator import (
@@ -99,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-share", type=float, default=0.25,
                    help="without --train-s-per-token: training's share of a sync step (default 0.25)")
     p.add_argument("--sync-s", type=float, help="seconds per weight sync (default: 1%% of the mean sync step)")
+    p.add_argument("--plan", help="megarl plan --json output: take a layout's engines, slots and costs from it")
+    p.add_argument("--proposal", type=int, default=1,
+                   help="with --plan: the ranked layout to take (1: the fastest; 0: the layout shown)")
     args = p.parse_args(argv)
+    costs = plan_costs(args.plan, args.proposal) if args.plan else {}
     if not 0 < args.train_share < 1:
         raise SystemExit(f"--train-share must be in (0, 1), got {args.train_share}")
     for name in ("train_s_per_token", "sync_s"):
@@ -116,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         lengths = lognormal_workload(args.seed, args.prompts or 4096, s.group_size, s.max_tokens)
     else:
         lengths = read_lengths(args.lengths)
+    for name, value in costs.get("settings", {}).items():
+        setattr(s, name, value)
+    for name, value in costs.get("trainer", {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("group_size", "engines", "slots", "prompts_per_step", "max_tokens", "step_time_model", "steps",
                  "oversubscription", "staleness_limit", "dispatch", "max_discards", "max_update_groups",
                  "buffer_samples", "long_round_groups"):
@@ -145,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             elif mode == "on_policy":
                 out["bubble_floor"] = on_policy_bubble_floor(out["at_cap_samples_trained"], out["tokens_generated"],
                                                              sync_phase_s, s.max_tokens, s.slots,
-                                                             StepTimeModel(s.step_time_model))
+                                                             StepTimeModel(s.step_time_model, s.step_base_s,
+                                                                           s.step_per_seq_s))
             if args.mode in ("all", mode):
                 print(json.dumps({k: v for k, v in out.items() if k not in BULKY}), flush=True)
             if mode == "sync" and overlaps:
@@ -157,6 +177,27 @@ def main(argv: list[str] | None = None) -> int:
                 line["speedup_vs_sync"] = line["samples_per_s"] / baseline[2]
                 print(json.dumps(line), flush=True)
     return 0
+
+
+def plan_costs(path: str, proposal: int) -> dict:
+    """The simulator's settings from ``megarl plan --json``'s layout number ``proposal`` (0: the layout shown):
+    {'settings': SimSettings fields, 'trainer': the --train-s-per-token and --sync-s it gives}."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--plan {path}: not a megarl plan --json output ({exc})") from None
+    if not isinstance(res, dict) or not res.get("step_time"):
+        raise SystemExit(f"--plan {path}: no step time in it (a megarl plan --json of GPUs; --cpu plans have none)")
+    ranked = res.get("proposals") or []
+    if not 0 <= proposal <= len(ranked):
+        raise SystemExit(f"--proposal {proposal}: {path} ranks {len(ranked)} layouts; valid: 0 .. {len(ranked)}")
+    st = ranked[proposal - 1]["step_time"] if proposal else res["step_time"]
+    r = st["rollout"]
+    return {"settings": {"engines": r["replicas"], "slots": r["batch"], "step_time_model": "batch",
+                         "step_base_s": r["step_base_s"], "step_per_seq_s": r["step_per_seq_s"]},
+            # the simulator trains the tokens it generated: the plan's training over its responses' tokens
+            "trainer": {"train_s_per_token": st["train_s"] / (st["work"]["sequences"] * st["work"]["response_tokens"]),
+                        "sync_s": st["sync_s"]}}
 
 
 BULKY = ("phase_s_exact", "phase_trained_tokens", "slot_s_busy", "slot_capacity")

@@ -8,6 +8,7 @@ its type, for every key alike. Everything else a run is checked for before launc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
 from collections.abc import Callable
@@ -102,10 +103,17 @@ def _expected(dotted: str, typ, value) -> str:
     return f"'{dotted}' must be {typ.__name__}, got {value!r} ({type(value).__name__})"
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    """A config dataclass's resolved annotations (``typing.get_type_hints`` evaluates them anew on every call:
+    ``megarl plan`` validates thousands of candidate layouts)."""
+    return typing.get_type_hints(cls)
+
+
 def check_choices(cfg, prefix: str = "") -> None:
     """Every ``Literal[...]`` setting of ``cfg`` holds one of its values (a config built in code, not loaded:
     ``dataclasses.replace`` or attribute writes, is checked here as a loaded one is in ``_apply``)."""
-    hints = typing.get_type_hints(type(cfg))
+    hints = _type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):

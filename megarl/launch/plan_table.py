@@ -3,6 +3,8 @@ at and, when no layout fits, what would (``megarl/launch/plan.py`` computes all 
 
 from __future__ import annotations
 
+from megarl.launch.plan_timing import timing_lines
+
 ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
         ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
         ("cuda_graphs", "vLLM CUDA graphs"), ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
@@ -46,49 +48,91 @@ def kv_note(res: dict) -> str:
     return note
 
 
-def format_table(res: dict) -> str:
-    lay, mem = res["layout"], res["memory_gib_per_gpu"]
-    unit = unit_of(res)[0]
-    device = "CPU process" if res.get("device") == "cpu" else "GPU"
-    per = "process" if res.get("device") == "cpu" else "GPU"
-    lines = [
-        f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
-        f"{params(res['params_active'])} active per token",
-        f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} "
-        f"of {res['gpu_mem_gib']:g} GiB, "
-        f"precision {res['precision']}" + (" (bytes per parameter: " + ", ".join(
-            f"{k} {v}" for k, v in res["bytes_per_param"].items()) + ")" if res.get("bytes_per_param") else ""),
-        f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · "
-        + (f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else "") +
-        f"DP {lay['dp']}{' (sequence parallel)' if lay['sequence_parallel'] else ''} | "
-        f"vLLM TP {lay['engine_tp']} × {lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
-        f"{'   [proposed]' if res['proposed'] else ''}",
-        f"memory per {per} ({unit})",
-    ]
+def _device(res: dict) -> tuple[str, str]:
+    """('GPU', 'GPU') or, sizing CPU processes, ('CPU process', 'process')."""
+    return ("CPU process", "process") if res.get("device") == "cpu" else ("GPU", "GPU")
+
+
+def model_line(res: dict) -> str:
+    return (f"model   {res['model_type']}: {params(res['params_total'])} parameters, "
+            f"{params(res['params_active'])} active per token")
+
+
+def job_line(res: dict) -> str:
+    bytes_note = (" (bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in res["bytes_per_param"].items()) + ")"
+                  if res.get("bytes_per_param") else "")
+    return (f"job     {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], _device(res)[0])} "
+            f"of {res['gpu_mem_gib']:g} GiB, precision {res['precision']}{bytes_note}")
+
+
+def layout_line(res: dict) -> str:
+    lay = res["layout"]
+    experts = f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else ""
+    replicas = f"{lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
+    return (f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · {experts}DP {lay['dp']}"
+            f"{' (sequence parallel)' if lay['sequence_parallel'] else ''} | vLLM TP {lay['engine_tp']} × {replicas}"
+            f"{engines_where(lay)}{'   [proposed]' if res['proposed'] else ''}")
+
+
+def memory_lines(res: dict) -> list[str]:
+    """The memory rows by part, then the total against the GPU's memory and the phase it peaks in."""
+    mem = res["memory_gib_per_gpu"]
     notes = {"optimizer": f"without the distributed optimizer: {amount(res['optimizer_without_distributed'], res)}",
              "activations": f"no recompute; full recompute: {amount(res['activations_full_recompute'], res)}",
              "kv_cache": kv_note(res), "cuda_graphs": "estimated (engine.enforce_eager=true: none)"}
+    lines = [f"memory per {_device(res)[1]} ({unit_of(res)[0]})"]
     for key, label in ROWS:
         if key in ("overhead", "cuda_graphs") and res.get("device") == "cpu":
             continue
         lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict}")
-    if res.get("routes"):
-        r = res["routes"]
-        lines.append(f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
-                     f"host memory for a step's {r['sequences']} sequences at engine.max_model_len")
-    lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
-                 + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
-    if not res["proposed"] and not res["fits"]:
-        lines.append("this layout does not fit at these sizes. "
-                     + (f"Would fit: {'; '.join(res['would_fit'])}; or" if res.get("would_fit") else "Try")
-                     + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}")
-    if res["proposed"] and not res["fits"]:
-        lines.append(f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} fits in "
-                     f"{res['gpu_mem_gib']:g} GiB per {per} at these sizes; the one shown is the closest. "
-                     + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
-                        f"None fits with trainer.precision=bf16 or up to --nodes {16 * res['nodes']} either; try")
-                     + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}")
-    lines.append("settings  " + " ".join(res["overrides"]))
-    return "\n".join(lines)
+    lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict} "
+                 f"(the peak: {res['peak']})")
+    return lines
+
+
+def routes_lines(res: dict) -> list[str]:
+    """What MoE routing replay carries in host memory ([] for a dense model)."""
+    if not res.get("routes"):
+        return []
+    r = res["routes"]
+    return [f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
+            f"host memory for a step's {r['sequences']} sequences at engine.max_model_len"]
+
+
+def sizing_line(res: dict) -> str:
+    return ("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
+            + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
+
+
+def verdict_lines(res: dict) -> list[str]:
+    """When nothing fits: what would (the given layout's nearest changes, or none of the proposals)."""
+    if res["fits"]:
+        return []
+    if not res["proposed"]:
+        return ["this layout does not fit at these sizes. "
+                + (f"Would fit: {'; '.join(res['would_fit'])}; or" if res.get("would_fit") else "Try")
+                + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}"]
+    device, per = _device(res)
+    return [f"no layout of {_count(res['nodes'], 'node')} × {_count(res['gpus_per_node'], device)} fits in "
+            f"{res['gpu_mem_gib']:g} GiB per {per} at these sizes; the one shown is the closest. "
+            + (f"Would fit: {', '.join(res['would_fit'])}; or" if res.get("would_fit") else
+               f"None fits with trainer.precision=bf16 or up to --nodes {16 * res['nodes']} either; try")
+            + f" a shorter engine.max_model_len or a smaller {_batch_key(res)}"]
+
+
+def format_table(res: dict) -> str:
+    """The whole printout, one small function a part (a new line is a new function in this list)."""
+    return "\n".join([model_line(res), job_line(res), layout_line(res), *memory_lines(res), *routes_lines(res),
+                      sizing_line(res), *verdict_lines(res), "settings  " + " ".join(res["overrides"]),
+                      *timing_lines(res)])
+
+
+def engines_where(lay: dict) -> str:
+    """' colocated, asleep while training (sleep 1)', ' on 1 engine-only node'."""
+    if lay.get("placement", "colocated") != "colocated":
+        n = lay["engine_nodes"]
+        return f" on {n} engine-only node{'s' if n != 1 else ''}" if n else " disaggregated"
+    asleep = f", asleep while training (sleep {lay['sleep_level']})" if lay.get("sleep_level") else ""
+    return " colocated" + asleep + (", trainer offloaded while generating" if lay.get("offload_during_rollout")
+                                    else "")

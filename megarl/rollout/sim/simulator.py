@@ -27,6 +27,8 @@ class SimSettings:
     prompts_per_step: int = 0  # 0: every prompt of the trace in one step
     max_tokens: int = 16384
     step_time_model: str = "batch"
+    step_base_s: float = 0.02  # the batch model's seconds per decode step (weights read, latency) ...
+    step_per_seq_s: float = 0.0002  # ... and per active sequence (its KV cache): megarl plan's for a layout
     steps: int = 0  # 0: one pass over the trace in sync steps
     oversubscription: float = 2.0  # live groups / update groups, non-sync modes
     staleness_limit: int = 2
@@ -216,7 +218,7 @@ def simulate(lengths: list[int], mode: str, s: SimSettings, trainer: TrainerMode
         long_rounds=s.long_rounds and mode == "on_policy", buffer_samples=s.buffer_samples,
         max_update_groups=s.max_update_groups, long_round_groups=s.long_round_groups,
     )
-    model = StepTimeModel(s.step_time_model)
+    model = StepTimeModel(s.step_time_model, s.step_base_s, s.step_per_seq_s)
     weights = Weights()
     engines = [SimulatedEngine(s.slots, length_of, model, s.max_chunk, weights) for _ in range(s.engines)]
     pipeline = Pipeline(trainer.overlap, trainer.sync_s, s.staleness_limit) if trainer else None

@@ -1,0 +1,154 @@
+"""A job's layout as ``megarl plan`` weighs it: the trainer's parallelism, where the vLLM engines run (colocated
+with each sleep level, or on engine-only nodes) and their TP × replicas; the checks that refuse what cannot run,
+and the layouts a plan tries.
+
+    colocated       every GPU holds a trainer rank and a share of an engine: world / engine TP replicas;
+                    engine.sleep_level 1 or 2 frees the engine's memory while the trainer trains,
+                    trainer.offload_during_rollout the trainer's gradients and optimizer state while engines generate
+    disaggregated   the job's last ``engine_nodes`` nodes run only replicas (engine.replica_nodes_dedicated):
+                    engine_nodes × GPUs per node / engine TP of them; the trainer keeps the other nodes
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from megarl.config import ConfigError, validate
+from megarl.config.schema import RunConfig
+from megarl.config.validate.layout import check_job_shape, divisors
+from megarl.models.hf_config import num_experts
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    """The trainer's nodes (the job's, less engine-only ones)."""
+    gpus_per_node: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    engine_tp: int = 1
+    placement: str = "colocated"
+    sleep_level: int = 0
+    offload: bool = False
+    """trainer.offload_during_rollout: gradients and optimizer state on the host while engines generate."""
+    engine_nodes: int = 0
+    """Disaggregated: the job's last nodes that run only replicas."""
+    replicas: int = 1
+    """Disaggregated replicas (colocated: world / engine TP, see ``engine_replicas``)."""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement == "colocated"
+
+    @property
+    def engine_replicas(self) -> int:
+        return self.world // self.engine_tp if self.colocated else self.replicas
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` settings that select this layout in ``megarl train``."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
+               f"parallel.ep={self.ep}", f"parallel.etp={self.etp}",
+               f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+               f"engine.tensor_parallel_size={self.engine_tp}"]
+        if self.colocated:
+            return out + [f"engine.sleep_level={self.sleep_level}",
+                          f"trainer.offload_during_rollout={str(self.offload).lower()}"]
+        return out + ["engine.placement=disaggregated", f"engine.replicas={self.replicas}",
+                      f"engine.replica_nodes={self.engine_nodes}", "engine.replica_nodes_dedicated=true"]
+
+    def describe(self, experts: bool) -> str:
+        """'colocated, sleep 1: trainer TP 2 · PP 1 · EP 8 · ETP 1 · DP 8 | vLLM TP 2 × 8'."""
+        where = (f"colocated, sleep {self.sleep_level}{' + offload' if self.offload else ''}" if self.colocated
+                 else f"{self.engine_nodes} engine node{'s' if self.engine_nodes > 1 else ''}")
+        moe = f" · EP {self.ep} · ETP {self.etp}" if experts else ""
+        return (f"{where}: trainer TP {self.tp} · PP {self.pp}{moe} · DP {self.dp} | "
+                f"vLLM TP {self.engine_tp} × {self.engine_replicas}")
+
+
+def engine_only_nodes(cfg: RunConfig) -> int:
+    """How many of the allocation's last nodes run only engine replicas (``engine.replica_nodes_dedicated``), else 0."""
+    return cfg.engine.replica_nodes if cfg.engine.replica_nodes_dedicated else 0
+
+
+def trainer_nodes(cfg: RunConfig, nodes: int) -> int:
+    """The job's nodes that run trainer ranks: all but the engine-only ones (``engine.replica_nodes_dedicated``)."""
+    engine_only = engine_only_nodes(cfg)
+    if engine_only and nodes - engine_only < 1:
+        raise ConfigError(f"--nodes {nodes} leaves no trainer node beside engine.replica_nodes={engine_only} "
+                          f"engine-only nodes (engine.replica_nodes_dedicated=true); "
+                          f"valid: --nodes >= {engine_only + 1}")
+    return nodes - engine_only
+
+
+def layout_of(cfg: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
+    """The config's layout on ``nodes`` trainer nodes."""
+    p, e = cfg.parallel, cfg.engine
+    return Layout(nodes, gpus_per_node, p.tp, p.pp, p.vpp, p.ep, p.etp or p.tp, p.sequence_parallel,
+                  e.tensor_parallel_size, e.placement, e.sleep_level, cfg.trainer.offload_during_rollout,
+                  engine_only_nodes(cfg), e.replicas)
+
+
+def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
+    par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp,
+                  sequence_parallel=lay.sequence_parallel)
+    engine = replace(cfg.engine, tensor_parallel_size=lay.engine_tp, placement=lay.placement,
+                     sleep_level=lay.sleep_level if lay.colocated else 0, replicas=lay.replicas,
+                     replica_nodes=lay.engine_nodes, replica_nodes_dedicated=lay.engine_nodes > 0)
+    trainer = replace(cfg.trainer, offload_during_rollout=lay.offload)
+    return replace(cfg, parallel=par, engine=engine, trainer=trainer)
+
+
+def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here: bool = True) -> None:
+    """``validate`` at the job's world size plus what only the job's shape tells (``check_job_shape``);
+    ConfigError names the key. ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    validate(cfg, nodes * gpus_per_node, hf, here)
+    check_job_shape(cfg, hf, nodes, gpus_per_node)
+
+
+def trainer_layouts(hf: dict, nodes: int, gpus_per_node: int, max_pp: int = 16) -> list[Layout]:
+    """The trainer's layouts on ``nodes`` nodes, smallest TP·PP first, then fewer stages, more experts split:
+    TP within a node, PP up to ``max_pp``, EP over the experts, expert TP 1 or TP."""
+    world, experts = nodes * gpus_per_node, num_experts(hf)
+    out = []
+    for tp, pp, ep, etp_one in itertools.product(divisors(gpus_per_node),
+                                                 [d for d in divisors(hf["num_hidden_layers"]) if d <= max_pp],
+                                                 divisors(experts or 1), (True, False)):
+        etp = 1 if etp_one else tp
+        if world % (tp * pp) or (etp_one and (tp == 1 or not experts)) or (world // pp) % (ep * etp):
+            continue  # (experts: EP × expert TP divides TP × DP, check_world_layout's rule)
+        out.append(Layout(nodes, gpus_per_node, tp, pp, 1, ep, etp, tp > 1))
+    out.sort(key=lambda x: (x.tp * x.pp, x.pp, -x.ep, x.etp))
+    return out
+
+
+def colocated_layouts(hf: dict, nodes: int, gpus_per_node: int, sleep_levels=(0,), offload=(False,)):
+    """Every trainer layout × engine TP (dividing the world: world / TP replicas) × sleep level × offload, in the
+    order of preference ``--cpu`` proposes by (the first that fits)."""
+    for lay in trainer_layouts(hf, nodes, gpus_per_node):
+        for engine_tp, level, off in itertools.product(divisors(lay.world), sleep_levels, offload):
+            yield replace(lay, engine_tp=engine_tp, sleep_level=level, offload=off)
+
+
+def disaggregated_layouts(hf: dict, nodes: int, gpus_per_node: int):
+    """The job's last nodes run only replicas of engine TP dividing a node (1, 2, 4, … and half of the nodes of
+    them, fewer than all); the rest train."""
+    for engine_nodes in sorted({n for n in (nodes // 2, *(2**k for k in range(nodes.bit_length()))) if 0 < n < nodes}):
+        for lay in trainer_layouts(hf, nodes - engine_nodes, gpus_per_node):
+            for engine_tp in divisors(gpus_per_node):
+                yield replace(lay, engine_tp=engine_tp, placement="disaggregated", engine_nodes=engine_nodes,
+                              replicas=engine_nodes * gpus_per_node // engine_tp)

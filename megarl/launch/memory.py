@@ -1,0 +1,218 @@
+"""Memory per GPU of a layout: the trainer's worst pipeline stage and the vLLM engine's share, by phase.
+
+- weights P·w, gradients P·4 (fp32 main grads), optimizer state (fp32: Adam m, v = 8 B;
+  bf16: + fp32 main weights = 12 B), divided by DP under the distributed optimizer (expert
+  parameters by the expert data-parallel size). P = this rank's parameters:
+  (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP.
+- activations (no recompute; megarl's trainer does not recompute): per layer and token,
+  w·(2h + 2·q + 2·kv) for attention, w·(h + 3f) for a dense MLP and
+  w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
+  norms' 3h stay whole), times the tokens of a micro-batch — ``trainer.max_tokens_per_microbatch`` when packed
+  micro-batches are balanced by tokens (at most that many each), else micro_batch_size · max_model_len —, times
+  all layers (1F1B keeps PP microbatches of L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps
+  only w·h per layer.
+- logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
+- vLLM: all weights · w / engine TP; KV cache: ``engine.kv_cache_gib`` per GPU, what each engine worker reserves
+  (vLLM's ``kv_cache_memory_bytes``), or with ``engine.gpu_memory_utilization`` what that share of the GPU leaves
+  after the engine's weights and CUDA graphs; CUDA graphs (``engine.enforce_eager`` auto or false on GPUs): an
+  estimate of vLLM's pool (``cuda_graph_gib``). Plus 2 GiB runtime overhead.
+
+The total is the peak of the phases: colocated at sleep level 0, everything at once; at level 1 or 2 the larger of
+training (the trainer alone: the engine asleep) and generation (trainer weights, its gradients and optimizer state
+unless ``trainer.offload_during_rollout``, the engine); disaggregated, the larger of a trainer GPU and an engine GPU.
+"""
+
+from __future__ import annotations
+
+from megarl.config import ConfigError
+from megarl.config.schema import RunConfig
+from megarl.launch.layout import Layout
+from megarl.launch.model_size import Counts, head_dim
+from megarl.models.hf_config import is_moe_layer, num_experts
+
+GIB = 1024**3
+OVERHEAD_GIB = 2.0
+"""CUDA context, NCCL buffers and allocator slack per GPU."""
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRAINER_PARTS = ("weights", "gradients", "optimizer", "activations", "logits")
+
+
+def engine_bytes(cfg: RunConfig, precision: str) -> int:
+    """Bytes of one engine weight or KV value: ``engine.dtype`` ('auto': the trainer's ``precision``)."""
+    return ENGINE_BYTES[cfg.engine.dtype] if cfg.engine.dtype != "auto" else WEIGHT_BYTES[precision]
+
+
+def bytes_per_param(cfg: RunConfig, precision: str) -> dict:
+    """What the plan assumes each parameter costs: the trainer's weights, fp32 gradients, the optimizer's state
+    (Adam m, v; bf16 adds the fp32 main weights) before the distributed optimizer divides it, the engine's copy."""
+    return {"weights": WEIGHT_BYTES[precision], "gradients": 4, "optimizer": OPTIMIZER_BYTES[precision],
+            "engine": engine_bytes(cfg, precision)}
+
+
+def rank_params(counts: Counts, lay: Layout) -> tuple[float, float]:
+    """One trainer rank's parameters of its worst stage: (shared by TP, routed experts)."""
+    emb = counts.embedding + counts.head if lay.pp == 1 else max(counts.embedding, counts.head)
+    shared = (counts.attention + counts.dense) / (lay.tp * lay.pp) + emb / lay.tp
+    return shared, counts.experts / (lay.pp * lay.ep * lay.etp)
+
+
+def activation_floats(hf: dict) -> int:
+    """Floats one token keeps per layer summed over the layers (the module docstring's activations), whole."""
+    h = hf["hidden_size"]
+    q, kv = hf["num_attention_heads"] * head_dim(hf), hf["num_key_value_heads"] * head_dim(hf)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    f_e = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    f_s = int(hf.get("shared_expert_intermediate_size") or 0)
+    per_token = 0
+    for layer in range(hf["num_hidden_layers"]):
+        per_token += 2 * h + 2 * q + 2 * kv
+        if is_moe_layer(hf, layer):
+            per_token += h + topk * (h + 3 * f_e) + (h + 3 * f_s if f_s else 0)
+        else:
+            per_token += h + 3 * hf["intermediate_size"]
+    return per_token
+
+
+def cuda_graph_gib(hf: dict, cfg: RunConfig, lay: Layout, precision: str, cpu: bool = False) -> float:
+    """vLLM's CUDA graphs on each engine GPU (``engine.enforce_eager`` auto or false; none on CPU), an estimate: the
+    captured decode batches share one memory pool that their largest fills, min(2 · ``engine.slots``, 512) tokens
+    (vLLM's largest capture size) of transient activations per token: hidden state and residual (2h), q, k, v and
+    the attention output (2q + 2kv), the widest MLP (2f, or topk · 2f_e for MoE), over engine TP in the engine's
+    dtype, plus the fp32 logits (vocab / engine TP · 4 B). vLLM logs its own figure at start ("CUDA graph pool
+    memory")."""
+    if cpu or cfg.engine.enforce_eager is True:
+        return 0.0
+    tokens = min(2 * cfg.engine.slots, 512)
+    q, kv = hf["num_attention_heads"] * head_dim(hf), hf["num_key_value_heads"] * head_dim(hf)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    mlp = max(2 * hf["intermediate_size"], topk * 2 * int(hf.get("moe_intermediate_size") or 0))
+    per_token = (2 * hf["hidden_size"] + 2 * q + 2 * kv + mlp) * engine_bytes(cfg, precision)
+    return tokens * (per_token + hf["vocab_size"] * 4) / lay.engine_tp / GIB
+
+
+def engine_reserved_gib(cfg: RunConfig, weights_gib: float, graphs_gib: float, gpu_mem_gib: float) -> float:
+    """The KV cache vLLM reserves on each engine GPU: ``engine.kv_cache_gib`` (``kv_cache_memory_bytes``, CUDA graphs
+    on top); with ``engine.gpu_memory_utilization`` what that share of the GPU leaves after the engine's weights and
+    CUDA graphs (vLLM sizes it so; the engine then holds that share in all)."""
+    share = cfg.engine.gpu_memory_utilization
+    if not share:
+        return cfg.engine.kv_cache_gib
+    return max(0.0, share * gpu_mem_gib - weights_gib - graphs_gib)
+
+
+def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32",
+               cpu: bool = False, gpu_mem_gib: float = 0.0) -> dict:
+    """Memory per GPU (``cpu``: per process, no CUDA runtime) in GiB, by part (see the module docstring);
+    ``gpu_mem_gib``: the GPU's, which ``engine.gpu_memory_utilization`` takes a share of."""
+    w = WEIGHT_BYTES[precision]
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    shared, expert = rank_params(counts, lay)
+    params = shared + expert
+    expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
+    opt_full = params * OPTIMIZER_BYTES[precision]
+    distributed = cfg.optim.distributed_optimizer and lay.dp > 1
+    opt = (shared / lay.dp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
+    # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
+    replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
+    tokens = microbatch_tokens(cfg)
+    inflight = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
+    act = ((activation_floats(hf) - replicated) / lay.tp + replicated) * tokens * w * inflight
+    act_recompute = layers * h * tokens * w / lay.tp * inflight
+    chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
+    logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
+
+    kv = kv_cache_use(hf, cfg, lay, precision)
+    parts = {
+        "weights": params * w / GIB,
+        "gradients": params * 4 / GIB,
+        "optimizer": opt / GIB,
+        "activations": act / GIB,
+        "logits": logits / GIB,
+        "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,
+        "cuda_graphs": cuda_graph_gib(hf, cfg, lay, precision, cpu),
+        "overhead": 0.0 if cpu else OVERHEAD_GIB,
+    }
+    # reserved whatever the rollout needs (kv_cache_memory_bytes), or the rest of engine.gpu_memory_utilization
+    parts["kv_cache"] = engine_reserved_gib(cfg, parts["engine_weights"], parts["cuda_graphs"], gpu_mem_gib)
+    parts["total"], parts["peak"] = peak_of(parts, lay)
+    parts["optimizer_without_distributed"] = opt_full / GIB
+    parts["activations_full_recompute"] = act_recompute / GIB
+    parts["kv_cache_needed"] = kv["needed"] / GIB
+    parts["kv_cache_sequences"] = kv["sequences"]
+    parts["kv_cache_sequences_held"] = kv["held"]
+    return parts
+
+
+def peak_of(parts: dict, lay: Layout) -> tuple[float, str]:
+    """The largest of the phases' sums and its name (the module docstring's last paragraph)."""
+    trainer = sum(parts[k] for k in TRAINER_PARTS) + parts["overhead"]
+    engine = parts["engine_weights"] + parts["cuda_graphs"] + parts["kv_cache"]
+    if not lay.colocated:
+        return max((trainer, "on a trainer GPU"), (engine + parts["overhead"], "on an engine GPU"))
+    if lay.sleep_level == 0:
+        return trainer + engine, "training and generation at once"
+    held = parts["weights"] + (0.0 if lay.offload else parts["gradients"] + parts["optimizer"])
+    return max((trainer, "while training"), (held + engine + parts["overhead"], "while generating"))
+
+
+def microbatch_tokens(cfg: RunConfig) -> int:
+    """The tokens of one trainer micro-batch activations are sized at: ``trainer.max_tokens_per_microbatch`` (a
+    packed micro-batch holds at most that many, padding aside), else ``optim.micro_batch_size`` rows of
+    ``engine.max_model_len`` (the worst case, packed or padded)."""
+    t = cfg.trainer
+    if t.packing and t.max_tokens_per_microbatch:
+        return t.max_tokens_per_microbatch
+    return cfg.optim.micro_batch_size * cfg.engine.max_model_len
+
+
+def kv_bytes_per_token(hf: dict, engine_tp: int, value_bytes: int) -> int:
+    """KV cache bytes of one token on one engine GPU: 2 (k, v) · layers · KV heads on the rank · head dim · w."""
+    kv_heads = -(-hf["num_key_value_heads"] // engine_tp)
+    return 2 * hf["num_hidden_layers"] * kv_heads * head_dim(hf) * value_bytes
+
+
+def rollout_sequences(cfg: RunConfig) -> int:
+    """The sequences the rollout runs in a step: prompts × samples (× oversubscription outside sync mode)."""
+    r = cfg.rollout
+    return int(r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1))
+
+
+def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
+    """The rollout's KV cache per GPU against ``engine.kv_cache_gib``: bytes per token on one engine GPU,
+    the sequences the rollout runs at once (min(slots, rollout sequences)), the bytes they need at
+    ``engine.max_model_len``, and how many of them the configured cache holds at once."""
+    concurrent = min(cfg.engine.slots, rollout_sequences(cfg))
+    per_token = kv_bytes_per_token(hf, lay.engine_tp, engine_bytes(cfg, precision))
+    per_sequence = cfg.engine.max_model_len * per_token
+    held = min(concurrent, int(cfg.engine.kv_cache_gib * GIB // per_sequence))
+    return {"per_token": per_token, "per_sequence": per_sequence, "sequences": concurrent,
+            "needed": concurrent * per_sequence, "held": held}
+
+
+def check_kv_cache(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> None:
+    """ConfigError when ``engine.kv_cache_gib`` cannot hold one sequence of ``engine.max_model_len``: vLLM
+    refuses to start such an engine ("to serve at least one request with the model's max seq len ...")."""
+    kv = kv_cache_use(hf, cfg, lay, precision)
+    if kv["held"] < 1:
+        e = cfg.engine
+        raise ConfigError(f"engine.kv_cache_gib={e.kv_cache_gib:g} cannot hold one sequence of engine.max_model_len="
+                          f"{e.max_model_len} ({kv['per_sequence'] / GIB:.3g} GiB per GPU at engine TP "
+                          f"{lay.engine_tp}, {precision}): vLLM would refuse to start; valid: engine.kv_cache_gib >= "
+                          f"{kv['per_sequence'] / GIB:.3g} (the rollout's {kv['sequences']} sequences at once: "
+                          f"{kv['needed'] / GIB:.3g}), or a shorter engine.max_model_len")
+
+
+def route_bytes(hf: dict, cfg: RunConfig) -> dict:
+    """What the routes of an MoE rollout add (``engines.routes``: each token's experts in every MoE layer, 1 byte an
+    id under 255 experts, else 2), per token and for a step's batch at ``engine.max_model_len``; host memory of the
+    samples and the trainer's batch, not GPU memory. {} for a dense model."""
+    experts = num_experts(hf)
+    if not experts:
+        return {}
+    layers = sum(is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"]))
+    per_token = layers * hf["num_experts_per_tok"] * (1 if experts < 255 else 2)
+    sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return {"bytes_per_token": per_token, "sequences": sequences,
+            "gib_per_step": per_token * sequences * cfg.engine.max_model_len / GIB}
