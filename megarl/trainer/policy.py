@@ -215,6 +215,10 @@ class PolicyTrainer:
                                  multiple=ps.tp if ps.sequence_parallel else 1, equal_length=same,
                                  count_multiple=ps.pp if ps.vpp > 1 else 1)
 
+    def _sp_split(self) -> int:
+        """How many TP ranks share a sequence (sequence parallelism: each routes its chunk), else 1."""
+        return self.ps.tp if self.ps.sequence_parallel and self.ps.tp > 1 else 1
+
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size
         return [batch.slice(i, i + mbs).as_dict() for i in range(0, batch.size, mbs)]
@@ -245,9 +249,12 @@ class PolicyTrainer:
         def forward_step(data_iter, model):
             mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
                   for k, v in next(data_iter).items()}
+            routes = mb.pop("routes", None)
+            if self.taps and routes is not None:  # every chunk, MoE layers or not (RouteStats.expect)
+                passes[id(model)] = passes.get(id(model), -1) + 1
+                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // self._sp_split())
             if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
-                stats.microbatch = passes[id(model)] = passes.get(id(model), -1) + 1
-                set_targets(taps, mb.pop("routes", None), self.routing_replay != "none", stats, self.ps.tp_rank,
+                set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
                             self.ps.tp, self.ps.sequence_parallel)
             packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
             output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed)

@@ -45,6 +45,14 @@ class RouteStats:
         self.valid: dict[int, torch.Tensor] = {}  # microbatch → [tokens] the engine routed it
         self.microbatch = 0
 
+    def expect(self, microbatch: int, tokens: int) -> None:
+        """A microbatch of ``tokens`` router rows on this rank, flagged on every pipeline stage, MoE layers or not:
+        each stage then holds the same tokens for the pipeline reduction in ``metrics``."""
+        self.microbatch = microbatch
+        if microbatch not in self.valid:
+            self.flipped[microbatch] = torch.zeros(tokens, dtype=torch.bool)
+            self.valid[microbatch] = torch.zeros(tokens, dtype=torch.bool)
+
     def add(self, same: torch.Tensor, valid: torch.Tensor) -> None:
         self.agree += float((same & valid).sum())
         self.pairs += float(valid.sum())
@@ -59,8 +67,11 @@ class RouteStats:
         keys = sorted(self.valid)
         flips = torch.cat([self.flipped[k] for k in keys]).float() if keys else torch.zeros(0)
         valid = torch.cat([self.valid[k] for k in keys]).float() if keys else torch.zeros(0)
-        if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1 and len(flips):
-            dist.all_reduce(flips, op=dist.ReduceOp.MAX, group=pp_group)  # same tokens on every stage
+        if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1:
+            # the same tokens on every stage (``expect``), a stage without MoE layers too: each enters
+            both = torch.stack([flips, valid])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pp_group)
+            flips, valid = both[0], both[1]
         totals = torch.tensor([self.agree, self.pairs, float(flips.sum()), float(valid.sum())], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)  # copies of a token on several ranks cancel in the ratios

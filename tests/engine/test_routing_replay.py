@@ -90,7 +90,7 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
 
 @pytest.mark.parametrize("family", [pytest.param("qwen2_moe", marks=SLOW), pytest.param("mixtral", marks=SLOW)])
 def test_replay_in_other_moe_families(captured, family):
-    """Qwen2-MoE: a shared expert and a dense last layer (``mlp_only_layers``: no routes); Mixtral's names."""
+    """Qwen2-MoE: a shared expert and a dense middle layer (``mlp_only_layers``: no routes, later layers in the column before); Mixtral's names."""
     *_, report = captured(family, "bfloat16")
     assert report["lengths_ok"] and report["shape"] == ([3, 2] if family == "qwen2_moe" else [4, 2])
     r = replay(captured, family, "bfloat16")
