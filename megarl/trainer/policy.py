@@ -20,6 +20,7 @@ from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
+from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
@@ -313,9 +314,20 @@ class PolicyTrainer:
         torch.distributed.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
         return box[0]
 
+    def _watched(self, what: str):
+        """The hang watchdog over one of this trainer's calls (``distributed/watchdog.py``): its collectives (the
+        pipeline's sends, the gradient and metric reductions, the gathers) never returning end the process with
+        exit 75 after ``engine.hang_timeout_s``, as a hung engine step does."""
+        role = "critic" if self.head == "value" else "policy" if self.optimizer is not None else "reference"
+        return guard(f"the {role} trainer's {what} (RL step {rl_step()})")
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank (packed: 0 past
         each row's length; unpacked: whatever the padding scored; masked out by every caller)."""
+        with self._watched("forward pass"):
+            return self._logprobs(batch)
+
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         for c in self.chunks:
             c.eval()
         out = self._run(batch, None, forward_only=True)
@@ -337,6 +349,10 @@ class PolicyTrainer:
     def record_routes(self, batch: TrainBatch) -> torch.Tensor:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
         [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks)."""
+        with self._watched("route recording"):
+            return self._record_routes(batch)
+
+    def _record_routes(self, batch: TrainBatch) -> torch.Tensor:
         taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
         for tap in taps:
             tap.recorded = []
@@ -367,6 +383,10 @@ class PolicyTrainer:
         """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
         if self.optimizer is None:
             raise RuntimeError("this model was built frozen (trainable=False)")
+        with self._watched("optimizer step"):
+            return self._train_step(batch, loss_fn)
+
+    def _train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()

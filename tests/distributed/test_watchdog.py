@@ -19,7 +19,7 @@ from typing import NamedTuple
 import pytest
 
 from helpers.processes import ended_or_killed, processes_with_env
-from helpers.scripts import ROOT
+from helpers.scripts import ROOT, worker_env
 from megarl.distributed import watchdog
 from megarl.keeper import EXIT_REQUEUE
 
@@ -177,6 +177,30 @@ def _still_running(tag: str, wait_s: float = 10.0) -> list[str]:
         if not alive or time.monotonic() >= end:
             return alive
         time.sleep(0.5)
+
+
+def test_a_trainer_collective_that_never_returns_ends_the_process_with_75(tmp_path):
+    """2 processes, a DP 2 trainer: in RL step 2 the last rank blocks after its backward and rank 0 waits for it in
+    the optimizer step's non-finite check. Rank 0's watchdog names the trainer's call, dumps its stack (inside the
+    collective) and ends it with 75; torchrun ends the hung rank."""
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2", num_layers=2), seed=0)
+    exit_file = tmp_path / "logs" / "1.0.exit"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "tests/workers/trainer_hang_checks.py", str(model)], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env=worker_env({"OMP_NUM_THREADS": "1", "MEGARL_EXIT_FILE": str(
+                              exit_file), "MEGARL_TEST_FAULT": "optimizer_hang@2"}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-6000:]  # torchrun's 1 for a failed worker
+    assert "rank 0: RL step 1's optimizer step returned" in out and "RL step 2's optimizer step returned" not in out
+    assert "rank 1: optimizer step hang injected by MEGARL_TEST_FAULT" in out, out[-6000:]
+    assert ("megarl watchdog: rank 0: the policy trainer's optimizer step (RL step 2) has not returned after"
+            in out), out[-6000:]
+    assert "in nonfinite" in out  # rank 0's stack: blocked in the check's all-reduce
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert time.monotonic() - start < 120
 
 
 @pytest.mark.slow
