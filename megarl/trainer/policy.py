@@ -37,7 +37,9 @@ from megarl.trainer.routing import (
     attach_taps,
     clear_targets,
     moe_columns,
+    padding_mask,
     recorded_rows,
+    router_losses_off,
     set_targets,
 )
 from megarl.types import TrainBatch
@@ -152,6 +154,7 @@ class PolicyTrainer:
         columns = moe_columns(hf_cfg, hf_cfg["num_hidden_layers"]) if num_experts(hf_cfg) and head == "lm" else {}
         self.taps = {id(c): attach_taps(m, columns) for c, m in zip(self.chunks, self.modules)} if columns else {}
         self.route_columns = columns
+        self.moe = num_experts(hf_cfg) > 0
         self.route_stats: dict[str, float] = {}  # of the last pass that had routes (moe/route_agreement, ...)
         for m in self.modules:
             m.config.no_sync_func = [c.no_sync for c in self.chunks] if ps.vpp > 1 else self.chunks[0].no_sync
@@ -258,7 +261,12 @@ class PolicyTrainer:
                 set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
                             self.ps.tp, self.ps.sequence_parallel)
             packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
-            output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed)
+            pad = padding_mask(mb) if self.moe else None  # padding left out of the MoE router losses
+            with router_losses_off(model.config, pad is not None and bool(pad.all())):
+                if pad is not None and not getattr(model, "module", model).pre_process and self._sp_split() > 1:
+                    pad = pad.chunk(self.ps.tp, dim=1)[self.ps.tp_rank]  # (a first stage scatters it itself)
+                output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed,
+                               **({"padding_mask": pad} if pad is not None else {}))
 
             def loss_func(logits):
                 if head == "value":

@@ -22,6 +22,8 @@ targets are all a backward needs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -110,6 +112,33 @@ class RouteTap:
             return probs, own
         chosen = torch.where(valid.unsqueeze(1), target, own)
         return scores.gather(1, chosen), chosen
+
+
+def padding_mask(mb: dict) -> torch.Tensor | None:
+    """A micro-batch's [b, s] ``padding_mask`` for megatron-core's MoE routers (True: no row's position; the
+    load-balancing and z losses leave it out, routing does not change): past each row's ``lengths`` unpacked, past
+    the rows laid end to end packed; None where the rows' lengths are unknown."""
+    ids = mb["input_ids"]
+    if "valid" in mb:  # packed (algo/packing.py): the rows, then the padding
+        lengths = mb["valid"].sum().reshape(1)
+    elif "lengths" in mb:
+        lengths = mb["lengths"]
+    else:
+        return None
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] >= lengths.to(ids.device)[:, None]
+
+
+@contextlib.contextmanager
+def router_losses_off(config, off: bool):
+    """The routers' load-balancing and z losses off for one forward (``off``: a micro-batch of padding alone,
+    where megatron's load-balancing loss divides by its zero tokens)."""
+    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    if off:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 0.0, None
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
 def attach_taps(chunk, columns: dict[int, int]) -> list[RouteTap]:
