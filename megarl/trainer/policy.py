@@ -354,26 +354,27 @@ class PolicyTrainer:
                 local = torch.cat(gather(local, self.ps.dp_group), dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
-    def record_routes(self, batch: TrainBatch) -> torch.Tensor:
+    def record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
-        [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks)."""
+        [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks), and
+        that pass's logprobs [N, T] (what a pass replaying those routes computes: the caller's to reuse)."""
         with self._watched("route recording"):
             return self._record_routes(batch)
 
-    def _record_routes(self, batch: TrainBatch) -> torch.Tensor:
+    def _record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
         for tap in taps:
             tap.recorded = []
         saved, self.routing_replay = self.routing_replay, "none"
         try:  # (the engine's routes, where the batch has them, only measured against: ``route_stats``)
-            self.logprobs(batch)
+            logprobs = self.logprobs(batch)
         finally:
             self.routing_replay = saved
         k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
         if self.packing:  # each packed micro-batch's routes, back in rows
             pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1)
             return packed_routes(self._plan(batch), pieces, batch.size, batch.seq_len, len(self.route_columns), k,
-                                 self.ps.tp)
+                                 self.ps.tp), logprobs
         local = self._local(batch)
         seq_local = local.seq_len // self.ps.tp if split else local.seq_len
         mine = {}
@@ -381,7 +382,7 @@ class PolicyTrainer:
             mine.update(recorded_rows(chunk_taps, seq_local))
         rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
         piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
-        return assemble_recorded(gather(piece), batch.size, batch.seq_len, len(self.route_columns), k)
+        return assemble_recorded(gather(piece), batch.size, batch.seq_len, len(self.route_columns), k), logprobs
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""

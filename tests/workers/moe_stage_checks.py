@@ -31,7 +31,7 @@ def main(model_dir: str, layout: str) -> None:
     trainer.routing_replay = "rollout"
     batch = fixed_batch(cfg["vocab_size"])
     own = trainer.logprobs(batch)
-    batch.routes = trainer.record_routes(batch)  # every rank's taps, gathered: [rows, seq, MoE layers, k]
+    batch.routes, _ = trainer.record_routes(batch)  # every rank's taps, gathered: [rows, seq, MoE layers, k]
     replayed = trainer.logprobs(batch)  # the stages' route metrics: a pipeline collective
     agreement = trainer.route_stats.get("moe/route_agreement")
     step = trainer.train_step(batch, policy_loss_fn(AlgoConfig()))

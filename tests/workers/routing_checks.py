@@ -81,7 +81,7 @@ def main(model_dir: str, samples: str, layout: str) -> None:
     replayed = trainer.logprobs(batch)
     agreement_replayed = dict(trainer.route_stats)
     trainer.routing_replay = "trainer"  # R2: the trainer's own routes, recorded on every rank, replayed
-    recorded = trainer.record_routes(batch)
+    recorded, recording_pass = trainer.record_routes(batch)
     engine_routes, batch.routes = batch.routes, recorded
     r2 = trainer.logprobs(batch)
     r2_agreement = trainer.route_stats.get("moe/route_agreement")
@@ -97,6 +97,7 @@ def main(model_dir: str, samples: str, layout: str) -> None:
            "replay_vs_own_max": float(((replayed - own) * batch.loss_mask).abs().max()),
            "gap_own": gap(own, batch), "gap_replayed": gap(replayed, batch),
            "r2_vs_own_max": float(((r2 - own) * batch.loss_mask).abs().max()), "r2_agreement": r2_agreement,
+           "r2_recording_pass_vs_replayed_max": float(((recording_pass - r2) * batch.loss_mask).abs().max()),
            "r2_routes": recorded.long().sum(dim=(0, 1, 3)).tolist(), "r2_shape": list(recorded.shape),
            "r2_unrouted": int((recorded == 255).all(dim=-1).sum())}
     if dist.get_rank() == 0:
