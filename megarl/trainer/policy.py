@@ -35,6 +35,7 @@ from megarl.trainer.routing import (
     RouteStats,
     assemble_recorded,
     attach_taps,
+    check_replay_holds,
     clear_targets,
     moe_columns,
     padding_mask,
@@ -182,6 +183,8 @@ class PolicyTrainer:
             self.chunks,
         )
         count_expert_grads_once(self.optimizer, ps.etp_group)
+        if self.taps and routing_replay != "none":  # a forced route must be the one dispatched (or refuse to run)
+            check_replay_holds(self)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

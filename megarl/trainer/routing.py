@@ -197,3 +197,67 @@ def assemble_recorded(pieces: list[tuple], rows: int, seq_len: int, layers: int,
             block = ids[:count, : max(0, seq_len - seq0)]
             out[row0:row0 + block.shape[0], seq0:seq0 + block.shape[1], column] = block
     return out
+
+
+def replay_blockers(config) -> list[str]:
+    """What in a megatron-core ``TransformerConfig`` keeps the taps from holding the routes: the fused top-k never
+    asks the router's replay slot; recompute runs a router again in the backward, when the taps hold another
+    micro-batch's targets or none."""
+    out = []
+    if getattr(config, "moe_router_fusion", False):
+        out.append("moe_router_fusion=True (the fused top-k bypasses the replay slot)")
+    if getattr(config, "recompute_granularity", None):
+        out.append(f"recompute_granularity={config.recompute_granularity!r} (the recomputed router would route "
+                   "again, without this micro-batch's targets)")
+    return out
+
+
+def check_replay_holds(trainer) -> None:
+    """Start-up self-check of routing replay on a ``PolicyTrainer``: a forward pass with one forced target per MoE
+    layer (k experts the trainer's router would not all pick itself) must dispatch every token of every router on
+    every rank to exactly those experts; raises ``RuntimeError`` naming what bypassed the taps otherwise (a
+    collective: every rank calls it)."""
+    from megarl.algo.batch import build_batch
+
+    if blockers := replay_blockers(trainer.tcfg):
+        raise RuntimeError(f"routing replay (algo.routing_replay={trainer.routing_replay}) cannot hold under "
+                           f"megatron-core's {'; '.join(blockers)}; set algo.routing_replay=none or leave it off")
+    k, experts, layers = trainer.tcfg.moe_router_topk, trainer.tcfg.num_moe_experts, len(trainer.route_columns)
+    rows = max(1, trainer.ps.dp)
+    batch = build_batch([[2, 3]] * rows, [list(range(4, 12))] * rows)
+    forced = torch.stack([(torch.arange(k) + 1 + c) % experts for c in range(layers)])  # [layers, k]
+    batch.routes = forced.to(torch.uint8 if experts < 255 else torch.int16).expand(
+        rows, batch.seq_len, layers, k).clone()
+    seen = torch.zeros(2, dtype=torch.float64)  # (token rows checked, rows dispatched elsewhere) on this rank
+
+    def hook(tap: RouteTap):
+        def watch(router, args, output) -> None:
+            routing_map, target = output[1], tap.target
+            if target is None:  # (never here: every chunk's taps get the batch's routes)
+                return
+            target = target.to(routing_map.device)
+            valid = target[:, 0] < routing_map.shape[1]  # (rows padding the micro-batches: no target)
+            wanted = torch.zeros_like(routing_map).scatter(1, target.clamp(max=routing_map.shape[1] - 1), True)
+            seen[0] += float(valid.sum())
+            seen[1] += float(((routing_map != wanted).any(dim=1) & valid).sum())
+        return watch
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    taps = iter(t for chunk_taps in trainer.taps.values() for t in chunk_taps)
+    handles = [m.register_forward_hook(hook(next(taps))) for module in trainer.modules for m in module.modules()
+               if isinstance(m, TopKRouter)]
+    saved, trainer.routing_replay = trainer.routing_replay, "rollout"
+    try:
+        trainer.logprobs(batch)
+    finally:
+        trainer.routing_replay = saved
+        for h in handles:
+            h.remove()
+    if dist.is_initialized():
+        dist.all_reduce(seen)
+    checked, wrong = seen.tolist()
+    if not checked or wrong:
+        raise RuntimeError(f"routing replay self-check: {int(wrong)} of {int(checked)} router rows were not "
+                           f"dispatched to the forced experts (algo.routing_replay={saved}): something bypasses "
+                           "megarl's route taps (trainer/routing.py); set algo.routing_replay=none")
