@@ -344,7 +344,8 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "bytes_per_param": bytes_per_param(cfg, precision),
         "device": "cpu" if cpu else "gpu",
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
-        "overrides": lay.overrides(), "sized_at": sizing(cfg), "routes": route_bytes(hf, cfg),
+        "overrides": lay.overrides(), "sized_at": sizing(cfg),
+        "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay),
     }
 
 
@@ -360,6 +361,16 @@ def route_bytes(hf: dict, cfg: RunConfig) -> dict:
     sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     return {"bytes_per_token": per_token, "sequences": sequences,
             "gib_per_step": per_token * sequences * cfg.engine.max_model_len / GIB}
+
+
+def route_bytes_per_rank(routes: dict, lay) -> dict:
+    """``routes`` (``route_bytes``) with what one trainer rank holds of a step's: today every rank holds every route
+    (the samples gathered world-wide, R3's batch whole, R2's recording all-gathered); its own share would be its DP
+    rows, its sequence chunk under sequence parallelism, its pipeline stage's layers."""
+    if not routes:
+        return routes
+    share = lay.dp * (lay.tp if lay.sequence_parallel else 1) * lay.pp
+    return {**routes, "gib_per_rank": routes["gib_per_step"], "gib_per_rank_own_share": routes["gib_per_step"] / share}
 
 
 SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",

@@ -78,6 +78,8 @@ def format_table(res: dict) -> str:
         r = res["routes"]
         lines.append(f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
                      f"host memory for a step's {r['sequences']} sequences at engine.max_model_len")
+        lines.append(f"        {r['gib_per_rank']:.3g} GiB on every trainer rank (each holds every route; its own "
+                     f"rows, sequence chunk and layers: {r['gib_per_rank_own_share']:.3g} GiB)")
     lines.append("sized at  " + " ".join(f"{k}={v}" for k, v in res["sized_at"].items())
                  + (f"   ({res['sizing_note']})" if res.get("sizing_note") else ""))
     if not res["proposed"] and not res["fits"]:
