@@ -222,10 +222,6 @@ class PolicyTrainer:
                                  multiple=ps.tp if ps.sequence_parallel else 1, equal_length=same,
                                  count_multiple=ps.pp if ps.vpp > 1 else 1)
 
-    def _sp_split(self) -> int:
-        """How many TP ranks share a sequence (sequence parallelism: each routes its chunk), else 1."""
-        return self.ps.tp if self.ps.sequence_parallel and self.ps.tp > 1 else 1
-
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size
         return [batch.slice(i, i + mbs).as_dict() for i in range(0, batch.size, mbs)]
@@ -252,6 +248,7 @@ class PolicyTrainer:
                              else last.output_layer.weight)
 
         stats, passes = RouteStats(), {}
+        sp = self.ps.tp if self.ps.sequence_parallel and self.ps.tp > 1 else 1  # TP ranks sharing a sequence
 
         def forward_step(data_iter, model):
             mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
@@ -259,15 +256,15 @@ class PolicyTrainer:
             routes = mb.pop("routes", None)
             if self.taps and routes is not None:  # every chunk, MoE layers or not (RouteStats.expect)
                 passes[id(model)] = passes.get(id(model), -1) + 1
-                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // self._sp_split())
+                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // sp)
             if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
                 set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
                             self.ps.tp, self.ps.sequence_parallel)
             packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
             pad = padding_mask(mb) if self.moe else None  # padding left out of the MoE router losses
             with router_losses_off(model.config, pad is not None and bool(pad.all())):
-                if pad is not None and not getattr(model, "module", model).pre_process and self._sp_split() > 1:
-                    pad = pad.chunk(self.ps.tp, dim=1)[self.ps.tp_rank]  # (a first stage scatters it itself)
+                if pad is not None and not getattr(model, "module", model).pre_process and sp > 1:
+                    pad = pad.chunk(sp, dim=1)[self.ps.tp_rank]  # (a first stage scatters it itself)
                 output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed,
                                **({"padding_mask": pad} if pad is not None else {}))
 

@@ -214,9 +214,9 @@ def replay_blockers(config) -> list[str]:
 
 def check_replay_holds(trainer) -> None:
     """Start-up self-check of routing replay on a ``PolicyTrainer``: a forward pass with one forced target per MoE
-    layer (k experts the trainer's router would not all pick itself) must dispatch every token of every router on
-    every rank to exactly those experts; raises ``RuntimeError`` naming what bypassed the taps otherwise (a
-    collective: every rank calls it)."""
+    layer (k fixed experts, the same for every token: the router's own choice differs on most) must dispatch every
+    token of every router on every rank to exactly those experts; raises ``RuntimeError`` naming what bypassed the
+    taps otherwise (a collective: every rank calls it)."""
     from megarl.algo.batch import build_batch
 
     if blockers := replay_blockers(trainer.tcfg):
@@ -251,7 +251,7 @@ def check_replay_holds(trainer) -> None:
     try:
         trainer.logprobs(batch)
     finally:
-        trainer.routing_replay = saved
+        trainer.routing_replay, trainer.route_stats = saved, {}
         for h in handles:
             h.remove()
     if dist.is_initialized():
