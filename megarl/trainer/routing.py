@@ -27,6 +27,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megarl.algo.batch import build_batch
 from megarl.models.hf_config import is_moe_layer
 from megarl.types import no_route
 
@@ -217,8 +218,6 @@ def check_replay_holds(trainer) -> None:
     layer (k fixed experts, the same for every token: the router's own choice differs on most) must dispatch every
     token of every router on every rank to exactly those experts; raises ``RuntimeError`` naming what bypassed the
     taps otherwise (a collective: every rank calls it)."""
-    from megarl.algo.batch import build_batch
-
     if blockers := replay_blockers(trainer.tcfg):
         raise RuntimeError(f"routing replay (algo.routing_replay={trainer.routing_replay}) cannot hold under "
                            f"megatron-core's {'; '.join(blockers)}; set algo.routing_replay=none or leave it off")
