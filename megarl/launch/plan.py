@@ -365,8 +365,9 @@ def route_bytes(hf: dict, cfg: RunConfig) -> dict:
 
 def route_bytes_per_rank(routes: dict, lay) -> dict:
     """``routes`` (``route_bytes``) with what one trainer rank holds of a step's: today every rank holds every route
-    (the samples gathered world-wide, R3's batch whole, R2's recording all-gathered); its own share would be its DP
-    rows, its sequence chunk under sequence parallelism, its pipeline stage's layers."""
+    (the samples gathered world-wide, R3's batch whole; R2's recording sends a rank its stage's layers only, into a
+    batch-sized tensor); its own share would be its DP rows, its sequence chunk under sequence parallelism, its
+    pipeline stage's layers."""
     if not routes:
         return routes
     share = lay.dp * (lay.tp if lay.sequence_parallel else 1) * lay.pp

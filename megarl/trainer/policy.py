@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megarl.algo.packing import PackedLayout, pack, plan_microbatches, unpack
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
-from megarl.distributed.collectives import gather
+from megarl.distributed.collectives import gather, group_by
 from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
@@ -155,6 +155,7 @@ class PolicyTrainer:
         columns = moe_columns(hf_cfg, hf_cfg["num_hidden_layers"]) if num_experts(hf_cfg) and head == "lm" else {}
         self.taps = {id(c): attach_taps(m, columns) for c, m in zip(self.chunks, self.modules)} if columns else {}
         self.route_columns = columns
+        self._stage_group = False  # the ranks of this pipeline stage (``group_by``), made at R2's first recording
         self.moe = num_experts(hf_cfg) > 0
         self.route_stats: dict[str, float] = {}  # of the last pass that had routes (moe/route_agreement, ...)
         for m in self.modules:
@@ -356,8 +357,10 @@ class PolicyTrainer:
 
     def record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
-        [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks), and
-        that pass's logprobs [N, T] (what a pass replaying those routes computes: the caller's to reuse)."""
+        [N, T, MoE layers, k] uint8 on every rank, and that pass's logprobs [N, T] (what a pass replaying those
+        routes computes: the caller's to reuse). A rank receives the routes of its own pipeline stage's layers only
+        (gathered over the stage's DP and sequence-parallel TP ranks; the other columns hold no expert id): the
+        layers its taps replay, for any rows a later mini-batch gives it."""
         with self._watched("route recording"):
             return self._record_routes(batch)
 
@@ -371,8 +374,10 @@ class PolicyTrainer:
         finally:
             self.routing_replay = saved
         k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
+        if self._stage_group is False:  # (the ranks that hold this stage's MoE layers: what its taps replay)
+            self._stage_group = group_by(self.ps.pp_rank)
         if self.packing:  # each packed micro-batch's routes, back in rows
-            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1)
+            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1, self._stage_group)
             return packed_routes(self._plan(batch), pieces, batch.size, batch.seq_len, len(self.route_columns), k,
                                  self.ps.tp), logprobs
         local = self._local(batch)
@@ -382,7 +387,8 @@ class PolicyTrainer:
             mine.update(recorded_rows(chunk_taps, seq_local))
         rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
         piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
-        return assemble_recorded(gather(piece), batch.size, batch.seq_len, len(self.route_columns), k), logprobs
+        return assemble_recorded(gather(piece, self._stage_group), batch.size, batch.seq_len, len(self.route_columns),
+                                 k), logprobs
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""

@@ -26,6 +26,7 @@ def _run(tmp_path, layout: str) -> tuple[dict, Path]:
     model = make_hf_model(tmp_path / "model", "qwen2_moe", seed=2, mlp_only_layers=CASES[layout])
     got = run_script([*TORCHRUN, "tests/workers/moe_stage_checks.py", str(model), layout], env=ENV, timeout=240)
     assert [] in got["taps"]  # one rank holds no router
+    assert got["received"] == got["taps"]  # R2: each rank receives the routes of its own stage's layers only
     assert got["routes_shape"] == [8, 20, 2, 2] and got["unrouted_in_rows"] == 0  # both columns, every position
     assert got["agreement"] == 1.0 and got["step_agreement"] == 1.0 and got["replay_vs_own_max"] <= 1e-6
     # replay's start-up self-check: passes as built; a router whose tap is out of its slot (as under megatron's

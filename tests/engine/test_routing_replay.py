@@ -85,6 +85,9 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
     assert got["differ"] == 0 and got["checked"] == one["checked"]
     for key in ("agreement", "flip_tokens", "agreement_in_replayed_pass", "r2_routes", "r2_shape"):
         assert got[key] == one[key], key
+    received = [set(r) for r in got["r2_received"]]  # R2: each rank receives its own pipeline stage's layers
+    assert set().union(*received) == set(range(4))
+    assert not (received[0] & received[1]) if layout.startswith("pp2") else received[0] == received[1]
     for key in ("gap_own", "gap_replayed"):
         assert got[key] == pytest.approx(one[key], abs=1e-6), key
 

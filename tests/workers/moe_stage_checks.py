@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import build_trainer, fixed_batch  # noqa: E402
+from helpers.trainers import build_trainer, every_stage_routes, fixed_batch  # noqa: E402
 
 
 def self_checks(trainer) -> dict:
@@ -63,11 +63,12 @@ def main(model_dir: str, layout: str) -> None:
     agreement = trainer.route_stats.get("moe/route_agreement")
     step = trainer.train_step(batch, policy_loss_fn(AlgoConfig()))
     checks = self_checks(trainer)
-    unrouted = (batch.routes == 255).all(dim=-1)  # per (row, position, column): no expert recorded
+    merged, received = every_stage_routes(batch.routes)
+    unrouted = (merged == 255).all(dim=-1)  # per (row, position, column): no expert recorded
     fed = torch.arange(batch.seq_len)[None, :] < torch.tensor(batch.row_lengths())[:, None]  # each row's own positions
     out = {"layout": layout, "stages": ps.pp, "taps": sorted(t.column for ts in trainer.taps.values() for t in ts),
            "routes_shape": list(batch.routes.shape),
-           "routes_per_column": batch.routes.long().sum(dim=(0, 1, 3)).tolist(),
+           "routes_per_column": merged.long().sum(dim=(0, 1, 3)).tolist(), "received": received,
            "unrouted_in_rows": int(unrouted[fed].sum()),
            "replay_vs_own_max": float(((replayed - own) * batch.loss_mask).abs().max()),
            "agreement": agreement, "step_agreement": step.get("moe/route_agreement"), "step_loss": step.get("loss")}
