@@ -223,6 +223,20 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_megarl_train_hung_in_the_optimizer_step_exits_75(tmp_path):
+    """One process: RL step 2's optimizer step never returns (after its backward). The watchdog names the trainer's
+    call and ends the run with 75, step 1's checkpoint on disk."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    code, out, *_ = _train(tmp_path, "engine.hang_timeout_s=20",
+                           env={"MEGARL_TEST_FAULT": "optimizer_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
+    assert code == EXIT_REQUEUE, out[-6000:]
+    assert "rank 0: optimizer step hang injected by MEGARL_TEST_FAULT" in out
+    assert "megarl watchdog: rank 0: the policy trainer's optimizer step (RL step 2) has not returned after" in out
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+
+
+@pytest.mark.slow
 def test_under_torchrun_rank_1_hung_ends_both_processes_with_75(tmp_path):
     """2 processes, trainer TP 2, one engine at TP 2: rank 1's engine step never returns and rank 0 waits for it at
     the step's agreement. The watchdog ends the blocked process(es) with 75, torchrun stops the rest (and reports 1),
