@@ -2,18 +2,19 @@
 """MoE routing replay (``algo.routing_replay``): what the engine and the trainer disagree on, what replay fixes,
 and what it costs, on a bf16 vLLM CPU engine and a bf16 megatron-core trainer.
 
-For each model (the tiny Qwen3-MoE of the tests, and a larger one of a few hundred MB built from a transformers
-config: ``--large``), in fresh processes:
+For each model (the tiny Qwen3-MoE of the tests; a larger one of a few hundred MB: ``--large``; one of 64 experts,
+top-8: ``--many-experts``), in fresh processes:
 
 - engine: ``--prompts`` random prompts × ``--samples`` samples of ``--new`` tokens through the slot face the
   controller drives, with route capture (prefix caching off, as replay runs) and without (prefix caching on, as a
   run without replay does), interleaved over ``--repeats`` rounds: decode seconds, the ratio (median), and the
   bytes of the captured routes per token and per batch;
-- trainer: the captured samples as one batch; the logprob pass without and with replay: route agreement
+- trainer: the captured samples as one batch; the logprob pass without replay, its routers in bf16 (megarl before
+  it set ``moe_router_dtype``) and in fp32 (what a bf16 trainer runs), and with replay: route agreement
   (``moe/route_agreement``: token-layer top-k sets equal), flipped tokens (``moe/route_flip_tokens``), the
   trainer/engine logprob gap (mean and p99 over response tokens) and the pass's seconds.
 
-    .venv/bin/python bench/routing_replay.py [--repeats 3] [--large]
+    .venv/bin/python bench/routing_replay.py [--repeats 3] [--large] [--many-experts]
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ sys.path.insert(0, str(ROOT))
 # a MoE of ~120 M parameters (~240 MB in bf16): 8 layers of 16 experts, top-4
 LARGE = dict(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, head_dim=64, intermediate_size=1024,
              num_experts=16, experts_per_token=4, moe_intermediate_size=768, vocab_size=4096)
+# 64 experts, top-8 (Qwen3-30B-A3B routes 8 of 128): more near-ties among the scores
+MANY_EXPERTS = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                    num_experts=64, experts_per_token=8, moe_intermediate_size=128, vocab_size=1024)
+PASSES = (("none", None, "without replay, router bf16"), ("none", "fp32", "without replay, router fp32"),
+          ("rollout", "fp32", "with replay (R3)"))
+"""The trainer's passes: ``algo.routing_replay``, the routers' ``moe_router_dtype`` (None: the bf16 model's), label."""
 
 
 def engine_part(model: str, capture: bool, prompts: int, samples: int, new: int, out: str) -> dict:
@@ -96,13 +103,15 @@ def trainer_part(model: str, samples_file: str) -> dict:
     batch = build_batch([r["prompt"] for r in rows], [r["response"] for r in rows], [r["logprobs"] for r in rows])
     batch.routes = batch_routes([r["routes"] for r in rows], batch.seq_len)
     out = {}
-    for mode in ("none", "rollout", "none", "rollout"):  # the first pass of each warms up; the second is timed
+    for mode, router, label in PASSES * 2:  # the first pass of each warms up; the second is timed
         trainer.routing_replay = mode
+        for m in trainer.modules:  # (read by each router's forward)
+            m.config.moe_router_dtype = router
         start = time.perf_counter()
         logprobs = trainer.logprobs(batch)
         seconds = time.perf_counter() - start
         gap = ((logprobs - batch.old_logprobs).abs())[batch.loss_mask.bool()]
-        out[mode] = {"agreement": trainer.route_stats["moe/route_agreement"],
+        out[label] = {"agreement": trainer.route_stats["moe/route_agreement"],
                      "flip_tokens": trainer.route_stats["moe/route_flip_tokens"],
                      "gap_mean": float(gap.mean()), "gap_p99": float(torch.quantile(gap.float(), 0.99)),
                      "pass_s": seconds}
@@ -134,8 +143,8 @@ def bench(name: str, model: Path, work: Path, args) -> None:
     print(f"routes: {eng['bytes_per_token']:.0f} B per token, {eng['route_bytes'] / 2**20:.2f} MiB for the batch")
     print("| trainer pass | route agreement | flipped tokens | logprob gap mean | gap p99 | pass s |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for mode, label in (("none", "without replay"), ("rollout", "with replay (R3)")):
-        r = tr[mode]
+    for _, _, label in PASSES:
+        r = tr[label]
         print(f"| {label} | {r['agreement']:.4f} | {r['flip_tokens']:.4f} | {r['gap_mean']:.4f} | "
               f"{r['gap_p99']:.4f} | {r['pass_s']:.2f} |")
 
@@ -152,6 +161,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--large", action="store_true", help="also the ~120 M-parameter MoE")
+    p.add_argument("--many-experts", dest="many_experts", action="store_true", help="also a MoE of 64 experts, top-8")
     args = p.parse_args()
     if args.part == "engine":
         print(json.dumps(engine_part(args.model, bool(args.capture), args.prompts, args.samples, args.new, args.out)))
@@ -168,6 +178,9 @@ def main() -> None:
         if args.large:
             bench("Qwen3-MoE, 8 layers × 16 experts, top-4 (~120 M parameters)",
                   make_tiny_model(work / "large", TinyShape(family="qwen3_moe", **LARGE), seed=3), work, args)
+        if args.many_experts:
+            bench("Qwen3-MoE, 4 layers × 64 experts, top-8",
+                  make_tiny_model(work / "many", TinyShape(family="qwen3_moe", **MANY_EXPERTS), seed=3), work, args)
 
 
 if __name__ == "__main__":

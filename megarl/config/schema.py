@@ -160,8 +160,8 @@ class EngineConfig:
     """Engine restarts in a row after errors mid-phase (phase re-queued, engine rebuilt); one more failure stops the run
     with a checkpoint."""
     hang_timeout_s: float = 1800.0
-    """Watchdog: an engine step, weight sync, evaluation or checkpoint save blocked this long ends the process
-    with exit 75 (requeue); 0 off."""
+    """Watchdog: an engine step, a trainer's optimizer step or forward pass, weight sync, evaluation or checkpoint
+    save blocked this long ends the process with exit 75 (requeue); 0 off."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engines' weights and activations: 'auto' (the trainer's precision: bf16 → 'bfloat16', fp32 →
     'float32'), or one named; the weight sync casts to it on the way."""

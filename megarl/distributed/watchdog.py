@@ -7,6 +7,9 @@ timeout (``csrc/cpu/shm.cpp``, ``wait_for_all``; the rank that raised ends the r
 node blocks a weight sync until gloo's or NCCL's own timeout (30 min or more) or forever. Without a
 watchdog such a run burns its allocation until Slurm's time limit.
 
+The trainers' calls are watched too (``PolicyTrainer._watched``: each optimizer step, forward pass and route
+recording), where a pipeline stage or data-parallel rank left waiting by its peers blocks in a collective.
+
 One daemon thread per process watches one slot per thread, ``(what, started, deadline)``: under
 ``rollout.overlap`` the generating thread's engine steps and the main thread's evaluations and saves are
 guarded at once, each in its own slot. The loop's blocking calls run under ``guard(what)``: entering writes

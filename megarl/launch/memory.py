@@ -216,3 +216,14 @@ def route_bytes(hf: dict, cfg: RunConfig) -> dict:
     sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     return {"bytes_per_token": per_token, "sequences": sequences,
             "gib_per_step": per_token * sequences * cfg.engine.max_model_len / GIB}
+
+
+def route_bytes_per_rank(routes: dict, lay: Layout) -> dict:
+    """``routes`` (``route_bytes``) with what one trainer rank holds of a step's: today every rank holds every route
+    (the samples gathered world-wide, R3's batch whole; R2's recording sends a rank its stage's layers only, into a
+    batch-sized tensor); its own share would be its DP rows, its sequence chunk under sequence parallelism, its
+    pipeline stage's layers."""
+    if not routes:
+        return routes
+    share = lay.dp * (lay.tp if lay.sequence_parallel else 1) * lay.pp
+    return {**routes, "gib_per_rank": routes["gib_per_step"], "gib_per_rank_own_share": routes["gib_per_step"] / share}

@@ -54,7 +54,15 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate.model import model_config
 from megarl.launch.gpus import PRESETS, Gpu
 from megarl.launch.layout import Layout, check_layout, engine_only_nodes, layout_of, trainer_nodes
-from megarl.launch.memory import GIB, bytes_per_param, check_kv_cache, kv_cache_use, memory_gib, route_bytes
+from megarl.launch.memory import (
+    GIB,
+    bytes_per_param,
+    check_kv_cache,
+    kv_cache_use,
+    memory_gib,
+    route_bytes,
+    route_bytes_per_rank,
+)
 from megarl.launch.model_size import count_params
 from megarl.launch.plan_args import parser, work_and_gpu
 from megarl.launch.plan_table import format_table
@@ -112,7 +120,8 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "bytes_per_param": bytes_per_param(cfg, precision),
         "device": "cpu" if cpu else "gpu", "gpu": None if cpu else vars(gpu),
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
-        "overrides": lay.overrides(), "sized_at": sizing(cfg), "routes": route_bytes(hf, cfg),
+        "overrides": lay.overrides(), "sized_at": sizing(cfg),
+        "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay),
         "step_time": st, "proposals": [proposal(*p, bool(experts)) for p in proposals if p[2] is not None],
     }
 

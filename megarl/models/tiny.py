@@ -6,7 +6,8 @@ Four families, each deterministic by seed and never downloaded:
 - ``qwen2``: Qwen2 style dense (bias on q/k/v only);
 - ``mixtral``: Mixtral style MoE (``block_sparse_moe.*`` names, experts ``w1``/``w3``/``w2``);
 - ``qwen2_moe``: Qwen2-MoE style (a sigmoid-gated shared expert beside the routed ones,
-  un-renormalised top-k, and the last layer dense through ``mlp_only_layers``).
+  un-renormalised top-k, and a middle layer dense through ``mlp_only_layers``: MoE layers on both sides of it,
+  so that a layer's MoE column differs from its layer index past it).
 
 The tokenizer is a byte-level BPE trained here with ``tokenizers`` on a small fixed
 corpus (chat turns, math in LaTeX, the addition scratchpad), with digits split one
@@ -160,7 +161,7 @@ def hf_config(shape: TinyShape, eos_id: int, pad_id: int) -> dict:
             "model_type": "qwen2_moe",
             "shared_expert_intermediate_size": shape.shared_expert_intermediate_size,
             "norm_topk_prob": False,
-            "mlp_only_layers": [shape.num_layers - 1],
+            "mlp_only_layers": [shape.num_layers // 2],
         }
     if shape.family == "mixtral":
         return {

@@ -26,7 +26,9 @@ does nothing when none is. The product's code paths hold no check of their own.
   before the save after step STEP: the save must start a new one) and ``checkpoint_writer_dies_mid_save`` (killed
   after that check, so the save itself fails: exit 75, ``SaveFailed``); ``forward_error_last_rank[:N]`` (the vLLM
   model's forward raises at its N-th call on the last rank only: at colocated engine TP > 1 its peers block in
-  the TP all-reduce of their own forward, which no agreement around the step can reach).
+  the TP all-reduce of their own forward, which no agreement around the step can reach); ``optimizer_hang`` (the
+  policy's optimizer step blocks forever after its backward on the last rank, while its peers wait for it in the
+  step's non-finite check, a collective: the watchdog must end the run with exit 75).
 
 Colocated engines only for the engine hooks: a disaggregated replica's process runs no hooks. The RL step is the
 one the loop announces to the watchdog (``distributed.watchdog.note_rl_step``).
@@ -103,9 +105,9 @@ def on_last_rank() -> bool:
     return rank == world - 1
 
 
-def hang_forever() -> None:
+def hang_forever(where: str = "engine") -> None:
     """Block like a wedged collective (sleeping, so the watchdog thread runs)."""
-    log.info(f"rank {rank_and_world()[0]}: engine hang injected by MEGARL_TEST_FAULT (a test hook)")
+    log.info(f"rank {rank_and_world()[0]}: {where} hang injected by MEGARL_TEST_FAULT (a test hook)")
     while True:
         time.sleep(3600)
 
@@ -128,8 +130,8 @@ def install(session) -> None:
         _dying_audit(session.weight_sync, engines)
     if _asked("replica_load_error") and isinstance(engines, EngineReplicas) and len(engines.clients) > 1:
         _one_replica_fails(engines.clients[1])
-    if _asked("nan_grad") or _killing_at("optimizer_step"):
-        _nan_or_kill_before_optimizer(session.trainer)
+    if _asked("nan_grad", "optimizer_hang") or _killing_at("optimizer_step"):
+        faulty_optimizer_steps(session.trainer)
     if _asked("checkpoint_writer_dies", "checkpoint_writer_dies_mid_save") or _killing_at("checkpoint_write"):
         _faulty_saves(session.saver)
 
@@ -245,11 +247,15 @@ def _one_replica_fails(client) -> None:
     client.call = failing
 
 
-def _nan_or_kill_before_optimizer(trainer) -> None:
+def faulty_optimizer_steps(trainer) -> None:
+    """The optimizer step hooks (``nan_grad``, ``optimizer_hang``, the ``optimizer_step`` kill point) in ``trainer``,
+    a ``PolicyTrainer``: after the backward, before the step's non-finite check."""
     grads = trainer.grad_buffers
 
     def faulty():
         kill_point("optimizer_step")
+        if injected("optimizer_hang") and on_last_rank():
+            hang_forever("optimizer step")  # its peers block in the non-finite check's all-reduce
         out = grads()
         if injected("nan_grad") and out:
             out[0][0] = float("nan")

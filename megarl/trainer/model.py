@@ -53,6 +53,9 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_z_loss_coeff=moe_z_loss_coeff or None,
             moe_grouped_gemm=False,
+            # the router's logits, softmax and top-k in fp32 under bf16 (as slime sets it; vLLM ranks in fp32):
+            # bf16 scores tie and flip routes, more often the more experts (bench/routing_replay.py)
+            moe_router_dtype="fp32" if dtype != torch.float32 else None,
             # Qwen2-MoE: one shared expert beside the routed ones, scaled by sigmoid(w·h).
             moe_shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or None,
             moe_shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")),

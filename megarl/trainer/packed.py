@@ -56,15 +56,15 @@ def packed_routes(plan: list[list[PackedLayout]], pieces: list[tuple], rows: int
     return out
 
 
-def recorded_pieces(taps: dict, dp_rank: int, tp_rank: int) -> list[tuple]:
+def recorded_pieces(taps: dict, dp_rank: int, tp_rank: int, group=None) -> list[tuple]:
     """Every rank's ``(dp rank, tp rank or -1, {column: what its taps recorded, per micro-batch})``, gathered from
-    all ranks (a collective); the taps stop recording."""
+    the ranks of ``group`` (a collective; default: every rank); the taps stop recording."""
     columns = {}
     for chunk_taps in taps.values():
         for tap in chunk_taps:
             columns[tap.column] = list(tap.recorded or [])
             tap.recorded = None
-    return gather((dp_rank, tp_rank, columns))
+    return gather((dp_rank, tp_rank, columns), group)
 
 
 def step_metrics(out: list[dict], dp_group=None, device=None) -> dict[str, float]:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from megarl.algo.packing import PackedLayout, pack, plan_microbatches, unpack
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
-from megarl.distributed.collectives import gather
+from megarl.distributed.collectives import gather, group_by
 from megarl.distributed.parallel import ParallelState
+from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
@@ -34,9 +35,12 @@ from megarl.trainer.routing import (
     RouteStats,
     assemble_recorded,
     attach_taps,
+    check_replay_holds,
     clear_targets,
     moe_columns,
+    padding_mask,
     recorded_rows,
+    router_losses_off,
     set_targets,
 )
 from megarl.types import TrainBatch
@@ -151,6 +155,8 @@ class PolicyTrainer:
         columns = moe_columns(hf_cfg, hf_cfg["num_hidden_layers"]) if num_experts(hf_cfg) and head == "lm" else {}
         self.taps = {id(c): attach_taps(m, columns) for c, m in zip(self.chunks, self.modules)} if columns else {}
         self.route_columns = columns
+        self._stage_group = False  # the ranks of this pipeline stage (``group_by``), made at R2's first recording
+        self.moe = num_experts(hf_cfg) > 0
         self.route_stats: dict[str, float] = {}  # of the last pass that had routes (moe/route_agreement, ...)
         for m in self.modules:
             m.config.no_sync_func = [c.no_sync for c in self.chunks] if ps.vpp > 1 else self.chunks[0].no_sync
@@ -178,6 +184,8 @@ class PolicyTrainer:
             self.chunks,
         )
         count_expert_grads_once(self.optimizer, ps.etp_group)
+        if self.taps and routing_replay != "none":  # a forced route must be the one dispatched (or refuse to run)
+            check_replay_holds(self)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -241,16 +249,25 @@ class PolicyTrainer:
                              else last.output_layer.weight)
 
         stats, passes = RouteStats(), {}
+        sp = self.ps.tp if self.ps.sequence_parallel and self.ps.tp > 1 else 1  # TP ranks sharing a sequence
 
         def forward_step(data_iter, model):
             mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
                   for k, v in next(data_iter).items()}
+            routes = mb.pop("routes", None)
+            if self.taps and routes is not None:  # every chunk, MoE layers or not (RouteStats.expect)
+                passes[id(model)] = passes.get(id(model), -1) + 1
+                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // sp)
             if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
-                stats.microbatch = passes[id(model)] = passes.get(id(model), -1) + 1
-                set_targets(taps, mb.pop("routes", None), self.routing_replay != "none", stats, self.ps.tp_rank,
+                set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
                             self.ps.tp, self.ps.sequence_parallel)
             packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
-            output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed)
+            pad = padding_mask(mb) if self.moe else None  # padding left out of the MoE router losses
+            with router_losses_off(model.config, pad is not None and bool(pad.all())):
+                if pad is not None and not getattr(model, "module", model).pre_process and sp > 1:
+                    pad = pad.chunk(sp, dim=1)[self.ps.tp_rank]  # (a first stage scatters it itself)
+                output = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=packed,
+                               **({"padding_mask": pad} if pad is not None else {}))
 
             def loss_func(logits):
                 if head == "value":
@@ -306,9 +323,20 @@ class PolicyTrainer:
         torch.distributed.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
         return box[0]
 
+    def _watched(self, what: str):
+        """The hang watchdog over one of this trainer's calls (``distributed/watchdog.py``): its collectives (the
+        pipeline's sends, the gradient and metric reductions, the gathers) never returning end the process with
+        exit 75 after ``engine.hang_timeout_s``, as a hung engine step does."""
+        role = "critic" if self.head == "value" else "policy" if self.optimizer is not None else "reference"
+        return guard(f"the {role} trainer's {what} (RL step {rl_step()})")
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-label-position logprobs [N, T] of ``batch`` — values for a critic — on every rank (packed: 0 past
         each row's length; unpacked: whatever the padding scored; masked out by every caller)."""
+        with self._watched("forward pass"):
+            return self._logprobs(batch)
+
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         for c in self.chunks:
             c.eval()
         out = self._run(batch, None, forward_only=True)
@@ -327,22 +355,31 @@ class PolicyTrainer:
                 local = torch.cat(gather(local, self.ps.dp_group), dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
-    def record_routes(self, batch: TrainBatch) -> torch.Tensor:
+    def record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
-        [N, T, MoE layers, k] uint8 on every rank (gathered over DP, sequence-parallel TP and pipeline ranks)."""
+        [N, T, MoE layers, k] uint8 on every rank, and that pass's logprobs [N, T] (what a pass replaying those
+        routes computes: the caller's to reuse). A rank receives the routes of its own pipeline stage's layers only
+        (gathered over the stage's DP and sequence-parallel TP ranks; the other columns hold no expert id): the
+        layers its taps replay, for any rows a later mini-batch gives it."""
+        with self._watched("route recording"):
+            return self._record_routes(batch)
+
+    def _record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
         for tap in taps:
             tap.recorded = []
         saved, self.routing_replay = self.routing_replay, "none"
         try:  # (the engine's routes, where the batch has them, only measured against: ``route_stats``)
-            self.logprobs(batch)
+            logprobs = self.logprobs(batch)
         finally:
             self.routing_replay = saved
         k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
+        if self._stage_group is False:  # (the ranks that hold this stage's MoE layers: what its taps replay)
+            self._stage_group = group_by(self.ps.pp_rank)
         if self.packing:  # each packed micro-batch's routes, back in rows
-            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1)
+            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1, self._stage_group)
             return packed_routes(self._plan(batch), pieces, batch.size, batch.seq_len, len(self.route_columns), k,
-                                 self.ps.tp)
+                                 self.ps.tp), logprobs
         local = self._local(batch)
         seq_local = local.seq_len // self.ps.tp if split else local.seq_len
         mine = {}
@@ -350,7 +387,8 @@ class PolicyTrainer:
             mine.update(recorded_rows(chunk_taps, seq_local))
         rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
         piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
-        return assemble_recorded(gather(piece), batch.size, batch.seq_len, len(self.route_columns), k)
+        return assemble_recorded(gather(piece, self._stage_group), batch.size, batch.seq_len, len(self.route_columns),
+                                 k), logprobs
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""
@@ -360,6 +398,10 @@ class PolicyTrainer:
         """One optimizer step on ``batch``; returns the loss and mean metrics (on every rank)."""
         if self.optimizer is None:
             raise RuntimeError("this model was built frozen (trainable=False)")
+        with self._watched("optimizer step"):
+            return self._train_step(batch, loss_fn)
+
+    def _train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()

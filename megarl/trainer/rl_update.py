@@ -104,12 +104,13 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     batch, rewards = rollout_batch(groups, cfg, pad_id)
     mask = batch.loss_mask
     out: dict[str, float] = {}
-    engine_routes, agreement = batch.routes, {}
+    engine_routes, agreement, own = batch.routes, {}, None
     if a.routing_replay == "trainer" and learners.policy.taps:  # R2: this step's first routes, replayed in its updates
-        batch.routes = learners.policy.record_routes(batch)
+        batch.routes, own = learners.policy.record_routes(batch)
         agreement = dict(learners.policy.route_stats) if engine_routes is not None else {}  # own vs the engine's
     if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
-        prox = learners.policy.logprobs(batch)  # (the policy before this update: AReaL's proximal policy)
+        # (the policy before this update: AReaL's proximal policy; R2's recording pass computed it already)
+        prox = own if own is not None else learners.policy.logprobs(batch)
         out.update(proximal_correction(prox, batch, level, a))
     if learners.reference is not None:
         batch.ref_logprobs = learners.reference.logprobs(batch)

@@ -22,9 +22,12 @@ targets are all a backward needs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
+from megarl.algo.batch import build_batch
 from megarl.models.hf_config import is_moe_layer
 from megarl.types import no_route
 
@@ -45,6 +48,14 @@ class RouteStats:
         self.valid: dict[int, torch.Tensor] = {}  # microbatch → [tokens] the engine routed it
         self.microbatch = 0
 
+    def expect(self, microbatch: int, tokens: int) -> None:
+        """A microbatch of ``tokens`` router rows on this rank, flagged on every pipeline stage, MoE layers or not:
+        each stage then holds the same tokens for the pipeline reduction in ``metrics``."""
+        self.microbatch = microbatch
+        if microbatch not in self.valid:
+            self.flipped[microbatch] = torch.zeros(tokens, dtype=torch.bool)
+            self.valid[microbatch] = torch.zeros(tokens, dtype=torch.bool)
+
     def add(self, same: torch.Tensor, valid: torch.Tensor) -> None:
         self.agree += float((same & valid).sum())
         self.pairs += float(valid.sum())
@@ -59,8 +70,11 @@ class RouteStats:
         keys = sorted(self.valid)
         flips = torch.cat([self.flipped[k] for k in keys]).float() if keys else torch.zeros(0)
         valid = torch.cat([self.valid[k] for k in keys]).float() if keys else torch.zeros(0)
-        if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1 and len(flips):
-            dist.all_reduce(flips, op=dist.ReduceOp.MAX, group=pp_group)  # same tokens on every stage
+        if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1:
+            # the same tokens on every stage (``expect``), a stage without MoE layers too: each enters
+            both = torch.stack([flips, valid])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pp_group)
+            flips, valid = both[0], both[1]
         totals = torch.tensor([self.agree, self.pairs, float(flips.sum()), float(valid.sum())], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)  # copies of a token on several ranks cancel in the ratios
@@ -99,6 +113,33 @@ class RouteTap:
             return probs, own
         chosen = torch.where(valid.unsqueeze(1), target, own)
         return scores.gather(1, chosen), chosen
+
+
+def padding_mask(mb: dict) -> torch.Tensor | None:
+    """A micro-batch's [b, s] ``padding_mask`` for megatron-core's MoE routers (True: no row's position; the
+    load-balancing and z losses leave it out, routing does not change): past each row's ``lengths`` unpacked, past
+    the rows laid end to end packed; None where the rows' lengths are unknown."""
+    ids = mb["input_ids"]
+    if "valid" in mb:  # packed (algo/packing.py): the rows, then the padding
+        lengths = mb["valid"].sum().reshape(1)
+    elif "lengths" in mb:
+        lengths = mb["lengths"]
+    else:
+        return None
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] >= lengths.to(ids.device)[:, None]
+
+
+@contextlib.contextmanager
+def router_losses_off(config, off: bool):
+    """The routers' load-balancing and z losses off for one forward (``off``: a micro-batch of padding alone,
+    where megatron's load-balancing loss divides by its zero tokens)."""
+    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    if off:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 0.0, None
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
 def attach_taps(chunk, columns: dict[int, int]) -> list[RouteTap]:
@@ -157,3 +198,65 @@ def assemble_recorded(pieces: list[tuple], rows: int, seq_len: int, layers: int,
             block = ids[:count, : max(0, seq_len - seq0)]
             out[row0:row0 + block.shape[0], seq0:seq0 + block.shape[1], column] = block
     return out
+
+
+def replay_blockers(config) -> list[str]:
+    """What in a megatron-core ``TransformerConfig`` keeps the taps from holding the routes: the fused top-k never
+    asks the router's replay slot; recompute runs a router again in the backward, when the taps hold another
+    micro-batch's targets or none."""
+    out = []
+    if getattr(config, "moe_router_fusion", False):
+        out.append("moe_router_fusion=True (the fused top-k bypasses the replay slot)")
+    if getattr(config, "recompute_granularity", None):
+        out.append(f"recompute_granularity={config.recompute_granularity!r} (the recomputed router would route "
+                   "again, without this micro-batch's targets)")
+    return out
+
+
+def check_replay_holds(trainer) -> None:
+    """Start-up self-check of routing replay on a ``PolicyTrainer``: a forward pass with one forced target per MoE
+    layer (k fixed experts, the same for every token: the router's own choice differs on most) must dispatch every
+    token of every router on every rank to exactly those experts; raises ``RuntimeError`` naming what bypassed the
+    taps otherwise (a collective: every rank calls it)."""
+    if blockers := replay_blockers(trainer.tcfg):
+        raise RuntimeError(f"routing replay (algo.routing_replay={trainer.routing_replay}) cannot hold under "
+                           f"megatron-core's {'; '.join(blockers)}; set algo.routing_replay=none or leave it off")
+    k, experts, layers = trainer.tcfg.moe_router_topk, trainer.tcfg.num_moe_experts, len(trainer.route_columns)
+    rows = max(1, trainer.ps.dp)
+    batch = build_batch([[2, 3]] * rows, [list(range(4, 12))] * rows)
+    forced = torch.stack([(torch.arange(k) + 1 + c) % experts for c in range(layers)])  # [layers, k]
+    batch.routes = forced.to(torch.uint8 if experts < 255 else torch.int16).expand(
+        rows, batch.seq_len, layers, k).clone()
+    seen = torch.zeros(2, dtype=torch.float64)  # (token rows checked, rows dispatched elsewhere) on this rank
+
+    def hook(tap: RouteTap):
+        def watch(router, args, output) -> None:
+            routing_map, target = output[1], tap.target
+            if target is None:  # (never here: every chunk's taps get the batch's routes)
+                return
+            target = target.to(routing_map.device)
+            valid = target[:, 0] < routing_map.shape[1]  # (rows padding the micro-batches: no target)
+            wanted = torch.zeros_like(routing_map).scatter(1, target.clamp(max=routing_map.shape[1] - 1), True)
+            seen[0] += float(valid.sum())
+            seen[1] += float(((routing_map != wanted).any(dim=1) & valid).sum())
+        return watch
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    taps = iter(t for chunk_taps in trainer.taps.values() for t in chunk_taps)
+    handles = [m.register_forward_hook(hook(next(taps))) for module in trainer.modules for m in module.modules()
+               if isinstance(m, TopKRouter)]
+    saved, trainer.routing_replay = trainer.routing_replay, "rollout"
+    try:
+        trainer.logprobs(batch)
+    finally:
+        trainer.routing_replay, trainer.route_stats = saved, {}
+        for h in handles:
+            h.remove()
+    if dist.is_initialized():
+        dist.all_reduce(seen)
+    checked, wrong = seen.tolist()
+    if not checked or wrong:
+        raise RuntimeError(f"routing replay self-check: {int(wrong)} of {int(checked)} router rows were not "
+                           f"dispatched to the forced experts (algo.routing_replay={saved}): something bypasses "
+                           "megarl's route taps (trainer/routing.py); set algo.routing_replay=none")

@@ -120,7 +120,7 @@ def test_keys_only_some_layers_have_pass_megatrons_integrity_check(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_of_the_tiny_qwen2_moe_saves_and_resumes(tmp_path):
-    """``model.make_tiny=qwen2_moe`` (its last layer dense): ``megarl train`` trained its steps, then died
+    """``model.make_tiny=qwen2_moe`` (a middle layer dense): ``megarl train`` trained its steps, then died
     at its first checkpoint save and lost the run. Now it saves, and the same command resumes there."""
     import os
     import subprocess

@@ -112,6 +112,22 @@ def test_router_losses_train_the_router_without_changing_the_logprobs(models, la
     assert router and max(float((routed_w[k] - plain_w[k]).abs().max()) for k in router) > 1e-6
 
 
+@pytest.mark.parametrize("layout", ["single", pytest.param("tp2_sp", marks=SLOW), pytest.param("pp2", marks=SLOW)])
+def test_padding_counts_for_nothing_in_the_router_losses(models, layout):
+    """Router losses on: 12 more padding positions per row leave the routers' gradients as they were (megatron's
+    ``padding_mask``); a micro-batch of padding rows alone (no token to balance) keeps the step finite. (Under
+    sequence parallelism megatron's z loss is a mean of each TP rank's token mean: where the padding sits moves
+    the valid tokens between the ranks' chunks, which weighs them differently; only the load-balancing loss there.)"""
+    paths, _ = models
+    launch = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    z_loss = "0" if layout == "tp2_sp" else "0.1"
+    got = run_script([*launch, "tests/workers/router_padding_checks.py", str(paths["qwen3_moe"]), layout, z_loss],
+                     env={"OMP_NUM_THREADS": "1"})
+    assert got["routers"] >= 2 and got["scale"] > 1e-3
+    assert got["padded_vs_plain_max"] <= 1e-5 * got["scale"]
+    assert got["padding_rows_finite"] and got["padding_rows_skipped"] == 0.0
+
+
 @pytest.mark.slow
 def test_pipeline_times_data_parallel_logprobs_keep_every_rank_rows(models):
     """EP=2 × PP=2 on four processes (DP=2), one microbatch per DP rank padded for the pipeline: the logprobs

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import pytest
 
 from helpers.processes import ended_or_killed, processes_with_env
-from helpers.scripts import ROOT
+from helpers.scripts import ROOT, worker_env
 from megarl.distributed import watchdog
 from megarl.keeper import EXIT_REQUEUE
 
@@ -179,6 +179,30 @@ def _still_running(tag: str, wait_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
+def test_a_trainer_collective_that_never_returns_ends_the_process_with_75(tmp_path):
+    """2 processes, a DP 2 trainer: in RL step 2 the last rank blocks after its backward and rank 0 waits for it in
+    the optimizer step's non-finite check. Rank 0's watchdog names the trainer's call, dumps its stack (inside the
+    collective) and ends it with 75; torchrun ends the hung rank."""
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2", num_layers=2), seed=0)
+    exit_file = tmp_path / "logs" / "1.0.exit"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "tests/workers/trainer_hang_checks.py", str(model)], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env=worker_env({"OMP_NUM_THREADS": "1", "MEGARL_EXIT_FILE": str(
+                              exit_file), "MEGARL_TEST_FAULT": "optimizer_hang@2"}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-6000:]  # torchrun's 1 for a failed worker
+    assert "rank 0: RL step 1's optimizer step returned" in out and "RL step 2's optimizer step returned" not in out
+    assert "rank 1: optimizer step hang injected by MEGARL_TEST_FAULT" in out, out[-6000:]
+    assert ("megarl watchdog: rank 0: the policy trainer's optimizer step (RL step 2) has not returned after"
+            in out), out[-6000:]
+    assert "in nonfinite" in out  # rank 0's stack: blocked in the check's all-reduce
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert time.monotonic() - start < 120
+
+
 @pytest.mark.slow
 def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     """One process: the engine's 3rd step of RL step 2 never returns. The watchdog ends the run (75, the exit file,
@@ -196,6 +220,20 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     code, out, *_ = _train(tmp_path, "train.resume=auto")
     assert code == 0, out[-6000:]
     assert "at step 1:" in out and (ckpts / "step_000003").is_dir()
+
+
+@pytest.mark.slow
+def test_megarl_train_hung_in_the_optimizer_step_exits_75(tmp_path):
+    """One process: RL step 2's optimizer step never returns (after its backward). The watchdog names the trainer's
+    call and ends the run with 75, step 1's checkpoint on disk."""
+    exit_file = tmp_path / "run" / "logs" / "1.0.exit"
+    code, out, *_ = _train(tmp_path, "engine.hang_timeout_s=20",
+                           env={"MEGARL_TEST_FAULT": "optimizer_hang@2", "MEGARL_EXIT_FILE": str(exit_file)})
+    assert code == EXIT_REQUEUE, out[-6000:]
+    assert "rank 0: optimizer step hang injected by MEGARL_TEST_FAULT" in out
+    assert "megarl watchdog: rank 0: the policy trainer's optimizer step (RL step 2) has not returned after" in out
+    assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
 
 
 @pytest.mark.slow

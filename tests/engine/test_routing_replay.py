@@ -75,6 +75,7 @@ def test_a_bf16_engine_flips_routes_and_replay_routes_every_token_to_the_engines
     assert r["gap_replayed"][0] < r["gap_own"][0] and r["gap_replayed"][1] < r["gap_own"][1]
     # R2: the trainer's own routes recorded on every rank, replayed: its logprobs unchanged, agreement 1
     assert r["r2_vs_own_max"] == 0.0 and r["r2_agreement"] == 1.0 and r["r2_unrouted"] == 0
+    assert r["r2_recording_pass_vs_replayed_max"] == 0.0  # what rl_update reuses as the proximal logprobs
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", pytest.param("pp2", marks=SLOW), pytest.param("pp2_vpp2", marks=SLOW),
@@ -84,13 +85,17 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
     assert got["differ"] == 0 and got["checked"] == one["checked"]
     for key in ("agreement", "flip_tokens", "agreement_in_replayed_pass", "r2_routes", "r2_shape"):
         assert got[key] == one[key], key
+    received = [set(r) for r in got["r2_received"]]  # R2: each rank receives its own pipeline stage's layers
+    assert set().union(*received) == set(range(4))
+    assert not (received[0] & received[1]) if layout.startswith("pp2") else received[0] == received[1]
     for key in ("gap_own", "gap_replayed"):
         assert got[key] == pytest.approx(one[key], abs=1e-6), key
 
 
 @pytest.mark.parametrize("family", [pytest.param("qwen2_moe", marks=SLOW), pytest.param("mixtral", marks=SLOW)])
 def test_replay_in_other_moe_families(captured, family):
-    """Qwen2-MoE: a shared expert and a dense last layer (``mlp_only_layers``: no routes); Mixtral's names."""
+    """Qwen2-MoE: a shared expert and a dense middle layer (``mlp_only_layers``: no routes; the layers after it one
+    column to the left); Mixtral's names."""
     *_, report = captured(family, "bfloat16")
     assert report["lengths_ok"] and report["shape"] == ([3, 2] if family == "qwen2_moe" else [4, 2])
     r = replay(captured, family, "bfloat16")
@@ -158,3 +163,16 @@ def test_a_run_replays_in_other_placements(tmp_path, launch, placement):
            "trainer.precision=bf16", *placement], run)
     steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss/policy" in r]
     assert len(steps) == 3 and all(0.5 < r["moe/route_agreement"] <= 1.0 for r in steps)
+
+
+@pytest.mark.slow  # (the default run checks the recording pass equals the replaying one: the bf16 test above)
+def test_r2_reuses_its_recording_pass_as_the_proximal_logprobs(tmp_path):
+    """R2 with a proximal policy: one forward-only pass (the recording) then the optimizer steps; the recording
+    pass's logprobs equal a pass replaying what it recorded."""
+    from megarl.models.tiny import TinyShape, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen3_moe"), seed=3)
+    r = run_script(["tests/workers/r2_update_checks.py", str(model)], env=ENV)
+    assert r["recording_vs_replayed_max"] == 0.0
+    assert r["passes"] == ["forward", "train", "train"]  # was a second forward-only pass, with the same routes
+    assert r["loss"] is not None and "mismatch/kl" in r["mismatch_keys"]

@@ -115,3 +115,23 @@ def rank_gaps(engine, trainer, seed: int = 0, prompts: int = 4, tokens: int = 8)
         batch = build_batch(ids, [t for t, _ in probe], [lp for _, lp in probe])
         gaps.append(float(((trainer.logprobs(batch) - batch.old_logprobs) * batch.loss_mask).abs().max()))
     return gaps
+
+
+def every_stage_routes(recorded):
+    """R2's recorded routes [N, T, MoE layers, k] of every rank merged (each rank receives its own pipeline stage's
+    layers only; the rest hold no expert id), and the MoE columns each rank received."""
+    import torch.distributed as dist
+
+    from megarl.types import no_route
+
+    empty = no_route(recorded.dtype)
+    every = [None] * dist.get_world_size() if dist.is_initialized() else None
+    if every is None:
+        every = [recorded]
+    else:
+        dist.all_gather_object(every, recorded)
+    merged = every[0].clone()
+    for other in every[1:]:
+        merged = torch.where(merged != empty, merged, other)
+    received = [sorted(int(c) for c in torch.nonzero((r != empty).any(dim=(0, 1, 3))).flatten()) for r in every]
+    return merged, received

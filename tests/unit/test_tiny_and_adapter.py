@@ -137,11 +137,12 @@ def test_mixtral_and_shared_expert_names():
     assert "decoder.layers.0.mlp.router.weight" in meg
     qmoe = hf_config(TinyShape(family="qwen2_moe"), eos_id=1, pad_id=0)
     meg = hf_to_megatron(random_weights(qmoe, 0, 0.02), qmoe)
-    last = qmoe["num_hidden_layers"] - 1
+    middle = qmoe["num_hidden_layers"] // 2
     assert meg["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (2 * 192, 128)
     assert meg["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, 128)
-    assert f"decoder.layers.{last}.mlp.linear_fc1.weight" in meg  # mlp_only_layers: dense
-    assert not any(k.startswith(f"decoder.layers.{last}.mlp.router") for k in meg)
+    assert f"decoder.layers.{middle}.mlp.linear_fc1.weight" in meg  # mlp_only_layers: dense
+    assert not any(k.startswith(f"decoder.layers.{middle}.mlp.router") for k in meg)
+    assert f"decoder.layers.{middle + 1}.mlp.router.weight" in meg  # MoE again after it
 
 
 def test_transformer_engine_names_map_to_the_local_spec():

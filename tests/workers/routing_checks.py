@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import build_trainer  # noqa: E402
+from helpers.trainers import build_trainer, every_stage_routes  # noqa: E402
 
 
 def load_batch(path: str):
@@ -81,11 +81,12 @@ def main(model_dir: str, samples: str, layout: str) -> None:
     replayed = trainer.logprobs(batch)
     agreement_replayed = dict(trainer.route_stats)
     trainer.routing_replay = "trainer"  # R2: the trainer's own routes, recorded on every rank, replayed
-    recorded = trainer.record_routes(batch)
+    recorded, recording_pass = trainer.record_routes(batch)
     engine_routes, batch.routes = batch.routes, recorded
     r2 = trainer.logprobs(batch)
     r2_agreement = trainer.route_stats.get("moe/route_agreement")
     batch.routes = engine_routes
+    recorded, received = every_stage_routes(recorded)  # (each rank holds its stage's layers)
     trainer.routing_replay = "rollout"
     step = trainer.train_step(batch, policy_loss_fn(AlgoConfig()))
     counts = torch.tensor([watch.checked, watch.differ], dtype=torch.float64)
@@ -97,8 +98,9 @@ def main(model_dir: str, samples: str, layout: str) -> None:
            "replay_vs_own_max": float(((replayed - own) * batch.loss_mask).abs().max()),
            "gap_own": gap(own, batch), "gap_replayed": gap(replayed, batch),
            "r2_vs_own_max": float(((r2 - own) * batch.loss_mask).abs().max()), "r2_agreement": r2_agreement,
+           "r2_recording_pass_vs_replayed_max": float(((recording_pass - r2) * batch.loss_mask).abs().max()),
            "r2_routes": recorded.long().sum(dim=(0, 1, 3)).tolist(), "r2_shape": list(recorded.shape),
-           "r2_unrouted": int((recorded == 255).all(dim=-1).sum())}
+           "r2_unrouted": int((recorded == 255).all(dim=-1).sum()), "r2_received": received}
     if dist.get_rank() == 0:
         print(json.dumps(out))
     end_process_group()
