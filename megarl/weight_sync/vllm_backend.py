@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.compat.vllm import repack_after_reload
+from megarl.compat.vllm import experts_processed_in_reloads, repack_after_reload
 from megarl.models.hf_config import torch_dtype
 from megarl.weight_sync.load import restore, snapshot
 from megarl.weight_sync.transport import join_group, receive
@@ -80,6 +80,7 @@ def _register() -> None:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            experts_processed_in_reloads()
             start = time.perf_counter()
             self.backup = snapshot(self.model) if self.rollback == "copy" else None
             self.timings = {"snapshot_s": time.perf_counter() - start}
