@@ -51,6 +51,7 @@ from megarl.rollout.leader import LeaderController
 from megarl.rollout.phases import PhaseRunner
 from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
+from megarl.rollout.turns import build_episodes
 from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
@@ -98,6 +99,8 @@ class Session:
     def close(self) -> None:
         """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
         self.pipeline.close()
+        if self.controller.episodes is not None:
+            self.controller.episodes.pool.close()
         if self.cfg.train.trace:
             events = gather(self.timeline.events())
             if self.is_main:
@@ -175,7 +178,10 @@ def build_session(cfg: RunConfig) -> Session:
         engine_turn=pipeline.gate.step,
         on_engine_step=lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True),
         # phases run ahead of the weights under overlap: partial admission minds the lag
-        engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None)
+        engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None,
+        episodes=build_episodes(cfg, tokenizer))  # multi-turn: the samples' environments (env.fn)
+    if controller.episodes is not None:
+        stateful["envs"] = controller.episodes.pool  # (its env/* counts)
     phases = PhaseRunner(controller, rewards, prompts, cfg.train.seed, timeline.span)
     weight_sync = WeightSync(trainer, engines.dtype, cfg.sync.bucket_mib, cfg.sync.check_every,
                              main_only(log.warning, ps.rank))

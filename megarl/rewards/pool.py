@@ -33,7 +33,7 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from megarl.rewards.base import resolve_reward, takes_finish_reason
+from megarl.rewards.base import optional_args, resolve_reward
 
 log = logging.getLogger("megarl.rewards.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
@@ -53,19 +53,24 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
-    """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
-    # Slurm's preemption signals reach every process of the job step: the trainer acts on them and ends us itself
-    # (blocked before any thread starts: a thread inherits the block, none is left for the signal to kill us through)
+def worker_setup(parent: int) -> None:
+    """A sandboxed worker's first act: Slurm's preemption signals reach every process of the job step, and the
+    trainer acts on them and ends us itself (blocked before any thread starts: a thread inherits the block, none is
+    left for the signal to kill us through); we exit with our parent."""
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
+    """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
+    worker_setup(parent)
     try:
         fn = resolve_reward(spec, format_coef)
     except Exception as exc:  # reported to the parent, which raises it at construction
         conn.send(("failed", repr(exc)))
         return
     conn.send(("ready", None))
-    takes_finish = takes_finish_reason(fn)
+    named = optional_args(fn)
     while True:
         try:
             msg = conn.recv()
@@ -73,9 +78,11 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
             return
         if msg is None:
             return
-        idx, response, answer, extras, finish = msg
+        idx, response, answer, extras, optional = msg
+        if "transcript" in named and optional["transcript"] is None:  # single-turn: the one assistant message
+            optional["transcript"] = [{"role": "assistant", "content": response}]
         try:
-            out = fn(response, answer, **extras, **({"finish_reason": finish} if takes_finish else {}))
+            out = fn(response, answer, **extras, **{k: v for k, v in optional.items() if k in named})
             if isinstance(out, dict):
                 extra = {k: float(v) for k, v in out.items() if k != "score"}
                 out = out["score"]
@@ -89,15 +96,15 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
             conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:]))
 
 
-class _Worker:
-    """One worker process and its end of a socket pair (a ``multiprocessing`` Connection)."""
+class Worker:
+    """One worker process (``python -m module FD *args PARENT_PID``) and its end of a socket pair (a
+    ``multiprocessing`` Connection)."""
 
-    def __init__(self, spec: str, format_coef: float) -> None:
+    def __init__(self, module: str, *args: str) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # user modules resolve alike
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef),
-             str(os.getpid())],
+            [sys.executable, "-m", module, str(theirs.fileno()), *args, str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -131,8 +138,8 @@ class RewardPool:
         self.failed_in_a_row, self.traceback_logged = 0, False
         self._wait_ready(start_timeout_s)
 
-    def _start(self) -> _Worker:
-        return _Worker(self.spec, self.format_coef)
+    def _start(self) -> Worker:
+        return Worker("megarl.rewards.pool", self.spec, repr(self.format_coef))
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the function; a bad ``reward.fn`` raises here, before training."""
@@ -184,9 +191,10 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and w.task is None and queue:
                     idx, item = queue.popleft()
-                    # (response, answer[, row extras[, finish_reason]])
-                    response, answer, row, finish = (list(item) + [{}, ""][len(item) - 2:])[:4]
-                    w.conn.send((idx, response, answer, row or {}, finish))
+                    # (response, answer[, row extras[, finish_reason[, transcript]]])
+                    response, answer, row, finish, transcript = (list(item) + [{}, "", None][len(item) - 2:])[:5]
+                    w.conn.send((idx, response, answer, row or {},
+                                 {"finish_reason": finish, "transcript": transcript}))
                     w.task = (idx, time.time() + self.timeout_s)
             busy = [w for w in self._workers if w.task or not w.ready]
             deadlines = [w.task[1] for w in busy if w.task]

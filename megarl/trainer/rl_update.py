@@ -46,7 +46,8 @@ def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[Tra
     samples = [s for g in groups for s in g.samples]
     batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
-                        norm_tokens=norm_tokens(cfg))
+                        norm_tokens=norm_tokens(cfg),
+                        model_masks=[s.model_mask() for s in samples] if any(s.env_spans for s in samples) else None)
     batch.routes = batch_routes([s.route_array() for s in samples], batch.seq_len)
     if a.overlong_filter:
         batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)

@@ -1,6 +1,6 @@
 """Every check ``megarl train``, ``eval`` and ``demo`` make before a process starts, in the order they make them:
-the config and the model, the checkpoint a resume continues from, the job's shape, the data and the reward
-function. ``python -m megarl.launch check`` runs the same before ``srun``."""
+the config and the model, the checkpoint a resume continues from, the job's shape, the data, the reward
+function and the environment. ``python -m megarl.launch check`` runs the same before ``srun``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import algo_notes
+from megarl.config.validate.envs import check_env
 from megarl.config.validate.layout import check_job_shape
 from megarl.config.validate.limits import unread_keys
 from megarl.config.validate.model import (
@@ -43,7 +44,9 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
-    check_reward(cfg, check_run_data(cfg, stores))  # a usable row in a sample (prompt length too); its columns
+    extras = check_run_data(cfg, stores)  # a usable row in a sample (prompt length too); its columns
+    check_reward(cfg, extras)
+    check_env(cfg, extras)  # env.fn imports and is built from those columns
     if notes:  # (once every check passed: an error comes alone)
         for note in unread_keys(cfg) + algo_notes(cfg) + _tiny_model_note(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)

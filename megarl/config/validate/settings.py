@@ -13,6 +13,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.loader import check_choices
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import validate_algo
+from megarl.config.validate.envs import validate_env
 from megarl.config.validate.layout import check_world_layout, validate_replica_nodes
 from megarl.config.validate.limits import check_engine_sizes, check_microbatch_tokens, check_ranges, cuda_available
 from megarl.config.validate.model import check_model_fits
@@ -36,6 +37,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
     _validate_train(cfg)
     _validate_model_keys(cfg)
     _validate_data_reward_eval(cfg)
+    validate_env(cfg, world_size)
     check_ranges(cfg)
     check_engine_sizes(cfg)
     check_microbatch_tokens(cfg)

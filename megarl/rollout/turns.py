@@ -1,0 +1,112 @@
+"""Multi-turn episodes on the SortedRL controller: a model turn's end goes to the sample's environment, off the engine.
+
+::
+
+    engine: turn ends with EOS ──► turn_ended: env.step(turn text) submitted to the pool; the sample WAITING, its
+                                   engine slot free for others
+    pool answers (poll) ────────► answers: a message → its tokens appended (``TurnRenderer``), the sample QUEUED
+                                   again, at the head of the run queue; None, a failure, ``env.max_turns`` or no
+                                   room left under the sample's max_tokens → the sample FINISHED (its group may
+                                   complete)
+
+The trajectory is one token sequence: the model's tokens exactly as sampled (behaviour logprobs, versions) and the
+environment's messages as tokens, their positions in ``Sample.env_spans`` (loss mask 0). ``max_tokens`` counts
+every token of it. A failed call (raised, hung past ``env.timeout_s``, wrong type, its worker lost) ends the
+episode: the sample is scored as it stands (``Sample.env_error`` says why), counted in the phase's metrics and the
+pool's ``env/*``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from megarl.envs.pool import EnvPool
+from megarl.types import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+
+class Episodes:
+    """The environments of a controller's samples; see the module docstring."""
+
+    def __init__(self, pool: EnvPool, render, tokenizer, max_turns: int, max_tokens: int) -> None:
+        self.pool, self.render, self.tokenizer = pool, render, tokenizer
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.keys: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, sample) → its episode's pool key
+        self.serial = itertools.count()
+        self.waiting: dict[tuple[int, int, int], Sample] = {}  # pool key → the sample awaiting its answer
+
+    def turn_ended(self, index: int, j: int, s: Sample, row: dict | None) -> bool:
+        """Sample ``(index, j)`` ended a model turn with EOS: True when it now waits on its environment, False when
+        its episode is over (its last turn, or no token left)."""
+        if not s.env_messages:  # a first turn: a new episode (a sample run again from its prompt starts afresh)
+            if (index, j) in self.keys:
+                self.pool.end(self.keys[(index, j)])
+            self.keys[(index, j)] = (index, j, next(self.serial))
+        key = self.keys[(index, j)]
+        if s.turns >= self.max_turns or len(s.response_ids) >= self.max_tokens:
+            self.pool.end(key)
+            return False
+        text = self.tokenizer.decode(s.segments()[-1][1], skip_special_tokens=True)
+        self.pool.submit(key, dict(row or {}), text)
+        self.waiting[key] = s
+        s.status = SampleStatus.WAITING
+        return True
+
+    def answers(self, timeout: float = 0.0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The environments' answers that arrived (waiting up to ``timeout`` for a first): the samples to run again
+        and the samples whose episode ended."""
+        again, ended = [], []
+        for r in self.pool.poll(timeout):
+            s = self.waiting.pop(r.key, None)
+            if s is None:
+                continue  # (an episode ended meanwhile)
+            where = r.key[:2]
+            if r.error:
+                s.env_error = f"{r.kind}: {r.error}"
+                log.warning("environment: sample %s: the episode ends after turn %d (%s)", where, s.turns, s.env_error)
+            elif r.message is not None:
+                ids = self.render(r.message)
+                if len(s.response_ids) + len(ids) < self.max_tokens:  # room for the model's next turn
+                    s.add_env_turn(r.message, ids)
+                    s.status = SampleStatus.QUEUED
+                    again.append(where)
+                    continue
+                s.finish_reason = "length"  # the answer does not fit: cut at the length cap
+            self.pool.end(r.key)
+            s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
+            ended.append(where)
+        return again, ended
+
+    def pending(self) -> int:
+        return len(self.waiting)
+
+    def reset(self) -> None:
+        """Every episode ends (a failed phase: the controller is put back as it was before, so its samples' next
+        turn starts a new episode); answers still on their way are ignored."""
+        for key in {*self.waiting, *self.keys.values()}:
+            self.pool.end(key)
+        self.waiting.clear()
+        self.keys.clear()
+
+
+def transcript(s: Sample, tokenizer) -> list[dict]:
+    """A sample's episode as chat messages: its model turns (decoded, special tokens left out) and its
+    environment's messages, in order."""
+    out, env = [], iter(s.env_messages)
+    for role, ids in s.segments():
+        out.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+                   if role == "assistant" else next(env))
+    return out
+
+
+def build_episodes(cfg, tokenizer) -> Episodes | None:
+    """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one."""
+    from megarl.data.chat import TurnRenderer, load_template
+
+    e = cfg.env
+    if not e.fn:
+        return None
+    render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
+    return Episodes(EnvPool(e.fn, e.workers, e.timeout_s), render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens)
