@@ -229,8 +229,8 @@ class Phase:
         s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
         m.samples_finished += 1
         m.len_finished_sum += s.model_tokens
-        if all(x.status in DONE for x in c.live[index].samples):
-            self.completed.append(index)
+        if index not in self.completed and all(x.status in DONE for x in c.live[index].samples):
+            self.completed.append(index)  # (once: its last two samples may end in one step, engine and env)
 
     def env_answers(self, block: bool) -> None:
         """Environments' answers: samples whose episode goes on re-enter the run queue first; the others are done.

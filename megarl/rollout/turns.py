@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+from megarl.data.chat import TurnRenderer, load_template
 from megarl.envs.pool import EnvPool
 from megarl.types import Sample, SampleStatus
 
@@ -103,8 +104,6 @@ def transcript(s: Sample, tokenizer) -> list[dict]:
 
 def build_episodes(cfg, tokenizer) -> Episodes | None:
     """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one."""
-    from megarl.data.chat import TurnRenderer, load_template
-
     e = cfg.env
     if not e.fn:
         return None

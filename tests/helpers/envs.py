@@ -49,3 +49,10 @@ def transcript_turns(response: str, answer: str, transcript: list, **_) -> dict:
     """A reward that reads the whole conversation: 1.0 for an episode of ≥ 2 model turns; the turns as a metric."""
     turns = sum(m["role"] == "assistant" for m in transcript)
     return {"score": float(turns >= 2), "turns": float(turns)}
+
+
+class Strict(Countdown):
+    """Built from ``turns`` alone: a row with other columns cannot build it."""
+
+    def __init__(self, turns: int = 2) -> None:
+        super().__init__(turns)

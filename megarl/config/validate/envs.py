@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RunConfig
+from megarl.envs.base import check_env_call
 
 UNSUPPORTED = "; multi-turn episodes run with rollout.mode=sync, rollout.overlap=none and one trainer process for " \
               "now (docs/environments.md)"
@@ -34,8 +35,6 @@ def validate_env(cfg: RunConfig, world_size: int) -> None:
 def check_env(cfg: RunConfig, extras: dict[str, dict]) -> None:
     """``env.fn`` imports as its workers will import it and is built from each set's row columns (``extras``: the
     first usable row's other columns, by key; the built-in task: none); ValueError naming the data key."""
-    from megarl.envs.base import check_env_call
-
     if not cfg.env.fn:
         return
     if not cfg.data.path:
