@@ -60,10 +60,9 @@ class Episodes:
         and the samples whose episode ended."""
         again, ended = [], []
         for r in self.pool.poll(timeout):
-            s = self.waiting.pop(r.key, None)
-            if s is None:
-                continue  # (an episode ended meanwhile)
-            where = r.key[:2]
+            s, where = self.waiting.pop(r.key, None), r.key[:2]
+            if s is None or self.keys.get(where) != r.key or s.status != SampleStatus.WAITING:
+                continue  # (its episode ended meanwhile: the sample started again, or a failed phase reset it)
             if r.error:
                 s.env_error = f"{r.kind}: {r.error}"
                 log.warning("environment: sample %s: the episode ends after turn %d (%s)", where, s.turns, s.env_error)

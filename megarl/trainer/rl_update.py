@@ -104,7 +104,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     a = cfg.algo
     batch, rewards = rollout_batch(groups, cfg, pad_id)
     mask = batch.loss_mask
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"loss/tokens": float(mask.sum())}  # (a trajectory's environment tokens are not among them)
     engine_routes, agreement = batch.routes, {}
     if a.routing_replay == "trainer" and learners.policy.taps:  # R2: this step's first routes, replayed in its updates
         batch.routes = learners.policy.record_routes(batch)

@@ -56,3 +56,14 @@ class Strict(Countdown):
 
     def __init__(self, turns: int = 2) -> None:
         super().__init__(turns)
+
+
+class Rotating(Countdown):
+    """``Countdown`` of two turns whose episodes, in the order a worker builds them, go: ok, raise, ok, wrong type,
+    ok, hang (the end-to-end run's faults, with any dataset: the built-in task's rows have no columns)."""
+
+    built = 0
+
+    def __init__(self, **row) -> None:
+        Rotating.built += 1
+        super().__init__(2, ("ok", "raise", "ok", "type", "ok", "hang")[(Rotating.built - 1) % 6])
