@@ -2,13 +2,16 @@
 
     Phase(controller, version).run():
         release_held()            partial: stale samples expire; groups held past the last bound come first
+                                  (multi-turn: episodes of groups gone end)
         admit()                   a long round's groups, or admission up to the live target; queue; engine shares
         admit_for_free_slots()    (on_policy / partial) more groups while a free slot has nothing to run
                                   (partial under overlap: no more live groups than ``room()`` allows)
         dispatch()                fill every engine's free slots
-        while running and not done():
+        while (running or waiting) and not done():
             step()                one step of the engine furthest behind in time:
-                                    record() its tokens → complete groups harvested (released or held)
+                                    record() its tokens → complete groups harvested (released or held); a turn
+                                    ended with EOS goes to the sample's environment (``turns.py``), its slot freed
+            env_answers()         multi-turn: answered samples re-queued first; ended episodes may complete a group
                                     drain() when pinned groups hold the rest of the batch
                                     admit_for_free_slots() | replace_filtered() (sync + dynamic sampling)
                                     dispatch()
@@ -98,6 +101,8 @@ class Phase:
         c = self.c
         if self.cfg.mode == "partial":
             c.expire_stale(self.version, self.m)
+        if c.episodes is not None:  # (episodes of groups gone end; a waiting sample with no call in flight ends)
+            c.episodes.sweep(c.live)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
                 c.release(index, self.version, self.released, self.m)
@@ -139,7 +144,7 @@ class Phase:
         free, room = sum(e.slots - e.num_active() for e in c.engines), self.room()
         while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
                 len(self.queue) + sum(map(len, self.own)) < free
-                and len(self.running) + len(self.queue) + cfg.group_size <= self.budget)):
+                and len(self.running) + len(self.queue) + c.waiting() + cfg.group_size <= self.budget)):
             index = c.admit_one(self.version)
             if index is None:
                 return
@@ -241,9 +246,16 @@ class Phase:
             waited = time.perf_counter() - start
             self.times = [t + waited for t in self.times]
             self.now += waited
-        self.queue.extendleft(reversed(again))
+        for index, j in reversed(again):
+            if index not in self.c.live:
+                continue  # (its group left meanwhile: the next phase's sweep ends its episode)
+            if self.drain_at is not None and index not in self.pinned:
+                self.c.live[index].samples[j].status = SampleStatus.RESUMED  # drained: it goes on in a later phase
+            else:
+                self.queue.appendleft((index, j))
         for index, j in ended:
-            self.sample_done(index, self.c.live[index].samples[j])
+            if index in self.c.live:
+                self.sample_done(index, self.c.live[index].samples[j])
 
     def complete(self, index: int) -> None:
         """A group whose samples are all done: released (or held) if every sample is within k versions of this

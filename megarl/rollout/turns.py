@@ -26,6 +26,7 @@ from megarl.envs.pool import EnvPool
 from megarl.types import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
+LOST = "its environment's instance is gone (the run resumed, or a failed phase was put back, mid-episode)"
 
 
 class Episodes:
@@ -41,11 +42,14 @@ class Episodes:
     def turn_ended(self, index: int, j: int, s: Sample, row: dict | None) -> bool:
         """Sample ``(index, j)`` ended a model turn with EOS: True when it now waits on its environment, False when
         its episode is over (its last turn, or no token left)."""
+        key = self.keys.get((index, j))
         if not s.env_messages:  # a first turn: a new episode (a sample run again from its prompt starts afresh)
-            if (index, j) in self.keys:
-                self.pool.end(self.keys[(index, j)])
-            self.keys[(index, j)] = (index, j, next(self.serial))
-        key = self.keys[(index, j)]
+            if key is not None:
+                self.pool.end(key)
+            key = self.keys[(index, j)] = (index, j, next(self.serial))
+        elif key is None:  # mid-episode, its instance gone: the run resumed, or a failed phase was put back
+            s.env_error = f"lost: {LOST}"
+            return False
         if s.turns >= self.max_turns or len(s.response_ids) >= self.max_tokens:
             self.pool.end(key)
             return False
@@ -78,6 +82,22 @@ class Episodes:
             s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
             ended.append(where)
         return again, ended
+
+    def sweep(self, live: dict) -> None:
+        """Before a phase: the episodes of groups no longer live (released, discarded, dropped) end; a live sample
+        left waiting with no call in flight (a resumed run, a failed phase put back) ends its episode, lost."""
+        for where in [w for w in self.keys if w[0] not in live]:
+            key = self.keys.pop(where)
+            self.waiting.pop(key, None)
+            self.pool.end(key)
+        asked = {id(s) for s in self.waiting.values()}
+        for index, g in live.items():
+            for j, s in enumerate(g.samples):
+                if s.status == SampleStatus.WAITING and id(s) not in asked:
+                    s.env_error = f"lost: {LOST}"
+                    s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
+                    log.warning("environment: sample %s: the episode ends after turn %d (%s)", (index, j), s.turns,
+                                s.env_error)
 
     def pending(self) -> int:
         return len(self.waiting)

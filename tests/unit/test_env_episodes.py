@@ -2,6 +2,7 @@
 and counted (raise, hang, wrong type, a killed worker), a waiting sample holding no engine slot, the reward's
 transcript, and ``env.*`` checked before launch."""
 
+import pickle
 import time
 
 import pytest
@@ -101,13 +102,12 @@ def test_a_bad_env_fn_is_refused_before_any_episode_naming_the_key():
         EnvPool("helpers.envs:Nope", workers=1)
 
 
-@pytest.mark.parametrize("override,key", [({"rollout.mode": "partial"}, "rollout.mode='partial'"),
-                                          ({"rollout.overlap": "one_step"}, "rollout.overlap='one_step'"),
-                                          ({"env.max_turns": 0}, "env.max_turns"),
+@pytest.mark.parametrize("override,key", [({"env.max_turns": 0}, "env.max_turns"),
+                                          ({"env.timeout_s": 0}, "env.timeout_s"),
                                           ({"env.fn": "Countdown"}, "env.fn='Countdown'")])
-def test_combinations_not_supported_yet_are_refused_naming_the_key(override, key):
+def test_bad_env_values_are_refused_naming_the_key(override, key):
     cfg = RunConfig()
-    cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "sync", "none"
+    cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "partial", "async"
     validate_env(cfg, 1)
     for dotted, value in override.items():
         section, name = dotted.split(".")
@@ -151,7 +151,7 @@ class ScriptedEngine:
         ids = self.tok(f"turn {turn} of sample {request.key[1]}", add_special_tokens=False)["input_ids"]
         ids = (ids + [self.tok.eos_token_id])[:request.max_tokens]
         reason = "stop" if ids[-1] == self.tok.eos_token_id else "length"
-        return StepReport([TokenEvent(rid, ids, [-0.25] * len(ids), True, reason, version=0)], 0.01, 1)
+        return StepReport([TokenEvent(rid, ids, [-0.25] * len(ids), True, reason)], 0.01, 1)
 
     def reset(self) -> None:
         self.active.clear()
@@ -160,22 +160,25 @@ class ScriptedEngine:
         pass
 
 
-def controller(tok, rows, slots=1, max_tokens=200, max_turns=4, reward="helpers.envs:transcript_turns"):
+def controller(tok, rows, slots=1, max_tokens=200, max_turns=4, reward="helpers.envs:transcript_turns",
+               env="helpers.envs:Countdown", **kw):
     renderer = TurnRenderer(tok, CHATML_TEMPLATE)
     prompt = tok.apply_chat_template([{"role": "user", "content": "go"}], chat_template=CHATML_TEMPLATE,
                                      add_generation_prompt=True, tokenize=True)["input_ids"]
-    pool = EnvPool("helpers.envs:Countdown", workers=2, timeout_s=2.0)
+    pool = EnvPool(env, workers=2, timeout_s=2.0)
     rewards = RewardPool(reward, workers=1, timeout_s=10)
     items = iter(PromptItem(i, list(prompt), "go", "", key=i, extras=row) for i, row in enumerate(rows))
     engine = ScriptedEngine(tok, slots)
-    cfg = ControllerConfig(mode="sync", group_size=2, update_groups=len(rows), max_tokens=max_tokens)
+    cfg = ControllerConfig(**{"mode": "sync", "group_size": 2, "update_groups": len(rows), "max_tokens": max_tokens,
+                              **kw})
     c = RolloutController(cfg, [engine], lambda: next(items, None), score=group_scorer(tok, rewards),
                           episodes=Episodes(pool, renderer, tok, max_turns, max_tokens))
     return c, engine, pool, rewards
 
 
-def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no_slot(tok):
-    c, engine, pool, rewards = controller(tok, [{"turns": 3}, {"turns": 3, "mode": "raise"}])
+def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no_slot(tok, monkeypatch):
+    monkeypatch.setenv("SLOW_ENV_S", "0.2")  # (a slow tool: the slot a waiting sample freed is taken meanwhile)
+    c, engine, pool, rewards = controller(tok, [{"turns": 3}, {"turns": 3, "mode": "raise"}], env="helpers.envs:Slow")
     try:
         groups, m = c.run_phase(0)
     finally:
@@ -226,3 +229,79 @@ def test_max_turns_and_max_tokens_bound_an_episode(tok):
             assert len(s.response_ids) <= cap and s.finish_reason == "length"
             assert s.turns == 1 if cap == 40 else 2 <= s.turns < 9  # 40: the first answer does not fit
         assert all(generated + r <= cap for (_, generated), r in zip(engine.log, engine.budgets))
+
+
+def assert_whole_episodes(tok, groups):
+    for g in groups:
+        for j, s in enumerate(g.samples):
+            said = [tok.decode(ids) for role, ids in s.segments() if role == "assistant"]
+            assert said == [f"turn {n} of sample {j}<|im_end|>" for n in range(g.extras["turns"])]
+            assert not s.env_error
+            assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
+
+
+@pytest.mark.parametrize("mode", ["partial", "on_policy"])
+def test_episodes_go_on_across_phases(tok, mode, monkeypatch):
+    """One slot, one group a phase: episodes still waiting (or running) when a phase ends go on in the next
+    (partial: kept, their tokens' versions span the phases; on-policy: the group is discarded, its prompt re-run,
+    its episodes ended and started afresh); no episode is lost or mixed up with another."""
+    rows = [{"turns": 2}, {"turns": 4}] * 2  # (a short episode's group released, a long one's still going)
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")  # (a slow tool: a phase ends with the other group's episodes unfinished)
+    c, engine, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode=mode, update_groups=1,
+                                          rollout_groups=2, staleness_limit=4, max_discards=100)
+    released, wasted, keys = [], 0, set()
+    try:
+        for version in range(12):
+            groups, m = c.run_phase(version)
+            released += groups
+            wasted += m.tokens_wasted
+            keys |= set(c.episodes.keys.values())
+            if len(released) >= 4:
+                break
+        assert {g.prompt_index for g in released} == {0, 1, 2, 3}
+        assert_whole_episodes(tok, released)
+        if mode == "partial":
+            assert any(len(set(s.versions)) > 1 for g in released for s in g.samples)  # spanned phases
+        else:  # discarded mid-episode and run again from the prompt: a new episode under a new key
+            assert wasted > 0 and len(keys) > 4 * 2
+        assert pool.errors == pool.timeouts == pool.lost == 0
+        c.episodes.sweep(c.live)  # (the released groups' episodes end: nothing left in the workers)
+        assert not c.episodes.keys and not pool._home
+    finally:
+        pool.close()
+        rewards.close()
+
+
+def test_a_resume_mid_episode_ends_the_episodes_whose_instance_is_gone_and_goes_on(tok, monkeypatch):
+    """A run checkpoint holds the controller, not the environments' workers: a sample that waited on its
+    environment (or was between turns) when the checkpoint was taken ends its episode on resume, counted, scored as
+    it stands; the other samples go on. (Keeping picklable environments across a resume is not built yet.)"""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
+                                     rollout_groups=2, staleness_limit=4)
+    try:
+        c.run_phase(0)
+        state = c.snapshot()
+    finally:
+        pool.close()
+        rewards.close()
+    mid = [s for _, samples, _, _ in pickle.loads(state)["live"].values() for s in samples if s.env_messages or
+           s.status == SampleStatus.WAITING]
+    assert mid  # (the checkpoint caught episodes unfinished)
+    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
+                                     rollout_groups=2, staleness_limit=4)
+    try:
+        c.load_state_dict(pickle.loads(state))
+        released, ended = [], 0
+        for version in range(1, 10):
+            groups, m = c.run_phase(version)
+            released += groups
+            ended += m.env_errors
+            if len(released) >= 3:
+                break
+        lost = [s for g in released for s in g.samples if s.env_error.startswith("lost")]
+        assert len(lost) == ended == len(mid) and {g.prompt_index for g in released} == {1, 2, 3}
+    finally:
+        pool.close()
+        rewards.close()

@@ -6,13 +6,12 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import RunConfig
 from megarl.envs.base import check_env_call
 
-UNSUPPORTED = "; multi-turn episodes run with rollout.mode=sync, rollout.overlap=none and one trainer process for " \
-              "now (docs/environments.md)"
+UNSUPPORTED = "; multi-turn episodes run with one trainer process for now (docs/environments.md)"
 
 
 def validate_env(cfg: RunConfig, world_size: int) -> None:
-    """``env.*`` ranges, and the rollout combinations not made to work with environments, refused by key."""
-    e, r = cfg.env, cfg.rollout
+    """``env.*`` ranges, and what does not work with environments yet (several trainer processes), refused."""
+    e = cfg.env
     if not e.fn:
         return
     if ":" not in e.fn:
@@ -21,12 +20,6 @@ def validate_env(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"env.max_turns must be >= 1 (model turns per episode), got {e.max_turns}")
     if e.timeout_s <= 0 or e.workers < 1:
         raise ConfigError(f"env.timeout_s must be > 0 and env.workers >= 1, got {e.timeout_s} and {e.workers}")
-    if r.mode != "sync":
-        raise ConfigError(f"rollout.mode={r.mode!r} with env.fn={e.fn!r}: a sample waiting on its environment "
-                          f"across phases is not supported yet; set rollout.mode=sync{UNSUPPORTED}")
-    if r.overlap != "none":
-        raise ConfigError(f"rollout.overlap={r.overlap!r} with env.fn={e.fn!r}: not supported yet; set "
-                          f"rollout.overlap=none{UNSUPPORTED}")
     if world_size > 1:
         raise ConfigError(f"env.fn={e.fn!r} with {world_size} trainer processes: environment answers arrive at "
                           f"times no two ranks share; run one trainer process{UNSUPPORTED}")
