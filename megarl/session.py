@@ -179,7 +179,8 @@ def build_session(cfg: RunConfig) -> Session:
         on_engine_step=lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True),
         # phases run ahead of the weights under overlap: partial admission minds the lag
         engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None,
-        episodes=build_episodes(cfg, tokenizer))  # multi-turn: the samples' environments (env.fn)
+        # multi-turn: the samples' environments (env.fn), each call a span on the timeline's environments track
+        episodes=build_episodes(cfg, tokenizer, lambda a, b: timeline.add("environments", "env step", a, b)))
     if controller.episodes is not None:
         stateful["envs"] = controller.episodes.pool  # (its env/* counts)
     phases = PhaseRunner(controller, rewards, prompts, cfg.train.seed, timeline.span)

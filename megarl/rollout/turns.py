@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections.abc import Callable
 
 from megarl.data.chat import TurnRenderer, load_template
 from megarl.envs.pool import EnvPool
@@ -32,8 +34,10 @@ LOST = "its environment's instance is gone (the run resumed, or a failed phase w
 class Episodes:
     """The environments of a controller's samples; see the module docstring."""
 
-    def __init__(self, pool: EnvPool, render, tokenizer, max_turns: int, max_tokens: int) -> None:
-        self.pool, self.render, self.tokenizer = pool, render, tokenizer
+    def __init__(self, pool: EnvPool, render, tokenizer, max_turns: int, max_tokens: int,
+                 on_call: Callable[[float, float], None] | None = None) -> None:
+        """``on_call(start, end)``: told of each answered call (perf_counter seconds; the trace's spans)."""
+        self.pool, self.render, self.tokenizer, self.on_call = pool, render, tokenizer, on_call
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.keys: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, sample) → its episode's pool key
         self.serial = itertools.count()
@@ -64,6 +68,9 @@ class Episodes:
         and the samples whose episode ended."""
         again, ended = [], []
         for r in self.pool.poll(timeout):
+            if self.on_call is not None:
+                now = time.perf_counter()
+                self.on_call(now - r.seconds, now)
             s, where = self.waiting.pop(r.key, None), r.key[:2]
             if s is None or self.keys.get(where) != r.key or s.status != SampleStatus.WAITING:
                 continue  # (its episode ended meanwhile: the sample started again, or a failed phase reset it)
@@ -121,10 +128,12 @@ def transcript(s: Sample, tokenizer) -> list[dict]:
     return out
 
 
-def build_episodes(cfg, tokenizer) -> Episodes | None:
-    """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one."""
+def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | None = None) -> Episodes | None:
+    """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one;
+    ``on_call``: ``Episodes``'."""
     e = cfg.env
     if not e.fn:
         return None
     render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
-    return Episodes(EnvPool(e.fn, e.workers, e.timeout_s), render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens)
+    return Episodes(EnvPool(e.fn, e.workers, e.timeout_s), render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens,
+                    on_call)

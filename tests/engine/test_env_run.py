@@ -19,13 +19,16 @@ def scalars(run_dir) -> dict[str, list[float]]:
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.slow  # (a real run: about a minute; the controller's episodes are tests/unit/test_env_episodes.py's)
-def test_a_multi_turn_run_trains_masks_environment_tokens_and_counts_environment_failures(tmp_path):
+@pytest.mark.slow  # (a real run: about two minutes; the controller's episodes are tests/unit/test_env_episodes.py's)
+@pytest.mark.parametrize("mode,overlap", [("sync", "none"), ("partial", "one_step"), ("partial", "async")])
+def test_a_multi_turn_run_trains_masks_environment_tokens_and_counts_environment_failures(tmp_path, mode, overlap):
     run = tmp_path / "run"
     out = train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml",
                  "model.make_tiny=qwen2", f"model.path={tmp_path}/model", f"train.run_dir={run}",
                  "warmup.steps=20", "warmup.batch_size=16", "train.steps=3", "train.time_limit_s=0",
-                 "data.eval_size=0", "data.max_digits=2", "rollout.mode=sync", "rollout.prompts_per_step=3",
+                 "data.eval_size=0", "data.max_digits=2", f"rollout.mode={mode}", f"rollout.overlap={overlap}",
+                 *(["engine.placement=disaggregated"] if overlap != "none" else []),
+                 "rollout.prompts_per_step=3",
                  "rollout.samples_per_prompt=4", "rollout.max_new_tokens=96", "engine.max_model_len=160",
                  "engine.slots=16", "engine.kv_cache_gib=0.25", "optim.micro_batch_size=12",
                  "env.fn=helpers.envs:Rotating", "env.timeout_s=2", "env.workers=2", "env.max_turns=3"],
