@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from megarl.envs.base import as_message, import_env_class
-from megarl.rewards.pool import Worker, worker_setup
+from megarl.rewards.pool import Worker, calls, close_workers, wait_ready, worker_setup
 
 log = logging.getLogger("megarl.envs.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
@@ -51,14 +51,7 @@ def _serve(conn, spec: str, parent: int) -> None:
         return
     conn.send(("ready", None))
     envs: dict = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        op, key, *rest = msg
+    for op, key, *rest in calls(conn):
         if op == "end":
             envs.pop(key, None)
             continue
@@ -91,22 +84,7 @@ class EnvPool:
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the class; a bad ``env.fn`` raises here, before any episode."""
-        deadline = time.time() + limit_s
-        while not all(w.ready for w in self._workers):
-            left = deadline - time.time()
-            if left <= 0:
-                self.close()
-                raise TimeoutError(f"environment workers for env.fn={self.spec!r} not ready after {limit_s:.0f}s")
-            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=left):
-                w = next(w for w in self._workers if w.conn is conn)
-                try:
-                    kind, detail = conn.recv()
-                except EOFError:
-                    kind, detail = "failed", f"worker exited with code {w.exitcode}"
-                if kind != "ready":
-                    self.close()
-                    raise ValueError(detail if detail.startswith("env.fn=") else f"env.fn={self.spec!r}: {detail}")
-                w.ready = True
+        wait_ready(self._workers, limit_s, "env.fn", self.spec)
 
     # ---- calls ------------------------------------------------------------------------------
     def submit(self, key, row: dict, response: str) -> None:
@@ -240,16 +218,7 @@ class EnvPool:
         self.calls, self.errors, self.timeouts, self.lost = (state[k] for k in ("calls", "errors", "timeouts", "lost"))
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=2)
-            except Exception:  # noqa: BLE001  (still running: killed)
-                w.kill()
+        close_workers(self._workers)
         self._workers = []
 
 

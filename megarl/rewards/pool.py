@@ -61,6 +61,18 @@ def worker_setup(parent: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
+def calls(conn):
+    """A worker's calls, in order, until its parent says stop (None) or goes away."""
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        yield msg
+
+
 def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
     """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
     worker_setup(parent)
@@ -71,14 +83,7 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
         return
     conn.send(("ready", None))
     named = optional_args(fn)
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        idx, response, answer, extras, optional = msg
+    for idx, response, answer, extras, optional in calls(conn):
         if "transcript" in named and optional["transcript"] is None:  # single-turn: the one assistant message
             optional["transcript"] = [{"role": "assistant", "content": response}]
         try:
@@ -124,6 +129,41 @@ class Worker:
         self.conn.close()
 
 
+def wait_ready(workers: list[Worker], limit_s: float, key: str, spec: str) -> None:
+    """Block until every worker resolved ``spec`` (the value of config key ``key``); one that failed to (or none
+    within ``limit_s``) closes them all and raises, naming the key."""
+    deadline = time.time() + limit_s
+    while not all(w.ready for w in workers):
+        left = deadline - time.time()
+        if left <= 0:
+            close_workers(workers)
+            raise TimeoutError(f"workers for {key}={spec!r} not ready after {limit_s:.0f}s")
+        for conn in wait([w.conn for w in workers if not w.ready], timeout=left):
+            w = next(w for w in workers if w.conn is conn)
+            try:
+                kind, detail = conn.recv()
+            except EOFError:
+                kind, detail = "failed", f"worker exited with code {w.exitcode}"
+            if kind != "ready":
+                close_workers(workers)
+                raise ValueError(detail if detail.startswith(f"{key}=") else f"{key}={spec!r}: {detail}")
+            w.ready = True
+
+
+def close_workers(workers: list[Worker]) -> None:
+    """Each worker told to stop, then killed if it has not within 2 s."""
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+    for w in workers:
+        try:
+            w.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            w.kill()
+
+
 class RewardPool:
     """Scores ``(response, answer[, extras])`` items in ``workers`` processes; see the module docstring."""
 
@@ -143,21 +183,7 @@ class RewardPool:
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the function; a bad ``reward.fn`` raises here, before training."""
-        deadline = time.time() + limit_s
-        while not all(w.ready for w in self._workers):
-            left = deadline - time.time()
-            if left <= 0:
-                raise TimeoutError(f"reward workers for {self.spec!r} not ready after {limit_s:.0f}s")
-            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=left):
-                w = next(w for w in self._workers if w.conn is conn)
-                try:
-                    kind, detail = conn.recv()
-                except EOFError:
-                    kind, detail = "failed", f"worker exited with code {w.exitcode}"
-                if kind != "ready":
-                    self.close()
-                    raise ValueError(f"reward.fn={self.spec!r}: {detail}")
-                w.ready = True
+        wait_ready(self._workers, limit_s, "reward.fn", self.spec)
 
     def score(self, items) -> list[float]:
         """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
@@ -281,16 +307,7 @@ class RewardPool:
         self.calls, self.errors, self.timeouts = state["calls"], state["errors"], state["timeouts"]
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        close_workers(self._workers)
         self._workers = []
 
     def __del__(self) -> None:

@@ -2,6 +2,7 @@
 and counted (raise, hang, wrong type, a killed worker), a waiting sample holding no engine slot, the reward's
 transcript, and ``env.*`` checked before launch."""
 
+import json
 import pickle
 import time
 
@@ -9,7 +10,7 @@ import pytest
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RunConfig
-from megarl.config.validate.envs import validate_env
+from megarl.config.validate import validate
 from megarl.data.chat import TurnRenderer
 from megarl.envs.base import check_env_call, load_env_class
 from megarl.envs.pool import EnvPool
@@ -108,19 +109,20 @@ def test_a_bad_env_fn_is_refused_before_any_episode_naming_the_key():
 def test_bad_env_values_are_refused_naming_the_key(override, key):
     cfg = RunConfig()
     cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "partial", "async"
-    validate_env(cfg, 1)
+    cfg.engine.placement = "disaggregated"
+    validate(cfg, 1)  # (every rollout mode and overlap takes an environment)
     for dotted, value in override.items():
         section, name = dotted.split(".")
         setattr(getattr(cfg, section), name, value)
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
-        validate_env(cfg, 1)
+        validate(cfg, 1)
 
 
 def test_more_than_one_trainer_process_is_refused():
     cfg = RunConfig()
     cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "sync", "none"
     with pytest.raises(ConfigError, match="2 trainer processes"):
-        validate_env(cfg, 2)
+        validate(cfg, 2)
 
 
 # ---- the controller across turns ------------------------------------------------------------------------------
@@ -305,3 +307,18 @@ def test_a_resume_mid_episode_ends_the_episodes_whose_instance_is_gone_and_goes_
     finally:
         pool.close()
         rewards.close()
+
+
+def test_megarl_train_refuses_a_class_the_dataset_cannot_build_before_launch(tmp_path):
+    """The whole pre-launch sequence (``checked_config``): env.fn is built against the dataset's first row."""
+    from megarl.config.validate.prelaunch import checked_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "2+3?", "answer": "5", "difficulty": 3}) + "\n")
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2",
+           f"data.path={data}", "reward.fn=exact"]
+    with pytest.raises(ValueError, match=r"data.path=.*env.fn='helpers.envs:Strict'.*difficulty"):
+        checked_config(None, [*run, "env.fn=helpers.envs:Strict"], 1, command="train")
+    checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 1, command="train")
+    with pytest.raises(ConfigError, match="2 trainer processes"):
+        checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 2, command="train")

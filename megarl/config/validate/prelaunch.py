@@ -12,7 +12,6 @@ from megarl.config.errors import ConfigError
 from megarl.config.loader import load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import algo_notes
-from megarl.config.validate.envs import check_env
 from megarl.config.validate.layout import check_job_shape
 from megarl.config.validate.limits import unread_keys
 from megarl.config.validate.model import (
@@ -23,6 +22,7 @@ from megarl.config.validate.model import (
 )
 from megarl.config.validate.settings import validate
 from megarl.data.checks import check_data, check_run_data
+from megarl.envs.base import check_env_call
 from megarl.models.hf_config import check_weights_format
 from megarl.rewards.base import check_reward_call, import_reward_fn
 
@@ -61,11 +61,24 @@ def check_reward(cfg: RunConfig, extras: dict[str, dict]) -> None:
             import_reward_fn(cfg.reward.fn)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    against_rows(cfg, extras, lambda columns: check_reward_call(cfg.reward.fn, columns))
+
+
+def check_env(cfg: RunConfig, extras: dict[str, dict]) -> None:
+    """``env.fn`` imports as its workers will import it and is built from each set's row columns (as
+    ``check_reward``)."""
+    if cfg.env.fn:
+        against_rows(cfg, extras, lambda columns: check_env_call(cfg.env.fn, columns))
+
+
+def against_rows(cfg: RunConfig, extras: dict[str, dict], check: Callable[[dict], None]) -> None:
+    """``check(columns)`` with each set's first usable row's other columns (``extras``, by key; the built-in task:
+    none); its ValueError names the set's key."""
     if not cfg.data.path:
-        check_reward_call(cfg.reward.fn, {})
+        check({})
     for key, columns in extras.items():
         try:
-            check_reward_call(cfg.reward.fn, columns)
+            check(columns)
         except ValueError as exc:
             raise ValueError(f"{key}={getattr(cfg.data, key.split('.')[1])!r}: {exc}") from None
 
