@@ -390,7 +390,8 @@ class RewardConfig:
 class EnvConfig:
     fn: str = ""
     """Multi-turn environment class 'package.module:Class' ('': single-turn); one instance per sample, built from
-    its row's other columns as keyword arguments; ``step(response) -> str | dict | None`` (docs/environments.md)."""
+    its row's other columns as keyword arguments; ``step(response) -> str | dict | None`` (docs/environments.md).
+    'tools': the built-in tool environment over ``tools``."""
     max_turns: int = 4
     """Model turns per episode at most (the environment is not asked after the last one)."""
     timeout_s: float = 10.0
@@ -398,6 +399,9 @@ class EnvConfig:
     worker is killed and the episode ends, counted in ``env/timeouts``."""
     workers: int = 2
     """Environment worker processes (each holds the instances of the samples it serves)."""
+    tools: str = ""
+    """``fn: tools``: the functions the model may call, comma-separated 'package.module:function' (called by
+    name with the ``<tool_call>``'s arguments)."""
 
 
 @dataclass

@@ -11,15 +11,21 @@ tokens left out) and answers with the next message: a string is a tool result (`
 a dict is a chat message ``{"role": "tool" | "user", "content": str}``, ``None`` ends the episode. Anything else is
 a wrong type: the episode ends and counts in ``env/errors``. ``env.max_turns`` bounds the model turns,
 ``env.timeout_s`` each call; instances run in the sandboxed worker pool (``pool.py``), never in the trainer.
+``env.fn: tools`` is the built-in tool environment (``tools.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
+from megarl.envs.tools import ToolEnv, load_tools
 from megarl.rewards.base import load_dotted, on_cwd_path
 
 ROLES = ("tool", "user")
+BUILTIN = "tools"
+"""``env.fn``'s built-in: the tool environment (``tools.py``) over the functions ``env.tools`` names."""
 
 
 class EnvReplyError(ValueError):
@@ -44,9 +50,20 @@ def import_env_class(spec: str) -> type:
     return on_cwd_path(load_env_class, spec)
 
 
-def check_env_call(spec: str, extras: dict) -> None:
+def resolve_env(spec: str, tools: str = "") -> Callable[..., object]:
+    """What builds an episode's environment from its row: the built-in tool environment (``env.fn: tools``, with
+    ``env.tools``) or the class ``env.fn`` names."""
+    if spec == BUILTIN:
+        return functools.partial(ToolEnv, load_tools(tools))
+    return import_env_class(spec)
+
+
+def check_env_call(spec: str, extras: dict, tools: str = "") -> None:
     """Before launch: ``env.fn`` imports, is a class built as ``Class(**extras)`` (``extras``: a usable row's other
-    columns) whose ``step`` takes one response; ValueError naming ``env.fn`` otherwise."""
+    columns) whose ``step`` takes one response; the built-in's ``env.tools`` import; ValueError naming the key."""
+    if spec == BUILTIN:
+        load_tools(tools)
+        return
     cls = import_env_class(spec)
     for what, fn, args in (("__init__", cls, ()), ("step", cls.step, (None, "response"))):
         try:

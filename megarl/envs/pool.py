@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from megarl.envs.base import as_message, import_env_class
+from megarl.envs.base import as_message, resolve_env
 from megarl.rewards.pool import Worker, calls, close_workers, wait_ready, worker_setup
 
 log = logging.getLogger("megarl.envs.pool")  # by name: run as `python -m`, __name__ is "__main__"
@@ -41,11 +41,11 @@ class EnvResult:
     seconds: float = 0.0
 
 
-def _serve(conn, spec: str, parent: int) -> None:
+def _serve(conn, spec: str, tools: str, parent: int) -> None:
     """Worker main loop: resolve the class, report ready, then run calls (``step``/``end``) until told to stop."""
     worker_setup(parent)
     try:
-        cls = import_env_class(spec)
+        cls = resolve_env(spec, tools)
     except Exception as exc:  # reported to the parent, which raises it at construction
         conn.send(("failed", str(exc)))
         return
@@ -68,8 +68,10 @@ def _serve(conn, spec: str, parent: int) -> None:
 class EnvPool:
     """Runs environment calls in ``workers`` processes, one instance per episode key; see the module docstring."""
 
-    def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0) -> None:
-        self.spec, self.timeout_s = spec, timeout_s
+    def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
+                 tools: str = "") -> None:
+        """``tools``: ``env.tools`` (the built-in ``env.fn: tools``)."""
+        self.spec, self.timeout_s, self.tools = spec, timeout_s, tools
         self._workers = [self._start() for _ in range(max(1, workers))]
         self._queues: list[collections.deque] = [collections.deque() for _ in self._workers]
         self._home: dict[object, int] = {}  # episode key → the worker holding its instance
@@ -80,7 +82,7 @@ class EnvPool:
         self._wait_ready(start_timeout_s)
 
     def _start(self) -> Worker:
-        return Worker("megarl.envs.pool", self.spec)
+        return Worker("megarl.envs.pool", self.spec, self.tools)
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the class; a bad ``env.fn`` raises here, before any episode."""
@@ -222,5 +224,5 @@ class EnvPool:
         self._workers = []
 
 
-if __name__ == "__main__":  # a worker: python -m megarl.envs.pool FD SPEC PARENT_PID
-    _serve(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]))
+if __name__ == "__main__":  # a worker: python -m megarl.envs.pool FD SPEC TOOLS PARENT_PID
+    _serve(Connection(int(sys.argv[1])), sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -62,8 +62,11 @@ Invariants (each is tested):
 3. Staleness ≤ k: every trained token was sampled at most k versions before the
    version that trains it; on-policy mode trains only tokens of the current version.
 4. Behaviour logprobs and versions are kept per token across resumes.
-5. Deterministic: the same inputs and engine give the same schedule.
+5. Deterministic: the same inputs and engine give the same schedule (with environments, ``turns.py``, it also
+   depends on when their answers arrive).
 6. A phase releases at most M useful groups, and U unless the source runs dry.
+7. Multi-turn: a sample waiting on its environment holds no engine slot; every turn it takes is answered once
+   (a message appended, or its episode ended) before it runs again.
 """
 
 from __future__ import annotations

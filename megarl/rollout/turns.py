@@ -135,5 +135,5 @@ def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | Non
     if not e.fn:
         return None
     render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
-    return Episodes(EnvPool(e.fn, e.workers, e.timeout_s), render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens,
-                    on_call)
+    pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools)
+    return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call)

@@ -67,3 +67,13 @@ class Rotating(Countdown):
     def __init__(self, **row) -> None:
         Rotating.built += 1
         super().__init__(2, ("ok", "raise", "ok", "type", "ok", "hang")[(Rotating.built - 1) % 6])
+
+
+def multiply(a: int, b: int) -> int:
+    """A tool: the product of two integers."""
+    return a * b
+
+
+def lookup(key: str) -> dict:
+    """A tool with a dict result; raises KeyError on an unknown key."""
+    return {"pi": {"value": 3.14159}}[key]

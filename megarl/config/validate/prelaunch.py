@@ -68,7 +68,7 @@ def check_env(cfg: RunConfig, extras: dict[str, dict]) -> None:
     """``env.fn`` imports as its workers will import it and is built from each set's row columns (as
     ``check_reward``)."""
     if cfg.env.fn:
-        against_rows(cfg, extras, lambda columns: check_env_call(cfg.env.fn, columns))
+        against_rows(cfg, extras, lambda columns: check_env_call(cfg.env.fn, columns, cfg.env.tools))
 
 
 def against_rows(cfg: RunConfig, extras: dict[str, dict], check: Callable[[dict], None]) -> None:

@@ -199,10 +199,16 @@ def _validate_env(cfg: RunConfig, world_size: int) -> None:
     """``env.*`` values, and what multi-turn episodes do not support yet (several trainer processes); the class
     itself is checked against the data by ``prelaunch.check_env``."""
     e = cfg.env
+    if e.tools and e.fn != "tools":
+        raise ConfigError(f"env.tools={e.tools!r} is read by the built-in tool environment: set env.fn=tools "
+                          f"(env.fn={e.fn!r})")
     if not e.fn:
         return
-    if ":" not in e.fn:
-        raise ConfigError(f"env.fn={e.fn!r}: expected a class as 'package.module:Class'")
+    if ":" not in e.fn and e.fn != "tools":
+        raise ConfigError(f"env.fn={e.fn!r}: expected a class as 'package.module:Class', or 'tools' (the built-in "
+                          "tool environment)")
+    if e.fn == "tools" and not e.tools:
+        raise ConfigError("env.fn=tools needs env.tools: a comma-separated list of 'package.module:function'")
     if e.max_turns < 1:
         raise ConfigError(f"env.max_turns must be >= 1 (model turns per episode), got {e.max_turns}")
     if e.timeout_s <= 0 or e.workers < 1:
