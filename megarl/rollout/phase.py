@@ -8,11 +8,12 @@
                                   (partial under overlap: no more live groups than ``room()`` allows)
         dispatch()                fill every engine's free slots
         while (running or waiting) and not done():
-            step()                one step of the engine furthest behind in time:
-                                    record() its tokens → complete groups harvested (released or held); a turn
-                                    ended with EOS goes to the sample's environment (``turns.py``), its slot freed
+            step()                one step of the engine furthest behind in time (none while every sample
+                                  waits on its environment): record() its tokens; a turn ended with EOS goes to
+                                  the sample's environment (``turns.py``), its slot freed
             env_answers()         multi-turn: answered samples re-queued first; ended episodes may complete a group
-                                    drain() when pinned groups hold the rest of the batch
+            complete()            complete groups harvested (released or held)
+            after_step():           drain() when pinned groups hold the rest of the batch
                                     admit_for_free_slots() | replace_filtered() (sync + dynamic sampling)
                                     dispatch()
         end()                     abort what still runs (kept or discarded by mode), the phase's metrics
