@@ -39,6 +39,7 @@ from megarl.engines.protocol import Engines
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.envs.tools import prompt_tools
 from megarl.logging.console import configure as configure_console
 from megarl.logging.console import main_only
 from megarl.logging.metrics import MetricsLogger
@@ -141,7 +142,8 @@ def build_session(cfg: RunConfig) -> Session:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     d = cfg.data
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
-    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens,
+                            prompt_tools(cfg.env))  # (env.fn=tools: the prompts describe env.tools)
     rewards = build_rewards(cfg.reward, d)
     engines = build_engines(cfg, hf_cfg, cpus.node.replicas, main_only(log.info, ps.rank))
     activate_cpu()

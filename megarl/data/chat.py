@@ -68,8 +68,11 @@ def _say_plain_text() -> None:
 class PromptRenderer:
     """Renders prompts to ``(text, ids)``; ``ids`` are what the engine generates from and the trainer trains on."""
 
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "") -> None:
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "", tools: list | None = None
+                 ) -> None:
+        """``tools``: functions the chat template describes to the model (``apply_chat_template(tools=...)``:
+        their JSON schemas from signature and docstring; the tool environment's ``env.tools``)."""
+        self.tokenizer, self.system_prompt, self.tools = tokenizer, system_prompt, tools
         self.template = load_template(tokenizer, chat_template)
         bos = getattr(tokenizer, "bos_token_id", None)  # BOS when the tokenizer's own encoding of a text adds one
         self.bos = bos if self.template is None and bos is not None and tokenizer("a")["input_ids"][:1] == [bos] \
@@ -83,7 +86,8 @@ class PromptRenderer:
             if self.bos is not None and ids[:1] != [self.bos]:
                 ids = [self.bos, *ids]  # as the tokenizer encodes a text (a chat template writes its own BOS): Llama
             return text, ids  # and Gemma base models saw BOS first in training, and so does vLLM's text prompt
-        kwargs = dict(chat_template=self.template, add_generation_prompt=True)
+        kwargs = dict(chat_template=self.template, add_generation_prompt=True, **({"tools": self.tools}
+                                                                                  if self.tools else {}))
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding

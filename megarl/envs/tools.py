@@ -46,6 +46,23 @@ def load_tools(spec: str) -> dict[str, Callable]:
     return tools
 
 
+def prompt_tools(e) -> list[Callable] | None:
+    """The functions a run's prompts describe to the model (``env.fn: tools``: ``env.tools``; else None); each has a
+    JSON schema from its signature and docstring (transformers' ``get_json_schema``), or a ValueError names it."""
+    if e.fn != "tools" or not e.tools:
+        return None
+    from transformers.utils import get_json_schema  # (deferred: start-up cost; only a tool run needs it)
+
+    tools = load_tools(e.tools)
+    for name, fn in tools.items():
+        try:
+            get_json_schema(fn)
+        except Exception as exc:  # noqa: BLE001  (transformers' DocstringParsingException, TypeHintParsingException)
+            raise ValueError(f"env.tools: {name} cannot be described to the model: {exc}; give it type hints and a "
+                             "docstring with an Args: section (a line per argument)") from None
+    return list(tools.values())
+
+
 def parse_tool_calls(text: str) -> list[dict | str]:
     """Each ``<tool_call>`` of a turn, in order: ``{"name", "arguments"}``, or the error the model should see."""
     out: list[dict | str] = []

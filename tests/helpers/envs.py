@@ -70,10 +70,23 @@ class Rotating(Countdown):
 
 
 def multiply(a: int, b: int) -> int:
-    """A tool: the product of two integers."""
+    """The product of two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
     return a * b
 
 
 def lookup(key: str) -> dict:
-    """A tool with a dict result; raises KeyError on an unknown key."""
+    """A constant's value (a dict result; an unknown key raises KeyError).
+
+    Args:
+        key: the constant's name
+    """
     return {"pi": {"value": 3.14159}}[key]
+
+
+def undocumented(x: int) -> int:
+    return x

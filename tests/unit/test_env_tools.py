@@ -79,3 +79,40 @@ def test_env_tools_without_the_builtin_and_the_builtin_without_tools_are_refused
     cfg.env.fn, cfg.env.tools = "helpers.envs:Countdown", TOOLS
     with pytest.raises(ConfigError, match="env.tools=.* is read by the built-in tool environment: set env.fn=tools"):
         validate(cfg, 1)
+
+
+def test_the_prompts_describe_the_tools_to_the_model(tmp_path):
+    """``env.fn: tools`` renders each prompt with ``apply_chat_template(tools=...)``: a template that lists tools
+    (as Qwen's and Hermes' do) shows the model their names and arguments, from signatures and docstrings."""
+    from types import SimpleNamespace
+
+    from megarl.data.chat import PromptRenderer
+    from megarl.envs.tools import prompt_tools
+    from megarl.models.tiny import CHATML_TEMPLATE, build_tokenizer
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+                        "({{ t.function.parameters.properties | list | join(', ') }}){% endfor %}<|im_end|>\n"
+                        "{%- endif %}" + CHATML_TEMPLATE)
+    tools = prompt_tools(SimpleNamespace(fn="tools", tools=TOOLS))
+    text, ids = PromptRenderer(build_tokenizer(), str(template), tools=tools)("What is 37 times 41?")
+    assert text.startswith("<|im_start|>system\nTools: multiply(a, b) lookup(key)<|im_end|><|im_start|>user\n")
+    assert prompt_tools(SimpleNamespace(fn="helpers.envs:Countdown", tools="")) is None
+    with pytest.raises(ValueError, match="env.tools: undocumented cannot be described to the model"):
+        prompt_tools(SimpleNamespace(fn="tools", tools="helpers.envs:undocumented"))
+
+
+def test_megarl_train_refuses_tools_it_cannot_describe_or_import_before_launch(tmp_path):
+    import json
+
+    from megarl.config.validate.prelaunch import checked_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 37 times 41?", "answer": "1517"}) + "\n")
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2",
+           f"data.path={data}", "reward.fn=exact", "env.fn=tools"]
+    checked_config(None, [*run, f"env.tools={TOOLS}"], 1, command="train")
+    with pytest.raises(ValueError, match="env.tools: undocumented cannot be described"):
+        checked_config(None, [*run, "env.tools=helpers.envs:undocumented"], 1, command="train")
+    with pytest.raises(ValueError, match="env.tools='helpers.envs:nope'"):
+        checked_config(None, [*run, "env.tools=helpers.envs:nope"], 1, command="train")

@@ -23,6 +23,7 @@ from megarl.config.validate.model import (
 from megarl.config.validate.settings import validate
 from megarl.data.checks import check_data, check_run_data
 from megarl.envs.base import check_env_call
+from megarl.envs.tools import prompt_tools
 from megarl.models.hf_config import check_weights_format
 from megarl.rewards.base import check_reward_call, import_reward_fn
 
@@ -44,7 +45,8 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
-    extras = check_run_data(cfg, stores)  # a usable row in a sample (prompt length too); its columns
+    extras = check_run_data(cfg, stores, prompt_tools(cfg.env))  # a usable row in a sample (prompt length, the
+    # tools' descriptions included); its columns
     check_reward(cfg, extras)
     check_env(cfg, extras)  # env.fn imports and is built from those columns
     if notes:  # (once every check passed: an error comes alone)
