@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from megarl.envs.base import as_message, resolve_env
-from megarl.rewards.pool import Worker, calls, close_workers, wait_ready, worker_setup
+from megarl.rewards.pool import Worker, calls, close_workers, wait_ready, worker_start
 
 log = logging.getLogger("megarl.envs.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
@@ -43,13 +43,9 @@ class EnvResult:
 
 def _serve(conn, spec: str, tools: str, parent: int) -> None:
     """Worker main loop: resolve the class, report ready, then run calls (``step``/``end``) until told to stop."""
-    worker_setup(parent)
-    try:
-        cls = resolve_env(spec, tools)
-    except Exception as exc:  # reported to the parent, which raises it at construction
-        conn.send(("failed", str(exc)))
+    cls = worker_start(conn, parent, resolve_env, spec, tools, describe=str)  # (its error names env.fn)
+    if cls is None:
         return
-    conn.send(("ready", None))
     envs: dict = {}
     for op, key, *rest in calls(conn):
         if op == "end":

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from megarl.rewards.base import optional_args, resolve_reward
@@ -53,12 +54,20 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def worker_setup(parent: int) -> None:
-    """A sandboxed worker's first act: Slurm's preemption signals reach every process of the job step, and the
+def worker_start(conn, parent: int, resolve: Callable, *args, describe: Callable = repr):
+    """A sandboxed worker's first acts: Slurm's preemption signals reach every process of the job step, and the
     trainer acts on them and ends us itself (blocked before any thread starts: a thread inherits the block, none is
-    left for the signal to kill us through); we exit with our parent."""
+    left for the signal to kill us through); we exit with our parent. Then ``resolve(*args)``, which the parent is
+    told of: ready, or failed (``describe(exc)``, which it raises; None is returned then)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        out = resolve(*args)
+    except Exception as exc:  # reported to the parent, which raises it at construction
+        conn.send(("failed", describe(exc)))
+        return None
+    conn.send(("ready", None))
+    return out
 
 
 def calls(conn):
@@ -75,13 +84,9 @@ def calls(conn):
 
 def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
     """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
-    worker_setup(parent)
-    try:
-        fn = resolve_reward(spec, format_coef)
-    except Exception as exc:  # reported to the parent, which raises it at construction
-        conn.send(("failed", repr(exc)))
+    fn = worker_start(conn, parent, resolve_reward, spec, format_coef)
+    if fn is None:
         return
-    conn.send(("ready", None))
     named = optional_args(fn)
     for idx, response, answer, extras, optional in calls(conn):
         if "transcript" in named and optional["transcript"] is None:  # single-turn: the one assistant message
