@@ -210,8 +210,9 @@ class RolloutController(PromptBuffer):
                 return
             for s, spent in zip(g.samples, times):
                 s.status = SampleStatus.CONSUMED
-                for v, n in collections.Counter(s.versions).items():
-                    m.staleness[version - v] += n
+                sampled = [v for v, x in zip(s.versions, s.model_mask()) if x] if s.env_spans else s.versions
+                for v, n in collections.Counter(sampled).items():  # (the model's tokens: the environment's are not
+                    m.staleness[version - v] += n  # trained)
                 m.interruptions += s.interruptions
                 m.slot_time_useful += spent
                 m.turns_sum += s.turns

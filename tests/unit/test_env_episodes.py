@@ -209,6 +209,7 @@ def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no
     model = sum(s.model_tokens for g in groups for s in g.samples)
     assert summary["rollout/env_token_fraction"] == pytest.approx(env_tokens / (env_tokens + model))
     assert summary["rollout/len_trained_mean"] == pytest.approx(model / 4)  # the model's tokens only
+    assert sum(m.staleness.values()) == model  # the staleness histogram counts the model's tokens too
     assert pool.calls == 8 and pool.errors == 2
 
 
