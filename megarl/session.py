@@ -39,6 +39,7 @@ from megarl.engines.protocol import Engines
 from megarl.engines.remote.host import rendezvous_path
 from megarl.engines.remote.replicas import EngineReplicas
 from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
+from megarl.envs.tools import prompt_tools
 from megarl.logging.console import configure as configure_console
 from megarl.logging.console import main_only
 from megarl.logging.metrics import MetricsLogger
@@ -51,6 +52,7 @@ from megarl.rollout.leader import LeaderController
 from megarl.rollout.phases import PhaseRunner
 from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
+from megarl.rollout.turns import build_episodes
 from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
@@ -98,6 +100,8 @@ class Session:
     def close(self) -> None:
         """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
         self.pipeline.close()
+        if self.controller.episodes is not None:
+            self.controller.episodes.pool.close()
         if self.cfg.train.trace:
             events = gather(self.timeline.events())
             if self.is_main:
@@ -138,7 +142,8 @@ def build_session(cfg: RunConfig) -> Session:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     d = cfg.data
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
-    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
+    prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens,
+                            prompt_tools(cfg.env))  # (env.fn=tools: the prompts describe env.tools)
     rewards = build_rewards(cfg.reward, d)
     engines = build_engines(cfg, hf_cfg, cpus.node.replicas, main_only(log.info, ps.rank))
     activate_cpu()
@@ -175,7 +180,11 @@ def build_session(cfg: RunConfig) -> Session:
         engine_turn=pipeline.gate.step,
         on_engine_step=lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True),
         # phases run ahead of the weights under overlap: partial admission minds the lag
-        engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None)
+        engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None,
+        # multi-turn: the samples' environments (env.fn), each call a span on the timeline's environments track
+        episodes=build_episodes(cfg, tokenizer, lambda a, b: timeline.add("environments", "env step", a, b)))
+    if controller.episodes is not None:
+        stateful["envs"] = controller.episodes.pool  # (its env/* counts)
     phases = PhaseRunner(controller, rewards, prompts, cfg.train.seed, timeline.span)
     weight_sync = WeightSync(trainer, engines.dtype, cfg.sync.bucket_mib, cfg.sync.check_every,
                              main_only(log.warning, ps.rank))

@@ -89,7 +89,7 @@ def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str,
                 else s.weight_sync.run(s.engines, version + 1).metrics())
     s.logger.histogram(step + 1, "rollout/staleness", phase.staleness)  # versions behind, per trained token
     rewards = [x.reward for g in groups for x in g.samples]
-    lengths = [len(x.response_ids) for g in groups for x in g.samples]
+    lengths = [x.model_tokens for g in groups for x in g.samples]  # (the model's: no environment token)
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),

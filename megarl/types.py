@@ -24,6 +24,7 @@ class SampleStatus(enum.Enum):
     FINISHED = "finished"  # ended with EOS
     TRUNCATED = "truncated"  # hit the length cap
     RESUMED = "resumed"  # interrupted, to be continued from its partial tokens
+    WAITING = "waiting"  # a model turn ended; its environment's answer is awaited (it holds no engine slot)
     CONSUMED = "consumed"  # handed to the trainer
 
 
@@ -41,6 +42,52 @@ class Sample:
     finish_reason: str = ""  # 'stop' | 'length' once done
     interruptions: int = 0  # times generation was stopped and later resumed (partial mode)
     routes: list | None = None  # the engine's experts per input position: uint8 arrays [positions, MoE layers, k]
+    # multi-turn episodes (``env.fn``): the environment's messages and where their tokens lie in ``response_ids``
+    env_messages: list[dict] = field(default_factory=list)
+    env_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each message's tokens
+    env_error: str = ""  # why the environment ended the episode by failing ('' : it did not)
+
+    @property
+    def turns(self) -> int:
+        """Model turns so far (one more than the environment's messages)."""
+        return len(self.env_messages) + 1
+
+    @property
+    def env_tokens(self) -> int:
+        return sum(b - a for a, b in self.env_spans)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model sampled (the trajectory less the environment's): what the loss and length statistics
+        count."""
+        return len(self.response_ids) - self.env_tokens
+
+    def model_mask(self) -> list[float]:
+        """1.0 on each response token the model sampled, 0.0 on the environment's."""
+        mask = [1.0] * len(self.response_ids)
+        for a, b in self.env_spans:
+            mask[a:b] = [0.0] * (b - a)
+        return mask
+
+    def add_env_turn(self, message: dict, ids: list[int]) -> None:
+        """The environment's ``message``, rendered as ``ids``, appended to the trajectory: no logprob of the policy
+        (0.0, never trained) and the version of the model token before it (staleness counts the model's)."""
+        start = len(self.response_ids)
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
+        self.env_messages.append(message)
+        self.env_spans.append((start, start + len(ids)))
+
+    def segments(self) -> list[tuple[str, list[int]]]:
+        """The trajectory in turns: ('assistant', sampled ids) and ('env', rendered ids), in order."""
+        out, at = [], 0
+        for a, b in self.env_spans:
+            out.append(("assistant", self.response_ids[at:a]))
+            out.append(("env", self.response_ids[a:b]))
+            at = b
+        out.append(("assistant", self.response_ids[at:]))
+        return out
 
     def add_routes(self, first: int, new: np.ndarray) -> None:
         """Routes of positions ``first``.. (``engines.routes``), appended. Positions already known keep theirs: a

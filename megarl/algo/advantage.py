@@ -39,7 +39,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     δ_t = r_t + γ·V_{t+1} − V_t,  Â_t = Σ_l (γλ)^l δ_{t+l},  returns R_t = Â_t + V_t,
     with V = 0 after a response's last token. ``rewards``, ``values``, ``mask`` are
     [N, T]; ``lam`` is a scalar or a per-sequence tensor [N] (length-adaptive λ).
-    With γ = λ = 1, Â_t = (reward-to-go)_t − V_t.
+    With γ = λ = 1, Â_t = (reward-to-go)_t − V_t. Positions off the mask are skipped, not ends: inside a
+    multi-turn trajectory t+1 is the model's next token after the environment's (padding after the last token
+    changes nothing).
     """
     n, t = rewards.shape
     lam_t = torch.as_tensor(lam, dtype=values.dtype).expand(n) if not torch.is_tensor(lam) or lam.dim() == 0 else lam
@@ -47,12 +49,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     running = torch.zeros(n, dtype=values.dtype)
     next_value = torch.zeros(n, dtype=values.dtype)
     for i in reversed(range(t)):
-        m = mask[:, i]
+        m = mask[:, i] > 0
         delta = rewards[:, i] + gamma * next_value - values[:, i]
-        running = delta + gamma * lam_t * running
-        running = running * m  # padding neither contributes nor carries
-        adv[:, i] = running
-        next_value = values[:, i] * m
+        running = torch.where(m, delta + gamma * lam_t * running, running)  # off the mask: neither adds nor cuts
+        adv[:, i] = running * m
+        next_value = torch.where(m, values[:, i], next_value)
     return adv, (adv + values) * mask
 
 

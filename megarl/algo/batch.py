@@ -23,8 +23,12 @@ from megarl.types import TrainBatch, no_route
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[list[float]] | None = None,
                 advantages: list[float] | None = None, loss_agg: str = "token_mean", pad_id: int = 0,
-                seq_len: int | None = None, norm_tokens: int = 1) -> TrainBatch:
-    """One row per (prompt, response); ``seq_len`` pads every row to a fixed width (pipeline schedules)."""
+                seq_len: int | None = None, norm_tokens: int = 1,
+                model_masks: list[list[float]] | None = None) -> TrainBatch:
+    """One row per (prompt, response); ``seq_len`` pads every row to a fixed width (pipeline schedules).
+    ``model_masks``: per response token, 1.0 where the model sampled it and 0.0 on a multi-turn trajectory's
+    environment tokens (``Sample.model_mask``), which then carry loss mask 0 (and so weight 0, no advantage, and no
+    part in any per-token mean)."""
     n = len(prompts)
     full = [list(p) + list(r) for p, r in zip(prompts, responses)]
     width = max(len(t) for t in full) - 1
@@ -43,6 +47,10 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], old_logpro
         labels[i, :length] = torch.tensor(toks[1:])
         start = len(p) - 1  # label position of the first response token
         mask[i, start:start + len(r)] = 1.0
+        if model_masks is not None:
+            if len(model_masks[i]) != len(r):
+                raise ValueError(f"row {i}: a model mask of {len(model_masks[i])} for {len(r)} response tokens")
+            mask[i, start:start + len(r)] = torch.tensor(model_masks[i], dtype=torch.float32)
         if old_logprobs is not None:
             if len(old_logprobs[i]) != len(r):  # (a one-element list would broadcast over the response)
                 raise ValueError(f"row {i}: {len(old_logprobs[i])} behaviour logprobs for {len(r)} response tokens")

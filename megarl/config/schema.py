@@ -387,6 +387,24 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    fn: str = ""
+    """Multi-turn environment class 'package.module:Class' ('': single-turn); one instance per sample, built from
+    its row's other columns as keyword arguments; ``step(response) -> str | dict | None`` (docs/environments.md).
+    'tools': the built-in tool environment over ``tools``."""
+    max_turns: int = 4
+    """Model turns per episode at most (the environment is not asked after the last one)."""
+    timeout_s: float = 10.0
+    """Seconds one ``step`` call (or the instance's construction with its first step) may take; past it the
+    worker is killed and the episode ends, counted in ``env/timeouts``."""
+    workers: int = 2
+    """Environment worker processes (each holds the instances of the samples it serves)."""
+    tools: str = ""
+    """``fn: tools``: the functions the model may call, comma-separated 'package.module:function' (called by
+    name with the ``<tool_call>``'s arguments)."""
+
+
+@dataclass
 class EvalConfig:
     samples: int = 1
     """Samples per prompt: 1 is greedy pass@1; k > 1 also reports the unbiased pass@k (sampled)."""
@@ -411,6 +429,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 

@@ -68,8 +68,11 @@ def _say_plain_text() -> None:
 class PromptRenderer:
     """Renders prompts to ``(text, ids)``; ``ids`` are what the engine generates from and the trainer trains on."""
 
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "") -> None:
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "", tools: list | None = None
+                 ) -> None:
+        """``tools``: functions the chat template describes to the model (``apply_chat_template(tools=...)``:
+        their JSON schemas from signature and docstring; the tool environment's ``env.tools``)."""
+        self.tokenizer, self.system_prompt, self.tools = tokenizer, system_prompt, tools
         self.template = load_template(tokenizer, chat_template)
         bos = getattr(tokenizer, "bos_token_id", None)  # BOS when the tokenizer's own encoding of a text adds one
         self.bos = bos if self.template is None and bos is not None and tokenizer("a")["input_ids"][:1] == [bos] \
@@ -83,9 +86,78 @@ class PromptRenderer:
             if self.bos is not None and ids[:1] != [self.bos]:
                 ids = [self.bos, *ids]  # as the tokenizer encodes a text (a chat template writes its own BOS): Llama
             return text, ids  # and Gemma base models saw BOS first in training, and so does vLLM's text prompt
-        kwargs = dict(chat_template=self.template, add_generation_prompt=True)
+        kwargs = dict(chat_template=self.template, add_generation_prompt=True, **({"tools": self.tools}
+                                                                                  if self.tools else {}))
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return text, list(ids)
+
+
+PROBE = [{"role": "user", "content": "u"}]
+PROBE_REPLY = "a"  # (one character no template rewrites)
+THINK_REPLY = "<think>\nr\n</think>\n\na"  # (a reasoning block: some templates drop it from earlier turns)
+
+
+class TurnRenderer:
+    """An environment's message → the tokens appended to a trajectory after the model's turn, whose sampled tokens
+    stay as they are (never decoded and encoded again).
+
+    With a chat template the message's tokens are the template's text past the conversation so far: the rendering of
+    ``[..., assistant turn, message]`` with the generation prompt, less that of ``[..., assistant turn]``, less what
+    the model itself sampled to close its turn (EOS: ``<|im_end|>`` in ChatML, leaving ``\\n<|im_start|>tool\\n...
+    <|im_end|>\\n<|im_start|>assistant\\n``). For an append-only template (ChatML, SmolLM2's, Llama 3's) the
+    trajectory then equals the template's rendering of the whole conversation. A template that is not append-only
+    (it rewrites earlier turns once a later one exists, e.g. dropping a reasoning block) is said at start; its
+    messages are rendered after a lone user turn instead, and the model's earlier turns keep their sampled tokens.
+    Without a template a message is its content between blank lines.
+    """
+
+    def __init__(self, tokenizer, template: str | None, eos_id: int | None = None) -> None:
+        self.tokenizer, self.template = tokenizer, template
+        if template is None:
+            return
+        eos = tokenizer.decode([eos_id if eos_id is not None else tokenizer.eos_token_id])
+        turn = self._render(PROBE + [{"role": "assistant", "content": PROBE_REPLY}], False)
+        head = self._render(PROBE, True)
+        if not turn.startswith(head + PROBE_REPLY):
+            raise ValueError("data.chat_template: its assistant turn does not continue its generation prompt "
+                             f"({head!r} then {turn[len(head):]!r}); a multi-turn environment (env.fn) cannot "
+                             "append to what the model sampled")
+        close = turn[len(head) + len(PROBE_REPLY):]  # what the template writes after an assistant message
+        self.glue = close[len(eos):] if close.startswith(eos) else close  # ... less the EOS the model sampled
+        self.append_only = True
+        for role, reply in (("tool", PROBE_REPLY), ("user", PROBE_REPLY), ("tool", THINK_REPLY)):
+            try:
+                probe = self.delta(PROBE + [{"role": "assistant", "content": reply}], {"role": role, "content": "m"})
+            except Exception as exc:  # noqa: BLE001  (a template that refuses the role)
+                raise ValueError(f"data.chat_template cannot render a {role!r} message ({type(exc).__name__}: "
+                                 f"{exc}); an environment's messages are 'tool' or 'user' turns") from None
+            self.append_only &= probe is not None
+        if not self.append_only:
+            log.warning("data.chat_template is not append-only (it renders earlier turns differently once a later "
+                        "one exists): an environment's messages are rendered after a lone user turn, and the "
+                        "model's earlier turns keep their sampled tokens, so a trajectory differs from the "
+                        "template's rendering of the whole conversation")
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                  add_generation_prompt=generation_prompt)
+
+    def delta(self, before: list[dict], message: dict) -> str | None:
+        """The template's text for ``message`` and the next generation prompt after ``before`` (None: rendering
+        ``before + [message]`` changes the text of ``before``)."""
+        base, full = self._render(before, False), self._render(before + [message], True)
+        return full[len(base):] if full.startswith(base) else None
+
+    def __call__(self, message: dict, conversation: list[dict] | None = None) -> list[int]:
+        """The ids of ``message`` appended after a model turn that ended with EOS; ``conversation``: the messages
+        so far (an append-only template's rendering may depend on them; default: a probe turn)."""
+        if self.template is None:
+            return encode(self.tokenizer, f"\n\n{message['content']}\n\n")
+        before = conversation or PROBE + [{"role": "assistant", "content": PROBE_REPLY}]
+        text = self.delta(before, message) if self.append_only else None
+        if text is None:
+            text = self.delta(PROBE, message)
+        return encode(self.tokenizer, self.glue + text)

@@ -167,11 +167,12 @@ class AdditionSource:
         self.served = state["served"]
 
 
-def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0):
-    """The prompt source ``data.*`` asks for: the dataset at ``data.path``, else the built-in ``task``."""
+def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0, tools: list | None = None):
+    """The prompt source ``data.*`` asks for: the dataset at ``data.path``, else the built-in ``task``; ``tools``:
+    the functions its chat template describes (``PromptRenderer``)."""
     if not d.path:
         return AdditionSource(task, tokenizer)
-    render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt)
+    render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt, tools)
     eval_store = RowStore(d.eval_path, "data.eval_path") if d.eval_path else None
     return DatasetSource(RowStore(d.path), render, keys_of(d), d.max_prompt_tokens or default_max_prompt_tokens,
                          d.on_bad_row, d.seed, d.shuffle, eval_store, d.eval_size, keys_of(d, "data.eval_path"))

@@ -2,8 +2,9 @@
 trainer rank), for the pipeline's per-step figures and ``train.trace``'s Chrome trace.
 
 Tracks: ``rollout`` (one span per generation phase), ``replica K`` (its engine steps, contiguous ones merged into
-one ``generate`` span), ``reward`` (each released group scored), ``trainer rank R`` (``train``, ``sync``,
-``checkpoint``, ``evaluate``). The per-step figures come from the spans inside a step's window:
+one ``generate`` span), ``reward`` (each released group scored), ``environments`` (each answered environment call,
+multi-turn), ``trainer rank R`` (``train``, ``sync``, ``checkpoint``, ``evaluate``). The per-step figures come from
+the spans inside a step's window:
 
 - ``timing/engine_idle_s``: the step's wall time in which an engine took no step, from each replica's own spans
   (the mean over replicas: a phase waiting at the engines' gate, for a sync or a checkpoint, is idle time);

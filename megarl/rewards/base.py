@@ -1,8 +1,8 @@
 """The reward protocol and how a ``reward.fn`` name becomes a function.
 
 A reward function is ``fn(response: str, answer: str, **row_extras) -> float | dict``:
-``row_extras`` are the dataset row's other columns (and ``finish_reason``, 'stop' or 'length', where the
-function names that parameter); a dict result carries ``score``
+``row_extras`` are the dataset row's other columns (and ``finish_reason``, 'stop' or 'length', and ``transcript``,
+a multi-turn episode's messages, where the function names those parameters); a dict result carries ``score``
 and any extra numbers, which are logged as ``reward/<name>`` means. ``reward.fn`` is
 a built-in name (``math``, ``exact``, ``addition``; see ``builtin.py``) or a dotted
 path ``package.module:function``. Functions run in the sandboxed pool (``pool.py``).
@@ -30,50 +30,65 @@ def load_reward_fn(path: str) -> Callable[..., float | dict]:
     if ":" not in path:
         raise ValueError(f"reward function {path!r}: expected a built-in ({', '.join(BUILTINS)}) "
                          "or 'package.module:function'")
+    return load_dotted(path, "reward.fn")
+
+
+def load_dotted(path: str, key: str) -> Callable:
+    """``'pkg.module:name'`` (the value of config key ``key``) → that callable; a ValueError naming ``key`` says what
+    is missing and where it was looked for."""
+    if ":" not in path:
+        raise ValueError(f"{key}={path!r}: expected 'package.module:name'")
     module_name, attr = path.split(":", 1)
     if "/" in module_name or module_name.endswith(".py"):
         dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
-        raise ValueError(f"reward.fn={path!r}: {module_name!r} is a file path; name the module with dots, "
-                         f"relative to the working directory or PYTHONPATH: reward.fn={dotted}:{attr}")
+        raise ValueError(f"{key}={path!r}: {module_name!r} is a file path; name the module with dots, "
+                         f"relative to the working directory or PYTHONPATH: {key}={dotted}:{attr}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward.fn={path!r}: cannot import {module_name!r} ({exc}); every rank imports it from "
+        raise ValueError(f"{key}={path!r}: cannot import {module_name!r} ({exc}); every rank imports it from "
                          f"its working directory (here {os.getcwd()}) or PYTHONPATH: run from the directory that "
                          "holds the package, or add that directory to PYTHONPATH") from None
     except Exception as exc:  # noqa: BLE001  (the user's module raised while being imported)
         tb = traceback.extract_tb(exc.__traceback__)[-1]
-        raise ValueError(f"reward.fn={path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
+        raise ValueError(f"{key}={path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
                          f"({tb.filename}:{tb.lineno})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"reward.fn={path!r}: {module_name} ({getattr(module, '__file__', '?')}) has no callable "
+        raise ValueError(f"{key}={path!r}: {module_name} ({getattr(module, '__file__', '?')}) has no callable "
                          f"{attr!r}; it has: {', '.join(names) or 'none'}")
     return fn
 
 
-def import_reward_fn(path: str) -> Callable[..., float | dict]:
-    """``load_reward_fn`` as a rank resolves it: the working directory is on the path (the reward workers and the
-    torchrun ranks run ``python -m``, which puts it first), then PYTHONPATH."""
+def on_cwd_path(load: Callable, *args):
+    """``load(*args)`` as a rank resolves it: the working directory is on the path (the workers and the torchrun
+    ranks run ``python -m``, which puts it first), then PYTHONPATH."""
     cwd = os.getcwd()
     added = cwd not in sys.path and "" not in sys.path
     if added:
         sys.path.insert(0, cwd)
     try:
-        return load_reward_fn(path)
+        return load(*args)
     finally:
         if added:
             sys.path.remove(cwd)
 
 
-def takes_finish_reason(fn) -> bool:
-    """Whether ``fn`` names a ``finish_reason`` parameter: it is then called with the sample's ('stop': it ended
-    with EOS, 'length': cut at ``rollout.max_new_tokens``), as DAPO's overlong shaping needs."""
+def import_reward_fn(path: str) -> Callable[..., float | dict]:
+    """``load_reward_fn`` as a rank resolves it (``on_cwd_path``)."""
+    return on_cwd_path(load_reward_fn, path)
+
+
+def optional_args(fn) -> set[str]:
+    """Which of the optional arguments ``fn`` names: ``finish_reason`` (the sample's: 'stop', it ended with EOS,
+    'length', cut at ``rollout.max_new_tokens``, as DAPO's overlong shaping needs) and ``transcript`` (a multi-turn
+    episode's messages after the prompt, ``[{role, content}, ...]``; single-turn: the one assistant message)."""
     try:
-        return "finish_reason" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
+        return set()
+    return {"finish_reason", "transcript"} & set(params)
 
 
 def check_reward_call(spec: str, extras: dict) -> None:
@@ -87,7 +102,7 @@ def check_reward_call(spec: str, extras: dict) -> None:
     except (TypeError, ValueError):  # a builtin or C callable without a signature: the run will tell
         return
     try:
-        sig.bind("response", "answer", **extras, **({"finish_reason": "stop"} if takes_finish_reason(fn) else {}))
+        sig.bind("response", "answer", **extras, **{k: None for k in optional_args(fn)})
     except TypeError as exc:
         raise ValueError(f"reward.fn={spec!r}: def {getattr(fn, '__name__', '?')}{sig} cannot be called as "
                          f"fn(response, answer, **row_extras) with this dataset's other columns "

@@ -31,9 +31,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from megarl.rewards.base import resolve_reward, takes_finish_reason
+from megarl.rewards.base import optional_args, resolve_reward
 
 log = logging.getLogger("megarl.rewards.pool")  # by name: run as `python -m`, __name__ is "__main__"
 
@@ -53,19 +54,24 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
-    """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
-    # Slurm's preemption signals reach every process of the job step: the trainer acts on them and ends us itself
-    # (blocked before any thread starts: a thread inherits the block, none is left for the signal to kill us through)
+def worker_start(conn, parent: int, resolve: Callable, *args, describe: Callable = repr):
+    """A sandboxed worker's first acts: Slurm's preemption signals reach every process of the job step, and the
+    trainer acts on them and ends us itself (blocked before any thread starts: a thread inherits the block, none is
+    left for the signal to kill us through); we exit with our parent. Then ``resolve(*args)``, which the parent is
+    told of: ready, or failed (``describe(exc)``, which it raises; None is returned then)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
-        fn = resolve_reward(spec, format_coef)
+        out = resolve(*args)
     except Exception as exc:  # reported to the parent, which raises it at construction
-        conn.send(("failed", repr(exc)))
-        return
+        conn.send(("failed", describe(exc)))
+        return None
     conn.send(("ready", None))
-    takes_finish = takes_finish_reason(fn)
+    return out
+
+
+def calls(conn):
+    """A worker's calls, in order, until its parent says stop (None) or goes away."""
     while True:
         try:
             msg = conn.recv()
@@ -73,9 +79,20 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
             return
         if msg is None:
             return
-        idx, response, answer, extras, finish = msg
+        yield msg
+
+
+def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
+    """Worker main loop: resolve the function, report ready, then answer calls until told to stop."""
+    fn = worker_start(conn, parent, resolve_reward, spec, format_coef)
+    if fn is None:
+        return
+    named = optional_args(fn)
+    for idx, response, answer, extras, optional in calls(conn):
+        if "transcript" in named and optional["transcript"] is None:  # single-turn: the one assistant message
+            optional["transcript"] = [{"role": "assistant", "content": response}]
         try:
-            out = fn(response, answer, **extras, **({"finish_reason": finish} if takes_finish else {}))
+            out = fn(response, answer, **extras, **{k: v for k, v in optional.items() if k in named})
             if isinstance(out, dict):
                 extra = {k: float(v) for k, v in out.items() if k != "score"}
                 out = out["score"]
@@ -89,15 +106,15 @@ def _serve(conn, spec: str, format_coef: float, parent: int) -> None:
             conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:]))
 
 
-class _Worker:
-    """One worker process and its end of a socket pair (a ``multiprocessing`` Connection)."""
+class Worker:
+    """One worker process (``python -m module FD *args PARENT_PID``) and its end of a socket pair (a
+    ``multiprocessing`` Connection)."""
 
-    def __init__(self, spec: str, format_coef: float) -> None:
+    def __init__(self, module: str, *args: str) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # user modules resolve alike
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megarl.rewards.pool", str(theirs.fileno()), spec, repr(format_coef),
-             str(os.getpid())],
+            [sys.executable, "-m", module, str(theirs.fileno()), *args, str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -117,6 +134,41 @@ class _Worker:
         self.conn.close()
 
 
+def wait_ready(workers: list[Worker], limit_s: float, key: str, spec: str) -> None:
+    """Block until every worker resolved ``spec`` (the value of config key ``key``); one that failed to (or none
+    within ``limit_s``) closes them all and raises, naming the key."""
+    deadline = time.time() + limit_s
+    while not all(w.ready for w in workers):
+        left = deadline - time.time()
+        if left <= 0:
+            close_workers(workers)
+            raise TimeoutError(f"workers for {key}={spec!r} not ready after {limit_s:.0f}s")
+        for conn in wait([w.conn for w in workers if not w.ready], timeout=left):
+            w = next(w for w in workers if w.conn is conn)
+            try:
+                kind, detail = conn.recv()
+            except EOFError:
+                kind, detail = "failed", f"worker exited with code {w.exitcode}"
+            if kind != "ready":
+                close_workers(workers)
+                raise ValueError(detail if detail.startswith(f"{key}=") else f"{key}={spec!r}: {detail}")
+            w.ready = True
+
+
+def close_workers(workers: list[Worker]) -> None:
+    """Each worker told to stop, then killed if it has not within 2 s."""
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+    for w in workers:
+        try:
+            w.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            w.kill()
+
+
 class RewardPool:
     """Scores ``(response, answer[, extras])`` items in ``workers`` processes; see the module docstring."""
 
@@ -131,26 +183,12 @@ class RewardPool:
         self.failed_in_a_row, self.traceback_logged = 0, False
         self._wait_ready(start_timeout_s)
 
-    def _start(self) -> _Worker:
-        return _Worker(self.spec, self.format_coef)
+    def _start(self) -> Worker:
+        return Worker("megarl.rewards.pool", self.spec, repr(self.format_coef))
 
     def _wait_ready(self, limit_s: float) -> None:
         """Block until every worker resolved the function; a bad ``reward.fn`` raises here, before training."""
-        deadline = time.time() + limit_s
-        while not all(w.ready for w in self._workers):
-            left = deadline - time.time()
-            if left <= 0:
-                raise TimeoutError(f"reward workers for {self.spec!r} not ready after {limit_s:.0f}s")
-            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=left):
-                w = next(w for w in self._workers if w.conn is conn)
-                try:
-                    kind, detail = conn.recv()
-                except EOFError:
-                    kind, detail = "failed", f"worker exited with code {w.exitcode}"
-                if kind != "ready":
-                    self.close()
-                    raise ValueError(f"reward.fn={self.spec!r}: {detail}")
-                w.ready = True
+        wait_ready(self._workers, limit_s, "reward.fn", self.spec)
 
     def score(self, items) -> list[float]:
         """One score per item, in order; failures score ``on_error`` and are counted, never raised. (The training
@@ -184,9 +222,10 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and w.task is None and queue:
                     idx, item = queue.popleft()
-                    # (response, answer[, row extras[, finish_reason]])
-                    response, answer, row, finish = (list(item) + [{}, ""][len(item) - 2:])[:4]
-                    w.conn.send((idx, response, answer, row or {}, finish))
+                    # (response, answer[, row extras[, finish_reason[, transcript]]])
+                    response, answer, row, finish, transcript = (list(item) + [{}, "", None][len(item) - 2:])[:5]
+                    w.conn.send((idx, response, answer, row or {},
+                                 {"finish_reason": finish, "transcript": transcript}))
                     w.task = (idx, time.time() + self.timeout_s)
             busy = [w for w in self._workers if w.task or not w.ready]
             deadlines = [w.task[1] for w in busy if w.task]
@@ -273,16 +312,7 @@ class RewardPool:
         self.calls, self.errors, self.timeouts = state["calls"], state["errors"], state["timeouts"]
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        close_workers(self._workers)
         self._workers = []
 
     def __del__(self) -> None:

@@ -95,7 +95,7 @@ class PromptBuffer:
         for index in list(self.live):
             if self.stale_samples(index, version) and self.cfg.stale_action == "drop":
                 g = self.live.pop(index)
-                m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+                m.tokens_wasted += sum(s.model_tokens for s in g.samples)
                 self.forget_time(index)
                 self.requeued.appendleft((g.item, g.discards, g.admitted_version))
             else:
@@ -112,9 +112,10 @@ class PromptBuffer:
         stale = self.stale_samples(index, version)
         for j in stale:
             s = self.live[index].samples[j]
-            m.tokens_wasted += len(s.response_ids)
+            m.tokens_wasted += s.model_tokens
             self.slot_time.pop((index, j), None)
             s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
+            s.env_messages, s.env_spans, s.env_error = [], [], ""  # (its episode starts afresh too)
             s.status, s.finish_reason = SampleStatus.QUEUED, ""
         return stale
 

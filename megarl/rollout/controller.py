@@ -62,8 +62,11 @@ Invariants (each is tested):
 3. Staleness ≤ k: every trained token was sampled at most k versions before the
    version that trains it; on-policy mode trains only tokens of the current version.
 4. Behaviour logprobs and versions are kept per token across resumes.
-5. Deterministic: the same inputs and engine give the same schedule.
+5. Deterministic: the same inputs and engine give the same schedule (with environments, ``turns.py``, it also
+   depends on when their answers arrive).
 6. A phase releases at most M useful groups, and U unless the source runs dry.
+7. Multi-turn: a sample waiting on its environment holds no engine slot; every turn it takes is answered once
+   (a message appended, or its episode ended) before it runs again.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from megarl.engines.protocol import SlotEngine
 from megarl.rollout.admission import LONG_WAIT, PromptBuffer, PromptItem
 from megarl.rollout.phase import STALL_STEPS, EngineStalled, Phase
 from megarl.rollout.phase_metrics import PhaseMetrics
+from megarl.rollout.turns import Episodes
 from megarl.types import Group, SampleStatus
 
 __all__ = ["LONG_WAIT", "MODES", "STALL_STEPS", "ControllerConfig", "EngineStalled", "PromptItem", "RolloutController"]
@@ -133,13 +137,14 @@ class RolloutController(PromptBuffer):
                  batch_order: Callable[[list[Group]], list[Group]] | None = None,
                  engine_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  on_engine_step: Callable[[int, float, float], None] | None = None,
-                 engine_version: Callable[[float], int] | None = None) -> None:
+                 engine_version: Callable[[float], int] | None = None, episodes: Episodes | None = None) -> None:
         """``score`` fills in a released group's rewards; ``keep_group`` (dynamic sampling) says whether it is
         useful; ``batch_order`` orders the update batch (selective batching). ``engine_turn``: a context each engine
         step runs inside (the pipeline's gate, so an in-flight weight sync comes between two steps);
         ``on_engine_step(engine, start, end)``: told of each step (the timeline); ``engine_version(now)``: the
         weight version the engines hold at a phase's engine time under overlap (None: the phase's own), which
-        partial admission keeps within the staleness bound (``Phase.room``)."""
+        partial admission keeps within the staleness bound (``Phase.room``); ``episodes``: the samples'
+        environments (multi-turn, ``turns.py``; None: single-turn)."""
         cfg.validate()
         super().__init__(cfg, next_prompt)
         self.engines = engines
@@ -147,7 +152,12 @@ class RolloutController(PromptBuffer):
         self.keep_group = keep_group or (lambda group: True)
         self.batch_order = batch_order or (lambda groups: groups)
         self.engine_turn, self.on_engine_step, self.engine_version = engine_turn, on_engine_step, engine_version
+        self.episodes = episodes
         self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
+
+    def waiting(self) -> int:
+        """Samples waiting on their environment's answer."""
+        return self.episodes.pending() if self.episodes is not None else 0
 
     # ---- one phase ---------------------------------------------------------------------
     def run_phase(self, version: int) -> tuple[list[Group], PhaseMetrics]:
@@ -171,10 +181,10 @@ class RolloutController(PromptBuffer):
             return  # held whole, released first in the next phase (its staleness checked then)
         with self.lock:
             g = self.live.pop(index)  # on-policy: its tokens are of this version only; discarded, re-queued
-            m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+            m.tokens_wasted += sum(s.model_tokens for s in g.samples)
             self.forget_time(index)
             if g.item.key is not None:
-                self.length_cache[g.item.key] = sum(len(s.response_ids) for s in g.samples) / len(g.samples)
+                self.length_cache[g.item.key] = sum(s.model_tokens for s in g.samples) / len(g.samples)
             self.requeued.appendleft((g.item, g.discards, g.admitted_version))
 
     def release(self, index: int, version: int, released: list[Group], m: PhaseMetrics) -> None:
@@ -188,7 +198,7 @@ class RolloutController(PromptBuffer):
         group = Group(index, g.item.prompt_text, g.item.answer, g.samples, g.item.extras)
         self.score(group)
         with self.lock:
-            lengths = [len(s.response_ids) for s in g.samples]
+            lengths = [s.model_tokens for s in g.samples]  # (a trajectory's environment tokens are not the model's)
             if g.item.key is not None:
                 self.length_cache[g.item.key] = sum(lengths) / len(lengths)
             times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
@@ -200,10 +210,15 @@ class RolloutController(PromptBuffer):
                 return
             for s, spent in zip(g.samples, times):
                 s.status = SampleStatus.CONSUMED
-                for v, n in collections.Counter(s.versions).items():
-                    m.staleness[version - v] += n
+                sampled = [v for v, x in zip(s.versions, s.model_mask()) if x] if s.env_spans else s.versions
+                for v, n in collections.Counter(sampled).items():  # (the model's tokens: the environment's are not
+                    m.staleness[version - v] += n  # trained)
                 m.interruptions += s.interruptions
                 m.slot_time_useful += spent
+                m.turns_sum += s.turns
+                m.turns_max = max(m.turns_max, s.turns)
+                m.env_tokens += s.env_tokens
+                m.env_errors += bool(s.env_error)
             m.samples_trained += len(g.samples)
             m.groups_trained += 1
             m.tokens_useful += sum(lengths)
@@ -226,10 +241,10 @@ class RolloutController(PromptBuffer):
         discarded, long = [], []
         for index in list(self.live):
             g = self.live[index]
-            reached = max(len(s.response_ids) for s in g.samples)
+            reached = max(s.model_tokens for s in g.samples)
             if reached == 0:
                 continue  # never started: stays admitted, nothing was spent on it
-            m.tokens_wasted += sum(len(s.response_ids) for s in g.samples)
+            m.tokens_wasted += sum(s.model_tokens for s in g.samples)
             del self.live[index]
             self.forget_time(index)
             self.progress[index] = max(self.progress.get(index, 0), reached)

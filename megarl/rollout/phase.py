@@ -2,14 +2,18 @@
 
     Phase(controller, version).run():
         release_held()            partial: stale samples expire; groups held past the last bound come first
+                                  (multi-turn: episodes of groups gone end)
         admit()                   a long round's groups, or admission up to the live target; queue; engine shares
         admit_for_free_slots()    (on_policy / partial) more groups while a free slot has nothing to run
                                   (partial under overlap: no more live groups than ``room()`` allows)
         dispatch()                fill every engine's free slots
-        while running and not done():
-            step()                one step of the engine furthest behind in time:
-                                    record() its tokens → complete groups harvested (released or held)
-                                    drain() when pinned groups hold the rest of the batch
+        while (running or waiting) and not done():
+            step()                one step of the engine furthest behind in time (none while every sample
+                                  waits on its environment): record() its tokens; a turn ended with EOS goes to
+                                  the sample's environment (``turns.py``), its slot freed
+            env_answers()         multi-turn: answered samples re-queued first; ended episodes may complete a group
+            complete()            complete groups harvested (released or held)
+            after_step():           drain() when pinned groups hold the rest of the batch
                                     admit_for_free_slots() | replace_filtered() (sync + dynamic sampling)
                                     dispatch()
         end()                     abort what still runs (kept or discarded by mode), the phase's metrics
@@ -49,7 +53,7 @@ class Phase:
 
     def __init__(self, c: RolloutController, version: int) -> None:
         self.c, self.cfg, self.version = c, c.cfg, version
-        self.m = PhaseMetrics()
+        self.m = PhaseMetrics(multi_turn=c.episodes is not None)
         self.released: list[Group] = []
         self.running: dict[str, tuple[int, int]] = {}  # request id → (group index, sample index)
         self.engine_of: dict[str, int] = {}  # request id → engine
@@ -71,9 +75,11 @@ class Phase:
             if self.fill:
                 self.admit_for_free_slots()
             self.dispatch()
-        while self.running and not self.done():
+        while (self.running or self.c.waiting()) and not self.done():
             with engines():
-                k = self.step()
+                k = self.step() if self.running else None
+            if self.c.episodes is not None:  # environments' answers (waited for when no engine has work)
+                self.env_answers(block=k is None)
             for index in self.completed:  # scored outside the engines' gate: a sync or a checkpoint need not wait
                 self.complete(index)
             self.completed = []
@@ -96,6 +102,8 @@ class Phase:
         c = self.c
         if self.cfg.mode == "partial":
             c.expire_stale(self.version, self.m)
+        if c.episodes is not None:  # (episodes of groups gone end; a waiting sample with no call in flight ends)
+            c.episodes.sweep(c.live)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
                 c.release(index, self.version, self.released, self.m)
@@ -122,7 +130,7 @@ class Phase:
             while (mine or self.queue) and engine.num_active() < engine.slots:
                 index, j = mine.popleft() if mine else self.queue.popleft()
                 s = c.live[index].samples[j]
-                if s.response_ids:
+                if s.response_ids and s.status != SampleStatus.QUEUED:  # (queued with tokens: its next turn)
                     s.interruptions += 1
                 s.status = SampleStatus.RUNNING
                 self.serial += 1
@@ -137,7 +145,7 @@ class Phase:
         free, room = sum(e.slots - e.num_active() for e in c.engines), self.room()
         while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
                 len(self.queue) + sum(map(len, self.own)) < free
-                and len(self.running) + len(self.queue) + cfg.group_size <= self.budget)):
+                and len(self.running) + len(self.queue) + c.waiting() + cfg.group_size <= self.budget)):
             index = c.admit_one(self.version)
             if index is None:
                 return
@@ -179,13 +187,13 @@ class Phase:
             self.record(ev, report.elapsed)
         return k
 
-    def after_step(self, k: int) -> None:
+    def after_step(self, k: int | None) -> None:
         """The admissions and the dispatch engine ``k``'s step allows."""
         c, cfg, m = self.c, self.cfg, self.m
         if self.fill and self.pinned and (len(self.released) + self.pending_pinned() >= cfg.update_groups
                                           or self.at_cap()):
             self.drain()  # (at the oversampling cap: no more admissions while the pinned groups finish)
-            self.drain_at = self.times[k]
+            self.drain_at = self.now
         if self.fill:
             self.admit_for_free_slots()
         elif cfg.mode == "sync" and m.groups_filtered and not self.at_cap():
@@ -215,11 +223,40 @@ class Phase:
         if ev.finished:
             del self.running[ev.request_id], self.engine_of[ev.request_id]
             s.finish_reason = ev.finish_reason
-            s.status = SampleStatus.FINISHED if ev.finish_reason == "stop" else SampleStatus.TRUNCATED
-            m.samples_finished += 1
-            m.len_finished_sum += len(s.response_ids)
-            if all(x.status in DONE for x in c.live[index].samples):
-                self.completed.append(index)
+            if ev.finish_reason == "stop" and c.episodes is not None and \
+                    c.episodes.turn_ended(index, j, s, c.live[index].item.extras):
+                m.env_calls += 1
+                return  # it waits on its environment, holding no slot
+            self.sample_done(index, s)
+
+    def sample_done(self, index: int, s) -> None:
+        """A sample's episode is over (its last turn, or a single-turn sample): its group may complete."""
+        c, m = self.c, self.m
+        s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
+        m.samples_finished += 1
+        m.len_finished_sum += s.model_tokens
+        if index not in self.completed and all(x.status in DONE for x in c.live[index].samples):
+            self.completed.append(index)  # (once: its last two samples may end in one step, engine and env)
+
+    def env_answers(self, block: bool) -> None:
+        """Environments' answers: samples whose episode goes on re-enter the run queue first; the others are done.
+        ``block``: no engine has work, so wait for an answer (the engines idle meanwhile: their clocks move on)."""
+        start = time.perf_counter()
+        again, ended = self.c.episodes.answers(timeout=self.c.episodes.pool.timeout_s + 1.0 if block else 0.0)
+        if block:
+            waited = time.perf_counter() - start
+            self.times = [t + waited for t in self.times]
+            self.now += waited
+        for index, j in reversed(again):
+            if index not in self.c.live:
+                continue  # (its group left meanwhile: the next phase's sweep ends its episode)
+            if self.drain_at is not None and index not in self.pinned:
+                self.c.live[index].samples[j].status = SampleStatus.RESUMED  # drained: it goes on in a later phase
+            else:
+                self.queue.appendleft((index, j))
+        for index, j in ended:
+            if index in self.c.live:
+                self.sample_done(index, self.c.live[index].samples[j])
 
     def complete(self, index: int) -> None:
         """A group whose samples are all done: released (or held) if every sample is within k versions of this

@@ -45,6 +45,12 @@ class PhaseMetrics:
     drain_s: float = 0.0  # time spent draining pinned groups with admission stopped (on-policy guard)
     wait_phases_max: int = 0  # most phases between a trained prompt's first admission and its release
     samples_regenerated_at_release: int = 0  # finished past the staleness bound (engines behind): run again
+    multi_turn: bool = False  # samples have environments (``env.fn``): the turn metrics are reported
+    turns_sum: int = 0  # model turns of the trained samples
+    turns_max: int = 0
+    env_tokens: int = 0  # environment tokens of the trained trajectories (loss mask 0)
+    env_calls: int = 0  # environment calls the phase made
+    env_errors: int = 0  # trained samples whose episode an environment failure ended
 
     @property
     def bubble_ratio(self) -> float:
@@ -60,8 +66,8 @@ class PhaseMetrics:
                 getattr(self, name).update(getattr(other, name))
             elif name in ("buffer_groups", "prompts_discarded_twice"):  # snapshots, not sums
                 setattr(self, name, getattr(other, name))
-            elif name == "wait_phases_max":
-                self.wait_phases_max = max(self.wait_phases_max, other.wait_phases_max)
+            elif name in ("wait_phases_max", "turns_max", "multi_turn"):
+                setattr(self, name, max(getattr(self, name), getattr(other, name)))
             else:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -94,4 +100,13 @@ class PhaseMetrics:
             # >1: the engines' weights moved while the phase ran (rollout.overlap=async's in-flight loads)
             "rollout/phase_versions": float(len(self.sampled_versions)),
         }
+        if self.multi_turn:
+            out.update({
+                "rollout/turns_mean": self.turns_sum / max(self.samples_trained, 1),
+                "rollout/turns_max": float(self.turns_max),
+                "rollout/env_calls": float(self.env_calls),
+                "rollout/env_errors": float(self.env_errors),
+                # of the trained trajectories' tokens (prompts aside): the environment's share
+                "rollout/env_token_fraction": self.env_tokens / max(self.env_tokens + self.len_trained_sum, 1),
+            })
         return out

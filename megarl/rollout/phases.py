@@ -49,6 +49,10 @@ class PhaseRunner:
             c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
             self.requeued = len(drawn)
             self.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
+            if c.episodes is not None:
+                c.episodes.reset()  # (its samples' episodes start again with them)
             raise
         figures = {**self.rewards.step_metrics(), **self.prompts.metrics(), "timing/gen_s": time.perf_counter() - start}
+        if c.episodes is not None:
+            figures.update(c.episodes.pool.metrics())  # env/* counts, timing/env_s
         return Rollout(groups, phase, figures, batch)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from megarl.data import encode
 from megarl.rewards.pool import RewardPool
 from megarl.rollout.controller import PromptItem
+from megarl.rollout.turns import transcript
 from megarl.types import Group
 
 
@@ -50,10 +51,17 @@ def group_scorer(tokenizer, rewards: RewardPool) -> Callable[[Group], None]:
     """Decode each sample of a released group and fill in its reward (its row's extra columns as keyword args)."""
 
     def score(group: Group) -> None:
+        """A multi-turn sample is scored on its last model turn, with its ``transcript``."""
+        items, row = [], group.extras or {}
         for s in group.samples:
-            s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        row = group.extras or {}
-        scores = rewards.score([(s.text, group.answer, row, s.finish_reason) for s in group.samples])
+            if s.env_spans:
+                messages = transcript(s, tokenizer)
+                s.text = messages[-1]["content"]
+                items.append((s.text, group.answer, row, s.finish_reason, messages))
+            else:
+                s.text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                items.append((s.text, group.answer, row, s.finish_reason))
+        scores = rewards.score(items)
         for s, r in zip(group.samples, scores):
             s.reward = r
 

@@ -46,7 +46,8 @@ def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[Tra
     samples = [s for g in groups for s in g.samples]
     batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
-                        norm_tokens=norm_tokens(cfg))
+                        norm_tokens=norm_tokens(cfg),
+                        model_masks=[s.model_mask() for s in samples] if any(s.env_spans for s in samples) else None)
     batch.routes = batch_routes([s.route_array() for s in samples], batch.seq_len)
     if a.overlong_filter:
         batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)
@@ -103,7 +104,7 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     a = cfg.algo
     batch, rewards = rollout_batch(groups, cfg, pad_id)
     mask = batch.loss_mask
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"loss/tokens": float(mask.sum())}  # (a trajectory's environment tokens: not among them)
     engine_routes, agreement, own = batch.routes, {}, None
     if a.routing_replay == "trainer" and learners.policy.taps:  # R2: this step's first routes, replayed in its updates
         batch.routes, own = learners.policy.record_routes(batch)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 MEGARL = Path(__file__).resolve().parents[2] / "megarl"
 
-LAYERS = ["types", "data", "models", "distributed", "compat", "rewards", "checkpoint", "logging", "config", "algo",
-          "launch", "trainer", "weight_sync", "engines", "rollout", "convert", "testing", "faults", "session", "keeper",
-          "evaluation", "train", "cli"]
+LAYERS = ["types", "data", "models", "distributed", "compat", "rewards", "envs", "checkpoint", "logging", "config",
+          "algo", "launch", "trainer", "weight_sync", "engines", "rollout", "convert", "testing", "faults", "session",
+          "keeper", "evaluation", "train", "cli"]
 """Bottom to top: a unit may import the units before it, never one after it."""
 
 

@@ -7,7 +7,7 @@
 | ``model.py`` | the model against the layout and the engine; the checkpoint a resume continues from |
 | ``algo.py`` | ``algo.*`` ranges and combinations; the note on stale data with no off-policy correction |
 | ``limits.py`` | what torch or vLLM would refuse only after launch (ranges, engine sizes, memory, head sizes) |
-| ``prelaunch.py`` | ``checked_config``: the whole sequence, with the data and the reward function |
+| ``prelaunch.py`` | ``checked_config``: the whole sequence, with the data, the reward function and the environment |
 
 Choice-valued keys need no check here: they are ``Literal`` types, refused by the loader.
 """

@@ -1,6 +1,6 @@
 """Every check ``megarl train``, ``eval`` and ``demo`` make before a process starts, in the order they make them:
-the config and the model, the checkpoint a resume continues from, the job's shape, the data and the reward
-function. ``python -m megarl.launch check`` runs the same before ``srun``."""
+the config and the model, the checkpoint a resume continues from, the job's shape, the data, the reward
+function and the environment. ``python -m megarl.launch check`` runs the same before ``srun``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from megarl.config.validate.model import (
 )
 from megarl.config.validate.settings import validate
 from megarl.data.checks import check_data, check_run_data
+from megarl.envs.base import check_env_call
+from megarl.envs.tools import prompt_tools
 from megarl.models.hf_config import check_weights_format
 from megarl.rewards.base import check_reward_call, import_reward_fn
 
@@ -43,7 +45,10 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
-    check_reward(cfg, check_run_data(cfg, stores))  # a usable row in a sample (prompt length too); its columns
+    extras = check_run_data(cfg, stores, prompt_tools(cfg.env))  # a usable row in a sample (prompt length, the
+    # tools' descriptions included); its columns
+    check_reward(cfg, extras)
+    check_env(cfg, extras)  # env.fn imports and is built from those columns
     if notes:  # (once every check passed: an error comes alone)
         for note in unread_keys(cfg) + algo_notes(cfg) + engine_dtype_notes(cfg) + _tiny_model_note(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)
@@ -58,11 +63,24 @@ def check_reward(cfg: RunConfig, extras: dict[str, dict]) -> None:
             import_reward_fn(cfg.reward.fn)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    against_rows(cfg, extras, lambda columns: check_reward_call(cfg.reward.fn, columns))
+
+
+def check_env(cfg: RunConfig, extras: dict[str, dict]) -> None:
+    """``env.fn`` imports as its workers will import it and is built from each set's row columns (as
+    ``check_reward``)."""
+    if cfg.env.fn:
+        against_rows(cfg, extras, lambda columns: check_env_call(cfg.env.fn, columns, cfg.env.tools))
+
+
+def against_rows(cfg: RunConfig, extras: dict[str, dict], check: Callable[[dict], None]) -> None:
+    """``check(columns)`` with each set's first usable row's other columns (``extras``, by key; the built-in task:
+    none); its ValueError names the set's key."""
     if not cfg.data.path:
-        check_reward_call(cfg.reward.fn, {})
+        check({})
     for key, columns in extras.items():
         try:
-            check_reward_call(cfg.reward.fn, columns)
+            check(columns)
         except ValueError as exc:
             raise ValueError(f"{key}={getattr(cfg.data, key.split('.')[1])!r}: {exc}") from None
 

@@ -1,0 +1,325 @@
+"""Environments in the sandboxed pool and across the controller's turns: instances per episode, failures contained
+and counted (raise, hang, wrong type, a killed worker), a waiting sample holding no engine slot, the reward's
+transcript, and ``env.*`` checked before launch."""
+
+import json
+import pickle
+import time
+
+import pytest
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import RunConfig
+from megarl.config.validate import validate
+from megarl.data.chat import TurnRenderer
+from megarl.envs.base import check_env_call, load_env_class
+from megarl.envs.pool import EnvPool
+from megarl.models.tiny import CHATML_TEMPLATE, build_tokenizer
+from megarl.rewards.pool import RewardPool
+from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
+from megarl.rollout.scoring import group_scorer
+from megarl.rollout.turns import Episodes
+from megarl.types import SampleStatus, StepReport, TokenEvent
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = EnvPool("helpers.envs:Countdown", workers=2, timeout_s=2.0)
+    yield p
+    p.close()
+
+
+def results(pool, n, limit=10.0):
+    out, deadline = {}, time.time() + limit
+    while len(out) < n and time.time() < deadline:
+        out.update({r.key: r for r in pool.poll(1.0)})
+    return out
+
+
+def test_an_instance_per_episode_keeps_its_state_across_calls(pool):
+    replies = []
+    for _ in range(3):
+        for key in ("a", "b"):
+            pool.submit(key, {"turns": 3}, "hello")
+        got = results(pool, 2)
+        replies.append((got["a"].message, got["b"].message))
+    assert replies[0][0] == replies[0][1] == {"role": "tool", "content": "tool: turn 1 had 5 chars"}
+    (a, b) = replies[1]  # the second turn: a user message naming the worker process that holds the instance
+    assert a["role"] == b["role"] == "user" and a["content"] != b["content"]  # two episodes, two workers
+    assert replies[2] == (None, None)  # the third turn ends them
+    first = [("tool", "tool: turn 1 had 5 chars")]
+    pool.submit("c", {"turns": 3}, "hello")
+    assert [(m["role"], m["content"]) for m in [results(pool, 1)["c"].message]] == first
+    pool.end("c")
+    pool.submit("c", {"turns": 3}, "hello")  # ended: a new instance, from its first turn
+    assert results(pool, 1)["c"].message["content"] == first[0][1]
+    for key in "abc":
+        pool.end(key)
+
+
+def test_raise_hang_wrong_type_and_a_dead_worker_end_their_episode_counted(pool):
+    before = pool.state_dict()
+    for mode in ("raise", "type", "exit"):
+        pool.submit(mode, {"mode": mode}, "x")
+    got = results(pool, 3)
+    assert "RuntimeError: the tool broke" in got["raise"].error and got["raise"].kind == "error"
+    assert "step returned int 42" in got["type"].error and got["type"].kind == "error"
+    assert "worker died" in got["exit"].error
+    assert pool.errors - before["errors"] == 3
+    # a hang: the worker is killed past timeout_s; the other episode it held is lost, the other worker's is not
+    for key in ("s0", "s1"):
+        pool.submit(key, {"turns": 5}, "x")
+    results(pool, 2)
+    start = time.time()
+    pool.submit("hang", {"mode": "hang"}, "x")
+    held = [k for k in ("s0", "s1") if pool._home[k] == pool._home["hang"]]  # (episodes its worker holds)
+    got = results(pool, 1, limit=8)
+    assert got["hang"].kind == "timeout" and 2.0 <= time.time() - start < 6
+    assert pool.timeouts - before["timeouts"] == 1
+    for key in ("s0", "s1"):
+        pool.submit(key, {"turns": 5}, "x")
+    got = results(pool, 2)
+    lost = [k for k in ("s0", "s1") if got[k].kind == "lost"]
+    assert lost == held and len(held) == 1 and pool.lost - before["lost"] == 1  # the other worker's goes on
+    assert got[({"s0", "s1"} - set(lost)).pop()].message["role"] == "user"  # its second turn
+
+
+def test_a_bad_env_fn_is_refused_before_any_episode_naming_the_key():
+    with pytest.raises(ValueError, match=r"env.fn='helpers.envs:not_a_class' names a function, not a class"):
+        load_env_class("helpers.envs:not_a_class")
+    with pytest.raises(ValueError, match="has no method step"):
+        load_env_class("helpers.envs:NoStep")
+    with pytest.raises(ValueError, match=r"a file path.*env.fn=helpers.envs:Countdown"):
+        load_env_class("helpers/envs.py:Countdown")
+    with pytest.raises(ValueError, match=r"Strict.__init__.*cannot be called as Strict\(\*\*row_extras\).*difficulty"):
+        check_env_call("helpers.envs:Strict", {"difficulty": 3})
+    check_env_call("helpers.envs:Countdown", {"difficulty": 3})
+    with pytest.raises(ValueError, match="env.fn='helpers.envs:Nope'"):
+        EnvPool("helpers.envs:Nope", workers=1)
+
+
+@pytest.mark.parametrize("override,key", [({"env.max_turns": 0}, "env.max_turns"),
+                                          ({"env.timeout_s": 0}, "env.timeout_s"),
+                                          ({"env.fn": "Countdown"}, "env.fn='Countdown'")])
+def test_bad_env_values_are_refused_naming_the_key(override, key):
+    cfg = RunConfig()
+    cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "partial", "async"
+    cfg.engine.placement = "disaggregated"
+    validate(cfg, 1)  # (every rollout mode and overlap takes an environment)
+    for dotted, value in override.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
+        validate(cfg, 1)
+
+
+def test_more_than_one_trainer_process_is_refused():
+    cfg = RunConfig()
+    cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "sync", "none"
+    with pytest.raises(ConfigError, match="2 trainer processes"):
+        validate(cfg, 2)
+
+
+# ---- the controller across turns ------------------------------------------------------------------------------
+class ScriptedEngine:
+    """A slot engine whose every model turn is the tokens of ``turn N of sample J`` and EOS, emitted in one step
+    (N: the environment messages in its request so far, found by the tool/user headers in the prompt)."""
+
+    def __init__(self, tok, slots: int) -> None:
+        self.tok, self.slots, self.active, self.log, self.budgets = tok, slots, {}, [], []
+        self.header = tok.convert_tokens_to_ids("<|im_start|>")
+
+    def submit(self, request) -> None:
+        self.active[request.request_id] = request
+        self.log.append((request.key, request.generated))
+        self.budgets.append(request.max_tokens)
+
+    def abort(self, request_ids) -> None:
+        for rid in request_ids:
+            self.active.pop(rid, None)
+
+    def num_active(self) -> int:
+        return len(self.active)
+
+    def step(self) -> StepReport:
+        rid, request = next(iter(self.active.items()))
+        del self.active[rid]
+        turn = (request.prompt_ids.count(self.header) - 2) // 2  # (each environment turn: its and the next headers)
+        ids = self.tok(f"turn {turn} of sample {request.key[1]}", add_special_tokens=False)["input_ids"]
+        ids = (ids + [self.tok.eos_token_id])[:request.max_tokens]
+        reason = "stop" if ids[-1] == self.tok.eos_token_id else "length"
+        return StepReport([TokenEvent(rid, ids, [-0.25] * len(ids), True, reason)], 0.01, 1)
+
+    def reset(self) -> None:
+        self.active.clear()
+
+    def reseed(self, seed: int) -> None:
+        pass
+
+
+def controller(tok, rows, slots=1, max_tokens=200, max_turns=4, reward="helpers.envs:transcript_turns",
+               env="helpers.envs:Countdown", **kw):
+    renderer = TurnRenderer(tok, CHATML_TEMPLATE)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "go"}], chat_template=CHATML_TEMPLATE,
+                                     add_generation_prompt=True, tokenize=True)["input_ids"]
+    pool = EnvPool(env, workers=2, timeout_s=2.0)
+    rewards = RewardPool(reward, workers=1, timeout_s=10)
+    items = iter(PromptItem(i, list(prompt), "go", "", key=i, extras=row) for i, row in enumerate(rows))
+    engine = ScriptedEngine(tok, slots)
+    cfg = ControllerConfig(**{"mode": "sync", "group_size": 2, "update_groups": len(rows), "max_tokens": max_tokens,
+                              **kw})
+    c = RolloutController(cfg, [engine], lambda: next(items, None), score=group_scorer(tok, rewards),
+                          episodes=Episodes(pool, renderer, tok, max_turns, max_tokens))
+    return c, engine, pool, rewards
+
+
+def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no_slot(tok, monkeypatch):
+    monkeypatch.setenv("SLOW_ENV_S", "0.2")  # (a slow tool: the slot a waiting sample freed is taken meanwhile)
+    c, engine, pool, rewards = controller(tok, [{"turns": 3}, {"turns": 3, "mode": "raise"}], env="helpers.envs:Slow")
+    try:
+        groups, m = c.run_phase(0)
+    finally:
+        pool.close()
+        rewards.close()
+    ok, failed = sorted(groups, key=lambda g: g.prompt_index)
+    for s in ok.samples:
+        assert s.status == SampleStatus.CONSUMED and s.turns == 3 and not s.env_error
+        turns = [tok.decode(ids) for role, ids in s.segments() if role == "assistant"]
+        assert turns == [f"turn {n} of sample {ok.samples.index(s)}<|im_end|>" for n in range(3)]
+        assert [m["role"] for m in s.env_messages] == ["tool", "user"]
+        assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
+        assert s.reward == 1.0  # the reward read the transcript: 3 assistant turns
+        assert s.text == f"turn 2 of sample {ok.samples.index(s)}"  # scored on the last model turn
+    for s in failed.samples:  # the environment raised on the first turn: the episode ended there, scored
+        assert s.turns == 1 and "RuntimeError: the tool broke" in s.env_error and s.reward == 0.0
+    # one slot, four samples: a sample's second turn ran only after other samples took the slot it freed
+    first_turns = [i for i, (key, generated) in enumerate(engine.log) if generated == 0]
+    assert engine.log.index(((0, 0), len(ok.samples[0].segments()[0][1]) + ok.samples[0].env_spans[0][1]
+                             - ok.samples[0].env_spans[0][0])) > first_turns[1]
+    summary = m.summary()
+    assert summary["rollout/turns_mean"] == pytest.approx((3 * 2 + 1 * 2) / 4)
+    assert summary["rollout/turns_max"] == 3 and summary["rollout/env_errors"] == 2
+    assert summary["rollout/env_calls"] == 2 * 3 + 2  # three calls per good episode (the last ends it), one per bad
+    env_tokens = sum(s.env_tokens for s in ok.samples)
+    model = sum(s.model_tokens for g in groups for s in g.samples)
+    assert summary["rollout/env_token_fraction"] == pytest.approx(env_tokens / (env_tokens + model))
+    assert summary["rollout/len_trained_mean"] == pytest.approx(model / 4)  # the model's tokens only
+    assert sum(m.staleness.values()) == model  # the staleness histogram counts the model's tokens too
+    assert pool.calls == 8 and pool.errors == 2
+
+
+def test_max_turns_and_max_tokens_bound_an_episode(tok):
+    c, _, pool, rewards = controller(tok, [{"turns": 9}], max_turns=2)
+    try:
+        (group,), _ = c.run_phase(0)
+        assert [s.turns for s in group.samples] == [2, 2] and all(s.finish_reason == "stop" for s in group.samples)
+    finally:
+        pool.close()
+        rewards.close()
+    for cap in (40, 80):
+        c, engine, pool, rewards = controller(tok, [{"turns": 9}], max_tokens=cap)
+        try:
+            (group,), _ = c.run_phase(0)
+        finally:
+            pool.close()
+            rewards.close()
+        for s in group.samples:  # every token of the trajectory counts: the model's turns and the environment's
+            assert len(s.response_ids) <= cap and s.finish_reason == "length"
+            assert s.turns == 1 if cap == 40 else 2 <= s.turns < 9  # 40: the first answer does not fit
+        assert all(generated + r <= cap for (_, generated), r in zip(engine.log, engine.budgets))
+
+
+def assert_whole_episodes(tok, groups):
+    for g in groups:
+        for j, s in enumerate(g.samples):
+            said = [tok.decode(ids) for role, ids in s.segments() if role == "assistant"]
+            assert said == [f"turn {n} of sample {j}<|im_end|>" for n in range(g.extras["turns"])]
+            assert not s.env_error
+            assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
+
+
+@pytest.mark.parametrize("mode", ["partial", "on_policy"])
+def test_episodes_go_on_across_phases(tok, mode, monkeypatch):
+    """One slot, one group a phase: episodes still waiting (or running) when a phase ends go on in the next
+    (partial: kept, their tokens' versions span the phases; on-policy: the group is discarded, its prompt re-run,
+    its episodes ended and started afresh); no episode is lost or mixed up with another."""
+    rows = [{"turns": 2}, {"turns": 4}] * 2  # (a short episode's group released, a long one's still going)
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")  # (a slow tool: a phase ends with the other group's episodes unfinished)
+    c, engine, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode=mode, update_groups=1,
+                                          rollout_groups=2, staleness_limit=4, max_discards=100)
+    released, wasted, keys = [], 0, set()
+    try:
+        for version in range(12):
+            groups, m = c.run_phase(version)
+            released += groups
+            wasted += m.tokens_wasted
+            keys |= set(c.episodes.keys.values())
+            if len(released) >= 4:
+                break
+        assert {g.prompt_index for g in released} == {0, 1, 2, 3}
+        assert_whole_episodes(tok, released)
+        if mode == "partial":
+            assert any(len(set(s.versions)) > 1 for g in released for s in g.samples)  # spanned phases
+        else:  # discarded mid-episode and run again from the prompt: a new episode under a new key
+            assert wasted > 0 and len(keys) > 4 * 2
+        assert pool.errors == pool.timeouts == pool.lost == 0
+        c.episodes.sweep(c.live)  # (the released groups' episodes end: nothing left in the workers)
+        assert not c.episodes.keys and not pool._home
+    finally:
+        pool.close()
+        rewards.close()
+
+
+def test_a_resume_mid_episode_ends_the_episodes_whose_instance_is_gone_and_goes_on(tok, monkeypatch):
+    """A run checkpoint holds the controller, not the environments' workers: a sample that waited on its
+    environment (or was between turns) when the checkpoint was taken ends its episode on resume, counted, scored as
+    it stands; the other samples go on. (Keeping picklable environments across a resume is not built yet.)"""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
+                                     rollout_groups=2, staleness_limit=4)
+    try:
+        c.run_phase(0)
+        state = c.snapshot()
+    finally:
+        pool.close()
+        rewards.close()
+    mid = [s for _, samples, _, _ in pickle.loads(state)["live"].values() for s in samples if s.env_messages or
+           s.status == SampleStatus.WAITING]
+    assert mid  # (the checkpoint caught episodes unfinished)
+    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
+                                     rollout_groups=2, staleness_limit=4)
+    try:
+        c.load_state_dict(pickle.loads(state))
+        released, ended = [], 0
+        for version in range(1, 10):
+            groups, m = c.run_phase(version)
+            released += groups
+            ended += m.env_errors
+            if len(released) >= 3:
+                break
+        lost = [s for g in released for s in g.samples if s.env_error.startswith("lost")]
+        assert len(lost) == ended == len(mid) and {g.prompt_index for g in released} == {1, 2, 3}
+    finally:
+        pool.close()
+        rewards.close()
+
+
+def test_megarl_train_refuses_a_class_the_dataset_cannot_build_before_launch(tmp_path):
+    """The whole pre-launch sequence (``checked_config``): env.fn is built against the dataset's first row."""
+    from megarl.config.validate.prelaunch import checked_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "2+3?", "answer": "5", "difficulty": 3}) + "\n")
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen2",
+           f"data.path={data}", "reward.fn=exact"]
+    with pytest.raises(ValueError, match=r"data.path=.*env.fn='helpers.envs:Strict'.*difficulty"):
+        checked_config(None, [*run, "env.fn=helpers.envs:Strict"], 1, command="train")
+    checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 1, command="train")
+    with pytest.raises(ConfigError, match="2 trainer processes"):
+        checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 2, command="train")
