@@ -336,3 +336,22 @@ def moe_dispatcher_for(requested: str, ps: ParallelState, backend: str = "",
         _SAID.add(line)
         log(line)
     return "allgather"
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's scalar head in place of GPTModel's output layer: V = w·h + b per position."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            # backward splits, not sums: the head is replicated, every TP rank already holds the whole gradient
+            # (the default reduce-scatter, right before a vocab-parallel layer, gave the backbone TP× its gradient)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None

@@ -23,7 +23,7 @@ from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
-from megarl.trainer.model import build_gpt_model, load_hf_weights, moe_dispatcher_for
+from megarl.trainer.model import ValueHead, build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.trainer.packed import (
     packed_routes,
     packed_seq_params,
@@ -61,25 +61,6 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor], device=None) ->
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
-
-
-class ValueHead(torch.nn.Module):
-    """The critic's scalar head in place of GPTModel's output layer: V = w·h + b per position."""
-
-    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-        self.sequence_parallel = sequence_parallel
-
-    def forward(self, hidden, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-            # backward splits, not sums: the head is replicated, every TP rank already holds the whole gradient
-            # (the default reduce-scatter, right before a vocab-parallel layer, gave the backbone TP× its gradient)
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 class PolicyTrainer:
