@@ -202,7 +202,7 @@ def disaggregated_layouts(hf: dict, nodes: int, gpus_per_node: int):
 def engine_gpu_layouts(hf: dict, nodes: int, node_gpus: int, engine_gpus: tuple[int, ...] = ()):
     """Every node gives its last g GPUs to replicas of engine TP dividing g (g: 1, 2, 4, … below the node's GPUs,
     or ``engine_gpus``); the trainer runs on the first node_gpus − g of each node."""
-    for g in engine_gpus or [2**k for k in range(node_gpus.bit_length()) if 2**k < node_gpus]:
+    for g in engine_gpus or range(1, node_gpus):
         for lay in trainer_layouts(hf, nodes, node_gpus - g):
             for engine_tp in divisors(g):
                 yield replace(lay, engine_tp=engine_tp, placement="disaggregated", engine_gpus=g,

@@ -4,7 +4,8 @@ beside it; on CPUs (``--cpu``, no step-time model) the first that fits in the or
 
 The candidates: the trainer's TP × PP × EP × expert TP on its nodes, and for the engines colocated with each
 sleep level (with and without the trainer's offload), the job's last nodes as engine-only nodes, or the last
-GPUs of every node as engine-only GPUs (the trainer on the rest), each at every engine TP. A candidate the config checks refuse (``check_layout``, ``check_kv_cache``) is skipped.
+GPUs of every node as engine-only GPUs (the trainer on the rest), each at every engine TP. A candidate the
+config checks refuse (``check_layout``, ``check_kv_cache``) is skipped.
 """
 
 from __future__ import annotations
