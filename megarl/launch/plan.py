@@ -12,7 +12,8 @@ sequences; give yours with ``--config FILE`` or ``key=value``.
 
 Without any ``parallel.*``, ``engine.tensor_parallel_size``, ``engine.placement`` or ``engine.replicas`` setting,
 it weighs every layout — the trainer's TP × PP × EP × expert TP; engines colocated at each ``engine.sleep_level``
-(with and without ``trainer.offload_during_rollout``) or on engine-only nodes; engine TP × replicas — and proposes
+(with and without ``trainer.offload_during_rollout``), on engine-only nodes, or on each node's last GPUs (the
+trainer on the others: TRAINER_GPUS_PER_NODE, ``--trainer-gpus-per-node``); engine TP × replicas — and proposes
 the fastest that fits, the next two beside it, each on a line
 
     step time  12.3 s/step (train 7.1 s, rollout 9.8 s, sync 0.6 s; rollout-bound)  1. colocated, sleep 1: ...
