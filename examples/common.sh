@@ -16,11 +16,11 @@ env_help() {
     local name what default
     while IFS='|' read -r name what; do
         default=$(sed -n "s/^$name=\${$name:-\([^}]*\)}.*/\1/p" "$1" | head -n 1)
-        printf '  %-15s %s%s\n' "$name" "$what" "${default:+ (default $default)}"
+        printf '  %-22s %s%s\n' "$name" "$what" "${default:+ (default $default)}"
     done <<'VARS'
 NODES|nodes of the job (sbatch --nodes)
 GPUS_PER_NODE|GPUs (on CPU: processes) per node, as sbatch asks for them
-TRAINER_GPUS_PER_NODE|trainer processes per node, on GPUs 0..N-1; fewer than GPUS_PER_NODE leave the rest to replicas (engine.replica_devices)
+TRAINER_GPUS_PER_NODE|trainer processes per node, on GPUs 0..N-1 (fewer: the rest run replicas, engine.replica_devices)
 GPU_MEM_GIB|memory per GPU (on CPU: per process) that megarl plan sizes against
 MODEL_PATH|the HF checkpoint directory, as the compute nodes see it
 RUN_DIR|the run directory (checkpoints, logs, TensorBoard); a relative one is from where you launch
