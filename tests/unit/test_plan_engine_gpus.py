@@ -39,7 +39,12 @@ def test_the_split_inside_a_node_against_the_hand_calculation():
     work, counts = work_of(cfg, LLAMA_8B, 256, 1024), count_params(LLAMA_8B)
     lay = Layout(1, 4, tp=4, sequence_parallel=True, engine_tp=4, placement="disaggregated", engine_gpus=4,
                  replicas=1)
-    st = step_time(counts, LLAMA_8B, cfg, lay, PRESETS["h100"], work, memory_gib(counts, LLAMA_8B, cfg, lay, "bf16"))
+    mem = memory_gib(counts, LLAMA_8B, cfg, lay, "bf16")
+    trainer_gpu = sum(mem[k] for k in ("weights", "gradients", "optimizer", "activations", "logits")) + 2
+    engine_gpu = mem["engine_weights"] + mem["cuda_graphs"] + mem["kv_cache"] + 2  # apart: never both on one GPU
+    assert mem["engine_weights"] == pytest.approx(counts.total * 2 / 4 / 2**30) and mem["kv_cache"] == 8
+    assert mem["total"] == pytest.approx(max(trainer_gpu, engine_gpu)) and mem["total"] < trainer_gpu + engine_gpu - 2
+    st = step_time(counts, LLAMA_8B, cfg, lay, PRESETS["h100"], work, mem)
     n, tokens, layers, q, h = counts.total, 512 * 1280, 32, 32 * 128, 4096
     assert st["train"]["gpus"] == 4
     assert st["train"]["compute_s"] == pytest.approx(tokens * (6 * n + 6 * layers * q * 1280) / (4 * 989e12 * 0.4))
