@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Sourced by the example launch scripts: check the layout with `megarl plan`, then submit
-# slurm/train.sbatch with the same arguments. The caller sets NODES, GPUS_PER_NODE,
+# slurm/train.sbatch with the same arguments. The caller sets NODES, GPUS_PER_NODE, TRAINER_GPUS_PER_NODE,
 # GPU_MEM_GIB, RUN_DIR (through run_dir: made absolute), PLAN_MODEL (array), SBATCH_ARGS (array) and
 # ARGS (array: the flags).
 #   -h, --help    print the script's usage (its header comment) and stop (nothing is submitted)
@@ -16,10 +16,11 @@ env_help() {
     local name what default
     while IFS='|' read -r name what; do
         default=$(sed -n "s/^$name=\${$name:-\([^}]*\)}.*/\1/p" "$1" | head -n 1)
-        printf '  %-15s %s%s\n' "$name" "$what" "${default:+ (default $default)}"
+        printf '  %-22s %s%s\n' "$name" "$what" "${default:+ (default $default)}"
     done <<'VARS'
 NODES|nodes of the job (sbatch --nodes)
-GPUS_PER_NODE|GPUs (on CPU: processes) per node
+GPUS_PER_NODE|GPUs (on CPU: processes) per node, as sbatch asks for them
+TRAINER_GPUS_PER_NODE|trainer processes per node, on GPUs 0..N-1 (fewer: the rest run replicas, engine.replica_devices)
 GPU_MEM_GIB|memory per GPU (on CPU: per process) that megarl plan sizes against
 MODEL_PATH|the HF checkpoint directory, as the compute nodes see it
 RUN_DIR|the run directory (checkpoints, logs, TensorBoard); a relative one is from where you launch
@@ -54,13 +55,16 @@ if [[ -z ${PYTHON:-} ]]; then
         PYTHON=$ROOT/.venv/bin/python
     fi
 fi
-export PYTHON GPUS_PER_NODE
+export PYTHON
 PLAN_ARGS=()  # more megarl plan flags (tiny_cpu.sh: --cpu)
 
 submit() {
     local status=0
+    # slurm/train.sbatch starts TRAINER_GPUS_PER_NODE trainer processes a node; sbatch asks for GPUS_PER_NODE GPUs
+    TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
+    export GPUS_PER_NODE TRAINER_GPUS_PER_NODE
     "$PYTHON" -m megarl.cli plan --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" --gpu-mem-gib "$GPU_MEM_GIB" \
-        "${PLAN_MODEL[@]}" "${PLAN_ARGS[@]}" "${ARGS[@]}" || status=$?
+        --trainer-gpus-per-node "$TRAINER_GPUS_PER_NODE" "${PLAN_MODEL[@]}" "${PLAN_ARGS[@]}" "${ARGS[@]}" || status=$?
     if ((status == 1)) && ! "$PYTHON" -c 'import megarl.launch.plan, torch' 2>/dev/null; then
         # exit 1 is also Python's for a crash: an interpreter that cannot import megarl did not plan anything
         echo "could not run megarl plan with PYTHON=$PYTHON (it cannot import megarl or torch); set" \

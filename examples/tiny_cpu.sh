@@ -13,6 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 NODES=${NODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-1}  # processes per node (CPU)
+TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
 GPU_MEM_GIB=${GPU_MEM_GIB:-8}      # memory per process
 RUN_DIR=${RUN_DIR:-runs/tiny_cpu}
 RUN_DIR=$(run_dir "$RUN_DIR")

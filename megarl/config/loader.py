@@ -92,6 +92,8 @@ def _apply(obj, data: dict, source: str, prefix: str = "") -> None:
             _apply(current, value, source, dotted + ".")
             continue
         typ = hints[key]
+        if typ is str and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # YAML's whole number where a string is meant: engine.replica_devices=7 (one GPU)
         if not _type_ok(value, typ):
             raise ConfigError(f"{source}: {_expected(dotted, typ, value)}")
         setattr(obj, key, float(value) if typ is float else value)

@@ -6,7 +6,10 @@ and the layouts a plan tries.
                     engine.sleep_level 1 or 2 frees the engine's memory while the trainer trains,
                     trainer.offload_during_rollout the trainer's gradients and optimizer state while engines generate
     disaggregated   the job's last ``engine_nodes`` nodes run only replicas (engine.replica_nodes_dedicated):
-                    engine_nodes × GPUs per node / engine TP of them; the trainer keeps the other nodes
+                    engine_nodes × GPUs per node / engine TP of them; the trainer keeps the other nodes;
+                    or, inside the trainer's nodes, the last ``engine_gpus`` GPUs of every node run replicas
+                    (engine.replica_devices) and the trainer the first ``gpus_per_node`` (launched on that many
+                    processes a node: TRAINER_GPUS_PER_NODE)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from megarl.config import ConfigError, validate
 from megarl.config.schema import RunConfig
-from megarl.config.validate.layout import check_job_shape, divisors
+from megarl.config.validate.layout import check_job_shape, divisors, replica_device_ids
 from megarl.models.hf_config import num_experts
 
 
@@ -40,6 +43,20 @@ class Layout:
     """Disaggregated: the job's last nodes that run only replicas."""
     replicas: int = 1
     """Disaggregated replicas (colocated: world / engine TP, see ``engine_replicas``)."""
+    engine_gpus: int = 0
+    """Disaggregated inside the trainer's nodes: each node's GPUs after the trainer's ``gpus_per_node`` that run
+    replicas (engine.replica_devices); 0: none."""
+
+    @property
+    def node_gpus(self) -> int:
+        """A node's GPUs: the trainer's and those of its replicas."""
+        return self.gpus_per_node + self.engine_gpus
+
+    @property
+    def replica_devices(self) -> str:
+        """engine.replica_devices: the GPUs after the trainer's, or every GPU of an engine-only node."""
+        first = self.gpus_per_node if self.engine_gpus else 0
+        return ",".join(str(d) for d in range(first, first + (self.engine_gpus or self.gpus_per_node)))
 
     @property
     def world(self) -> int:
@@ -66,13 +83,18 @@ class Layout:
         if self.colocated:
             return out + [f"engine.sleep_level={self.sleep_level}",
                           f"trainer.offload_during_rollout={str(self.offload).lower()}"]
-        return out + ["engine.placement=disaggregated", f"engine.replicas={self.replicas}",
-                      f"engine.replica_nodes={self.engine_nodes}", "engine.replica_nodes_dedicated=true"]
+        out += ["engine.placement=disaggregated", f"engine.replicas={self.replicas}"]
+        if self.engine_gpus:  # every node hosts its share (one node: rank 0's, the default)
+            return out + [f"engine.replica_nodes={self.nodes if self.nodes > 1 else 0}",
+                          f"engine.replica_devices={self.replica_devices}"]
+        return out + [f"engine.replica_nodes={self.engine_nodes}", "engine.replica_nodes_dedicated=true",
+                      f"engine.replica_devices={self.replica_devices}"]
 
     def describe(self, experts: bool) -> str:
         """'colocated, sleep 1: trainer TP 2 · PP 1 · EP 8 · ETP 1 · DP 8 | vLLM TP 2 × 8'."""
         where = (f"colocated, sleep {self.sleep_level}{' + offload' if self.offload else ''}" if self.colocated
-                 else f"{self.engine_nodes} engine node{'s' if self.engine_nodes > 1 else ''}")
+                 else f"{self.engine_gpus} engine GPU{'s' if self.engine_gpus > 1 else ''} a node"
+                 if self.engine_gpus else f"{self.engine_nodes} engine node{'s' if self.engine_nodes > 1 else ''}")
         moe = f" · EP {self.ep} · ETP {self.etp}" if experts else ""
         return (f"{where}: trainer TP {self.tp} · PP {self.pp}{moe} · DP {self.dp} | "
                 f"vLLM TP {self.engine_tp} × {self.engine_replicas}")
@@ -93,31 +115,54 @@ def trainer_nodes(cfg: RunConfig, nodes: int) -> int:
     return nodes - engine_only
 
 
+def engine_gpus_in_node(cfg: RunConfig) -> int:
+    """GPUs of each trainer node that disaggregated replicas take (``engine.replica_devices`` on nodes that also run
+    trainer ranks), else 0."""
+    e = cfg.engine
+    shared = e.placement == "disaggregated" and not e.replica_nodes_dedicated
+    return len(replica_device_ids(e.replica_devices)) if shared else 0
+
+
+def trainer_gpus_per_node(cfg: RunConfig, node_gpus: int, given: int = 0) -> int:
+    """The trainer's processes per node: ``given`` (TRAINER_GPUS_PER_NODE, ``--trainer-gpus-per-node``), else the
+    node's GPUs less those ``engine.replica_devices`` takes there; ConfigError when more than the node's."""
+    trainer = given or node_gpus - engine_gpus_in_node(cfg)
+    if not 1 <= trainer <= node_gpus:
+        raise ConfigError(f"the trainer's processes per node ({trainer}: --trainer-gpus-per-node / "
+                          f"TRAINER_GPUS_PER_NODE, else --gpus-per-node less engine.replica_devices="
+                          f"{cfg.engine.replica_devices!r}) must be 1..{node_gpus} (--gpus-per-node)")
+    return trainer
+
+
 def layout_of(cfg: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
-    """The config's layout on ``nodes`` trainer nodes."""
+    """The config's layout on ``nodes`` trainer nodes of ``gpus_per_node`` trainer processes."""
     p, e = cfg.parallel, cfg.engine
     return Layout(nodes, gpus_per_node, p.tp, p.pp, p.vpp, p.ep, p.etp or p.tp, p.sequence_parallel,
                   e.tensor_parallel_size, e.placement, e.sleep_level, cfg.trainer.offload_during_rollout,
-                  engine_only_nodes(cfg), e.replicas)
+                  engine_only_nodes(cfg), e.replicas, engine_gpus_in_node(cfg))
 
 
 def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
     par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp,
                   sequence_parallel=lay.sequence_parallel)
+    hosts = (lay.nodes if lay.nodes > 1 else 0) if lay.engine_gpus else lay.engine_nodes
     engine = replace(cfg.engine, tensor_parallel_size=lay.engine_tp, placement=lay.placement,
                      sleep_level=lay.sleep_level if lay.colocated else 0, replicas=lay.replicas,
-                     replica_nodes=lay.engine_nodes, replica_nodes_dedicated=lay.engine_nodes > 0)
+                     replica_nodes=hosts, replica_nodes_dedicated=lay.engine_nodes > 0,
+                     replica_devices="" if lay.colocated else lay.replica_devices)
     trainer = replace(cfg.trainer, offload_during_rollout=lay.offload)
     return replace(cfg, parallel=par, engine=engine, trainer=trainer)
 
 
-def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here: bool = True) -> None:
+def check_layout(cfg: RunConfig, hf: dict, nodes: int, gpus_per_node: int, here: bool = True,
+                 node_gpus: int = 0) -> None:
     """``validate`` at the job's world size plus what only the job's shape tells (``check_job_shape``);
-    ConfigError names the key. ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
+    ConfigError names the key. ``gpus_per_node``: the trainer's processes per node, ``node_gpus``: the node's GPUs
+    (0: not known). ``here``: the job runs on this machine's kind (not ``megarl plan`` on a login node)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     validate(cfg, nodes * gpus_per_node, hf, here)
-    check_job_shape(cfg, hf, nodes, gpus_per_node)
+    check_job_shape(cfg, hf, nodes, gpus_per_node, node_gpus)
 
 
 def trainer_layouts(hf: dict, nodes: int, gpus_per_node: int, max_pp: int = 16) -> list[Layout]:
@@ -152,3 +197,13 @@ def disaggregated_layouts(hf: dict, nodes: int, gpus_per_node: int):
             for engine_tp in divisors(gpus_per_node):
                 yield replace(lay, engine_tp=engine_tp, placement="disaggregated", engine_nodes=engine_nodes,
                               replicas=engine_nodes * gpus_per_node // engine_tp)
+
+
+def engine_gpu_layouts(hf: dict, nodes: int, node_gpus: int, engine_gpus: tuple[int, ...] = ()):
+    """Every node gives its last g GPUs to replicas of engine TP dividing g (g: 1, 2, 4, … below the node's GPUs,
+    or ``engine_gpus``); the trainer runs on the first node_gpus − g of each node."""
+    for g in engine_gpus or range(1, node_gpus):
+        for lay in trainer_layouts(hf, nodes, node_gpus - g):
+            for engine_tp in divisors(g):
+                yield replace(lay, engine_tp=engine_tp, placement="disaggregated", engine_gpus=g,
+                              replicas=nodes * g // engine_tp)

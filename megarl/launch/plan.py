@@ -12,7 +12,8 @@ sequences; give yours with ``--config FILE`` or ``key=value``.
 
 Without any ``parallel.*``, ``engine.tensor_parallel_size``, ``engine.placement`` or ``engine.replicas`` setting,
 it weighs every layout — the trainer's TP × PP × EP × expert TP; engines colocated at each ``engine.sleep_level``
-(with and without ``trainer.offload_during_rollout``) or on engine-only nodes; engine TP × replicas — and proposes
+(with and without ``trainer.offload_during_rollout``), on engine-only nodes, or on each node's last GPUs (the
+trainer on the others: TRAINER_GPUS_PER_NODE, ``--trainer-gpus-per-node``); engine TP × replicas — and proposes
 the fastest that fits, the next two beside it, each on a line
 
     step time  12.3 s/step (train 7.1 s, rollout 9.8 s, sync 0.6 s; rollout-bound)  1. colocated, sleep 1: ...
@@ -53,7 +54,14 @@ from megarl.config import ConfigError, load_config
 from megarl.config.schema import RunConfig
 from megarl.config.validate.model import model_config
 from megarl.launch.gpus import PRESETS, Gpu
-from megarl.launch.layout import Layout, check_layout, engine_only_nodes, layout_of, trainer_nodes
+from megarl.launch.layout import (
+    Layout,
+    check_layout,
+    engine_only_nodes,
+    layout_of,
+    trainer_gpus_per_node,
+    trainer_nodes,
+)
 from megarl.launch.memory import (
     GIB,
     bytes_per_param,
@@ -82,28 +90,30 @@ INFO_KEYS = ("optimizer_without_distributed", "activations_full_recompute", "kv_
 
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float, propose: bool = False,
          precision: str = "", cpu: bool = False, gpu: Gpu | None = None, work: Work | None = None,
-         rank: bool = True) -> dict:
+         rank: bool = True, trainer_gpus: int = 0) -> dict:
     """Counts, layout, memory and step time: of the config's layout (ConfigError if impossible), or with
     ``propose`` of the fastest valid layout that fits (``--cpu``: the first; else the one closest to fitting),
     the next ones beside it. ``nodes``: the job's, engine-only nodes included. Checked for the cluster, not for
     this machine (a login node's vLLM build does not say which attention head sizes the GPUs run).
     ``precision``: the trainer's to size ('': the config's ``trainer.precision``); ``gpu``: its figures (default
     the h100 preset); ``work``: the step's sequences and lengths (default ``work_of`` the config); ``rank``: weigh
-    every layout (False: the first that fits, enough to say whether one does)."""
+    every layout (False: the first that fits, enough to say whether one does); ``trainer_gpus``: the trainer's
+    processes per node (TRAINER_GPUS_PER_NODE; 0: ``gpus_per_node`` less the GPUs ``engine.replica_devices`` takes
+    there), below ``gpus_per_node`` proposing only the splits that give each node's other GPUs to replicas."""
     precision = precision or cfg.trainer.precision
     cfg = replace(cfg, trainer=replace(cfg.trainer, precision=precision))
     counts = count_params(hf)
     gpu, work = (None, None) if cpu else (gpu or PRESETS["h100"], work or work_of(cfg, hf))
     proposals = []
     if not propose:
-        lay = configured(hf, cfg, nodes, gpus_per_node, precision)
+        lay = configured(hf, cfg, nodes, gpus_per_node, precision, trainer_gpus)
         mem = memory_gib(counts, hf, cfg, lay, precision, cpu, gpu_mem_gib)
         st = None if cpu else step_time(counts, hf, cfg, lay, gpu, work, mem)
     else:
         found = ranked(counts, hf, cfg, nodes, gpus_per_node, gpu_mem_gib, precision, cpu, gpu, work,
-                       first_fit=not rank)
-        if not found["valid"]:
-            configured(hf, cfg, nodes, gpus_per_node, precision)  # nothing is valid: the configured layout's error
+                       first_fit=not rank, trainer_gpus=trainer_gpus)
+        if not found["valid"]:  # nothing is valid: the configured layout's error
+            configured(hf, cfg, nodes, gpus_per_node, precision, trainer_gpus)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
         proposals = found["fitting"]
         if proposals:
@@ -126,10 +136,12 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     }
 
 
-def configured(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, precision: str) -> Layout:
+def configured(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, precision: str,
+               trainer_gpus: int = 0) -> Layout:
     """The config's layout on the job's trainer nodes, checked (ConfigError names the key)."""
-    lay = layout_of(cfg, trainer_nodes(cfg, nodes), gpus_per_node)
-    check_layout(cfg, hf, lay.nodes, gpus_per_node, here=False)
+    trainer = trainer_gpus_per_node(cfg, gpus_per_node, trainer_gpus)
+    lay = layout_of(cfg, trainer_nodes(cfg, nodes), trainer)
+    check_layout(cfg, hf, lay.nodes, trainer, here=False, node_gpus=gpus_per_node)
     check_kv_cache(hf, cfg, lay, precision)
     return lay
 
@@ -138,7 +150,9 @@ def layout_dict(lay: Layout) -> dict:
     return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
             "sequence_parallel": lay.sequence_parallel, "engine_tp": lay.engine_tp,
             "engine_replicas": lay.engine_replicas, "placement": lay.placement, "sleep_level": lay.sleep_level,
-            "offload_during_rollout": lay.offload, "engine_nodes": lay.engine_nodes, "trainer_nodes": lay.nodes}
+            "offload_during_rollout": lay.offload, "engine_nodes": lay.engine_nodes, "trainer_nodes": lay.nodes,
+            "engine_gpus": lay.engine_gpus, "trainer_gpus_per_node": lay.gpus_per_node,
+            "replica_devices": "" if lay.colocated else lay.replica_devices}
 
 
 def proposal(lay: Layout, mem: dict, st: dict, experts: bool) -> dict:
@@ -252,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         work, gpu, mem_gib = work_and_gpu(args, cfg, hf)
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
-        res = plan(hf, cfg, args.nodes, args.gpus_per_node, mem_gib, propose, args.precision, args.cpu, gpu, work)
+        res = plan(hf, cfg, args.nodes, args.gpus_per_node, mem_gib, propose, args.precision, args.cpu, gpu, work,
+                   trainer_gpus=args.trainer_gpus_per_node)
         if not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
             res["sizing_note"] = ("the schema defaults, the tiny CPU demo's; give your run's with --config FILE "
                                   "or key=value")

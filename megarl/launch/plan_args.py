@@ -28,6 +28,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--model", help="HF checkpoint directory or config.json (default: the config's model.path)")
     ap.add_argument("--nodes", type=int, default=1, help="the job's nodes (engine-only nodes included)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--trainer-gpus-per-node", type=int, default=0, help="the trainer's processes per node, on "
+                    "GPUs 0..N-1 (TRAINER_GPUS_PER_NODE of the launch scripts; default: --gpus-per-node less the GPUs "
+                    "engine.replica_devices takes on the trainer's nodes); fewer than --gpus-per-node: the other GPUs "
+                    "run replicas, and only such layouts are proposed")
     ap.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(PRESETS)} (default h100): its peak "
                     "FLOP/s, HBM size and bandwidth, NVLink, network and host bandwidth; a flag below replaces one")
     for name in FLAGS:
@@ -60,6 +64,9 @@ def work_and_gpu(args, cfg: RunConfig, hf: dict) -> tuple[Work | None, Gpu | Non
     ConfigError names a bad flag and what would be valid."""
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
+    if not 0 <= args.trainer_gpus_per_node <= args.gpus_per_node:
+        raise ConfigError(f"--trainer-gpus-per-node {args.trainer_gpus_per_node}: valid 1..{args.gpus_per_node} "
+                          "(--gpus-per-node; the rest of each node runs replicas)")
     if args.gpu_mem_gib is not None and not args.gpu_mem_gib > 0:
         raise ConfigError(f"--gpu-mem-gib must be > 0, got {args.gpu_mem_gib:g}")
     if args.cpu:

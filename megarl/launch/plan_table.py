@@ -126,12 +126,23 @@ def verdict_lines(res: dict) -> list[str]:
 def format_table(res: dict) -> str:
     """The whole printout, one small function a part (a new line is a new function in this list)."""
     return "\n".join([model_line(res), job_line(res), layout_line(res), *memory_lines(res), *routes_lines(res),
-                      sizing_line(res), *verdict_lines(res), "settings  " + " ".join(res["overrides"]),
+                      sizing_line(res), *verdict_lines(res), settings_line(res),
                       *timing_lines(res)])
 
 
+def settings_line(res: dict) -> str:
+    """The layout's key=value settings for ``megarl train``, and the trainer's processes per node when the replicas
+    take some of each node's GPUs (the launch scripts' TRAINER_GPUS_PER_NODE)."""
+    trainer = res["layout"].get("trainer_gpus_per_node", res["gpus_per_node"])
+    launch = (f"   (launch with TRAINER_GPUS_PER_NODE={trainer}: the trainer on GPUs 0..{trainer - 1} of each node, "
+              f"sbatch --gpus-per-node {res['gpus_per_node']})" if trainer < res["gpus_per_node"] else "")
+    return "settings  " + " ".join(res["overrides"]) + launch
+
+
 def engines_where(lay: dict) -> str:
-    """' colocated, asleep while training (sleep 1)', ' on 1 engine-only node'."""
+    """' colocated, asleep while training (sleep 1)', ' on 1 engine-only node', ' on GPUs 6,7 of each node'."""
+    if lay.get("engine_gpus"):
+        return f" on GPUs {lay['replica_devices']} of each node"
     if lay.get("placement", "colocated") != "colocated":
         n = lay["engine_nodes"]
         return f" on {n} engine-only node{'s' if n != 1 else ''}" if n else " disaggregated"

@@ -29,7 +29,8 @@ the GPU's figures (``gpus.Gpu``). Pure arithmetic; every term keeps the inputs i
                 waste (on_policy, partial) or ``--bubble``
     sync     = weights to the engines + sleep/wake + offload
       weights   the engine's bytes per engine GPU (N_total · w / engine TP) over NVLink (colocated in a node),
-                the network (an engine across nodes; disaggregated: the whole model once, broadcast)
+                the network (an engine across nodes; disaggregated: the whole model once, broadcast, over NVLink
+                when the trainer and its engine GPUs share one node)
       sleep     level 1: the engine's weights to host and back (2 × over the host link); level 2: dropped and
                 refilled by the sync itself; 0: nothing
       offload   trainer.offload_during_rollout: gradients and optimizer state to host and back
@@ -156,7 +157,7 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     peak = peak_flops(cfg, gpu) * work.mfu
     memory_s = (weight_bytes + kv_bytes) / bandwidth
     flops_s = b * (2 * counts.active + 2 * layers * q * context) / (e * peak)
-    across = e > lay.gpus_per_node
+    across = e > (lay.engine_gpus or lay.gpus_per_node)  # (engine GPUs inside a node: within it)
     link, latency = ((gpu.network_gbps, NETWORK_LATENCY_S) if across else (gpu.nvlink_gbps, NVLINK_LATENCY_S))
     comm_s = 2 * layers * (latency + b * h * we * 2 * (e - 1) / e / (link * 1e9)) if e > 1 else 0.0
     step_s = max(memory_s, flops_s) + comm_s
@@ -184,8 +185,8 @@ def sync_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, t
     if lay.colocated:
         path = "network" if lay.engine_tp > lay.gpus_per_node else "NVLink"
         moved = per_gpu
-    else:
-        path, moved = "network", counts.total * we
+    else:  # broadcast from the trainer's senders: within the node when trainer and replicas share one node
+        path, moved = "NVLink" if lay.engine_gpus and lay.nodes == 1 else "network", counts.total * we
     transfer = moved / ((gpu.network_gbps if path == "network" else gpu.nvlink_gbps) * 1e9)
     host = gpu.host_gbps * 1e9
     sleep = 2 * per_gpu / host if lay.colocated and lay.sleep_level == 1 else 0.0

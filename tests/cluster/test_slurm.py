@@ -103,6 +103,24 @@ def test_two_node_job_of_the_tiny_config_completes_and_writes_metrics(slurm, tmp
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
 
 
+def test_the_batch_script_sizes_the_trainer_by_trainer_gpus_per_node_not_by_the_nodes_gpus(slurm, tmp_path):
+    """TRAINER_GPUS_PER_NODE=1 of GPUS_PER_NODE=2 (the rest for replicas): the pre-srun check sees 1 trainer process
+    a node, so TP 2 is refused there (with 2 it would pass), in the batch log, before any srun."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["--config", "configs/tiny_cpu.yaml", f"model.path={run_dir}/model", f"train.run_dir={run_dir}",
+            "parallel.tp=2", "parallel.sequence_parallel=true"]
+    proc = subprocess.run(["sbatch", "--parsable", "-N", "2", "--output", str(run_dir / "batch.log"),
+                           "slurm/train.sbatch", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**slurm, "GPUS_PER_NODE": "2", "TRAINER_GPUS_PER_NODE": "1"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    assert wait_for(slurm, job, 120) == "FAILED"
+    batch = (run_dir / "batch.log").read_text()
+    assert "config error: parallel.tp=2 must divide the GPUs per node (1)" in batch, batch
+    assert not list((run_dir / "logs").glob("*.node*.log"))  # refused before srun
+
+
 @pytest.mark.slow  # (~3 min: the default run keeps the two-node job and test_slurm_requeue's requeue logic)
 def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm, tmp_path):
     run_dir = tmp_path / "run"

@@ -74,14 +74,17 @@ def check_model_layout(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int
                           f"{divisors(ffn)[:12]}")
 
 
-def check_job_shape(cfg, hf: dict, nodes: int, gpus_per_node: int) -> None:
+def check_job_shape(cfg, hf: dict, nodes: int, gpus_per_node: int, node_gpus: int = 0) -> None:
     """What only the job's shape tells (on top of ``validate`` at its world size): TP groups inside a node, the
-    nodes that host replicas, vLLM's rule for the engine TP."""
+    nodes that host replicas and the GPUs their replicas take, vLLM's rule for the engine TP. ``gpus_per_node``:
+    the trainer's processes per node; ``node_gpus``: each node's GPUs, when known (0: not checked)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     # replicas spawned on the last N of these nodes (engines/remote/nodes.place)
     if not cfg.engine.replica_nodes_dedicated:
         check_replica_nodes_fit(cfg.engine.replicas, cfg.engine.replica_nodes, nodes, nodes * gpus_per_node)
+    if cfg.engine.placement == "disaggregated":
+        check_replica_devices(cfg.engine, gpus_per_node, node_gpus)
     tp, etp = cfg.parallel.tp, cfg.engine.tensor_parallel_size
     if gpus_per_node % tp:
         raise ConfigError(f"parallel.tp={tp} must divide the GPUs per node ({gpus_per_node}) so that a TP group "
@@ -90,6 +93,35 @@ def check_job_shape(cfg, hf: dict, nodes: int, gpus_per_node: int) -> None:
     if heads % etp or (kv % etp and etp % kv):
         raise ConfigError(f"engine.tensor_parallel_size={etp} must divide the attention heads ({heads}) and "
                           f"divide or be a multiple of the KV heads ({kv}) (vLLM's rule)")
+
+
+def replica_device_ids(devices: str) -> list[int]:
+    """``engine.replica_devices`` as CUDA device ids ('6,7' → [6, 7]); ConfigError unless distinct ids >= 0."""
+    ids = [d.strip() for d in devices.split(",") if d.strip()]
+    if not all(d.isdigit() for d in ids) or len(set(ids)) != len(ids):
+        raise ConfigError(f"engine.replica_devices={devices!r}: must be distinct CUDA device ids of a node, "
+                          "comma-separated (e.g. '6,7')")
+    return [int(d) for d in ids]
+
+
+def check_replica_devices(e, trainer_per_node: int, node_gpus: int = 0) -> None:
+    """``engine.replica_devices`` against the node: a trainer process holds the GPU of its local rank
+    (``bootstrap``: 0 .. processes per node − 1), so on nodes that also run trainer ranks (not
+    ``engine.replica_nodes_dedicated``) the replicas take GPUs from ``trainer_per_node`` on; and every id is one of
+    the node's ``node_gpus`` (0: not known, not checked)."""
+    ids = replica_device_ids(e.replica_devices)
+    if ids and not e.replica_nodes_dedicated and min(ids) < trainer_per_node:
+        free = f"{trainer_per_node}..{node_gpus - 1}" if node_gpus > trainer_per_node else "none"
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} takes GPU {min(ids)}, which trainer local "
+                          f"rank {min(ids)} holds (the trainer runs {trainer_per_node} processes a node, on GPUs "
+                          f"0..{trainer_per_node - 1}: TRAINER_GPUS_PER_NODE / --nproc); valid ids: {free} "
+                          "(start the trainer on fewer processes a node to free GPUs for the replicas)")
+    if ids and node_gpus and max(ids) >= node_gpus:
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names GPU {max(ids)}, but a node has "
+                          f"{node_gpus} GPUs (0..{node_gpus - 1})")
+    if node_gpus and not e.replica_nodes_dedicated and trainer_per_node + len(ids) > node_gpus:
+        raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: {len(ids)} replica GPUs + "
+                          f"{trainer_per_node} trainer processes a node exceed the node's {node_gpus} GPUs")
 
 
 def check_replica_share(replicas: int, replica_nodes: int) -> None:

@@ -29,8 +29,10 @@ from megarl.rewards.base import check_reward_call, import_reward_fn
 
 
 def checked_config(config: str | None, overrides: list[str], nproc: int, per_node: int = 0, command: str = "",
-                   notes: bool = True, say: Callable[[str], None] | None = None) -> RunConfig:
+                   notes: bool = True, say: Callable[[str], None] | None = None, node_gpus: int = 0) -> RunConfig:
     """The config, after every check made before a process starts (``ConfigError`` naming what is wrong).
+    ``per_node``: the trainer's processes per node; ``node_gpus``: each node's GPUs when known (the replicas'
+    ``engine.replica_devices`` are checked against both).
     ``notes``: say which keys set the run will not read, and stale data met by no off-policy correction (on
     stderr); ``say``: where the loader's notes go."""
     cfg = load_config(config, overrides, say=say)
@@ -43,7 +45,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
         check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
         check_resume_precision(cfg)  # ... in the trainer's precision
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
-        check_job_shape(cfg, hf, nproc // per_node, per_node)
+        check_job_shape(cfg, hf, nproc // per_node, per_node, node_gpus)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
     extras = check_run_data(cfg, stores, prompt_tools(cfg.env))  # a usable row in a sample (prompt length, the
     # tools' descriptions included); its columns

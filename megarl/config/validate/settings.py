@@ -13,7 +13,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.loader import check_choices
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import validate_algo
-from megarl.config.validate.layout import check_world_layout, validate_replica_nodes
+from megarl.config.validate.layout import check_world_layout, replica_device_ids, validate_replica_nodes
 from megarl.config.validate.limits import check_engine_sizes, check_microbatch_tokens, check_ranges, cuda_available
 from megarl.config.validate.model import check_model_fits
 
@@ -31,7 +31,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
     check_choices(cfg)
     check_world_layout(cfg, world_size, hf_config)
     _validate_rollout(cfg)
-    _validate_engine_and_sync(cfg)
+    _validate_engine_and_sync(cfg, here)
     validate_algo(cfg)
     _validate_train(cfg)
     _validate_model_keys(cfg)
@@ -74,7 +74,9 @@ def _validate_rollout(cfg: RunConfig) -> None:
                           "once; set engine.placement=disaggregated or rollout.overlap=none")
 
 
-def _validate_engine_and_sync(cfg: RunConfig) -> None:
+def _validate_engine_and_sync(cfg: RunConfig, here: bool = True) -> None:
+    """``here``: the engines run on this machine (its CUDA decides); else (``megarl plan`` on a login node) the GPUs
+    are the cluster's: ``engine.replica_devices`` is checked when given, never refused for CUDA absent here."""
     e, s = cfg.engine, cfg.sync
     if e.slots < 1:
         raise ConfigError(f"engine.slots must be >= 1, got {e.slots}")
@@ -90,9 +92,10 @@ def _validate_engine_and_sync(cfg: RunConfig) -> None:
         raise ConfigError("sync.transport=nccl needs CUDA on the trainer and the engines (torch.cuda.is_available() "
                           "is False here); use sync.transport=gloo")
     validate_replica_nodes(e)
-    devices = [d for d in e.replica_devices.split(",") if d.strip()]
+    devices = replica_device_ids(e.replica_devices)
     per_node = e.replicas // max(1, e.replica_nodes) * e.tensor_parallel_size
-    if e.placement == "disaggregated" and cuda_available() and len(devices) != per_node:
+    on_gpus = cuda_available() if here else bool(devices)
+    if e.placement == "disaggregated" and on_gpus and len(devices) != per_node:
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r}: disaggregated replicas on GPUs need "
                           f"(engine.replicas / hosting nodes) × engine.tensor_parallel_size = {per_node} "
                           "CUDA device ids of each hosting node, apart from the trainer's (e.g. '4,5,6,7')")
@@ -100,7 +103,7 @@ def _validate_engine_and_sync(cfg: RunConfig) -> None:
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r} places disaggregated replicas; colocated "
                           "engines run on their trainer rank's own device: leave it empty or set "
                           "engine.placement=disaggregated")
-    if devices and not cuda_available():
+    if devices and here and not cuda_available():
         raise ConfigError(f"engine.replica_devices={e.replica_devices!r} names CUDA devices, but CUDA is absent here; "
                           "leave it empty (replicas are plain processes on CPU)")
     if s.timeout_s <= 0:
