@@ -128,6 +128,14 @@ def test_padding_counts_for_nothing_in_the_router_losses(models, layout):
     assert got["padding_rows_finite"] and got["padding_rows_skipped"] == 0.0
 
 
+def test_a_bf16_trainer_routes_in_fp32(models):
+    """Under bf16 the routers take bf16 hidden states and score the experts in fp32 (``moe_router_dtype``): bf16
+    scores tie where vLLM's fp32 ones do not, and flip routes (bench/routing_replay.py)."""
+    paths, _ = models
+    got = run_script(["tests/workers/router_dtype_checks.py", str(paths["qwen3_moe"]), "bf16_single"])
+    assert got["calls"] >= 2 and got["inputs"] == ["torch.bfloat16"] and got["logits"] == ["torch.float32"], got
+
+
 @pytest.mark.slow
 def test_pipeline_times_data_parallel_logprobs_keep_every_rank_rows(models):
     """EP=2 × PP=2 on four processes (DP=2), one microbatch per DP rank padded for the pipeline: the logprobs
