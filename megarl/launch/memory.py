@@ -123,7 +123,6 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
     logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
 
-    kv = kv_cache_use(hf, cfg, lay, precision)
     parts = {
         "weights": params * w / GIB,
         "gradients": params * 4 / GIB,
@@ -136,6 +135,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     }
     # reserved whatever the rollout needs (kv_cache_memory_bytes), or the rest of engine.gpu_memory_utilization
     parts["kv_cache"] = engine_reserved_gib(cfg, parts["engine_weights"], parts["cuda_graphs"], gpu_mem_gib)
+    kv = kv_cache_use(hf, cfg, lay, precision, parts["kv_cache"])
     parts["total"], parts["peak"] = peak_of(parts, lay)
     parts["optimizer_without_distributed"] = opt_full / GIB
     parts["activations_full_recompute"] = act_recompute / GIB
@@ -179,14 +179,17 @@ def rollout_sequences(cfg: RunConfig) -> int:
     return int(r.prompts_per_step * r.samples_per_prompt * (r.oversubscription if r.mode != "sync" else 1))
 
 
-def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> dict:
-    """The rollout's KV cache per GPU against ``engine.kv_cache_gib``: bytes per token on one engine GPU,
-    the sequences the rollout runs at once (min(slots, rollout sequences)), the bytes they need at
-    ``engine.max_model_len``, and how many of them the configured cache holds at once."""
+def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32",
+                 reserved_gib: float | None = None) -> dict:
+    """The rollout's KV cache per GPU against what the engine reserves (``reserved_gib``, default
+    ``engine.kv_cache_gib``): bytes per token on one engine GPU, the sequences the rollout runs at once (min(slots,
+    rollout sequences)), the bytes they need at ``engine.max_model_len``, and how many of them the cache holds at
+    once."""
     concurrent = min(cfg.engine.slots, rollout_sequences(cfg))
     per_token = kv_bytes_per_token(hf, lay.engine_tp, engine_bytes(cfg, precision))
     per_sequence = cfg.engine.max_model_len * per_token
-    held = min(concurrent, int(cfg.engine.kv_cache_gib * GIB // per_sequence))
+    reserved = cfg.engine.kv_cache_gib if reserved_gib is None else reserved_gib
+    held = min(concurrent, int(reserved * GIB // per_sequence))
     return {"per_token": per_token, "per_sequence": per_sequence, "sequences": concurrent,
             "needed": concurrent * per_sequence, "held": held}
 

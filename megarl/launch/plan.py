@@ -170,6 +170,9 @@ def sizing(cfg: RunConfig) -> dict:
     out = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SIZING_KEYS}
     if not (cfg.trainer.packing and out["trainer.max_tokens_per_microbatch"]):
         out.pop("trainer.max_tokens_per_microbatch")
+    if cfg.engine.gpu_memory_utilization:  # (the KV cache is the rest of that share, not engine.kv_cache_gib)
+        out["engine.gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+        out.pop("engine.kv_cache_gib")
     return out
 
 

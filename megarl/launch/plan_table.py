@@ -42,7 +42,9 @@ def _batch_key(res: dict) -> str:
 def kv_note(res: dict) -> str:
     """engine.kv_cache_gib (the row's value) against what the rollout's sequences need at engine.max_model_len."""
     want, held, need = res["kv_cache_sequences"], res["kv_cache_sequences_held"], res["kv_cache_needed"]
-    note = f"engine.kv_cache_gib; {want} sequences at engine.max_model_len need {amount(need, res)} {unit_of(res)[0]}"
+    source = "engine.gpu_memory_utilization's rest" if res["sized_at"].get("engine.gpu_memory_utilization") \
+        else "engine.kv_cache_gib"
+    note = f"{source}; {want} sequences at engine.max_model_len need {amount(need, res)} {unit_of(res)[0]}"
     if held < want:
         note += f": it holds {held} at once, vLLM runs fewer"
     return note

@@ -450,3 +450,22 @@ def test_the_plan_counts_cuda_graphs_and_a_gpu_memory_utilization_share():
     assert share["engine_weights"] + share["cuda_graphs"] + share["kv_cache"] == pytest.approx(40.0)
     assert share["total"] == pytest.approx(graphs["total"] - 12.0 - graphs["engine_weights"] - graphs["cuda_graphs"]
                                            + 40.0)
+
+
+def test_a_gpu_memory_utilization_share_sizes_the_kv_cache_the_plan_counts_sequences_in(capsys, tmp_path):
+    """With engine.gpu_memory_utilization the sequences the KV cache holds at once come from what that share leaves
+    (not engine.kv_cache_gib), and the printed KV line names the share."""
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=16", "parallel.etp=1",
+              "engine.tensor_parallel_size=16", "engine.slots=256", "engine.kv_cache_gib=0.5"]
+    small = _plan(QWEN3_30B_A3B, 2, 8, 80, layout)
+    share = _plan(QWEN3_30B_A3B, 2, 8, 80, [*layout, "engine.gpu_memory_utilization=0.5"])
+    per_sequence = share["kv_cache_needed"] / share["kv_cache_sequences"]
+    assert small["kv_cache_sequences_held"] == int(0.5 / per_sequence)
+    held = min(share["kv_cache_sequences"], int(share["memory_gib_per_gpu"]["kv_cache"] / per_sequence))
+    assert share["kv_cache_sequences_held"] == held > small["kv_cache_sequences_held"]
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(QWEN3_30B_A3B))
+    main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", "--gpu-mem-gib", "80", *layout,
+          "engine.gpu_memory_utilization=0.5"])
+    out = capsys.readouterr().out
+    assert "engine.gpu_memory_utilization's rest;" in out and "engine.gpu_memory_utilization=0.5" in out
