@@ -79,6 +79,12 @@ class Sample:
         self.env_messages.append(message)
         self.env_spans.append((start, start + len(ids)))
 
+    def restart(self) -> None:
+        """Back to its prompt: its trajectory (and episode) dropped, queued to be sampled afresh."""
+        self.response_ids, self.logprobs, self.versions, self.routes = [], [], [], None
+        self.env_messages, self.env_spans, self.env_error = [], [], ""
+        self.status, self.finish_reason = SampleStatus.QUEUED, ""
+
     def segments(self) -> list[tuple[str, list[int]]]:
         """The trajectory in turns: ('assistant', sampled ids) and ('env', rendered ids), in order."""
         out, at = [], 0

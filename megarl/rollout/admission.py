@@ -114,9 +114,7 @@ class PromptBuffer:
             s = self.live[index].samples[j]
             m.tokens_wasted += s.model_tokens
             self.slot_time.pop((index, j), None)
-            s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
-            s.env_messages, s.env_spans, s.env_error = [], [], ""  # (its episode starts afresh too)
-            s.status, s.finish_reason = SampleStatus.QUEUED, ""
+            s.restart()  # (its episode starts afresh too)
         return stale
 
     def entries(self, indices) -> list[tuple[int, int]]:

@@ -102,8 +102,8 @@ class Phase:
         c = self.c
         if self.cfg.mode == "partial":
             c.expire_stale(self.version, self.m)
-        if c.episodes is not None:  # (episodes of groups gone end; a waiting sample with no call in flight ends)
-            c.episodes.sweep(c.live)
+        if c.episodes is not None:  # (episodes of groups gone end; one whose instance is gone goes on or restarts)
+            self.m.tokens_wasted += c.episodes.sweep(c.live)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
                 c.release(index, self.version, self.released, self.m)

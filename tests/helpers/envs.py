@@ -90,3 +90,13 @@ def lookup(key: str) -> dict:
 
 def undocumented(x: int) -> int:
     return x
+
+
+class Unpicklable(Slow):
+    """``Slow`` holding a lock: its instances cannot be pickled (a resume restarts their episodes)."""
+
+    def __init__(self, **row) -> None:
+        import threading
+
+        super().__init__(**row)
+        self.guard = threading.Lock()

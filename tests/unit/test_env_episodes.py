@@ -4,6 +4,7 @@ transcript, and ``env.*`` checked before launch."""
 
 import json
 import pickle
+import re
 import time
 
 import pytest
@@ -275,36 +276,88 @@ def test_episodes_go_on_across_phases(tok, mode, monkeypatch):
         rewards.close()
 
 
-def test_a_resume_mid_episode_ends_the_episodes_whose_instance_is_gone_and_goes_on(tok, monkeypatch):
-    """A run checkpoint holds the controller, not the environments' workers: a sample that waited on its
-    environment (or was between turns) when the checkpoint was taken ends its episode on resume, counted, scored as
-    it stands; the other samples go on. (Keeping picklable environments across a resume is not built yet.)"""
-    monkeypatch.setenv("SLOW_ENV_S", "0.05")
-    rows = [{"turns": 2}, {"turns": 4}] * 2
-    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
-                                     rollout_groups=2, staleness_limit=4)
+def run_until(c, n, first_version=0):
+    released = []
+    for version in range(first_version, first_version + 12):
+        groups, _ = c.run_phase(version)
+        released += groups
+        if len(released) >= n:
+            break
+    return released
+
+
+def messages(groups):
+    """Each sample's environment messages, the worker's pid (``go on (PID)``) replaced: what the instances said."""
+    return {(g.prompt_index, j): [(m["role"], re.sub(r"\(\d+\)", "(pid)", m["content"])) for m in s.env_messages]
+            for g in groups for j, s in enumerate(g.samples)}
+
+
+def interrupted(tok, env, rows, **kw):
+    """A partial run's first phase, then its controller's state as a checkpoint holds it (its workers closed: what a
+    kill -9 leaves), loaded into a fresh controller with a fresh pool; (state, the fresh controller, pool, rewards)."""
+    c, _, pool, rewards = controller(tok, rows, env=env, **kw)
     try:
         c.run_phase(0)
         state = c.snapshot()
     finally:
         pool.close()
         rewards.close()
-    mid = [s for _, samples, _, _ in pickle.loads(state)["live"].values() for s in samples if s.env_messages or
-           s.status == SampleStatus.WAITING]
-    assert mid  # (the checkpoint caught episodes unfinished)
-    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", mode="partial", update_groups=1,
-                                     rollout_groups=2, staleness_limit=4)
+    c, _, pool, rewards = controller(tok, rows, env=env, **kw)
+    c.load_state_dict(pickle.loads(state))
+    return pickle.loads(state), c, pool, rewards
+
+
+PARTIAL = {"mode": "partial", "update_groups": 1, "rollout_groups": 2, "staleness_limit": 4}
+
+
+def test_a_resume_mid_episode_goes_on_from_the_instances_the_checkpoint_kept(tok, monkeypatch):
+    """A run checkpoint keeps each picklable instance as it was after its last answer: a fresh run (new workers)
+    loaded from it continues every episode where it was, a sample that waited on its answer asked again, and the
+    instances say what an uninterrupted run's say (their turn counts and the pid of the worker that first built
+    them carried over)."""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    state, c, pool, rewards = interrupted(tok, "helpers.envs:Slow", rows, **PARTIAL)
+    mid = [s for _, samples, _, _ in state["live"].values() for s in samples
+           if s.env_messages or s.status == SampleStatus.WAITING]
+    assert mid and state["episodes"]["saved"]  # (the checkpoint caught episodes unfinished, with instances)
     try:
-        c.load_state_dict(pickle.loads(state))
-        released, ended = [], 0
-        for version in range(1, 10):
-            groups, m = c.run_phase(version)
-            released += groups
-            ended += m.env_errors
-            if len(released) >= 3:
-                break
-        lost = [s for g in released for s in g.samples if s.env_error.startswith("lost")]
-        assert len(lost) == ended == len(mid) and {g.prompt_index for g in released} == {1, 2, 3}
+        released = run_until(c, 3, 1)
+        assert {g.prompt_index for g in released} == {1, 2, 3}
+        assert_whole_episodes(tok, released)  # every turn of every episode, none lost or ended early
+        assert pool.resumed == len(mid) and pool.restarted == pool.lost == pool.errors == 0
+        for g in released:
+            for s in g.samples:
+                pids = {m["content"] for m in s.env_messages if m["role"] == "user"}
+                assert len(pids) <= 1  # one instance for the whole episode, across the resume
+    finally:
+        pool.close()
+        rewards.close()
+    c, _, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", **PARTIAL)
+    try:
+        straight = run_until(c, 4)
+    finally:
+        pool.close()
+        rewards.close()
+    want = messages(straight)
+    assert all(want[where] == said for where, said in messages(released).items())
+
+
+def test_a_resume_restarts_the_episodes_whose_instance_cannot_be_pickled_and_says_so(tok, monkeypatch, caplog):
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    state, c, pool, rewards = interrupted(tok, "helpers.envs:Unpicklable", rows, **PARTIAL)
+    mid = [s for _, samples, _, _ in state["live"].values() for s in samples if s.env_messages]
+    waiting_first = [s for _, samples, _, _ in state["live"].values() for s in samples
+                     if s.status == SampleStatus.WAITING and not s.env_messages]
+    assert mid and "cannot pickle" in next(iter(state["episodes"]["unpicklable"].values()))
+    try:
+        with caplog.at_level("WARNING", logger="megarl.rollout.turns"):
+            released = run_until(c, 3, 1)
+        assert {g.prompt_index for g in released} == {1, 2, 3}
+        assert_whole_episodes(tok, released)  # started again from the prompt, then whole
+        assert pool.restarted == len(mid) and pool.resumed == len(waiting_first) and pool.lost == 0
+        assert "starts again from its prompt" in caplog.text and "cannot be pickled" in caplog.text
     finally:
         pool.close()
         rewards.close()
