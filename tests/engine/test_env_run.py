@@ -64,5 +64,5 @@ def test_a_kill_9_mid_run_resumes_with_its_environment_counts_and_no_prompt_lost
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     calls = [r["env/calls"] for r in steps]
     assert calls == sorted(calls) and calls[2] > calls[1] > 0  # (restored, not restarted from 0)
-    assert steps[-1]["env/restarted"] == 0 and "starts again from its prompt" not in out and "lost: " not in out
+    assert steps[-1]["env/restarted"] == 0 and "starts again from its prompt" not in out
     no_prompt_lost_or_twice(final_state(run))
