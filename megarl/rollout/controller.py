@@ -213,8 +213,7 @@ class RolloutController(PromptBuffer):
         self.score(group)
         with self.lock:
             lengths = [s.model_tokens for s in g.samples]  # (a trajectory's environment tokens are not the model's)
-            if g.item.key is not None:
-                self.length_cache[g.item.key] = sum(lengths) / len(lengths)
+            self.learn(g.item, g.samples)
             times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
             self.forget_time(index)
             if not self.keep_group(group):

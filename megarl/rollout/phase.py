@@ -327,6 +327,8 @@ class Phase:
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0
         m.slot_time_total = sum(e.slots for e in c.engines) * m.duration
+        if m.tokens_generated:  # (what a token costs a slot: the environments' time in tokens, ``expected.py``)
+            c.token_s = m.slot_time_busy / m.tokens_generated
         c.clock = end
         m.buffer_groups = len(c.live)
         m.prompts_discarded_twice = sum(1 for g in c.live.values() if g.discards >= 2) + sum(

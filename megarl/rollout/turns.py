@@ -109,6 +109,7 @@ class Episodes:
             s, where = self.waiting.pop(r.key, None), r.key[:2]
             if s is None or self.keys.get(where) != r.key or s.status != SampleStatus.WAITING:
                 continue  # (its episode ended meanwhile: the sample started again, or a failed phase reset it)
+            s.env_s += r.seconds
             if r.error:
                 s.env_error = f"{r.kind}: {r.error}"
                 log.warning("environment: sample %s: the episode ends after turn %d (%s)", where, s.turns, s.env_error)

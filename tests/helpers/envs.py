@@ -100,3 +100,15 @@ class Unpicklable(Slow):
 
         super().__init__(**row)
         self.guard = threading.Lock()
+
+
+class Sleepy(Countdown):
+    """``Countdown`` whose every answer takes the row's ``delay`` seconds (a prompt with a slow tool)."""
+
+    def __init__(self, delay: float = 0.0, **row) -> None:
+        super().__init__(**row)
+        self.delay = float(delay)
+
+    def step(self, response: str):
+        time.sleep(self.delay)
+        return super().step(response)

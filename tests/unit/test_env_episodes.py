@@ -376,3 +376,31 @@ def test_megarl_train_refuses_a_class_the_dataset_cannot_build_before_launch(tmp
     checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 1, command="train")
     with pytest.raises(ConfigError, match="2 trainer processes"):
         checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 2, command="train")
+
+
+def test_admission_expects_a_trajectorys_remaining_turns_and_tool_time_not_one_length(tok):
+    """Prompt 0 has two short turns and a slow tool, prompt 1 three turns and a fast one: prompt 1's trajectories
+    hold more model tokens, yet prompt 0's take longer (its tool time, in the tokens a slot samples meanwhile); the
+    next time both come, LPT dispatch runs prompt 0 first, and its expected rest shrinks as its turns are answered."""
+    from megarl.rollout.expected import remaining
+    from megarl.types import Sample
+
+    c, _, pool, rewards = controller(tok, [{"turns": 2, "delay": 0.3}, {"turns": 3}], env="helpers.envs:Sleepy",
+                                     dispatch="lpt", slots=4)
+    try:
+        c.run_phase(0)
+    finally:
+        pool.close()
+        rewards.close()
+    assert c.length_cache[1] > c.length_cache[0] and c.turns_cache == {0: 2.0, 1: 3.0}
+    assert c.env_cache[0] >= 2 * 0.3 > 10 * c.env_cache[1] and c.token_s > 0
+    again = iter([PromptItem(2, [1, 2], key=1), PromptItem(3, [1, 2], key=0)])  # (the same prompts, a new epoch)
+    c.next_prompt = lambda: next(again, None)
+    c.admit(1, 2)
+    assert [i for i, _ in c.run_order(None, set())] == [3, 3, 2, 2]
+    assert c._hint(3) > c._hint(2) > c.length_cache[1]
+    # a sample's rest: fewer model tokens and fewer environment calls to come after its first answer
+    first = remaining(Sample([1]), 20.0, 2.0, 0.6, 0.01)
+    s = Sample([1], response_ids=list(range(12)), logprobs=[0.0] * 12, versions=[0] * 12)
+    s.add_env_turn({"role": "tool", "content": "x"}, [7, 7])
+    assert first == pytest.approx(20 + 60) and remaining(s, 20.0, 2.0, 0.6, 0.01) == pytest.approx(8 + 30)
