@@ -225,7 +225,7 @@ class Phase:
             s.finish_reason = ev.finish_reason
             if ev.finish_reason == "stop" and c.episodes is not None and \
                     c.episodes.turn_ended(index, j, s, c.live[index].item.extras):
-                m.env_calls += 1
+                m.tool_calls += 1
                 return  # it waits on its environment, holding no slot
             self.sample_done(index, s)
 

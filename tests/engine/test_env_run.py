@@ -47,7 +47,7 @@ def test_a_multi_turn_run_trains_masks_environment_tokens_and_counts_environment
     # failures, contained: the run went on; each counted where it happened (cumulative counts)
     assert s["env/calls"][-1] > 0 and s["env/errors"][-1] >= 1 and s["env/timeouts"][-1] >= 1
     assert sum(s["rollout/env_errors"]) >= 2
-    assert "timing/env_s" in s and "environment: sample" in out
+    assert "timing/env_s" in s and "environment: sample" in out and sum(s["rollout/tool_calls"]) > 0
 
 
 @pytest.mark.slow

@@ -205,13 +205,16 @@ def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no
     summary = m.summary()
     assert summary["rollout/turns_mean"] == pytest.approx((3 * 2 + 1 * 2) / 4)
     assert summary["rollout/turns_max"] == 3 and summary["rollout/env_errors"] == 2
-    assert summary["rollout/env_calls"] == 2 * 3 + 2  # three calls per good episode (the last ends it), one per bad
+    assert summary["rollout/tool_calls"] == 2 * 3 + 2  # three calls per good episode (the last ends it), one per bad
     env_tokens = sum(s.env_tokens for s in ok.samples)
     model = sum(s.model_tokens for g in groups for s in g.samples)
     assert summary["rollout/env_token_fraction"] == pytest.approx(env_tokens / (env_tokens + model))
     assert summary["rollout/len_trained_mean"] == pytest.approx(model / 4)  # the model's tokens only
     assert sum(m.staleness.values()) == model  # the staleness histogram counts the model's tokens too
     assert pool.calls == 8 and pool.errors == 2
+    issue_names = {"rollout/turns_mean", "rollout/turns_max", "rollout/tool_calls", "rollout/env_errors",
+                   "rollout/env_token_fraction", "timing/env_s"}  # (the names issue 40 asks for: stable)
+    assert issue_names <= set(summary) | set(pool.metrics())
 
 
 def test_max_turns_and_max_tokens_bound_an_episode(tok):
