@@ -85,10 +85,11 @@ class EnvPool:
     """Runs environment calls in ``workers`` processes, one instance per episode key; see the module docstring."""
 
     def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 tools: str = "") -> None:
-        """``tools``: ``env.tools`` (the built-in ``env.fn: tools``)."""
-        self.spec, self.timeout_s, self.tools = spec, timeout_s, tools
-        self._workers = [self._start() for _ in range(max(1, workers))]
+                 tools: str = "", runs: bool = True) -> None:
+        """``tools``: ``env.tools`` (the built-in ``env.fn: tools``). ``runs=False``: a trainer rank whose
+        environments rank 0 runs (``turns.Episodes``' ``shared``): no workers; calls are counted and go nowhere."""
+        self.spec, self.timeout_s, self.tools, self.runs = spec, timeout_s, tools, runs
+        self._workers = [self._start() for _ in range(max(1, workers) if runs else 0)]
         self._queues: list[collections.deque] = [collections.deque() for _ in self._workers]
         self._home: dict[object, int] = {}  # episode key → the worker holding its instance
         self._lost: set = set()  # episodes whose instance died with a replaced worker
@@ -110,6 +111,8 @@ class EnvPool:
         """Ask episode ``key``'s environment for its next message (built from ``row`` on the first call, or from
         ``state``, an ``EnvResult.state`` of an earlier run, when given)."""
         self.calls += 1
+        if not self.runs:
+            return
         if key in self._lost:
             self._lost.discard(key)
             self._home.pop(key, None)

@@ -241,12 +241,11 @@ class Phase:
     def env_answers(self, block: bool) -> None:
         """Environments' answers: samples whose episode goes on re-enter the run queue first; the others are done.
         ``block``: no engine has work, so wait for an answer (the engines idle meanwhile: their clocks move on)."""
-        start = time.perf_counter()
-        again, ended = self.c.episodes.answers(timeout=self.c.episodes.pool.timeout_s + 1.0 if block else 0.0)
-        if block:
-            waited = time.perf_counter() - start
-            self.times = [t + waited for t in self.times]
-            self.now += waited
+        episodes = self.c.episodes
+        again, ended = episodes.answers(timeout=episodes.pool.timeout_s + 1.0 if block else 0.0)
+        if block:  # (the wait as rank 0 measured it: lockstep ranks move their clocks alike)
+            self.times = [t + episodes.waited for t in self.times]
+            self.now += episodes.waited
         for index, j in reversed(again):
             if index not in self.c.live:
                 continue  # (its group left meanwhile: the next phase's sweep ends its episode)

@@ -42,9 +42,13 @@ class Episodes:
     """The environments of a controller's samples; see the module docstring."""
 
     def __init__(self, pool: EnvPool, render, tokenizer, max_turns: int, max_tokens: int,
-                 on_call: Callable[[float, float], None] | None = None) -> None:
-        """``on_call(start, end)``: told of each answered call (perf_counter seconds; the trace's spans)."""
-        self.pool, self.render, self.tokenizer, self.on_call = pool, render, tokenizer, on_call
+                 on_call: Callable[[float, float], None] | None = None, shared: bool = False) -> None:
+        """``on_call(start, end)``: told of each answered call (perf_counter seconds; the trace's spans).
+        ``shared``: several trainer ranks run this controller in lockstep (colocated): rank 0's pool runs the
+        environments, the other ranks' run none (``EnvPool(runs=False)``), and each ``answers`` hands every rank
+        rank 0's answers, and how long it waited for them, at the same point of the phase."""
+        self.pool, self.render, self.tokenizer, self.on_call, self.shared = pool, render, tokenizer, on_call, shared
+        self.waited = 0.0  # seconds the last ``answers`` waited (rank 0's, under ``shared``)
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.keys: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, sample) → its episode's pool key
         self.serial = itertools.count()
@@ -96,7 +100,13 @@ class Episodes:
     def answers(self, timeout: float = 0.0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The environments' answers that arrived (waiting up to ``timeout`` for a first): the samples to run again
         and the samples whose episode ended."""
+        start = time.perf_counter()
         results = self.pool.poll(timeout)
+        self.waited = time.perf_counter() - start
+        if self.shared:  # (one broadcast: the same answers, at the same point, on every rank)
+            from megarl.distributed.collectives import share  # (torch.distributed: the controller imports none)
+
+            results, self.waited = share((results, self.waited))
         with self.lock:
             return self._apply(results)
 
@@ -207,11 +217,16 @@ def transcript(s: Sample, tokenizer) -> list[dict]:
 
 
 def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | None = None) -> Episodes | None:
-    """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one;
-    ``on_call``: ``Episodes``'."""
+    """The environments ``env.*`` asks for (workers start now, on trainer rank 0 only; a bad ``env.fn`` raises
+    here), None without one; ``on_call``: ``Episodes``'. Several trainer ranks: colocated, every rank's controller
+    runs the phase in lockstep on rank 0's answers (``shared``); disaggregated, rank 0's alone runs it."""
+    from megarl.distributed.collectives import rank_and_world
+
     e = cfg.env
     if not e.fn:
         return None
+    rank, world = rank_and_world()
     render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
-    pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools)
-    return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call)
+    pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools, runs=rank == 0)
+    return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call,
+                    shared=world > 1 and cfg.engine.placement == "colocated")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from helpers.scripted import ScriptedEngine
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RunConfig
 from megarl.config.validate import validate
@@ -20,7 +21,7 @@ from megarl.rewards.pool import RewardPool
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
 from megarl.rollout.scoring import group_scorer
 from megarl.rollout.turns import Episodes
-from megarl.types import SampleStatus, StepReport, TokenEvent
+from megarl.types import SampleStatus
 
 
 @pytest.fixture(scope="module")
@@ -119,50 +120,13 @@ def test_bad_env_values_are_refused_naming_the_key(override, key):
         validate(cfg, 1)
 
 
-def test_more_than_one_trainer_process_is_refused():
+def test_several_trainer_processes_are_accepted():  # (rank 0 runs the environments: test_env_lockstep.py)
     cfg = RunConfig()
     cfg.env.fn, cfg.rollout.mode, cfg.rollout.overlap = "helpers.envs:Countdown", "sync", "none"
-    with pytest.raises(ConfigError, match="2 trainer processes"):
-        validate(cfg, 2)
+    validate(cfg, 2)
 
 
 # ---- the controller across turns ------------------------------------------------------------------------------
-class ScriptedEngine:
-    """A slot engine whose every model turn is the tokens of ``turn N of sample J`` and EOS, emitted in one step
-    (N: the environment messages in its request so far, found by the tool/user headers in the prompt)."""
-
-    def __init__(self, tok, slots: int) -> None:
-        self.tok, self.slots, self.active, self.log, self.budgets = tok, slots, {}, [], []
-        self.header = tok.convert_tokens_to_ids("<|im_start|>")
-
-    def submit(self, request) -> None:
-        self.active[request.request_id] = request
-        self.log.append((request.key, request.generated))
-        self.budgets.append(request.max_tokens)
-
-    def abort(self, request_ids) -> None:
-        for rid in request_ids:
-            self.active.pop(rid, None)
-
-    def num_active(self) -> int:
-        return len(self.active)
-
-    def step(self) -> StepReport:
-        rid, request = next(iter(self.active.items()))
-        del self.active[rid]
-        turn = (request.prompt_ids.count(self.header) - 2) // 2  # (each environment turn: its and the next headers)
-        ids = self.tok(f"turn {turn} of sample {request.key[1]}", add_special_tokens=False)["input_ids"]
-        ids = (ids + [self.tok.eos_token_id])[:request.max_tokens]
-        reason = "stop" if ids[-1] == self.tok.eos_token_id else "length"
-        return StepReport([TokenEvent(rid, ids, [-0.25] * len(ids), True, reason)], 0.01, 1)
-
-    def reset(self) -> None:
-        self.active.clear()
-
-    def reseed(self, seed: int) -> None:
-        pass
-
-
 def controller(tok, rows, slots=1, max_tokens=200, max_turns=4, reward="helpers.envs:transcript_turns",
                env="helpers.envs:Countdown", **kw):
     renderer = TurnRenderer(tok, CHATML_TEMPLATE)
@@ -377,8 +341,6 @@ def test_megarl_train_refuses_a_class_the_dataset_cannot_build_before_launch(tmp
     with pytest.raises(ValueError, match=r"data.path=.*env.fn='helpers.envs:Strict'.*difficulty"):
         checked_config(None, [*run, "env.fn=helpers.envs:Strict"], 1, command="train")
     checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 1, command="train")
-    with pytest.raises(ConfigError, match="2 trainer processes"):
-        checked_config(None, [*run, "env.fn=helpers.envs:Countdown"], 2, command="train")
 
 
 def test_admission_expects_a_trajectorys_remaining_turns_and_tool_time_not_one_length(tok):
