@@ -104,7 +104,7 @@ class Episodes:
         results = self.pool.poll(timeout)
         self.waited = time.perf_counter() - start
         if self.shared:  # (one broadcast: the same answers, at the same point, on every rank)
-            from megarl.distributed.collectives import share  # (torch.distributed: the controller imports none)
+            from megarl.distributed.collectives import share  # deferred: torch.distributed, the controller imports none
 
             results, self.waited = share((results, self.waited))
         with self.lock:
@@ -220,7 +220,7 @@ def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | Non
     """The environments ``env.*`` asks for (workers start now, on trainer rank 0 only; a bad ``env.fn`` raises
     here), None without one; ``on_call``: ``Episodes``'. Several trainer ranks: colocated, every rank's controller
     runs the phase in lockstep on rank 0's answers (``shared``); disaggregated, rank 0's alone runs it."""
-    from megarl.distributed.collectives import rank_and_world
+    from megarl.distributed.collectives import rank_and_world  # deferred: torch.distributed, as above
 
     e = cfg.env
     if not e.fn:
