@@ -369,3 +369,37 @@ def test_admission_expects_a_trajectorys_remaining_turns_and_tool_time_not_one_l
     s = Sample([1], response_ids=list(range(12)), logprobs=[0.0] * 12, versions=[0] * 12)
     s.add_env_turn({"role": "tool", "content": "x"}, [7, 7])
     assert first == pytest.approx(20 + 60) and remaining(s, 20.0, 2.0, 0.6, 0.01) == pytest.approx(8 + 30)
+
+
+def test_a_failed_phase_put_back_goes_on_from_the_instances_it_had_before(tok, monkeypatch):
+    """An engine error mid-phase: the controller's state from before the phase is loaded back (as ``PhaseRunner``
+    does), the same pool still running; the answers of the failed phase's calls are ignored, and each episode goes
+    on from its instance as it was before the phase, whole, none lost."""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    c, engine, pool, rewards = controller(tok, rows, env="helpers.envs:Slow", **PARTIAL)
+    try:
+        released, _ = c.run_phase(0)
+        before = c.snapshot()
+        steps, real = [0], engine.step
+
+        def failing():
+            steps[0] += 1
+            if steps[0] > 1:
+                raise RuntimeError("engine died")
+            return real()
+
+        engine.step = failing
+        with pytest.raises(RuntimeError, match="engine died"):
+            c.run_phase(1)
+        engine.step = real
+        engine.reset()
+        c.load_state_dict(pickle.loads(before))
+        mid = sum(1 for g in c.live.values() for s in g.samples if s.env_messages and s.status != SampleStatus.FINISHED)
+        released += run_until(c, 3, 1)
+        assert {g.prompt_index for g in released} == {0, 1, 2, 3}
+        assert_whole_episodes(tok, released)
+        assert pool.resumed >= mid > 0 and pool.restarted == pool.lost == pool.errors == 0
+    finally:
+        pool.close()
+        rewards.close()
