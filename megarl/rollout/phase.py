@@ -140,11 +140,13 @@ class Phase:
                 self.running[rid], self.engine_of[rid] = (index, j), k
 
     def admit_for_free_slots(self) -> None:
-        """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
+        """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget). A sample
+        waiting on its environment counts as runnable: it needs a slot again once answered (otherwise every step of
+        a slow tool's wait would admit another group, and the live set grow to the whole source)."""
         c, cfg = self.c, self.cfg
         free, room = sum(e.slots - e.num_active() for e in c.engines), self.room()
         while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
-                len(self.queue) + sum(map(len, self.own)) < free
+                len(self.queue) + sum(map(len, self.own)) + c.waiting() < free
                 and len(self.running) + len(self.queue) + c.waiting() + cfg.group_size <= self.budget)):
             index = c.admit_one(self.version)
             if index is None:

@@ -271,7 +271,11 @@ def interrupted(tok, env, rows, **kw):
         rewards.close()
     c, _, pool, rewards = controller(tok, rows, env=env, **kw)
     c.load_state_dict(pickle.loads(state))
-    return pickle.loads(state), c, pool, rewards
+    kept = pickle.loads(state)
+    drawn = set(kept["live"]) | kept["released"] | {item.index for item, *_ in kept["requeued"]}
+    source = c.next_prompt  # (the source goes on past what the first run drew, as a resumed run's does)
+    c.next_prompt = lambda: next((x for x in iter(source, None) if x.index not in drawn), None)
+    return kept, c, pool, rewards
 
 
 PARTIAL = {"mode": "partial", "update_groups": 1, "rollout_groups": 2, "staleness_limit": 4}
@@ -400,6 +404,21 @@ def test_a_failed_phase_put_back_goes_on_from_the_instances_it_had_before(tok, m
         assert {g.prompt_index for g in released} == {0, 1, 2, 3}
         assert_whole_episodes(tok, released)
         assert pool.resumed >= mid > 0 and pool.restarted == pool.lost == pool.errors == 0
+    finally:
+        pool.close()
+        rewards.close()
+
+
+def test_samples_waiting_on_a_slow_tool_count_as_work_to_come_for_admission(tok, monkeypatch):
+    """Two slots, every sample waiting on a slow tool most of the time: the free slots do not admit a group per
+    step (the live set grew to the whole source of 60 prompts before), since the waiting samples need them again."""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    c, _, pool, rewards = controller(tok, [{"turns": 2}] * 60, env="helpers.envs:Slow", mode="partial",
+                                     update_groups=1, rollout_groups=2, slots=2, staleness_limit=4)
+    try:
+        for version in range(2):
+            groups, _ = c.run_phase(version)
+            assert len(groups) == 1 and len(c.live) <= 3
     finally:
         pool.close()
         rewards.close()
