@@ -46,6 +46,7 @@ class Sample:
     env_messages: list[dict] = field(default_factory=list)
     env_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each message's tokens
     env_error: str = ""  # why the environment ended the episode by failing ('' : it did not)
+    env_s: float = 0.0  # seconds its environment's calls took (the controller's expected tool time)
 
     @property
     def turns(self) -> int:
@@ -78,6 +79,12 @@ class Sample:
         self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
         self.env_messages.append(message)
         self.env_spans.append((start, start + len(ids)))
+
+    def restart(self) -> None:
+        """Back to its prompt: its trajectory (and episode) dropped, queued to be sampled afresh."""
+        self.response_ids, self.logprobs, self.versions, self.routes = [], [], [], None
+        self.env_messages, self.env_spans, self.env_error, self.env_s = [], [], "", 0.0
+        self.status, self.finish_reason = SampleStatus.QUEUED, ""
 
     def segments(self) -> list[tuple[str, list[int]]]:
         """The trajectory in turns: ('assistant', sampled ids) and ('env', rendered ids), in order."""

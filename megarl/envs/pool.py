@@ -2,9 +2,10 @@
 
 ::
 
-    submit(key, row, response) ──► the key's home worker (least loaded, fixed for the episode)
-                                      │  Env(**row) on the first call; reply = env.step(response)
-    poll() ◄── EnvResult(key, message | None, error) ◄──┘
+    submit(key, row, response[, state]) ──► the key's home worker (least loaded, fixed for the episode)
+                                      │  Env(**row) on the first call (or the pickled ``state`` it is given);
+                                      │  reply = env.step(response); the instance pickled after it (``state``)
+    poll() ◄── EnvResult(key, message | None, error, state) ◄──┘
                past timeout_s: the worker is killed and replaced; its call times out, and every other episode it
                held is lost (its instance died with it): each ends at its next call, counted in ``env/lost``
 
@@ -12,12 +13,17 @@ Unlike a reward call, ``submit`` returns at once: the rollout controller goes on
 and collects their answers with ``poll``. A call that raises, returns a wrong type, hangs past ``env.timeout_s`` or
 kills its worker ends its episode (``EnvResult.error``) and is counted; nothing raises into the caller.
 Invariants: every submitted call gets exactly one result; a key's calls run in order on one worker.
+
+After each answer that does not end its episode the worker pickles the instance and sends it along
+(``EnvResult.state``; ``state_error`` says why an instance cannot be pickled): a run checkpoint keeps it, and a resumed
+run rebuilds the instance from it (``submit(..., state=...)``), so the episode goes on where it was (``turns.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import pickle
 import sys
 import time
 import traceback
@@ -39,6 +45,8 @@ class EnvResult:
     error: str = ""  # '' on success; else what went wrong (the episode ends)
     kind: str = ""  # 'error' | 'timeout' | 'lost' when ``error`` is set
     seconds: float = 0.0
+    state: bytes | None = None  # the instance pickled after the call (an answer that does not end the episode)
+    state_error: str = ""  # why it could not be pickled
 
 
 def _serve(conn, spec: str, tools: str, parent: int) -> None:
@@ -51,29 +59,43 @@ def _serve(conn, spec: str, tools: str, parent: int) -> None:
         if op == "end":
             envs.pop(key, None)
             continue
-        row, response = rest
+        row, response, state = rest
         try:
-            if key not in envs:
+            if state is not None:  # a resumed episode: its instance as a checkpoint kept it
+                envs[key] = pickle.loads(state)
+            elif key not in envs:
                 envs[key] = cls(**row)
-            conn.send((key, True, as_message(envs[key].step(response)), ""))
+            message = as_message(envs[key].step(response))
         except Exception as exc:  # a user environment must not crash the worker or the run
             envs.pop(key, None)
-            conn.send((key, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:]))
+            conn.send((key, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:], None))
+            continue
+        conn.send((key, True, message, "", None if message is None else _pickled(envs[key])))
+
+
+def _pickled(env) -> bytes | str:
+    """The instance as a checkpoint keeps it, or why it cannot be pickled (a str)."""
+    try:
+        return pickle.dumps(env)
+    except Exception as exc:  # (an open file, a lambda, a lock: the episode restarts on a resume)
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 class EnvPool:
     """Runs environment calls in ``workers`` processes, one instance per episode key; see the module docstring."""
 
     def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 tools: str = "") -> None:
-        """``tools``: ``env.tools`` (the built-in ``env.fn: tools``)."""
-        self.spec, self.timeout_s, self.tools = spec, timeout_s, tools
-        self._workers = [self._start() for _ in range(max(1, workers))]
+                 tools: str = "", runs: bool = True) -> None:
+        """``tools``: ``env.tools`` (the built-in ``env.fn: tools``). ``runs=False``: a trainer rank whose
+        environments rank 0 runs (``turns.Episodes``' ``shared``): no workers; calls are counted and go nowhere."""
+        self.spec, self.timeout_s, self.tools, self.runs = spec, timeout_s, tools, runs
+        self._workers = [self._start() for _ in range(max(1, workers) if runs else 0)]
         self._queues: list[collections.deque] = [collections.deque() for _ in self._workers]
         self._home: dict[object, int] = {}  # episode key → the worker holding its instance
         self._lost: set = set()  # episodes whose instance died with a replaced worker
         self._done: list[EnvResult] = []
         self.calls = self.errors = self.timeouts = self.lost = 0
+        self.resumed = self.restarted = 0  # episodes a resume (or a failed phase put back) continued / restarted
         self.seconds, self.traceback_logged = 0.0, False
         self._wait_ready(start_timeout_s)
 
@@ -85,9 +107,12 @@ class EnvPool:
         wait_ready(self._workers, limit_s, "env.fn", self.spec)
 
     # ---- calls ------------------------------------------------------------------------------
-    def submit(self, key, row: dict, response: str) -> None:
-        """Ask episode ``key``'s environment for its next message (built from ``row`` on the first call)."""
+    def submit(self, key, row: dict, response: str, state: bytes | None = None) -> None:
+        """Ask episode ``key``'s environment for its next message (built from ``row`` on the first call, or from
+        ``state``, an ``EnvResult.state`` of an earlier run, when given)."""
         self.calls += 1
+        if not self.runs:
+            return
         if key in self._lost:
             self._lost.discard(key)
             self._home.pop(key, None)
@@ -98,7 +123,7 @@ class EnvPool:
         if key not in self._home:
             load = collections.Counter(self._home.values())
             self._home[key] = min(range(len(self._workers)), key=lambda i: (load[i], i))
-        self._queues[self._home[key]].append(("step", key, row, response))
+        self._queues[self._home[key]].append(("step", key, row, response, state))
         self._dispatch()
 
     def end(self, key) -> None:
@@ -151,12 +176,13 @@ class EnvPool:
                 if not w.ready:
                     self._fail(i, "error", f"a replacement worker failed to start: {msg[1]}")
                 continue
-            key, ok, value, tb = msg
+            key, ok, value, tb, state = msg
             seconds = time.time() - w.task[1]
             w.task = None
             self.seconds += seconds
             if ok:
-                self._done.append(EnvResult(key, value, seconds=seconds))
+                self._done.append(EnvResult(key, value, seconds=seconds, state=state if isinstance(
+                    state, bytes) else None, state_error=state if isinstance(state, str) else ""))
             else:
                 self.errors += 1
                 self._home.pop(key, None)
@@ -205,15 +231,19 @@ class EnvPool:
     def metrics(self) -> dict[str, float]:
         """Cumulative counts (``env/*``) and the seconds calls took (``timing/env_s``, since the last call)."""
         out = {"env/calls": float(self.calls), "env/errors": float(self.errors), "env/timeouts": float(self.timeouts),
-               "env/lost": float(self.lost), "timing/env_s": self.seconds}
+               "env/lost": float(self.lost), "env/resumed": float(self.resumed),
+               "env/restarted": float(self.restarted), "timing/env_s": self.seconds}
         self.seconds = 0.0
         return out
 
+    COUNTS = ("calls", "errors", "timeouts", "lost", "resumed", "restarted")
+
     def state_dict(self) -> dict:
-        return {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "lost": self.lost}
+        return {k: getattr(self, k) for k in self.COUNTS}
 
     def load_state_dict(self, state: dict) -> None:
-        self.calls, self.errors, self.timeouts, self.lost = (state[k] for k in ("calls", "errors", "timeouts", "lost"))
+        for k in self.COUNTS:
+            setattr(self, k, state.get(k, 0))  # (a checkpoint before resumed/restarted were counted: 0)
 
     def close(self) -> None:
         close_workers(self._workers)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megarl.rollout.expected import remaining
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.types import Sample, SampleStatus
 
@@ -54,7 +55,12 @@ class PromptBuffer:
         self.requeued: collections.deque[tuple[PromptItem, int, int]] = collections.deque()
         self.long_queue: collections.deque[tuple[PromptItem, int, int]] = collections.deque()
         self.progress: dict[int, int] = {}  # prompt index → most tokens a sample reached before a discard
-        self.length_cache: dict[object, float] = {}  # prompt key → mean generated length
+        self.length_cache: dict[object, float] = {}  # prompt key → mean generated length (the model's tokens)
+        # multi-turn (``expected.py``): prompt key → mean model turns, mean environment seconds of a trajectory;
+        # slot-seconds per sampled token (the last phase that generated)
+        self.turns_cache: dict[object, float] = {}
+        self.env_cache: dict[object, float] = {}
+        self.token_s = 0.0
         self.released: set[int] = set()
         self.slot_time: collections.Counter = collections.Counter()  # (index, j) → engine slot-time spent
         self.source_done = False
@@ -87,8 +93,27 @@ class PromptBuffer:
             pass
 
     def _hint(self, index: int) -> float:
-        """Expected length of a prompt's samples: its cached mean, or at least what a discarded sample reached."""
-        return max(self.length_cache.get(self.live[index].item.key, 0.0), self.progress.get(index, 0))
+        """Expected rest of a group, in tokens: its slowest unfinished sample's model tokens still to come (the
+        prompt's cached mean, or at least what a discarded sample reached, less what it has) and, multi-turn, its
+        environment's time still to come (``expected.remaining``)."""
+        g = self.live[index]
+        key = g.item.key
+        tokens = max(self.length_cache.get(key, 0.0), self.progress.get(index, 0))
+        turns, env_s = self.turns_cache.get(key, 1.0), self.env_cache.get(key, 0.0)
+        return max((remaining(s, tokens, turns, env_s, self.token_s) for s in g.samples
+                    if s.status not in (SampleStatus.FINISHED, SampleStatus.TRUNCATED, SampleStatus.CONSUMED)),
+                   default=0.0)
+
+    def learn(self, item: PromptItem, samples: list[Sample]) -> None:
+        """A released group's trajectories: its prompt's mean model tokens, and (multi-turn) turns and environment
+        seconds, for the next time it is admitted."""
+        if item.key is None:
+            return
+        n = len(samples)
+        self.length_cache[item.key] = sum(s.model_tokens for s in samples) / n
+        if any(s.env_messages or s.env_s for s in samples):
+            self.turns_cache[item.key] = sum(s.turns for s in samples) / n
+            self.env_cache[item.key] = sum(s.env_s for s in samples) / n
 
     def expire_stale(self, version: int, m: PhaseMetrics) -> None:
         """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
@@ -114,9 +139,7 @@ class PromptBuffer:
             s = self.live[index].samples[j]
             m.tokens_wasted += s.model_tokens
             self.slot_time.pop((index, j), None)
-            s.response_ids, s.logprobs, s.versions, s.routes = [], [], [], None
-            s.env_messages, s.env_spans, s.env_error = [], [], ""  # (its episode starts afresh too)
-            s.status, s.finish_reason = SampleStatus.QUEUED, ""
+            s.restart()  # (its episode starts afresh too)
         return stale
 
     def entries(self, indices) -> list[tuple[int, int]]:
@@ -133,7 +156,7 @@ class PromptBuffer:
         back.sort(key=lambda i: (i not in pinned, -self._hint(i)))
         fresh = [i for i in indices if not self.live[i].discards]
         if self.cfg.dispatch == "lpt" and all(self.live[i].item.key in self.length_cache for i in fresh):
-            fresh.sort(key=lambda i: -self.length_cache[self.live[i].item.key])
+            fresh.sort(key=lambda i: -self._hint(i))  # (multi-turn: model tokens and tool time to come)
         queued = [(i, j) for i, j in self.entries(back + fresh) if not self.live[i].samples[j].response_ids]
         return collections.deque(resumed + queued)
 
@@ -223,6 +246,9 @@ class PromptBuffer:
             "long_queue": list(self.long_queue),
             "progress": dict(self.progress),
             "length_cache": dict(self.length_cache),
+            "turns_cache": dict(self.turns_cache),
+            "env_cache": dict(self.env_cache),
+            "token_s": self.token_s,
             "released": set(self.released) - set(self.in_phase),
             "slot_time": dict(self.slot_time),
             "source_done": self.source_done,
@@ -243,6 +269,8 @@ class PromptBuffer:
         self.long_queue = collections.deque(tuple(e) for e in state.get("long_queue", ()))
         self.progress = dict(state.get("progress", {}))
         self.length_cache = dict(state["length_cache"])
+        self.turns_cache, self.env_cache = dict(state.get("turns_cache", {})), dict(state.get("env_cache", {}))
+        self.token_s = state.get("token_s", 0.0)
         self.released = set(state["released"])
         self.slot_time = collections.Counter(state["slot_time"])
         self.source_done = state["source_done"]

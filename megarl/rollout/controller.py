@@ -153,7 +153,21 @@ class RolloutController(PromptBuffer):
         self.batch_order = batch_order or (lambda groups: groups)
         self.engine_turn, self.on_engine_step, self.engine_version = engine_turn, on_engine_step, engine_version
         self.episodes = episodes
+        if episodes is not None:
+            episodes.lock = self.lock  # (a checkpoint sees the samples and their environments' instances at once)
         self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
+
+    def _state(self) -> dict:
+        """``PromptBuffer``'s, with the episodes' instances (multi-turn)."""
+        state = super()._state()
+        if self.episodes is not None:
+            state["episodes"] = self.episodes.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.episodes is not None:
+            self.episodes.load_state_dict(state.get("episodes", {}))
 
     def waiting(self) -> int:
         """Samples waiting on their environment's answer."""
@@ -199,8 +213,7 @@ class RolloutController(PromptBuffer):
         self.score(group)
         with self.lock:
             lengths = [s.model_tokens for s in g.samples]  # (a trajectory's environment tokens are not the model's)
-            if g.item.key is not None:
-                self.length_cache[g.item.key] = sum(lengths) / len(lengths)
+            self.learn(g.item, g.samples)
             times = [self.slot_time[(index, j)] for j in range(len(g.samples))]
             self.forget_time(index)
             if not self.keep_group(group):

@@ -102,8 +102,8 @@ class Phase:
         c = self.c
         if self.cfg.mode == "partial":
             c.expire_stale(self.version, self.m)
-        if c.episodes is not None:  # (episodes of groups gone end; a waiting sample with no call in flight ends)
-            c.episodes.sweep(c.live)
+        if c.episodes is not None:  # (episodes of groups gone end; one whose instance is gone goes on or restarts)
+            self.m.tokens_wasted += c.episodes.sweep(c.live)
         for index in [i for i, g in c.live.items() if all(s.status in DONE for s in g.samples)]:
             if len(self.released) < self.cfg.batch_bound:
                 c.release(index, self.version, self.released, self.m)
@@ -140,11 +140,13 @@ class Phase:
                 self.running[rid], self.engine_of[rid] = (index, j), k
 
     def admit_for_free_slots(self) -> None:
-        """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget)."""
+        """Keep ≥ rollout_groups live, and admit while a free slot has no runnable sample (within budget). A sample
+        waiting on its environment counts as runnable: it needs a slot again once answered (otherwise every step of
+        a slow tool's wait would admit another group, and the live set grow to the whole source)."""
         c, cfg = self.c, self.cfg
         free, room = sum(e.slots - e.num_active() for e in c.engines), self.room()
         while len(c.live) < room and (len(c.live) < cfg.rollout_groups or (
-                len(self.queue) + sum(map(len, self.own)) < free
+                len(self.queue) + sum(map(len, self.own)) + c.waiting() < free
                 and len(self.running) + len(self.queue) + c.waiting() + cfg.group_size <= self.budget)):
             index = c.admit_one(self.version)
             if index is None:
@@ -225,7 +227,7 @@ class Phase:
             s.finish_reason = ev.finish_reason
             if ev.finish_reason == "stop" and c.episodes is not None and \
                     c.episodes.turn_ended(index, j, s, c.live[index].item.extras):
-                m.env_calls += 1
+                m.tool_calls += 1
                 return  # it waits on its environment, holding no slot
             self.sample_done(index, s)
 
@@ -241,12 +243,11 @@ class Phase:
     def env_answers(self, block: bool) -> None:
         """Environments' answers: samples whose episode goes on re-enter the run queue first; the others are done.
         ``block``: no engine has work, so wait for an answer (the engines idle meanwhile: their clocks move on)."""
-        start = time.perf_counter()
-        again, ended = self.c.episodes.answers(timeout=self.c.episodes.pool.timeout_s + 1.0 if block else 0.0)
-        if block:
-            waited = time.perf_counter() - start
-            self.times = [t + waited for t in self.times]
-            self.now += waited
+        episodes = self.c.episodes
+        again, ended = episodes.answers(timeout=episodes.pool.timeout_s + 1.0 if block else 0.0)
+        if block:  # (the wait as rank 0 measured it: lockstep ranks move their clocks alike)
+            self.times = [t + episodes.waited for t in self.times]
+            self.now += episodes.waited
         for index, j in reversed(again):
             if index not in self.c.live:
                 continue  # (its group left meanwhile: the next phase's sweep ends its episode)
@@ -327,6 +328,8 @@ class Phase:
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0
         m.slot_time_total = sum(e.slots for e in c.engines) * m.duration
+        if m.tokens_generated:  # (what a token costs a slot: the environments' time in tokens, ``expected.py``)
+            c.token_s = m.slot_time_busy / m.tokens_generated
         c.clock = end
         m.buffer_groups = len(c.live)
         m.prompts_discarded_twice = sum(1 for g in c.live.values() if g.discards >= 2) + sum(

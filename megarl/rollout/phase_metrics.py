@@ -49,7 +49,7 @@ class PhaseMetrics:
     turns_sum: int = 0  # model turns of the trained samples
     turns_max: int = 0
     env_tokens: int = 0  # environment tokens of the trained trajectories (loss mask 0)
-    env_calls: int = 0  # environment calls the phase made
+    tool_calls: int = 0  # environment calls (`step`) the phase made
     env_errors: int = 0  # trained samples whose episode an environment failure ended
 
     @property
@@ -104,7 +104,7 @@ class PhaseMetrics:
             out.update({
                 "rollout/turns_mean": self.turns_sum / max(self.samples_trained, 1),
                 "rollout/turns_max": float(self.turns_max),
-                "rollout/env_calls": float(self.env_calls),
+                "rollout/tool_calls": float(self.tool_calls),
                 "rollout/env_errors": float(self.env_errors),
                 # of the trained trajectories' tokens (prompts aside): the environment's share
                 "rollout/env_token_fraction": self.env_tokens / max(self.env_tokens + self.len_trained_sum, 1),

@@ -45,12 +45,10 @@ class PhaseRunner:
                 groups, phase = (c.generate if alone else c.run_phase)(version)
         except Exception:
             drawn = list(c.next_prompt.recent)
-            c.load_state_dict(pickle.loads(snapshot))
+            c.load_state_dict(pickle.loads(snapshot))  # (episodes go on from their instances as it kept them)
             c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
             self.requeued = len(drawn)
             self.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
-            if c.episodes is not None:
-                c.episodes.reset()  # (its samples' episodes start again with them)
             raise
         figures = {**self.rewards.step_metrics(), **self.prompts.metrics(), "timing/gen_s": time.perf_counter() - start}
         if c.episodes is not None:

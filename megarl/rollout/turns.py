@@ -14,12 +14,18 @@ environment's messages as tokens, their positions in ``Sample.env_spans`` (loss 
 every token of it. A failed call (raised, hung past ``env.timeout_s``, wrong type, its worker lost) ends the
 episode: the sample is scored as it stands (``Sample.env_error`` says why), counted in the phase's metrics and the
 pool's ``env/*``.
+
+A run checkpoint (the controller's state) keeps each episode's instance as the worker pickled it after its last
+answer (``state_dict``); a resumed run, or a failed phase put back, goes on from there (``sweep``): the episode's next
+call rebuilds the instance, a sample that was waiting is asked again. An instance that cannot be pickled restarts its
+sample from the prompt (``env/restarted``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,6 +34,7 @@ from megarl.envs.pool import EnvPool
 from megarl.types import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
+AGAIN = (SampleStatus.QUEUED, SampleStatus.RESUMED)  # a sample that will run again
 LOST = "its environment's instance is gone (the run resumed, or a failed phase was put back, mid-episode)"
 
 
@@ -35,45 +42,84 @@ class Episodes:
     """The environments of a controller's samples; see the module docstring."""
 
     def __init__(self, pool: EnvPool, render, tokenizer, max_turns: int, max_tokens: int,
-                 on_call: Callable[[float, float], None] | None = None) -> None:
-        """``on_call(start, end)``: told of each answered call (perf_counter seconds; the trace's spans)."""
-        self.pool, self.render, self.tokenizer, self.on_call = pool, render, tokenizer, on_call
+                 on_call: Callable[[float, float], None] | None = None, shared: bool = False) -> None:
+        """``on_call(start, end)``: told of each answered call (perf_counter seconds; the trace's spans).
+        ``shared``: several trainer ranks run this controller in lockstep (colocated): rank 0's pool runs the
+        environments, the other ranks' run none (``EnvPool(runs=False)``), and each ``answers`` hands every rank
+        rank 0's answers, and how long it waited for them, at the same point of the phase."""
+        self.pool, self.render, self.tokenizer, self.on_call, self.shared = pool, render, tokenizer, on_call, shared
+        self.waited = 0.0  # seconds the last ``answers`` waited (rank 0's, under ``shared``)
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.keys: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, sample) → its episode's pool key
         self.serial = itertools.count()
         self.waiting: dict[tuple[int, int, int], Sample] = {}  # pool key → the sample awaiting its answer
+        # (group, sample) → its instance pickled after its last answer (what a checkpoint keeps), or why it cannot
+        # be; ``restore``: the instances a loaded state hands back, each taken by its episode's next call
+        self.saved: dict[tuple[int, int], bytes] = {}
+        self.unpicklable: dict[tuple[int, int], str] = {}
+        self.restore: dict[tuple[int, int], bytes] = {}
+        self.lock = threading.RLock()  # the controller's: a checkpoint sees the samples and their instances at once
 
     def turn_ended(self, index: int, j: int, s: Sample, row: dict | None) -> bool:
         """Sample ``(index, j)`` ended a model turn with EOS: True when it now waits on its environment, False when
         its episode is over (its last turn, or no token left)."""
-        key = self.keys.get((index, j))
+        where, state = (index, j), None
+        key = self.keys.get(where)
         if not s.env_messages:  # a first turn: a new episode (a sample run again from its prompt starts afresh)
             if key is not None:
                 self.pool.end(key)
-            key = self.keys[(index, j)] = (index, j, next(self.serial))
-        elif key is None:  # mid-episode, its instance gone: the run resumed, or a failed phase was put back
-            s.env_error = f"lost: {LOST}"
-            return False
+            self._forget(where)
+            key = None
+        elif key is None:  # mid-episode, its instance in a worker no more: rebuilt from the state a checkpoint kept
+            state = self.restore.pop(where, None)
+            if state is None:  # (``sweep`` restarts such samples before they run: a safeguard)
+                s.env_error = f"lost: {LOST}"
+                return False
         if s.turns >= self.max_turns or len(s.response_ids) >= self.max_tokens:
-            self.pool.end(key)
+            if key is not None:
+                self.pool.end(key)
+            self._forget(where)
             return False
+        self._ask(where, s, row, state)
+        return True
+
+    def _ask(self, where: tuple[int, int], s: Sample, row: dict | None, state: bytes | None) -> None:
+        """Send the sample's last model turn to its environment (a new key when it has none); the sample waits."""
+        key = self.keys.get(where)
+        if key is None:
+            key = self.keys[where] = (*where, next(self.serial))
         text = self.tokenizer.decode(s.segments()[-1][1], skip_special_tokens=True)
-        self.pool.submit(key, dict(row or {}), text)
+        self.pool.submit(key, dict(row or {}), text, state)
         self.waiting[key] = s
         s.status = SampleStatus.WAITING
-        return True
+
+    def _forget(self, where: tuple[int, int]) -> None:
+        for kept in (self.saved, self.unpicklable, self.restore):
+            kept.pop(where, None)
 
     def answers(self, timeout: float = 0.0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The environments' answers that arrived (waiting up to ``timeout`` for a first): the samples to run again
         and the samples whose episode ended."""
+        start = time.perf_counter()
+        results = self.pool.poll(timeout)
+        self.waited = time.perf_counter() - start
+        if self.shared:  # (one broadcast: the same answers, at the same point, on every rank)
+            from megarl.distributed.collectives import share  # deferred: torch.distributed, the controller imports none
+
+            results, self.waited = share((results, self.waited))
+        with self.lock:
+            return self._apply(results)
+
+    def _apply(self, results) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         again, ended = [], []
-        for r in self.pool.poll(timeout):
+        for r in results:
             if self.on_call is not None:
                 now = time.perf_counter()
                 self.on_call(now - r.seconds, now)
             s, where = self.waiting.pop(r.key, None), r.key[:2]
             if s is None or self.keys.get(where) != r.key or s.status != SampleStatus.WAITING:
                 continue  # (its episode ended meanwhile: the sample started again, or a failed phase reset it)
+            s.env_s += r.seconds
             if r.error:
                 s.env_error = f"{r.kind}: {r.error}"
                 log.warning("environment: sample %s: the episode ends after turn %d (%s)", where, s.turns, s.env_error)
@@ -83,39 +129,81 @@ class Episodes:
                     s.add_env_turn(r.message, ids)
                     s.status = SampleStatus.QUEUED
                     again.append(where)
+                    self._keep(where, r)
                     continue
                 s.finish_reason = "length"  # the answer does not fit: cut at the length cap
             self.pool.end(r.key)
+            self._forget(where)
             s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
             ended.append(where)
         return again, ended
 
-    def sweep(self, live: dict) -> None:
-        """Before a phase: the episodes of groups no longer live (released, discarded, dropped) end; a live sample
-        left waiting with no call in flight (a resumed run, a failed phase put back) ends its episode, lost."""
+    def _keep(self, where: tuple[int, int], r) -> None:
+        """The instance after its answer, for a checkpoint (or why it cannot be kept, logged once a run)."""
+        if r.state is not None:
+            self.saved[where] = r.state
+            self.unpicklable.pop(where, None)
+            return
+        self.saved.pop(where, None)
+        if not self.unpicklable:
+            log.warning("environment: an instance of env.fn=%r cannot be pickled (%s): a run resumed from a "
+                        "checkpoint restarts such episodes from their prompt (counted in env/restarted)",
+                        self.pool.spec, r.state_error)
+        self.unpicklable[where] = r.state_error or "no state came back"
+
+    def sweep(self, live: dict) -> int:
+        """Before a phase: the episodes of groups no longer live (released, discarded, dropped) end. A live sample
+        mid-episode without an instance in a worker (a resumed run, a failed phase put back) goes on from the
+        instance its checkpoint kept (a waiting one asked again at once), or, when none was kept (the instance
+        cannot be pickled), starts again from its prompt, counted in ``env/restarted``. The model tokens the
+        restarted samples had sampled (wasted)."""
         for where in [w for w in self.keys if w[0] not in live]:
             key = self.keys.pop(where)
             self.waiting.pop(key, None)
             self.pool.end(key)
-        asked = {id(s) for s in self.waiting.values()}
+        for where in [w for kept in (self.saved, self.unpicklable, self.restore) for w in kept if w[0] not in live]:
+            self._forget(where)
+        wasted = 0
         for index, g in live.items():
             for j, s in enumerate(g.samples):
-                if s.status == SampleStatus.WAITING and id(s) not in asked:
-                    s.env_error = f"lost: {LOST}"
-                    s.status = SampleStatus.FINISHED if s.finish_reason == "stop" else SampleStatus.TRUNCATED
-                    log.warning("environment: sample %s: the episode ends after turn %d (%s)", (index, j), s.turns,
-                                s.env_error)
+                where = (index, j)
+                mid = s.status == SampleStatus.WAITING or (s.env_messages and s.status in AGAIN)
+                if not mid or where in self.keys:
+                    continue
+                if s.status == SampleStatus.WAITING and (not s.env_messages or where in self.restore):
+                    self.pool.resumed += 1  # (its first turn's call needs no instance: it is built afresh)
+                    self._ask(where, s, g.item.extras, self.restore.pop(where, None))
+                elif where in self.restore:
+                    self.pool.resumed += 1  # (its next turn's end rebuilds the instance: ``turn_ended``)
+                else:
+                    why = self.unpicklable.get(where, "the checkpoint kept no state of it")
+                    log.warning("environment: sample %s: its episode starts again from its prompt after %d turns: "
+                                "its instance is gone (the run resumed, or a failed phase was put back) and %s",
+                                where, s.turns, why if where not in self.unpicklable else f"cannot be pickled ({why})")
+                    self.pool.restarted += 1
+                    self._forget(where)
+                    wasted += s.model_tokens
+                    s.restart()
+        return wasted
 
     def pending(self) -> int:
         return len(self.waiting)
 
-    def reset(self) -> None:
-        """Every episode ends (a failed phase: the controller is put back as it was before, so its samples' next
-        turn starts a new episode); answers still on their way are ignored."""
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the episodes: each one's instance after its last answer (pickled), and why
+        the others' cannot be kept. The samples themselves are the controller's."""
+        with self.lock:
+            return {"saved": {**self.restore, **self.saved}, "unpicklable": dict(self.unpicklable)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every episode in the workers ends (answers still on their way are ignored); the state's instances wait
+        for their episodes' next call (``sweep``, ``turn_ended``)."""
         for key in {*self.waiting, *self.keys.values()}:
             self.pool.end(key)
         self.waiting.clear()
         self.keys.clear()
+        self.saved, self.restore = {}, dict(state.get("saved", {}))
+        self.unpicklable = dict(state.get("unpicklable", {}))
 
 
 def transcript(s: Sample, tokenizer) -> list[dict]:
@@ -129,11 +217,16 @@ def transcript(s: Sample, tokenizer) -> list[dict]:
 
 
 def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | None = None) -> Episodes | None:
-    """The environments ``env.*`` asks for (workers start now; a bad ``env.fn`` raises here), None without one;
-    ``on_call``: ``Episodes``'."""
+    """The environments ``env.*`` asks for (workers start now, on trainer rank 0 only; a bad ``env.fn`` raises
+    here), None without one; ``on_call``: ``Episodes``'. Several trainer ranks: colocated, every rank's controller
+    runs the phase in lockstep on rank 0's answers (``shared``); disaggregated, rank 0's alone runs it."""
+    from megarl.distributed.collectives import rank_and_world  # deferred: torch.distributed, as above
+
     e = cfg.env
     if not e.fn:
         return None
+    rank, world = rank_and_world()
     render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
-    pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools)
-    return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call)
+    pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools, runs=rank == 0)
+    return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call,
+                    shared=world > 1 and cfg.engine.placement == "colocated")

@@ -47,16 +47,18 @@ def test_a_multi_turn_run_trains_masks_environment_tokens_and_counts_environment
     # failures, contained: the run went on; each counted where it happened (cumulative counts)
     assert s["env/calls"][-1] > 0 and s["env/errors"][-1] >= 1 and s["env/timeouts"][-1] >= 1
     assert sum(s["rollout/env_errors"]) >= 2
-    assert "timing/env_s" in s and "environment: sample" in out
+    assert "timing/env_s" in s and "environment: sample" in out and sum(s["rollout/tool_calls"]) > 0
 
 
 @pytest.mark.slow
 def test_a_kill_9_mid_run_resumes_with_its_environment_counts_and_no_prompt_lost(tmp_path):
-    """Partial mode (episodes outlive a phase), killed in step 3's optimizer step and resumed from step 2's
-    checkpoint: the run ends, the env/* counts go on from the checkpoint's, no prompt is lost or held twice (an
-    episode the checkpoint caught mid-way ends, counted, as docs/environments.md says)."""
-    run, env = tmp_path / "run", {"PYTHONPATH": str(ROOT / "tests")}
-    args = env_run(tmp_path, run, "partial", "none", 4, "train.save_every=2")
+    """Partial mode (episodes outlive a phase) with a slow tool, killed in step 3's optimizer step and resumed from
+    step 2's checkpoint: the run ends, the env/* counts go on from the checkpoint's, no prompt is lost or held twice,
+    and the episodes the checkpoint caught mid-way go on from their instances as it kept them (none restarted or
+    lost)."""
+    run, env = tmp_path / "run", {"PYTHONPATH": str(ROOT / "tests"), "SLOW_ENV_S": "0.3"}  # (a slow tool: the
+    args = env_run(tmp_path, run, "partial", "none", 4, "train.save_every=2",  # checkpoint catches episodes mid-way)
+                   "env.fn=helpers.envs:Slow")
     train(args, run, env={**env, "MEGARL_TEST_KILL": "optimizer_step@3"}, rc=-signal.SIGKILL, timeout=600)
     out = train(args, run, env=env, timeout=600)
     assert "resumed from" in out and "step_000002" in out
@@ -64,4 +66,6 @@ def test_a_kill_9_mid_run_resumes_with_its_environment_counts_and_no_prompt_lost
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     calls = [r["env/calls"] for r in steps]
     assert calls == sorted(calls) and calls[2] > calls[1] > 0  # (restored, not restarted from 0)
+    assert steps[2]["env/resumed"] > 0 and steps[-1]["env/restarted"] == 0  # (continued from their instances)
+    assert "starts again from its prompt" not in out and "lost: " not in out  # (Slow never fails: none lost)
     no_prompt_lost_or_twice(final_state(run))

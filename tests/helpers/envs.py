@@ -90,3 +90,25 @@ def lookup(key: str) -> dict:
 
 def undocumented(x: int) -> int:
     return x
+
+
+class Unpicklable(Slow):
+    """``Slow`` holding a lock: its instances cannot be pickled (a resume restarts their episodes)."""
+
+    def __init__(self, **row) -> None:
+        import threading
+
+        super().__init__(**row)
+        self.guard = threading.Lock()
+
+
+class Sleepy(Countdown):
+    """``Countdown`` whose every answer takes the row's ``delay`` seconds (a prompt with a slow tool)."""
+
+    def __init__(self, delay: float = 0.0, **row) -> None:
+        super().__init__(**row)
+        self.delay = float(delay)
+
+    def step(self, response: str):
+        time.sleep(self.delay)
+        return super().step(response)

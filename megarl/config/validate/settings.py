@@ -36,7 +36,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
     _validate_train(cfg)
     _validate_model_keys(cfg)
     _validate_data_reward_eval(cfg)
-    _validate_env(cfg, world_size)
+    _validate_env(cfg)
     check_ranges(cfg)
     check_engine_sizes(cfg)
     check_microbatch_tokens(cfg)
@@ -198,9 +198,8 @@ def _validate_model_keys(cfg: RunConfig) -> None:
                           f"importable here ({why}); set model.transformer_engine=false")
 
 
-def _validate_env(cfg: RunConfig, world_size: int) -> None:
-    """``env.*`` values, and what multi-turn episodes do not support yet (several trainer processes); the class
-    itself is checked against the data by ``prelaunch.check_env``."""
+def _validate_env(cfg: RunConfig) -> None:
+    """``env.*`` values; the class itself is checked against the data by ``prelaunch.check_env``."""
     e = cfg.env
     if e.tools and e.fn != "tools":
         raise ConfigError(f"env.tools={e.tools!r} is read by the built-in tool environment: set env.fn=tools "
@@ -216,7 +215,3 @@ def _validate_env(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"env.max_turns must be >= 1 (model turns per episode), got {e.max_turns}")
     if e.timeout_s <= 0 or e.workers < 1:
         raise ConfigError(f"env.timeout_s must be > 0 and env.workers >= 1, got {e.timeout_s} and {e.workers}")
-    if world_size > 1:
-        raise ConfigError(f"env.fn={e.fn!r} with {world_size} trainer processes: environment answers arrive at "
-                          "times no two ranks share; multi-turn episodes run with one trainer process for now "
-                          "(docs/environments.md)")
