@@ -116,7 +116,7 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
         return float(((a - b).abs() * mask).max() / (a.abs() * mask).max())
 
     if experts and head == "lm":  # R2: each trainer's own routes of the batch, as rows
-        recorded = {name: t.record_routes(batch)[0] for name, t in trainers.items()}
+        recorded = {name: t.record_routes(batch)[0].dense() for name, t in trainers.items()}
         valid = batch.lengths.unsqueeze(1) > torch.arange(batch.seq_len)
         ref = recorded["unpacked"][valid]
         out["r2_positions"] = int(valid.sum())
