@@ -130,6 +130,10 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
     if head == "value":
         batch.old_values = torch.zeros_like(mask)
         batch.returns = batch.advantages.clone()
+    held = {}
+    if batch.routes is not None:  # the steps: each trainer's share of the routes, the rest fetched per pass
+        arrays = [r[:n].numpy() for r, n in zip(batch.routes, batch.row_lengths())]
+        held = {name: t.hold_routes(arrays, batch) for name, t in trainers.items()}
     for agg, algo in STEPS:
         batch.weights = aggregation_weights(mask, agg, norm_tokens=MAX_TOKENS)
         if head == "value":
@@ -137,7 +141,8 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
                 return value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
         else:
             loss_fn = policy_loss_fn(AlgoConfig(loss_agg=agg, **algo))
-        out["steps"].append({name: t.train_step(batch, loss_fn) for name, t in trainers.items()})
+        out["steps"].append({name: t.train_step(dataclasses.replace(batch, routes=held[name]) if held else batch,
+                                                loss_fn) for name, t in trainers.items()})
         if len(out["steps"]) == 1:  # the weights after one step (later ones compound Adam's sign-like first steps)
             full = {name: gather_full_megatron(t.modules, ps, cfg["num_hidden_layers"], experts)
                     for name, t in trainers.items()}
