@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS  # noqa: E402
+from helpers.trainers import LAYOUTS, every_stage_routes  # noqa: E402
 
 MAX_TOKENS = 24
 """The token budget of the packed-by-tokens trainer, and the longest row of the batch."""
@@ -116,7 +116,8 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
         return float(((a - b).abs() * mask).max() / (a.abs() * mask).max())
 
     if experts and head == "lm":  # R2: each trainer's own routes of the batch, as rows
-        recorded = {name: t.record_routes(batch)[0].dense() for name, t in trainers.items()}
+        # (each rank holds its share: its rows, stage's layers, sequence chunk; every rank's merged)
+        recorded = {name: every_stage_routes(t.record_routes(batch)[0].dense())[0] for name, t in trainers.items()}
         valid = batch.lengths.unsqueeze(1) > torch.arange(batch.seq_len)
         ref = recorded["unpacked"][valid]
         out["r2_positions"] = int(valid.sum())
