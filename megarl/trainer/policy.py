@@ -32,7 +32,7 @@ from megarl.trainer.packed import (
     rows_to_batch,
     step_metrics,
 )
-from megarl.trainer.route_store import RouteStore, store_of_arrays, store_of_rows
+from megarl.trainer.route_store import RouteStore, store_from_source, store_of_arrays, store_of_rows
 from megarl.trainer.routing import (
     RouteStats,
     attach_taps,
@@ -392,14 +392,18 @@ class PolicyTrainer:
         chunk = -(-batch.seq_len // self.ps.tp)
         return self.ps.tp_rank * chunk, (self.ps.tp_rank + 1) * chunk
 
-    def hold_routes(self, arrays: list, batch: TrainBatch) -> RouteStore | None:
+    def hold_routes(self, arrays: list, batch: TrainBatch, source: int | None = None) -> RouteStore | None:
         """The engine's routes of ``batch``'s samples (each [positions, MoE layers, k], or None) as this rank holds
         them (``RouteStore``): the rows it trains in a pass over the whole batch, its stage's layers, its sequence
-        chunk; None without routes or route taps."""
+        chunk; None without routes or route taps. ``source``: the one rank whose samples carry routes, which sends
+        each rank its share (a collective; every rank's ``arrays`` otherwise)."""
         if not self.taps:
             return None
-        return store_of_arrays(arrays, batch.row_lengths(), self._holders(batch), self.ps.dp_rank,
-                               self.held_columns, self._route_span(batch), batch.seq_len, self.ps.dp_group)
+        args = (batch.row_lengths(), self._holders(batch), self.ps.dp_rank, self.held_columns,
+                self._route_span(batch), batch.seq_len, self.ps.dp_group)
+        if source is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            return store_from_source(arrays, *args, source=source, device=self.device)
+        return store_of_arrays(arrays, *args)
 
     def record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as

@@ -8,6 +8,7 @@ module knows the algorithm's data flow, not engines or scheduling.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -105,7 +106,8 @@ def proximal_correction(prox: torch.Tensor, batch: TrainBatch, mode: str, a) -> 
 
 def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
     a = cfg.algo
-    batch, rewards = rollout_batch(groups, cfg, pad_id, learners.policy.hold_routes)
+    # (rank 0 alone holds the samples' routes: the rollout leader's, rollout/leader.py; it sends each rank its share)
+    batch, rewards = rollout_batch(groups, cfg, pad_id, partial(learners.policy.hold_routes, source=0))
     mask = batch.loss_mask
     out: dict[str, float] = {}
     engine_routes, agreement, own = batch.routes, {}, None

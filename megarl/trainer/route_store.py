@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megarl.distributed.collectives import gather
+from megarl.distributed.collectives import gather, share
 from megarl.types import no_route
 
 
@@ -122,3 +122,43 @@ def store_of_arrays(arrays: list, lengths: list[int], holder: list[int], me: int
             held[row] = torch.from_numpy(a[first:min(stop, n, len(a))][:, columns].copy())
     dtype = torch.from_numpy(known[:0]).dtype
     return store_of_rows(held, holder, columns, span, known.shape[1], known.shape[2], dtype, width, group)
+
+
+def store_from_source(arrays: list, lengths: list[int], holder: list[int], me: int, columns: list[int],
+                      span: tuple[int, int] | None, width: int, group=None, source: int = 0,
+                      device=None) -> RouteStore | None:
+    """``store_of_arrays`` where only trainer rank ``source`` has the samples' routes (the rollout leader: the
+    other ranks receive the samples without them, ``rollout/leader.py``): it sends every other rank its share, its
+    rows, columns and sequence chunk, point to point. A collective over every trainer rank."""
+    rank = dist.get_rank()
+    known = next((a for a in arrays if a is not None), None) if rank == source else None
+    meta = share(None if known is None else ([len(a) if a is not None else -1 for a in arrays], known.shape[1],
+                                             known.shape[2], torch.from_numpy(known[:0]).dtype), src=source)
+    if meta is None:
+        return None
+    have, layers, k, dtype = meta
+    wants = gather((me, columns, span))  # every rank's share: its DP rank, columns, positions
+
+    def share_of(row: int, cols: list[int], positions: tuple[int, int] | None) -> tuple[int, int]:
+        first, stop = positions or (0, width)
+        return first, max(first, min(stop, lengths[row], have[row]))
+
+    if rank == source:
+        for peer, (dp_rank, cols, positions) in enumerate(wants):
+            parts = []
+            for row, a in enumerate(arrays):
+                if peer != source and holder[row] == dp_rank and a is not None:
+                    first, stop = share_of(row, cols, positions)
+                    parts.append(torch.from_numpy(a[first:stop][:, cols].copy()).reshape(-1))
+            if parts and sum(p.numel() for p in parts):
+                dist.send(torch.cat(parts).to(device), peer)
+        return store_of_arrays(arrays, lengths, holder, me, columns, span, width, group)
+    rows = [row for row in range(len(holder)) if holder[row] == me and have[row] >= 0]
+    sizes = [share_of(row, columns, span) for row in rows]
+    counts = [(stop - first) * len(columns) * k for first, stop in sizes]
+    flat = torch.empty(sum(counts), dtype=dtype, device=device)
+    if flat.numel():
+        dist.recv(flat, source)
+    pieces = flat.cpu().split(counts)
+    held = {row: piece.view(stop - first, len(columns), k) for row, piece, (first, stop) in zip(rows, pieces, sizes)}
+    return store_of_rows(held, holder, columns, span, layers, k, dtype, width, group)

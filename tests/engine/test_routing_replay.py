@@ -97,6 +97,7 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
     for key in ("r2_held", "r3_held"):
         assert sum(got[key]) == sum(one[key]) and max(got[key]) < 0.7 * sum(one[key]), (key, got[key], one[key])
     assert got["held_vs_replayed_max"] == 0.0  # replaying the held share = replaying the batch's whole tensor
+    assert got["sent_as_held"] == [True, True]  # each rank's share sent by rank 0 (the rollout leader) is the same
     assert got["exchanged_vs_replayed_max"] <= 1e-5  # rows trained on other ranks than hold their routes
 
 

@@ -92,6 +92,10 @@ def main(model_dir: str, samples: str, layout: str) -> None:
     trainer.routing_replay = "rollout"
     batch.routes = trainer.hold_routes(arrays, batch)
     r3_held = batch.routes.nbytes()
+    # as in a run of several ranks: rank 0 alone has the samples' routes (rollout/leader.py) and sends each its share
+    sent = trainer.hold_routes(arrays if dist.get_rank() == 0 else [None] * len(arrays), batch, source=0)
+    same = sent.held.keys() == batch.routes.held.keys() and all(
+        torch.equal(sent.held[r], batch.routes.held[r]) for r in sent.held)
     held_replayed = trainer.logprobs(batch)
     order = torch.arange(batch.size).flip(0)  # every row to another DP rank than the one holding its routes
     exchanged = trainer.logprobs(batch.select(order))
@@ -114,6 +118,8 @@ def main(model_dir: str, samples: str, layout: str) -> None:
            "exchanged_vs_replayed_max": float(((exchanged - replayed[order]) * batch.loss_mask[order]).abs().max()),
            "r2_held": [0] * dist.get_world_size(), "r3_held": [0] * dist.get_world_size(),
            "full_bytes": engine_routes.numel() * engine_routes.element_size()}
+    out["sent_as_held"] = [None] * dist.get_world_size()
+    dist.all_gather_object(out["sent_as_held"], same)
     dist.all_gather_object(out["r2_held"], r2_held)
     dist.all_gather_object(out["r3_held"], r3_held)
     if dist.get_rank() == 0:
