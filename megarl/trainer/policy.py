@@ -32,7 +32,15 @@ from megarl.trainer.packed import (
     rows_to_batch,
     step_metrics,
 )
-from megarl.trainer.route_store import RouteStore, store_from_source, store_of_arrays, store_of_rows
+from megarl.trainer.route_store import (
+    RouteStore,
+    recorded_as_rows,
+    row_holders,
+    sequence_chunk,
+    store_from_source,
+    store_of_arrays,
+    store_of_rows,
+)
 from megarl.trainer.routing import (
     RouteStats,
     attach_taps,
@@ -370,27 +378,15 @@ class PolicyTrainer:
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
     def _holders(self, batch: TrainBatch) -> list[int]:
-        """The DP rank that trains each row of ``batch`` in a pass over the whole batch (``_local``'s contiguous
-        split, or the packed plan's): where its routes are held."""
-        holder = [0] * batch.size
-        if self.packing:
-            for dp_rank, layouts in enumerate(self._plan(batch)):
-                for layout in layouts:
-                    for row in layout.rows:
-                        holder[row] = dp_rank
-        else:
-            for dp_rank, rows in enumerate(torch.tensor_split(torch.arange(batch.size), self.ps.dp)):
-                for row in rows.tolist():
-                    holder[row] = dp_rank
-        return holder
+        """The DP rank that trains each row of ``batch`` in a pass over the whole batch: where its routes are held."""
+        return row_holders(batch.size, self.ps.dp, self._plan(batch) if self.packing else None)
 
     def _route_span(self, batch: TrainBatch) -> tuple[int, int] | None:
-        """The positions of each row whose routes this rank's routers see: its TP rank's sequence chunk under
-        sequence parallelism without packing (``_local`` pads the batch to a multiple of TP), else None (all)."""
+        """This TP rank's sequence chunk under sequence parallelism without packing (what its routers see; ``_local``
+        pads the batch to a multiple of TP), else None (every position)."""
         if not self.ps.sequence_parallel or self.ps.tp == 1 or self.packing:
             return None
-        chunk = -(-batch.seq_len // self.ps.tp)
-        return self.ps.tp_rank * chunk, (self.ps.tp_rank + 1) * chunk
+        return sequence_chunk(batch.seq_len, self.ps.tp, self.ps.tp_rank)
 
     def hold_routes(self, arrays: list, batch: TrainBatch, source: int | None = None) -> RouteStore | None:
         """The engine's routes of ``batch``'s samples (each [positions, MoE layers, k], or None) as this rank holds
@@ -432,13 +428,9 @@ class PolicyTrainer:
             seq_local, recorded = local.seq_len // self.ps.tp if split else local.seq_len, {}
             for chunk_taps in self.taps.values():
                 recorded.update(recorded_rows(chunk_taps, seq_local))
-            first, lengths = span[0] if span else 0, batch.row_lengths()
             rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank].tolist()
-            held = {}
-            for i, row in enumerate(rows):  # (to the row's end: padding positions hold nothing)
-                n = min(seq_local, max(0, lengths[row] - first))
-                held[row] = (torch.stack([recorded[c][i, :n] for c in columns], dim=1) if columns
-                             else torch.zeros(n, 0, k, dtype=dtype))
+            held = recorded_as_rows(recorded, rows, columns, batch.row_lengths(), span[0] if span else 0, seq_local,
+                                    k, dtype)
         store = store_of_rows(held, self._holders(batch), columns, span, len(self.route_columns), k, dtype,
                               batch.seq_len, self.ps.dp_group)
         return store, logprobs

@@ -162,3 +162,34 @@ def store_from_source(arrays: list, lengths: list[int], holder: list[int], me: i
     pieces = flat.cpu().split(counts)
     held = {row: piece.view(stop - first, len(columns), k) for row, piece, (first, stop) in zip(rows, pieces, sizes)}
     return store_of_rows(held, holder, columns, span, layers, k, dtype, width, group)
+
+
+def row_holders(rows: int, dp: int, plan: list | None = None) -> list[int]:
+    """The DP rank holding each batch row: the one training it in a pass over the whole batch (the contiguous split
+    of ``PolicyTrainer._local``, or the packed ``plan``'s: every DP rank's micro-batch layouts)."""
+    if plan is None:  # (the split is contiguous, in row order)
+        return [dp_rank for dp_rank, part in enumerate(torch.tensor_split(torch.arange(rows), dp)) for _ in part]
+    holder = [0] * rows
+    for dp_rank, layouts in enumerate(plan):
+        for layout in layouts:
+            for row in layout.rows:
+                holder[row] = dp_rank
+    return holder
+
+
+def sequence_chunk(seq_len: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """TP rank ``tp_rank``'s positions under sequence parallelism (the sequence padded to a multiple of ``tp``)."""
+    chunk = -(-seq_len // tp)
+    return tp_rank * chunk, (tp_rank + 1) * chunk
+
+
+def recorded_as_rows(recorded: dict[int, torch.Tensor], rows: list[int], columns: list[int], lengths: list[int],
+                     first: int, positions: int, k: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """An unpacked pass's recording (column → [its rows, ``positions`` from ``first``, k]) as batch row →
+    [positions to the row's end, len(columns), k] (padding positions hold nothing)."""
+    held = {}
+    for i, row in enumerate(rows):
+        n = min(positions, max(0, lengths[row] - first))
+        held[row] = (torch.stack([recorded[c][i, :n] for c in columns], dim=1) if columns
+                     else torch.zeros(n, 0, k, dtype=dtype))
+    return held
