@@ -24,6 +24,8 @@ from megarl.types import no_route
 
 @dataclass
 class RouteStore:
+    """What one rank holds of a batch's routes, seen through a view of the batch's rows (``ids``, ``width``)."""
+
     held: dict[int, torch.Tensor]  # batch row → [positions held (to the row's end), len(columns), k]
     holder: list[int]  # batch row → the DP rank holding it
     columns: list[int]  # the MoE columns held (this rank's route taps'), ascending
@@ -139,7 +141,7 @@ def store_from_source(arrays: list, lengths: list[int], holder: list[int], me: i
     have, layers, k, dtype = meta
     wants = gather((me, columns, span))  # every rank's share: its DP rank, columns, positions
 
-    def share_of(row: int, cols: list[int], positions: tuple[int, int] | None) -> tuple[int, int]:
+    def share_of(row: int, positions: tuple[int, int] | None) -> tuple[int, int]:
         first, stop = positions or (0, width)
         return first, max(first, min(stop, lengths[row], have[row]))
 
@@ -148,13 +150,13 @@ def store_from_source(arrays: list, lengths: list[int], holder: list[int], me: i
             parts = []
             for row, a in enumerate(arrays):
                 if peer != source and holder[row] == dp_rank and a is not None:
-                    first, stop = share_of(row, cols, positions)
+                    first, stop = share_of(row, positions)
                     parts.append(torch.from_numpy(a[first:stop][:, cols].copy()).reshape(-1))
             if parts and sum(p.numel() for p in parts):
                 dist.send(torch.cat(parts).to(device), peer)
         return store_of_arrays(arrays, lengths, holder, me, columns, span, width, group)
     rows = [row for row in range(len(holder)) if holder[row] == me and have[row] >= 0]
-    sizes = [share_of(row, columns, span) for row in rows]
+    sizes = [share_of(row, span) for row in rows]
     counts = [(stop - first) * len(columns) * k for first, stop in sizes]
     flat = torch.empty(sum(counts), dtype=dtype, device=device)
     if flat.numel():
