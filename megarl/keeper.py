@@ -40,6 +40,7 @@ import contextlib
 import enum
 import logging
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -52,6 +53,7 @@ from megarl.distributed.watchdog import start as start_watchdog
 from megarl.engines.protocol import EngineRestartRefused
 from megarl.faults import Action, FaultPolicy, one_line
 from megarl.logging.console import main_only
+from megarl.rollout.leader import groups_without_routes
 from megarl.rollout.pipeline import Preempted, Rollout, staleness
 
 log = logging.getLogger(__name__)
@@ -193,7 +195,12 @@ class RunKeeper:
         taken = ((Taken.FATAL, str(error)) if isinstance(error, DataError) else (Taken.PREEMPTED, str(error))
                  if isinstance(error, Preempted) else (Taken.ERROR, one_line(error)) if error else
                  (Taken.AHEAD, rollout) if rollout is not None else (Taken.NOW, None))
-        kind, detail = share(taken) if self.s.ps.world_size > 1 else taken
+        kind, detail = taken
+        if self.s.ps.world_size > 1:  # (the others' samples without routes: rank 0 sends each rank its share later)
+            ahead = taken[0] is Taken.AHEAD
+            kind, detail = share((Taken.AHEAD, replace(rollout, groups=groups_without_routes(rollout.groups)))
+                                 if ahead else taken)
+            detail = rollout if ahead and rank_and_world()[0] == 0 else detail
         if kind is Taken.FATAL:
             raise StopRun(f"data error (not an engine fault, not requeued): {detail}", fatal=True)
         if kind is Taken.PREEMPTED:

@@ -151,7 +151,9 @@ class TrainBatch:
     nll_scale: torch.Tensor | None = None  # per-token factor of that term under ``weights`` (``positive_nll_scale``)
     old_values: torch.Tensor | None = None  # critic values at rollout time
     returns: torch.Tensor | None = None  # value targets
-    routes: torch.Tensor | None = None  # routing replay: experts per input position [N, T, MoE layers, k] (uint8)
+    # routing replay: experts per input position [N, T, MoE layers, k] (uint8), or in the trainer a ``RouteStore``
+    # (trainer/route_store.py): this rank's rows, layers and sequence chunk of those, the rest fetched per pass
+    routes: object = None
     lengths: torch.Tensor | None = None  # [N] input positions of each row (the rest is padding); None: all T
 
     @property
@@ -171,6 +173,8 @@ class TrainBatch:
     def pad_rows(self, n: int) -> "TrainBatch":
         """Append ``n`` rows that count for nothing (zero mask and weight)."""
         def pad(k, v):
+            if not torch.is_tensor(v):  # a ``RouteStore`` (trainer/route_store.py): rows of padding, no route
+                return v.pad_rows(n)
             extra = v[:1].expand(n, *v.shape[1:]).clone()
             if k in ("loss_mask", "weights", "positive", "nll_scale", "is_weight"):
                 extra.zero_()
@@ -187,6 +191,8 @@ class TrainBatch:
         def pad(k, v):
             if k == "lengths":
                 return v
+            if not torch.is_tensor(v):  # a ``RouteStore``: positions of no route
+                return v.pad_columns(n)
             extra = torch.zeros(v.shape[0], n, *v.shape[2:], dtype=v.dtype)
             if k == "routes":
                 extra.fill_(no_route(v.dtype))

@@ -169,21 +169,16 @@ def pack(fields: dict[str, torch.Tensor], layout: PackedLayout, pad_id: int = 0)
     starts = layout.cu_seqlens()[: len(rows)]
     pad = layout.padded - layout.tokens
 
-    def packed(values: torch.Tensor, fill) -> torch.Tensor:
-        parts = [values[r, :n] for r, n in zip(rows, lengths)]
-        parts.append(torch.full((pad, *values.shape[2:]), fill, dtype=values.dtype))
-        return torch.cat(parts).unsqueeze(0)
-
     out = {
-        "input_ids": packed(fields["input_ids"], pad_id),
-        "labels": packed(fields["labels"], pad_id),
+        "input_ids": pack_rows(fields["input_ids"], layout, pad_id),
+        "labels": pack_rows(fields["labels"], layout, pad_id),
         "position_ids": torch.cat([torch.arange(n) for n in [*lengths, pad]]).unsqueeze(0),
         "cu_seqlens": torch.tensor(layout.cu_seqlens(), dtype=torch.int32),
         "max_seqlen": torch.tensor(max([*lengths, pad])),
         "rows": index,
     }
-    if "routes" in fields:
-        out["routes"] = packed(fields["routes"], no_route(fields["routes"].dtype))
+    if torch.is_tensor(fields.get("routes")):  # (a ``RouteStore``'s rows: the trainer packs them, ``pack_rows``)
+        out["routes"] = pack_rows(fields["routes"], layout, no_route(fields["routes"].dtype))
     cols = torch.arange(width)
     valid = cols.unsqueeze(0) < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
     out["valid"] = valid
@@ -192,6 +187,15 @@ def pack(fields: dict[str, torch.Tensor], layout: PackedLayout, pad_id: int = 0)
         if key not in ROW_FIELDS_SKIPPED:
             out[key] = value[index, :width]
     return out
+
+
+def pack_rows(values, layout: PackedLayout, fill) -> torch.Tensor:
+    """Per-row values (a [rows, positions, ...] tensor, or a mapping of batch row → [positions, ...]) laid end to end
+    as one micro-batch's [1, padded, ...], each row cut at its length, the padding ``fill``."""
+    parts = [values[r][:n] for r, n in zip(layout.rows, layout.lengths)]
+    shape, dtype = (parts[0].shape[1:], parts[0].dtype) if parts else (values.shape[2:], values.dtype)
+    parts.append(torch.full((layout.padded - layout.tokens, *shape), fill, dtype=dtype))
+    return torch.cat(parts).unsqueeze(0)
 
 
 def unpack(values: torch.Tensor, mb: dict) -> torch.Tensor:

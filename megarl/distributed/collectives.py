@@ -1,7 +1,7 @@
 """Small collectives over the trainer's default group; each is the plain value with one process.
 
 Every rank calls a collective at the same point: ``any_rank`` (a flag of any rank, one all-reduce), ``share``
-(rank 0's object), ``gather`` (every rank's object), ``group_by`` (the ranks sharing a key, as a group).
+(rank 0's object), ``gather`` (every rank's object).
 """
 
 from __future__ import annotations
@@ -48,17 +48,3 @@ def gather(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def group_by(key) -> object:
-    """The process group of the trainer ranks whose ``key`` equals this rank's (e.g. a pipeline stage: its data- and
-    tensor-parallel ranks); None (the default group) with one process or when every rank shares it. A collective:
-    every rank creates every group, in the keys' sorted order."""
-    keys = gather(key)
-    if len(set(keys)) == 1:
-        return None
-    mine = None
-    for k in sorted(set(keys)):
-        group = dist.new_group([r for r, other in enumerate(keys) if other == k])
-        mine = group if k == key else mine
-    return mine

@@ -221,12 +221,16 @@ def route_bytes(hf: dict, cfg: RunConfig) -> dict:
             "gib_per_step": per_token * sequences * cfg.engine.max_model_len / GIB}
 
 
-def route_bytes_per_rank(routes: dict, lay: Layout) -> dict:
-    """``routes`` (``route_bytes``) with what one trainer rank holds of a step's: today every rank holds every route
-    (the samples gathered world-wide, R3's batch whole; R2's recording sends a rank its stage's layers only, into a
-    batch-sized tensor); its own share would be its DP rows, its sequence chunk under sequence parallelism, its
-    pipeline stage's layers."""
+def route_bytes_per_rank(routes: dict, lay: Layout, packing: bool = True) -> dict:
+    """``routes`` (``route_bytes``) with what one trainer rank holds of a step's (trainer/route_store.py): of the
+    trainer's batch its own share, its DP rows, its pipeline stage's layers and, under sequence parallelism without
+    ``trainer.packing``, its sequence chunk (``gib_per_rank_held``); during a pass the rows that pass gives it, as
+    many again (``gib_per_rank_pass``); and the rollout's samples, which still carry every route to every rank (the
+    leader shares each phase's groups whole, colocated replicas gather their events world-wide:
+    ``gib_per_rank_samples``). ``gib_per_rank``: the three together."""
     if not routes:
         return routes
-    share = lay.dp * (lay.tp if lay.sequence_parallel else 1) * lay.pp
-    return {**routes, "gib_per_rank": routes["gib_per_step"], "gib_per_rank_own_share": routes["gib_per_step"] / share}
+    share = lay.dp * lay.pp * (lay.tp if lay.sequence_parallel and not packing else 1)
+    held = routes["gib_per_step"] / share
+    return {**routes, "gib_per_rank_held": held, "gib_per_rank_pass": held,
+            "gib_per_rank_samples": routes["gib_per_step"], "gib_per_rank": routes["gib_per_step"] + 2 * held}

@@ -131,7 +131,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "device": "cpu" if cpu else "gpu", "gpu": None if cpu else vars(gpu),
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
         "overrides": lay.overrides(), "sized_at": sizing(cfg),
-        "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay),
+        "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay, cfg.trainer.packing),
         "step_time": st, "proposals": [proposal(*p, bool(experts)) for p in proposals if p[2] is not None],
     }
 

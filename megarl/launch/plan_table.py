@@ -100,8 +100,9 @@ def routes_lines(res: dict) -> list[str]:
     r = res["routes"]
     return [f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
             f"host memory for a step's {r['sequences']} sequences at engine.max_model_len",
-            f"        {r['gib_per_rank']:.3g} GiB on every trainer rank (each holds every route; its own rows, "
-            f"sequence chunk and layers: {r['gib_per_rank_own_share']:.3g} GiB)"]
+            f"        {r['gib_per_rank']:.3g} GiB on each trainer rank: its own rows, layers and sequence chunk "
+            f"{r['gib_per_rank_held']:.3g} GiB, a pass's rows {r['gib_per_rank_pass']:.3g} GiB, the samples' "
+            f"routes (every rank receives every sample) {r['gib_per_rank_samples']:.3g} GiB"]
 
 
 def sizing_line(res: dict) -> str:

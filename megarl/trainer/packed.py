@@ -36,35 +36,37 @@ def rows_to_batch(pieces: list[tuple[torch.Tensor, torch.Tensor]], size: int, se
     return out
 
 
-def packed_routes(plan: list[list[PackedLayout]], pieces: list[tuple], rows: int, seq_len: int, layers: int,
-                  k: int, tp: int) -> torch.Tensor:
-    """What every rank's route taps recorded in one packed forward pass, as [rows, seq_len, layers, k].
+def packed_rows(layouts: list[PackedLayout], pieces: list[tuple], columns: list[int], k: int, tp: int,
+                dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """What this rank's route taps recorded in one packed forward pass, as its rows: batch row → [the row's
+    positions, len(columns), k].
 
-    ``pieces``: each rank's ``(dp rank, tp rank or -1 without sequence parallelism, {column: [per micro-batch
-    [positions held, k]]})`` (pipeline stages hold their own columns); a micro-batch's positions are split in ``tp``
-    equal chunks under sequence parallelism. Positions no row owns (padding) are dropped."""
-    dtype = next((ids.dtype for *_, columns in pieces for parts in columns.values() for ids in parts), torch.uint8)
-    out = torch.full((rows, seq_len, layers, k), no_route(dtype), dtype=dtype)
-    for dp_rank, tp_rank, columns in pieces:
-        for column, parts in columns.items():
-            for layout, ids in zip(plan[dp_rank], parts):
+    ``layouts``: this DP rank's packed micro-batches; ``pieces``: ``(tp rank or -1 without sequence parallelism,
+    {column: [per micro-batch [positions held, k]]})`` of each TP rank that recorded a part of them (under sequence
+    parallelism a micro-batch's positions are split in ``tp`` equal chunks). Positions no row owns are dropped."""
+    out = {row: torch.full((n, len(columns), k), no_route(dtype), dtype=dtype)
+           for layout in layouts for row, n in zip(layout.rows, layout.lengths)}
+    for tp_rank, recorded in pieces:
+        for column, parts in recorded.items():
+            c = columns.index(column)
+            for layout, ids in zip(layouts, parts):
                 first = 0 if tp_rank < 0 else tp_rank * (layout.padded // tp)
                 for row, start, n in zip(layout.rows, layout.cu_seqlens(), layout.lengths):
                     lo, hi = max(start, first), min(start + n, first + ids.shape[0])
                     if lo < hi:
-                        out[row, lo - start:hi - start, column] = ids[lo - first:hi - first]
+                        out[row][lo - start:hi - start, c] = ids[lo - first:hi - first]
     return out
 
 
-def recorded_pieces(taps: dict, dp_rank: int, tp_rank: int, group=None) -> list[tuple]:
-    """Every rank's ``(dp rank, tp rank or -1, {column: what its taps recorded, per micro-batch})``, gathered from
-    the ranks of ``group`` (a collective; default: every rank); the taps stop recording."""
+def recorded_pieces(taps: dict, tp_rank: int, group=None) -> list[tuple]:
+    """``(tp rank or -1, {column: what its taps recorded, per micro-batch})`` of this rank, or of every rank of
+    ``group`` (a collective: the TP ranks that recorded a sequence chunk each); the taps stop recording."""
     columns = {}
     for chunk_taps in taps.values():
         for tap in chunk_taps:
             columns[tap.column] = list(tap.recorded or [])
             tap.recorded = None
-    return gather((dp_rank, tp_rank, columns), group)
+    return gather((tp_rank, columns), group) if group is not None else [(tp_rank, columns)]
 
 
 def step_metrics(out: list[dict], dp_group=None, device=None) -> dict[str, float]:

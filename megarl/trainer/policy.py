@@ -11,29 +11,38 @@ normaliser) without the trainer knowing which one is in use.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from megarl.algo.packing import PackedLayout, pack, plan_microbatches, unpack
+from megarl.algo.packing import PackedLayout, pack, pack_rows, plan_microbatches, unpack
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
-from megarl.distributed.collectives import gather, group_by
+from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import ValueHead, build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.trainer.packed import (
-    packed_routes,
+    packed_rows,
     packed_seq_params,
     recorded_pieces,
     rows_to_batch,
     step_metrics,
 )
+from megarl.trainer.route_store import (
+    RouteStore,
+    recorded_as_rows,
+    row_holders,
+    sequence_chunk,
+    store_from_source,
+    store_of_arrays,
+    store_of_rows,
+)
 from megarl.trainer.routing import (
     RouteStats,
-    assemble_recorded,
     attach_taps,
     check_replay_holds,
     clear_targets,
@@ -43,7 +52,7 @@ from megarl.trainer.routing import (
     router_losses_off,
     set_targets,
 )
-from megarl.types import TrainBatch
+from megarl.types import TrainBatch, no_route
 
 # (logprobs [mb, T] — values for a critic —, microbatch fields) -> (per-token loss [mb, T], {metric: scalar})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -136,7 +145,7 @@ class PolicyTrainer:
         columns = moe_columns(hf_cfg, hf_cfg["num_hidden_layers"]) if num_experts(hf_cfg) and head == "lm" else {}
         self.taps = {id(c): attach_taps(m, columns) for c, m in zip(self.chunks, self.modules)} if columns else {}
         self.route_columns = columns
-        self._stage_group = False  # the ranks of this pipeline stage (``group_by``), made at R2's first recording
+        self.held_columns = sorted(t.column for taps in self.taps.values() for t in taps)  # this stage's MoE layers
         self.moe = num_experts(hf_cfg) > 0
         self.route_stats: dict[str, float] = {}  # of the last pass that had routes (moe/route_agreement, ...)
         for m in self.modules:
@@ -211,13 +220,24 @@ class PolicyTrainer:
     def _run(self, batch: TrainBatch, loss_fn: LossFn | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        store = batch.routes if isinstance(batch.routes, RouteStore) else None
+        if store is not None and not self.taps:  # (a critic: no router to replay them)
+            batch, store = replace(batch, routes=None), None
         if self.packing:  # this rank's rows laid end to end, one sequence per micro-batch
             mine = self._plan(batch)[self.ps.dp_rank]
             fields = batch.as_dict()
             mbs = [pack(fields, layout) for layout in mine]
             seq_length, rows_per_mb = max(layout.padded for layout in mine), 1
+            if store is not None:  # the routes of this rank's rows, from the DP ranks holding them
+                rows = [r for layout in mine for r in layout.rows]
+                fetched = store[torch.tensor(rows, dtype=torch.long)].fetch(self.device)
+                by_row = dict(zip(rows, fetched))
+                for mb, layout in zip(mbs, mine):
+                    mb["routes"] = pack_rows(by_row if layout.rows else fetched, layout, no_route(store.dtype))
         else:
             batch = self._local(batch)
+            if store is not None:  # (a new batch: ``_local`` may hand back the caller's)
+                batch = replace(batch, routes=batch.routes.fetch(self.device))
             mbs = self._microbatches(batch)
             seq_length, rows_per_mb = batch.seq_len, min(self.optim_cfg.micro_batch_size, batch.size)
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
@@ -231,6 +251,8 @@ class PolicyTrainer:
 
         stats, passes = RouteStats(), {}
         sp = self.ps.tp if self.ps.sequence_parallel and self.ps.tp > 1 else 1  # TP ranks sharing a sequence
+        columns = store.columns if store is not None else None
+        held_chunk = store is not None and store.span is not None  # routes of this TP rank's sequence chunk only
 
         def forward_step(data_iter, model):
             mb = {k: v.to(self.device) if self.device is not None and torch.is_tensor(v) else v
@@ -238,10 +260,10 @@ class PolicyTrainer:
             routes = mb.pop("routes", None)
             if self.taps and routes is not None:  # every chunk, MoE layers or not (RouteStats.expect)
                 passes[id(model)] = passes.get(id(model), -1) + 1
-                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // sp)
+                stats.expect(passes[id(model)], routes.shape[0] * routes.shape[1] // (1 if held_chunk else sp))
             if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
                 set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
-                            self.ps.tp, self.ps.sequence_parallel)
+                            1 if held_chunk else self.ps.tp, self.ps.sequence_parallel, columns)
             packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
             pad = padding_mask(mb) if self.moe else None  # padding left out of the MoE router losses
             with router_losses_off(model.config, pad is not None and bool(pad.all())):
@@ -336,16 +358,38 @@ class PolicyTrainer:
                 local = torch.cat(gather(local, self.ps.dp_group), dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
 
-    def record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _holders(self, batch: TrainBatch) -> list[int]:
+        """The DP rank that trains each row of ``batch`` in a pass over the whole batch: where its routes are held."""
+        return row_holders(batch.size, self.ps.dp, self._plan(batch) if self.packing else None)
+
+    def _route_span(self, batch: TrainBatch) -> tuple[int, int] | None:
+        """This TP rank's sequence chunk under sequence parallelism without packing (what its routers see; ``_local``
+        pads the batch to a multiple of TP), else None (every position)."""
+        if not self.ps.sequence_parallel or self.ps.tp == 1 or self.packing:
+            return None
+        return sequence_chunk(batch.seq_len, self.ps.tp, self.ps.tp_rank)
+
+    def hold_routes(self, arrays: list, batch: TrainBatch, source: int | None = None) -> RouteStore | None:
+        """The engine's routes of ``batch``'s samples (each [positions, MoE layers, k], or None) as this rank holds
+        them (``RouteStore``): the rows it trains in a pass over the whole batch, its stage's layers, its sequence
+        chunk; None without routes or route taps. ``source``: the one rank whose samples carry routes, which sends
+        each rank its share (a collective; every rank's ``arrays`` otherwise)."""
+        if not self.taps:
+            return None
+        args = (batch.row_lengths(), self._holders(batch), self.ps.dp_rank, self.held_columns,
+                self._route_span(batch), batch.seq_len, self.ps.dp_group)
+        if source is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            return store_from_source(arrays, *args, source=source, device=self.device)
+        return store_of_arrays(arrays, *args)
+
+    def record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
         """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
-        [N, T, MoE layers, k] uint8 on every rank, and that pass's logprobs [N, T] (what a pass replaying those
-        routes computes: the caller's to reuse). A rank receives the routes of its own pipeline stage's layers only
-        (gathered over the stage's DP and sequence-parallel TP ranks; the other columns hold no expert id): the
-        layers its taps replay, for any rows a later mini-batch gives it."""
+        this rank holds them (``RouteStore``: the rows it recorded, its stage's layers, its sequence chunk), and
+        that pass's logprobs [N, T] (what a pass replaying those routes computes: the caller's to reuse)."""
         with self._watched("route recording"):
             return self._record_routes(batch)
 
-    def _record_routes(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
         taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
         for tap in taps:
             tap.recorded = []
@@ -355,21 +399,22 @@ class PolicyTrainer:
         finally:
             self.routing_replay = saved
         k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
-        if self._stage_group is False:  # (the ranks that hold this stage's MoE layers: what its taps replay)
-            self._stage_group = group_by(self.ps.pp_rank)
-        if self.packing:  # each packed micro-batch's routes, back in rows
-            pieces = recorded_pieces(self.taps, self.ps.dp_rank, self.ps.tp_rank if split else -1, self._stage_group)
-            return packed_routes(self._plan(batch), pieces, batch.size, batch.seq_len, len(self.route_columns), k,
-                                 self.ps.tp), logprobs
-        local = self._local(batch)
-        seq_local = local.seq_len // self.ps.tp if split else local.seq_len
-        mine = {}
-        for chunk_taps in self.taps.values():
-            mine.update(recorded_rows(chunk_taps, seq_local))
-        rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank]
-        piece = (int(rows[0]) if len(rows) else 0, len(rows), self.ps.tp_rank * seq_local if split else 0, mine)
-        return assemble_recorded(gather(piece, self._stage_group), batch.size, batch.seq_len, len(self.route_columns),
-                                 k), logprobs
+        dtype, columns = torch.uint8 if self.tcfg.num_moe_experts < 255 else torch.int16, self.held_columns
+        span = self._route_span(batch)
+        if self.packing:  # each packed micro-batch's routes, back in rows (a TP rank's chunks joined under SP)
+            pieces = recorded_pieces(self.taps, self.ps.tp_rank if split else -1, self.ps.tp_group if split else None)
+            held = packed_rows(self._plan(batch)[self.ps.dp_rank], pieces, columns, k, self.ps.tp, dtype)
+        else:  # this rank recorded its rows of ``_local``, its sequence chunk under SP: what it holds
+            local = self._local(batch)
+            seq_local, recorded = local.seq_len // self.ps.tp if split else local.seq_len, {}
+            for chunk_taps in self.taps.values():
+                recorded.update(recorded_rows(chunk_taps, seq_local))
+            rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank].tolist()
+            held = recorded_as_rows(recorded, rows, columns, batch.row_lengths(), span[0] if span else 0, seq_local,
+                                    k, dtype)
+        store = store_of_rows(held, self._holders(batch), columns, span, len(self.route_columns), k, dtype,
+                              batch.seq_len, self.ps.dp_group)
+        return store, logprobs
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""

@@ -8,6 +8,7 @@ module knows the algorithm's data flow, not engines or scheduling.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -40,15 +41,19 @@ def norm_tokens(cfg: RunConfig) -> int:
     return cfg.algo.loss_norm_tokens or cfg.rollout.max_new_tokens
 
 
-def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int) -> tuple[TrainBatch, torch.Tensor]:
-    """All samples of the groups as one batch (behaviour logprobs as ``old_logprobs``), and [groups, G] rewards."""
+def rollout_batch(groups: list[Group], cfg: RunConfig, pad_id: int,
+                  hold_routes=None) -> tuple[TrainBatch, torch.Tensor]:
+    """All samples of the groups as one batch (behaviour logprobs as ``old_logprobs``), and [groups, G] rewards.
+    ``hold_routes(arrays, batch)``: the samples' routes as the batch carries them (``PolicyTrainer.hold_routes``:
+    this rank's share); by default one [N, T, MoE layers, k] tensor."""
     a = cfg.algo
     samples = [s for g in groups for s in g.samples]
     batch = build_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.logprobs for s in samples], loss_agg=a.loss_agg, pad_id=pad_id,
                         norm_tokens=norm_tokens(cfg),
                         model_masks=[s.model_mask() for s in samples] if any(s.env_spans for s in samples) else None)
-    batch.routes = batch_routes([s.route_array() for s in samples], batch.seq_len)
+    arrays = [s.route_array() for s in samples]
+    batch.routes = hold_routes(arrays, batch) if hold_routes else batch_routes(arrays, batch.seq_len)
     if a.overlong_filter:
         batch.loss_mask = overlong_mask([s.finish_reason for s in samples], batch.loss_mask)
     rewards = shaped_rewards(groups, a, cfg.rollout.max_new_tokens)
@@ -102,7 +107,8 @@ def proximal_correction(prox: torch.Tensor, batch: TrainBatch, mode: str, a) -> 
 
 def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: int, step: int) -> dict[str, float]:
     a = cfg.algo
-    batch, rewards = rollout_batch(groups, cfg, pad_id)
+    # (rank 0 alone holds the samples' routes: the rollout leader's, rollout/leader.py; it sends each rank its share)
+    batch, rewards = rollout_batch(groups, cfg, pad_id, partial(learners.policy.hold_routes, source=0))
     mask = batch.loss_mask
     out: dict[str, float] = {"loss/tokens": float(mask.sum())}  # (a trajectory's environment tokens: not among them)
     engine_routes, agreement, own = batch.routes, {}, None

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from megarl.algo.batch import build_batch
 from megarl.models.hf_config import is_moe_layer
-from megarl.types import no_route
 
 
 def moe_columns(hf_cfg: dict, num_layers: int) -> dict[int, int]:
@@ -156,14 +155,16 @@ def attach_taps(chunk, columns: dict[int, int]) -> list[RouteTap]:
 
 
 def set_targets(taps: list[RouteTap], routes: torch.Tensor | None, replay: bool, stats: RouteStats | None,
-                tp_rank: int = 0, tp: int = 1, sequence_parallel: bool = False) -> None:
-    """Each tap's rows of a microbatch's ``routes`` [b, s, MoE layers, k] (None: no target, own routing)."""
+                tp_rank: int = 0, tp: int = 1, sequence_parallel: bool = False,
+                columns: list[int] | None = None) -> None:
+    """Each tap's rows of a microbatch's ``routes`` [b, s, MoE layers, k] (None: no target, own routing);
+    ``columns``: the MoE columns ``routes`` holds, in order (a ``RouteStore``'s; None: every column)."""
     for tap in taps:
         tap.replay, tap.stats = replay, stats
         if routes is None:
             tap.target = None
             continue
-        layer = routes[:, :, tap.column, :]  # [b, s, k]
+        layer = routes[:, :, columns.index(tap.column) if columns is not None else tap.column, :]  # [b, s, k]
         if sequence_parallel and tp > 1:
             s = layer.shape[1] // tp
             layer = layer[:, tp_rank * s:(tp_rank + 1) * s]
@@ -184,19 +185,6 @@ def recorded_rows(taps: list[RouteTap], seq_local: int) -> dict[int, torch.Tenso
         if parts:
             out[tap.column] = torch.cat(parts)
         tap.recorded = None
-    return out
-
-
-def assemble_recorded(pieces: list[tuple], rows: int, seq_len: int, layers: int, k: int) -> torch.Tensor:
-    """Every rank's ``(row offset, row count, sequence offset, {column: [rows', seq', k]})`` as one
-    [rows, seq_len, layers, k] tensor (the pieces tile it: DP ranks by rows, TP ranks by sequence chunks under SP,
-    pipeline stages by layers; padding rows and columns beyond the batch are cut)."""
-    dtype = next((ids.dtype for *_, columns in pieces for ids in columns.values()), torch.uint8)
-    out = torch.full((rows, seq_len, layers, k), no_route(dtype), dtype=dtype)
-    for row0, count, seq0, columns in pieces:
-        for column, ids in columns.items():
-            block = ids[:count, : max(0, seq_len - seq0)]
-            out[row0:row0 + block.shape[0], seq0:seq0 + block.shape[1], column] = block
     return out
 
 

@@ -76,6 +76,8 @@ def test_a_bf16_engine_flips_routes_and_replay_routes_every_token_to_the_engines
     # R2: the trainer's own routes recorded on every rank, replayed: its logprobs unchanged, agreement 1
     assert r["r2_vs_own_max"] == 0.0 and r["r2_agreement"] == 1.0 and r["r2_unrouted"] == 0
     assert r["r2_recording_pass_vs_replayed_max"] == 0.0  # what rl_update reuses as the proximal logprobs
+    assert r["held_vs_replayed_max"] == 0.0 and r["exchanged_vs_replayed_max"] <= 1e-5
+    assert 0 < r["r3_held"][0] < r["full_bytes"]  # one process holds every row, to its end (no padding)
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", pytest.param("pp2", marks=SLOW), pytest.param("pp2_vpp2", marks=SLOW),
@@ -90,6 +92,13 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
     assert not (received[0] & received[1]) if layout.startswith("pp2") else received[0] == received[1]
     for key in ("gap_own", "gap_replayed"):
         assert got[key] == pytest.approx(one[key], abs=1e-6), key
+    # each rank holds its share of R2's and the engine's routes only (its rows at DP 2, its stage's layers at PP 2,
+    # its sequence chunk at TP 2 + SP): together exactly what one process holds; the rest is fetched per pass
+    for key in ("r2_held", "r3_held"):
+        assert sum(got[key]) == sum(one[key]) and max(got[key]) < 0.7 * sum(one[key]), (key, got[key], one[key])
+    assert got["held_vs_replayed_max"] == 0.0  # replaying the held share = replaying the batch's whole tensor
+    assert got["sent_as_held"] == [True, True]  # each rank's share sent by rank 0 (the rollout leader) is the same
+    assert got["exchanged_vs_replayed_max"] <= 1e-5  # rows trained on other ranks than hold their routes
 
 
 @pytest.mark.parametrize("family", [pytest.param("qwen2_moe", marks=SLOW), pytest.param("mixtral", marks=SLOW)])

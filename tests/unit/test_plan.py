@@ -404,7 +404,8 @@ def test_the_plan_states_what_moe_routes_add_per_token_and_per_step():
 
 
 def test_the_plan_states_the_route_bytes_each_trainer_rank_holds(capsys, tmp_path):
-    """Every rank holds the step's routes whole today; its own share is its DP rows, SP chunk and stage's layers."""
+    """A rank holds its share of the trainer's batch (DP rows, stage's layers; the SP chunk unpacked), as much again
+    for a pass, and the samples' routes whole (the rollout shares every sample with every rank)."""
     layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.ep=8",
               "parallel.etp=1", "engine.tensor_parallel_size=16", "engine.kv_cache_gib=8"]
     model = tmp_path / "config.json"
@@ -412,10 +413,12 @@ def test_the_plan_states_the_route_bytes_each_trainer_rank_holds(capsys, tmp_pat
     assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *RUN, *layout]) in (0, 1)
     out = capsys.readouterr().out
     r = _plan(QWEN3_30B_A3B, 2, 8, 80, [*RUN, *layout])["routes"]
-    assert r["gib_per_rank"] == r["gib_per_step"] > 0  # every route on every rank
-    assert r["gib_per_rank_own_share"] == pytest.approx(r["gib_per_step"] / (4 * 2 * 2))  # DP 16/(2·2) × TP × PP
-    assert (f"{r['gib_per_rank']:.3g} GiB on every trainer rank (each holds every route; its own rows, sequence "
-            f"chunk and layers: {r['gib_per_rank_own_share']:.3g} GiB)") in out, out
+    assert r["gib_per_rank_held"] == r["gib_per_rank_pass"] == pytest.approx(r["gib_per_step"] / (4 * 2))  # DP × PP
+    assert r["gib_per_rank"] == pytest.approx(r["gib_per_step"] * (1 + 2 / 8))  # + the samples' routes, whole
+    assert (f"{r['gib_per_rank']:.3g} GiB on each trainer rank: its own rows, layers and sequence chunk "
+            f"{r['gib_per_rank_held']:.3g} GiB") in out, out
+    unpacked = _plan(QWEN3_30B_A3B, 2, 8, 80, [*RUN, *layout, "trainer.packing=false"])["routes"]
+    assert unpacked["gib_per_rank_held"] == pytest.approx(r["gib_per_step"] / (4 * 2 * 2))  # and its SP chunk
 
 
 def test_a_token_budget_sizes_the_activations_by_tokens_per_micro_batch(capsys, tmp_path):

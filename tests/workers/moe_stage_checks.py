@@ -58,16 +58,17 @@ def main(model_dir: str, layout: str) -> None:
     trainer.routing_replay = "rollout"
     batch = fixed_batch(cfg["vocab_size"])
     own = trainer.logprobs(batch)
-    batch.routes, _ = trainer.record_routes(batch)  # every rank's taps, gathered: [rows, seq, MoE layers, k]
+    batch.routes, _ = trainer.record_routes(batch)  # this rank's share (its rows, its stage's layers)
     replayed = trainer.logprobs(batch)  # the stages' route metrics: a pipeline collective
     agreement = trainer.route_stats.get("moe/route_agreement")
     step = trainer.train_step(batch, policy_loss_fn(AlgoConfig()))
     checks = self_checks(trainer)
-    merged, received = every_stage_routes(batch.routes)
+    dense = batch.routes.dense()  # [rows, seq, MoE layers, k]: its DP group's rows, this rank's layers
+    merged, received = every_stage_routes(dense)
     unrouted = (merged == 255).all(dim=-1)  # per (row, position, column): no expert recorded
     fed = torch.arange(batch.seq_len)[None, :] < torch.tensor(batch.row_lengths())[:, None]  # each row's own positions
     out = {"layout": layout, "stages": ps.pp, "taps": sorted(t.column for ts in trainer.taps.values() for t in ts),
-           "routes_shape": list(batch.routes.shape),
+           "routes_shape": list(dense.shape),
            "routes_per_column": merged.long().sum(dim=(0, 1, 3)).tolist(), "received": received,
            "unrouted_in_rows": int(unrouted[fed].sum()),
            "replay_vs_own_max": float(((replayed - own) * batch.loss_mask).abs().max()),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS  # noqa: E402
+from helpers.trainers import LAYOUTS, every_stage_routes  # noqa: E402
 
 MAX_TOKENS = 24
 """The token budget of the packed-by-tokens trainer, and the longest row of the batch."""
@@ -116,7 +116,8 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
         return float(((a - b).abs() * mask).max() / (a.abs() * mask).max())
 
     if experts and head == "lm":  # R2: each trainer's own routes of the batch, as rows
-        recorded = {name: t.record_routes(batch)[0] for name, t in trainers.items()}
+        # (each rank holds its share: its rows, stage's layers, sequence chunk; every rank's merged)
+        recorded = {name: every_stage_routes(t.record_routes(batch)[0].dense())[0] for name, t in trainers.items()}
         valid = batch.lengths.unsqueeze(1) > torch.arange(batch.seq_len)
         ref = recorded["unpacked"][valid]
         out["r2_positions"] = int(valid.sum())
@@ -130,6 +131,10 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
     if head == "value":
         batch.old_values = torch.zeros_like(mask)
         batch.returns = batch.advantages.clone()
+    held = {}
+    if batch.routes is not None:  # the steps: each trainer's share of the routes, the rest fetched per pass
+        arrays = [r[:n].numpy() for r, n in zip(batch.routes, batch.row_lengths())]
+        held = {name: t.hold_routes(arrays, batch) for name, t in trainers.items()}
     for agg, algo in STEPS:
         batch.weights = aggregation_weights(mask, agg, norm_tokens=MAX_TOKENS)
         if head == "value":
@@ -137,7 +142,8 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
                 return value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
         else:
             loss_fn = policy_loss_fn(AlgoConfig(loss_agg=agg, **algo))
-        out["steps"].append({name: t.train_step(batch, loss_fn) for name, t in trainers.items()})
+        out["steps"].append({name: t.train_step(dataclasses.replace(batch, routes=held[name]) if held else batch,
+                                                loss_fn) for name, t in trainers.items()})
         if len(out["steps"]) == 1:  # the weights after one step (later ones compound Adam's sign-like first steps)
             full = {name: gather_full_megatron(t.modules, ps, cfg["num_hidden_layers"], experts)
                     for name, t in trainers.items()}

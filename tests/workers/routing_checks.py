@@ -29,13 +29,14 @@ from helpers.trainers import build_trainer, every_stage_routes  # noqa: E402
 
 
 def load_batch(path: str):
+    """The samples as one batch with their routes as one tensor, and the samples' routes (numpy arrays)."""
     from megarl.algo.batch import batch_routes, build_batch
 
     rows = torch.load(path, weights_only=False)
     batch = build_batch([r["prompt"] for r in rows], [r["response"] for r in rows], [r["logprobs"] for r in rows],
                         [1.0 if i % 2 else -1.0 for i in range(len(rows))])
     batch.routes = batch_routes([r["routes"] for r in rows], batch.seq_len)
-    return batch
+    return batch, [r["routes"] for r in rows]
 
 
 class Watch:
@@ -72,7 +73,7 @@ def main(model_dir: str, samples: str, layout: str) -> None:
     from megarl.config.schema import AlgoConfig, OptimConfig
 
     ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=1e-3, micro_batch_size=4, grad_clip=1.0))
-    batch = load_batch(samples)
+    batch, arrays = load_batch(samples)
     watch = Watch(trainer)
     trainer.routing_replay = "none"
     own = trainer.logprobs(batch)
@@ -85,10 +86,22 @@ def main(model_dir: str, samples: str, layout: str) -> None:
     engine_routes, batch.routes = batch.routes, recorded
     r2 = trainer.logprobs(batch)
     r2_agreement = trainer.route_stats.get("moe/route_agreement")
-    batch.routes = engine_routes
-    recorded, received = every_stage_routes(recorded)  # (each rank holds its stage's layers)
+    r2_held = recorded.nbytes()
+    recorded, received = every_stage_routes(recorded.dense())  # (each rank holds its stage's layers)
+    # R3 as rl_update carries it: each rank holds its share of the engine's routes, the rest fetched per pass
     trainer.routing_replay = "rollout"
+    batch.routes = trainer.hold_routes(arrays, batch)
+    r3_held = batch.routes.nbytes()
+    # as in a run of several ranks: rank 0 alone has the samples' routes (rollout/leader.py) and sends each its share
+    sent = trainer.hold_routes(arrays if dist.get_rank() == 0 else [None] * len(arrays), batch, source=0)
+    same = sent.held.keys() == batch.routes.held.keys() and all(
+        torch.equal(sent.held[r], batch.routes.held[r]) for r in sent.held)
+    held_replayed = trainer.logprobs(batch)
+    order = torch.arange(batch.size).flip(0)  # every row to another DP rank than the one holding its routes
+    exchanged = trainer.logprobs(batch.select(order))
     step = trainer.train_step(batch, policy_loss_fn(AlgoConfig()))
+    batch.routes = engine_routes
+    fed = torch.arange(batch.seq_len)[None, :] < torch.tensor(batch.row_lengths())[:, None]  # (padding: no route)
     counts = torch.tensor([watch.checked, watch.differ], dtype=torch.float64)
     dist.all_reduce(counts)
     out = {"layout": layout, "checked": int(counts[0]), "differ": int(counts[1]),
@@ -100,7 +113,15 @@ def main(model_dir: str, samples: str, layout: str) -> None:
            "r2_vs_own_max": float(((r2 - own) * batch.loss_mask).abs().max()), "r2_agreement": r2_agreement,
            "r2_recording_pass_vs_replayed_max": float(((recording_pass - r2) * batch.loss_mask).abs().max()),
            "r2_routes": recorded.long().sum(dim=(0, 1, 3)).tolist(), "r2_shape": list(recorded.shape),
-           "r2_unrouted": int((recorded == 255).all(dim=-1).sum()), "r2_received": received}
+           "r2_unrouted": int(((recorded == 255).all(dim=-1) & fed[:, :, None]).sum()), "r2_received": received,
+           "held_vs_replayed_max": float(((held_replayed - replayed) * batch.loss_mask).abs().max()),
+           "exchanged_vs_replayed_max": float(((exchanged - replayed[order]) * batch.loss_mask[order]).abs().max()),
+           "r2_held": [0] * dist.get_world_size(), "r3_held": [0] * dist.get_world_size(),
+           "full_bytes": engine_routes.numel() * engine_routes.element_size()}
+    out["sent_as_held"] = [None] * dist.get_world_size()
+    dist.all_gather_object(out["sent_as_held"], same)
+    dist.all_gather_object(out["r2_held"], r2_held)
+    dist.all_gather_object(out["r3_held"], r3_held)
     if dist.get_rank() == 0:
         print(json.dumps(out))
     end_process_group()
