@@ -13,7 +13,8 @@ every rank's controller stays in lockstep.
       submit(request) ──► the least-loaded replica (lowest index on ties); only its ranks add it
       step()          ──► every replica with work steps its own engine ─► its events
                           ─► all_gather_object over the world ─► one copy per replica (its first
-                          rank), in replica order ─► the same StepReport on every rank
+                          rank), in replica order ─► the same StepReport on every rank (MoE routes:
+                          gathered to rank 0 alone, the only rank that keeps them)
 
 Each rank's engine holds the full weights its TP shard needs (the streaming sync feeds every
 rank). Every event carries its replica's weight version. Replicas sample from streams of their
@@ -24,6 +25,8 @@ recovers its engine in place (``VLLMEngine.restart`` under torchrun).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -96,20 +99,37 @@ class ColocatedReplicas:
                 mine = self._step_local()
             except Exception as exc:  # noqa: BLE001  (raised on every rank below, after the exchange)
                 error = f"replica {self.replica} (rank {self.rank}): {type(exc).__name__}: {exc}"
+        routes = {ev.request_id: (ev.route_start, ev.routes) for ev in mine.events if ev.routes is not None}
+        bare = [replace(ev, routes=None) for ev in mine.events] if routes else mine.events
         every = [None] * self.world
-        dist.all_gather_object(every, (mine.events, mine.elapsed, mine.active, error))
-        errors = [e for *_, e in every if e]
+        dist.all_gather_object(every, (bare, mine.elapsed, mine.active, error, bool(routes)))
+        errors = [e for *_, e, _ in every if e]
         if errors:
             raise RuntimeError("colocated engine step failed: " + "; ".join(errors))
         events, elapsed, active = [], 0.0, 0
         for k in range(self.replicas):
-            evs, el, act, _ = every[k * self.tp]  # one copy per replica: its first rank's
+            evs, el, act, *_ = every[k * self.tp]  # one copy per replica: its first rank's
             events += evs
             elapsed, active = max(elapsed, el), active + act
             for ev in evs:
                 if ev.finished and self.owner.pop(ev.request_id, None) is not None:
                     self.load[k] -= 1
+        if any(every[k * self.tp][-1] for k in range(self.replicas)):
+            self._routes_to_rank_0(events, routes)
         return StepReport(events, elapsed, active)
+
+    def _routes_to_rank_0(self, events: list, routes: dict) -> None:
+        """Routing replay: the step's routes go to rank 0 alone, which keeps the samples' routes and sends each
+        trainer rank its share of a batch (``PolicyTrainer.hold_routes``); the other ranks' samples carry none
+        (every rank received every route before, ~0.75 KB a token at Qwen3-235B's 94 layers)."""
+        first = self.rank % self.tp == 0  # (a replica's ranks capture the same routes: its first rank's count)
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(routes if first else {}, gathered, dst=0)
+        if self.rank == 0:
+            held = {rid: r for part in gathered for rid, r in part.items()}
+            for ev in events:
+                if ev.request_id in held:
+                    ev.route_start, ev.routes = held[ev.request_id]
 
     def generate(self, requests: list, seed: int) -> list:
         """Batch generation (evaluation) shared out: replica k generates requests k, k + R, … (R replicas) on its

@@ -225,12 +225,12 @@ def route_bytes_per_rank(routes: dict, lay: Layout, packing: bool = True) -> dic
     """``routes`` (``route_bytes``) with what one trainer rank holds of a step's (trainer/route_store.py): of the
     trainer's batch its own share, its DP rows, its pipeline stage's layers and, under sequence parallelism without
     ``trainer.packing``, its sequence chunk (``gib_per_rank_held``); during a pass the rows that pass gives it, as
-    many again (``gib_per_rank_pass``); and the rollout's samples, which still carry every route to every rank (the
-    leader shares each phase's groups whole, colocated replicas gather their events world-wide:
-    ``gib_per_rank_samples``). ``gib_per_rank``: the three together."""
+    many again (``gib_per_rank_pass``): ``gib_per_rank``. Rank 0 alone also keeps the rollout's samples with their
+    routes (the leader shares samples without them, colocated replicas gather them to rank 0), from which it sends
+    each rank its share: ``gib_rank_0``."""
     if not routes:
         return routes
     share = lay.dp * lay.pp * (lay.tp if lay.sequence_parallel and not packing else 1)
     held = routes["gib_per_step"] / share
-    return {**routes, "gib_per_rank_held": held, "gib_per_rank_pass": held,
-            "gib_per_rank_samples": routes["gib_per_step"], "gib_per_rank": routes["gib_per_step"] + 2 * held}
+    return {**routes, "gib_per_rank_held": held, "gib_per_rank_pass": held, "gib_per_rank": 2 * held,
+            "gib_rank_0": routes["gib_per_step"] + 2 * held}

@@ -101,8 +101,8 @@ def routes_lines(res: dict) -> list[str]:
     return [f"routes  {r['bytes_per_token']} B per token (MoE routing replay); {r['gib_per_step']:.3g} GiB of "
             f"host memory for a step's {r['sequences']} sequences at engine.max_model_len",
             f"        {r['gib_per_rank']:.3g} GiB on each trainer rank: its own rows, layers and sequence chunk "
-            f"{r['gib_per_rank_held']:.3g} GiB, a pass's rows {r['gib_per_rank_pass']:.3g} GiB, the samples' "
-            f"routes (every rank receives every sample) {r['gib_per_rank_samples']:.3g} GiB"]
+            f"{r['gib_per_rank_held']:.3g} GiB, a pass's rows {r['gib_per_rank_pass']:.3g} GiB; rank 0 also "
+            f"the samples' routes, whole ({r['gib_rank_0']:.3g} GiB in all)"]
 
 
 def sizing_line(res: dict) -> str:

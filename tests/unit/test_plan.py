@@ -405,7 +405,7 @@ def test_the_plan_states_what_moe_routes_add_per_token_and_per_step():
 
 def test_the_plan_states_the_route_bytes_each_trainer_rank_holds(capsys, tmp_path):
     """A rank holds its share of the trainer's batch (DP rows, stage's layers; the SP chunk unpacked), as much again
-    for a pass, and the samples' routes whole (the rollout shares every sample with every rank)."""
+    for a pass; rank 0 also the samples' routes whole (it sends each rank its share)."""
     layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.ep=8",
               "parallel.etp=1", "engine.tensor_parallel_size=16", "engine.kv_cache_gib=8"]
     model = tmp_path / "config.json"
@@ -414,7 +414,8 @@ def test_the_plan_states_the_route_bytes_each_trainer_rank_holds(capsys, tmp_pat
     out = capsys.readouterr().out
     r = _plan(QWEN3_30B_A3B, 2, 8, 80, [*RUN, *layout])["routes"]
     assert r["gib_per_rank_held"] == r["gib_per_rank_pass"] == pytest.approx(r["gib_per_step"] / (4 * 2))  # DP × PP
-    assert r["gib_per_rank"] == pytest.approx(r["gib_per_step"] * (1 + 2 / 8))  # + the samples' routes, whole
+    assert r["gib_per_rank"] == pytest.approx(r["gib_per_step"] * 2 / 8)
+    assert r["gib_rank_0"] == pytest.approx(r["gib_per_step"] * (1 + 2 / 8))  # + the samples' routes, whole
     assert (f"{r['gib_per_rank']:.3g} GiB on each trainer rank: its own rows, layers and sequence chunk "
             f"{r['gib_per_rank_held']:.3g} GiB") in out, out
     unpacked = _plan(QWEN3_30B_A3B, 2, 8, 80, [*RUN, *layout, "trainer.packing=false"])["routes"]

@@ -80,8 +80,12 @@ def main(run_dir: str, *overrides: str) -> None:
     drawn = record_drawn(s.controller)
     released_digests, run_phase = [], s.controller.run_phase
 
+    routed = []  # per phase: (samples with routes, samples) of the released groups (MoE: rank 0 alone keeps them)
+
     def recorded_phase(version):
         groups, m = run_phase(version=version)
+        samples = [x for g in groups for x in g.samples]
+        routed.append((sum(x.routes is not None for x in samples), len(samples)))
         released_digests.append(digest([(g.prompt_index, [(x.response_ids, x.logprobs, x.versions, x.reward)
                                                           for x in g.samples]) for g in groups]))
         return groups, m
@@ -164,7 +168,7 @@ def main(run_dir: str, *overrides: str) -> None:
               "drawn": sorted(drawn), "released_ids": sorted(c.released), "live": sorted(c.live),
               "requeued": requeued, "live_versions": live_versions, "shared_score": shared_score,
               "eval_same": shared_out == whole, "eval_counts": counted, "step_error": step_error,
-              "left": face.num_active()}
+              "left": face.num_active(), "routed": routed}
     every = [None] * world
     dist.all_gather_object(every, record)
     if rank == 0:
