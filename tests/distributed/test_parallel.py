@@ -128,6 +128,7 @@ def test_padding_counts_for_nothing_in_the_router_losses(models, layout):
     assert got["padding_rows_finite"] and got["padding_rows_skipped"] == 0.0
 
 
+@pytest.mark.slow  # 22 s
 def test_a_bf16_trainer_routes_in_fp32(models):
     """Under bf16 the routers take bf16 hidden states and score the experts in fp32 (``moe_router_dtype``): bf16
     scores tie where vLLM's fp32 ones do not, and flip routes (bench/routing_replay.py)."""

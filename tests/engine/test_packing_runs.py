@@ -25,6 +25,7 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("packing") / "model", TinyShape(family="qwen2"), seed=3)
 
 
+@pytest.mark.slow  # 35 s; the default run keeps packed micro-batches' exactness (distributed/test_packing.py)
 def test_packed_and_padded_runs_log_the_same_metrics(model, tmp_path):
     runs = {"packed": ["trainer.packing=true", "trainer.max_tokens_per_microbatch=128"],
             "padded": ["trainer.packing=false", "optim.micro_batch_size=16"]}
