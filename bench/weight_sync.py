@@ -137,6 +137,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--only", choices=["all", "disagg", "memory"], default="all")
     args = ap.parse_args()
+    from megarl.distributed.placement import apply, available_cores, place_node
+
+    # megarl's choice for a trainer process with its colocated engine (they take turns: every core); the
+    # replicas of --only disagg get theirs from megarl's own spawn
+    apply(place_node(available_cores(), 1, [], together=False).trainer[0])
 
     from megarl.engines.vllm_engine import VLLMEngine, set_cpu_engine_env
 
