@@ -100,8 +100,7 @@ class Session:
     def close(self) -> None:
         """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
         self.pipeline.close()
-        if self.controller.episodes is not None:
-            self.controller.episodes.pool.close()
+        self.controller.close()
         if self.cfg.train.trace:
             events = gather(self.timeline.events())
             if self.is_main:

@@ -169,6 +169,11 @@ class RolloutController(PromptBuffer):
         if self.episodes is not None:
             self.episodes.load_state_dict(state.get("episodes", {}))
 
+    def close(self) -> None:
+        """What the controller started beside the engines ends: the environments' workers (multi-turn)."""
+        if self.episodes is not None:
+            self.episodes.close()
+
     def waiting(self) -> int:
         """Samples waiting on their environment's answer."""
         return self.episodes.pending() if self.episodes is not None else 0

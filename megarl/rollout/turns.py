@@ -205,6 +205,10 @@ class Episodes:
         self.saved, self.restore = {}, dict(state.get("saved", {}))
         self.unpicklable = dict(state.get("unpicklable", {}))
 
+    def close(self) -> None:
+        """The environments' worker processes end (a run's end)."""
+        self.pool.close()
+
 
 def transcript(s: Sample, tokenizer) -> list[dict]:
     """A sample's episode as chat messages: its model turns (decoded, special tokens left out) and its
