@@ -25,22 +25,9 @@ from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import ValueHead, build_gpt_model, load_hf_weights, moe_dispatcher_for
-from megarl.trainer.packed import (
-    packed_rows,
-    packed_seq_params,
-    recorded_pieces,
-    rows_to_batch,
-    step_metrics,
-)
-from megarl.trainer.route_store import (
-    RouteStore,
-    recorded_as_rows,
-    row_holders,
-    sequence_chunk,
-    store_from_source,
-    store_of_arrays,
-    store_of_rows,
-)
+from megarl.trainer.packed import packed_seq_params, rows_to_batch, step_metrics
+from megarl.trainer.route_recording import RouteRecording
+from megarl.trainer.route_store import RouteStore
 from megarl.trainer.routing import (
     RouteStats,
     attach_taps,
@@ -48,7 +35,6 @@ from megarl.trainer.routing import (
     clear_targets,
     moe_columns,
     padding_mask,
-    recorded_rows,
     router_losses_off,
     set_targets,
 )
@@ -72,7 +58,7 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor], device=None) ->
     return " and ".join(name for name, bad in zip(("loss", "gradient"), flags.tolist()) if bad)
 
 
-class PolicyTrainer:
+class PolicyTrainer(RouteRecording):
     """``head='lm'``: the policy (logprobs); ``head='value'``: a critic on the same backbone (values).
     ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty).
 
@@ -357,64 +343,6 @@ class PolicyTrainer:
                 local = local[: len(torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank])]
                 local = torch.cat(gather(local, self.ps.dp_group), dim=0)
         return self._from_last_stage(local)[: batch.size, : batch.seq_len]
-
-    def _holders(self, batch: TrainBatch) -> list[int]:
-        """The DP rank that trains each row of ``batch`` in a pass over the whole batch: where its routes are held."""
-        return row_holders(batch.size, self.ps.dp, self._plan(batch) if self.packing else None)
-
-    def _route_span(self, batch: TrainBatch) -> tuple[int, int] | None:
-        """This TP rank's sequence chunk under sequence parallelism without packing (what its routers see; ``_local``
-        pads the batch to a multiple of TP), else None (every position)."""
-        if not self.ps.sequence_parallel or self.ps.tp == 1 or self.packing:
-            return None
-        return sequence_chunk(batch.seq_len, self.ps.tp, self.ps.tp_rank)
-
-    def hold_routes(self, arrays: list, batch: TrainBatch, source: int | None = None) -> RouteStore | None:
-        """The engine's routes of ``batch``'s samples (each [positions, MoE layers, k], or None) as this rank holds
-        them (``RouteStore``): the rows it trains in a pass over the whole batch, its stage's layers, its sequence
-        chunk; None without routes or route taps. ``source``: the one rank whose samples carry routes, which sends
-        each rank its share (a collective; every rank's ``arrays`` otherwise)."""
-        if not self.taps:
-            return None
-        args = (batch.row_lengths(), self._holders(batch), self.ps.dp_rank, self.held_columns,
-                self._route_span(batch), batch.seq_len, self.ps.dp_group)
-        if source is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            return store_from_source(arrays, *args, source=source, device=self.device)
-        return store_of_arrays(arrays, *args)
-
-    def record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
-        """R2 (``algo.routing_replay: trainer``): this policy's own routes of ``batch`` in one forward pass, as
-        this rank holds them (``RouteStore``: the rows it recorded, its stage's layers, its sequence chunk), and
-        that pass's logprobs [N, T] (what a pass replaying those routes computes: the caller's to reuse)."""
-        with self._watched("route recording"):
-            return self._record_routes(batch)
-
-    def _record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
-        taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
-        for tap in taps:
-            tap.recorded = []
-        saved, self.routing_replay = self.routing_replay, "none"
-        try:  # (the engine's routes, where the batch has them, only measured against: ``route_stats``)
-            logprobs = self.logprobs(batch)
-        finally:
-            self.routing_replay = saved
-        k, split = self.tcfg.moe_router_topk, self.ps.sequence_parallel and self.ps.tp > 1
-        dtype, columns = torch.uint8 if self.tcfg.num_moe_experts < 255 else torch.int16, self.held_columns
-        span = self._route_span(batch)
-        if self.packing:  # each packed micro-batch's routes, back in rows (a TP rank's chunks joined under SP)
-            pieces = recorded_pieces(self.taps, self.ps.tp_rank if split else -1, self.ps.tp_group if split else None)
-            held = packed_rows(self._plan(batch)[self.ps.dp_rank], pieces, columns, k, self.ps.tp, dtype)
-        else:  # this rank recorded its rows of ``_local``, its sequence chunk under SP: what it holds
-            local = self._local(batch)
-            seq_local, recorded = local.seq_len // self.ps.tp if split else local.seq_len, {}
-            for chunk_taps in self.taps.values():
-                recorded.update(recorded_rows(chunk_taps, seq_local))
-            rows = torch.tensor_split(torch.arange(batch.size), self.ps.dp)[self.ps.dp_rank].tolist()
-            held = recorded_as_rows(recorded, rows, columns, batch.row_lengths(), span[0] if span else 0, seq_local,
-                                    k, dtype)
-        store = store_of_rows(held, self._holders(batch), columns, span, len(self.route_columns), k, dtype,
-                              batch.seq_len, self.ps.dp_group)
-        return store, logprobs
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The gradients of the step being taken (DDP's flat buffers), after the backward, before the optimizer."""
