@@ -38,6 +38,7 @@ def play_episodes(engines, episodes: Episodes, prompts: list, requests: list[Gen
                   seed: int) -> list[list[Episode]]:
     """Every completion of ``requests`` (one per prompt of ``prompts``) played as an episode to its end: per prompt,
     its ``request.n`` episodes. Later turns are sampled as the first (greedy, or at its temperature), one each."""
+    episodes.sweep({})  # (the episodes an evaluation that failed midway left: ended, their late answers ignored)
     outs = engines.generate(requests, seed=seed)
     played = [[Episode(Sample(p.ids), list(c.token_ids), c.finish_reason) for c in out]
               for p, out in zip(prompts, outs)]
