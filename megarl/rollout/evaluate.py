@@ -28,16 +28,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _correct(engine: Engines, tokenizer, prompts, requests, rewards, seed: int, episodes=None,
-             greedy: dict | None = None) -> list[list[bool]]:
+             details: dict | None = None) -> list[list[bool]]:
     """Per prompt, whether each of its request's samples is correct. With ``episodes``: by the episode's last turn,
-    and ``greedy`` (a dict) collects the first turns' correctness, the turns and the environment failures."""
+    and ``details`` (a dict) collects the first turns' correctness, the turns and the environment failures."""
     if episodes is not None:
         played = play_episodes(engine, episodes, prompts, requests, seed)
         final, first = score_episodes(played, prompts, tokenizer, rewards)
-        if greedy is not None:
-            greedy["first"] += [f[0] for f in first]
-            greedy["turns"] += [eps[0].sample.turns for eps in played]
-            greedy["env_errors"] += sum(bool(eps[0].sample.env_error) for eps in played)
+        if details is not None:
+            details["first"] += [f[0] for f in first]
+            details["turns"] += [eps[0].sample.turns for eps in played]
+            details["env_errors"] += sum(bool(eps[0].sample.env_error) for eps in played)
         return final
     outs = engine.generate(requests, seed=seed)
     items = [(tokenizer.decode(o.token_ids, skip_special_tokens=True), p.answer, p.extras, o.finish_reason)
