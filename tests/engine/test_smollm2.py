@@ -62,7 +62,7 @@ def test_feedback_episodes_keep_the_sampled_tokens_and_render_feedback_with_its_
     """``examples/smollm2/multiturn.yaml``: SmolLM2 answers, the ``Feedback`` environment says a wrong number is
     wrong, SmolLM2 tries again. Every trajectory is its template's rendering of the whole conversation, each feedback
     message the template's own tokens, each model turn the tokens it sampled (ending with the EOS it sampled, a
-    behaviour logprob each); then two RL steps train on the episodes."""
+    behaviour logprob each); then two RL steps train on the episodes, and the held-out evaluation plays episodes."""
     import subprocess
     import sys
 
@@ -82,3 +82,6 @@ def test_feedback_episodes_keep_the_sampled_tokens_and_render_feedback_with_its_
         assert math.isfinite(m["loss/policy"]) and m["rollout/turns_mean"] >= 1.0
         assert 0.0 <= m["rollout/env_token_fraction"] < 1.0
     assert max(m["rollout/turns_max"] for m in out["steps"]) >= 2
+    e = out["eval"]  # greedy episodes: right at the first turn is right by the last (the environment stops there)
+    assert e["prompts"] == 8 and 1.0 <= e["turns_mean"] <= 3.0 and e["env_errors"] == 0
+    assert e["pass_at_1"] >= e["pass_at_1_first_turn"]

@@ -4,7 +4,7 @@ environment): one phase's trajectories against the model's own chat template, th
     python tests/workers/smollm2_episodes.py MODEL_DIR DATA_DIR RUN_DIR
 
 Prints one JSON line: per sample of the phase, its turns and whether its trajectory is what the template renders
-(see ``check``); then the two steps' metrics.
+(see ``check``); then the two steps' metrics and the held-out evaluation's figures (8 prompts, greedy episodes).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def check(s, prompt_messages: list[dict], tok, feedback: str) -> dict:
 
 def main(model_dir: str, data_dir: str, run_dir: str) -> None:
     from megarl.config import load_config
+    from megarl.rollout.evaluate import pass_rates
     from megarl.session import build_session
     from megarl.train import rl_step
 
@@ -58,7 +59,7 @@ def main(model_dir: str, data_dir: str, run_dir: str) -> None:
     cfg = load_config("examples/smollm2/multiturn.yaml", [
         f"model.path={model_dir}", f"data.path={data_dir}/train.jsonl", f"data.eval_path={data_dir}/test.jsonl",
         f"train.run_dir={run_dir}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
-        "optim.micro_batch_size=8", "data.eval_size=0", "env.max_turns=3"])
+        "optim.micro_batch_size=8", "data.eval_size=8", "env.max_turns=3"])
     s = build_session(cfg)
     rows = {json.dumps(r["prompt"][-1]["content"]): r["prompt"]
             for r in map(json.loads, open(f"{data_dir}/train.jsonl"))}
@@ -68,9 +69,11 @@ def main(model_dir: str, data_dir: str, run_dir: str) -> None:
         prompt = rows[json.dumps(g.prompt_text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0])]
         samples += [check(x, prompt, s.tokenizer, FEEDBACK) for x in g.samples]
     steps = [rl_step(s, step) for step in range(2)]
+    evaluation = pass_rates(s.engines, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
+                            episodes=s.eval_episodes)  # (the run's own held-out evaluation: greedy episodes)
     s.close()
     print(json.dumps({"samples": samples, "steps": [{k: v for k, v in m.items() if isinstance(v, (int, float))}
-                                                    for m in steps]}))
+                                                    for m in steps], "eval": evaluation}))
 
 
 if __name__ == "__main__":
