@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megarl.checkpoint.dist import load_checkpoint
 from megarl.checkpoint.run import newest_step_dir
+from megarl.rollout.episode_eval import examples, play_episodes
 from megarl.rollout.evaluate import pass_rates
 from megarl.session import build_session
 from megarl.types import GenerationRequest
@@ -87,6 +88,17 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def shown(s, count: int = 3) -> list[dict]:
+    """The first held-out prompts' greedy responses (multi-turn: their episodes' transcripts), for the reader."""
+    prompts, max_tokens = s.eval_prompts[:count], s.cfg.rollout.max_new_tokens
+    requests = [GenerationRequest(p.ids, max_tokens=max_tokens, greedy=True) for p in prompts]
+    if s.eval_episodes is not None:
+        return examples(play_episodes(s.engines, s.eval_episodes, prompts, requests, seed=0), prompts, s.tokenizer)
+    outs = s.engines.generate(requests, seed=0)
+    return [{"prompt": p.text, "answer": p.answer,
+             "response": s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)} for p, o in zip(prompts, outs)]
+
+
 def run_eval(cfg, checkpoint: str | None = None) -> dict:
     """Build the session (engine, trainer, prompts, rewards), load the checkpoint, evaluate, write the JSON."""
     kind, path = resolve_checkpoint(checkpoint) if checkpoint else ("hf", Path(cfg.model.path))
@@ -106,17 +118,11 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         if not report.loaded:
             raise RuntimeError(f"the checkpoint {path} could not be loaded into the engines (see the log above)")
     result = pass_rates(s.engines, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
-                        cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
-    shown = s.eval_prompts[:3]
-    outs = s.engines.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
-                              for p in shown], seed=0)
+                        cfg.eval.samples, cfg.eval.temperature, progress=s.is_main, episodes=s.eval_episodes)
     result = {"checkpoint": str(path), "kind": kind, **({"note": note} if note else {}),
-              "data": cfg.data.eval_path or f"task:{cfg.data.task}",
-              **result, "examples": [{"prompt": p.text, "answer": p.answer,
-                                      "response": s.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)}
-                                     for p, o in zip(shown, outs)]}
+              "data": cfg.data.eval_path or f"task:{cfg.data.task}", **result, "examples": shown(s)}
     s.rewards.close()
-    s.logger.close()
+    s.close()
     if s.is_main:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")

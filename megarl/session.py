@@ -52,7 +52,7 @@ from megarl.rollout.leader import LeaderController
 from megarl.rollout.phases import PhaseRunner
 from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source, shared_rewards, tracking_scorer
-from megarl.rollout.turns import build_episodes
+from megarl.rollout.turns import Episodes, build_episodes
 from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
 from megarl.trainer.rl_update import Learners
@@ -88,6 +88,7 @@ class Session:
     stateful: dict = field(default_factory=dict)  # more objects whose state a run checkpoint keeps (by name)
     policy_version: int = 0  # weight updates made (a step with no useful group makes none): phase and engine version
     cpus: RankPlacement | None = None  # this rank's cores (distributed.placement), the whole node while it is alone
+    eval_episodes: Episodes | None = None  # env.fn: the evaluation's own environments (rollout/episode_eval.py)
 
     @property
     def trainer_track(self) -> str:
@@ -101,6 +102,8 @@ class Session:
         """The generating thread ends, the trace is written (every rank's spans: collective), the logger closes."""
         self.pipeline.close()
         self.controller.close()
+        if self.eval_episodes is not None:
+            self.eval_episodes.close()
         if self.cfg.train.trace:
             events = gather(self.timeline.events())
             if self.is_main:
@@ -192,6 +195,8 @@ def build_session(cfg: RunConfig) -> Session:
     s = Session(cfg, ps, hf_cfg, tokenizer, engines, trainer, learners, task, rewards, controller, logger, run_dir,
                 weight_sync, handover, saver, phases, pipeline, timeline, prompts, prompts.eval_prompts(), stateful,
                 cpus=cpus)
+    if s.eval_prompts:  # (a multi-turn run evaluates episodes, on workers apart from the controller's)
+        s.eval_episodes = build_episodes(cfg, tokenizer)
     install_test_faults(s)  # the fault hooks a test asks for, wrapped around the rooms (testing/); else nothing
     return s
 

@@ -30,6 +30,7 @@ from megarl.distributed.signals import Preemption
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.keeper import RunKeeper, StopRun
 from megarl.logging.console import main_only
+from megarl.rollout.episode_eval import summary
 from megarl.rollout.evaluate import pass_rates
 from megarl.rollout.pipeline import Rollout
 from megarl.session import Session, build_session
@@ -57,9 +58,12 @@ class RunResult:
 
 
 def pass_at_1(s: Session) -> float:
-    """Greedy pass@1 of the engines on the held-out prompts."""
-    prompts, max_tokens = s.eval_prompts, s.cfg.rollout.max_new_tokens
-    return pass_rates(s.engines, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
+    """Greedy pass@1 of the engines on the held-out prompts (multi-turn: by each episode's last turn)."""
+    out = pass_rates(s.engines, s.tokenizer, s.eval_prompts, s.rewards, s.cfg.rollout.max_new_tokens,
+                     episodes=s.eval_episodes)
+    if s.eval_episodes is not None:
+        main_only(log.info, s.ps.rank)(f"eval: {summary(out)}")
+    return out["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:

@@ -1,11 +1,13 @@
 """Write short arithmetic word problems for GRPO on SmolLM2-135M-Instruct.
 
 Each row has ``prompt`` (chat messages: one user turn), ``answer`` (a plain integer, as a
-string) and ``op`` (``+`` or ``-``: an extra column, it reaches a user reward as a keyword
-argument and is ignored by the built-ins). Operands are drawn from --low..--high (1..20 by
-default: SmolLM2-135M-Instruct gets about 0.3 of these right greedily, 0.1 at 2..50);
-subtraction never goes below zero. The held-out set (test.jsonl) shares no (template, a, op, b)
-problem with the training set. Deterministic for a seed.
+string), ``op`` (``+`` or ``-``: an extra column, it reaches a user reward as a keyword
+argument and is ignored by the built-ins) and ``target`` (the answer again: an environment is
+built from a row's other columns, not its answer, and ``feedback.py``'s tells a wrong number
+from a right one). Operands are drawn from --low..--high (1..20 by default:
+SmolLM2-135M-Instruct gets about 0.3 of these right greedily, 0.1 at 2..50); subtraction never
+goes below zero. The held-out set (test.jsonl) shares no (template, a, op, b) problem with the
+training set. Deterministic for a seed.
 
     .venv/bin/python examples/smollm2/make_dataset.py --out runs/smollm2_data
     # -> train.jsonl, test.jsonl in --out
@@ -53,7 +55,7 @@ def problem(rng: random.Random, low: int, high: int) -> tuple[tuple, str, str]:
 
 def row(question: str, answer: str, op: str, style: str) -> dict:
     content = f"{question} {INSTRUCTIONS[style]}".strip()
-    return {"prompt": [{"role": "user", "content": content}], "answer": answer, "op": op}
+    return {"prompt": [{"role": "user", "content": content}], "answer": answer, "op": op, "target": answer}
 
 
 def main(argv: list[str] | None = None) -> None:

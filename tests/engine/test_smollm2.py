@@ -4,6 +4,8 @@ computes transformers' logprobs, the bf16 vLLM engine agrees with the bf16 train
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from helpers.scripts import run_script
@@ -53,3 +55,33 @@ def test_the_smollm2_example_writes_disjoint_data_and_passes_every_pre_launch_ch
                          [f"model.path={smollm2}", f"data.path={out}/train.jsonl", f"data.eval_path={out}/test.jsonl",
                           f"train.run_dir={tmp_path}/run"], nproc=1, command="train", notes=False)
     assert cfg.trainer.precision == "bf16" and cfg.engine.dtype == "auto" and not cfg.model.make_tiny
+
+
+@pytest.mark.slow  # (a phase and two RL steps of the 135M model on CPU: minutes)
+def test_feedback_episodes_keep_the_sampled_tokens_and_render_feedback_with_its_own_template(smollm2, tmp_path):
+    """``examples/smollm2/multiturn.yaml``: SmolLM2 answers, the ``Feedback`` environment says a wrong number is
+    wrong, SmolLM2 tries again. Every trajectory is its template's rendering of the whole conversation, each feedback
+    message the template's own tokens, each model turn the tokens it sampled (ending with the EOS it sampled, a
+    behaviour logprob each); then two RL steps train on the episodes, and the held-out evaluation plays episodes."""
+    import subprocess
+    import sys
+
+    from helpers.scripts import ROOT
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "examples/smollm2/make_dataset.py", "--out", str(data), "--train", "200",
+                    "--test", "20"], cwd=ROOT, check=True, timeout=120)
+    out = run_script(["tests/workers/smollm2_episodes.py", str(smollm2), str(data), str(tmp_path / "run")],
+                     timeout=1500)
+    samples = out["samples"]
+    assert len(samples) == 8 and all(x["len_ok"] and x["model_ok"] and x["text_is_template"] for x in samples)
+    assert any(x["turns"] >= 2 for x in samples)  # (untrained, it is wrong ~0.7 of the time at T=0.6)
+    assert all(x["env_rendered"] == [True] * (x["turns"] - 1) for x in samples)
+    assert all(x["turns"] <= 3 for x in samples)
+    for m in out["steps"]:
+        assert math.isfinite(m["loss/policy"]) and m["rollout/turns_mean"] >= 1.0
+        assert 0.0 <= m["rollout/env_token_fraction"] < 1.0
+    assert max(m["rollout/turns_max"] for m in out["steps"]) >= 2
+    e = out["eval"]  # greedy episodes: right at the first turn is right by the last (the environment stops there)
+    assert e["prompts"] == 8 and 1.0 <= e["turns_mean"] <= 3.0 and e["env_errors"] == 0
+    assert e["pass_at_1"] >= e["pass_at_1_first_turn"]
