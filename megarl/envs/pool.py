@@ -60,6 +60,7 @@ def _serve(conn, spec: str, tools: str, parent: int) -> None:
             envs.pop(key, None)
             continue
         row, response, state = rest
+        started = time.perf_counter()
         try:
             if state is not None:  # a resumed episode: its instance as a checkpoint kept it
                 envs[key] = pickle.loads(state)
@@ -68,9 +69,11 @@ def _serve(conn, spec: str, tools: str, parent: int) -> None:
             message = as_message(envs[key].step(response))
         except Exception as exc:  # a user environment must not crash the worker or the run
             envs.pop(key, None)
-            conn.send((key, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:], None))
+            conn.send((key, False, f"{type(exc).__name__}: {exc}"[:300], traceback.format_exc()[-6000:], None,
+                       time.perf_counter() - started))
             continue
-        conn.send((key, True, message, "", None if message is None else _pickled(envs[key])))
+        state = None if message is None else _pickled(envs[key])
+        conn.send((key, True, message, "", state, time.perf_counter() - started))
 
 
 def _pickled(env) -> bytes | str:
@@ -176,8 +179,7 @@ class EnvPool:
                 if not w.ready:
                     self._fail(i, "error", f"a replacement worker failed to start: {msg[1]}")
                 continue
-            key, ok, value, tb, state = msg
-            seconds = time.time() - w.task[1]
+            key, ok, value, tb, state, seconds = msg  # (the worker's own time: an answer may wait to be collected)
             w.task = None
             self.seconds += seconds
             if ok:

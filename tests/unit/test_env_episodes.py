@@ -43,6 +43,20 @@ def results(pool, n, limit=10.0):
     return out
 
 
+def test_a_call_counts_the_time_its_step_took_not_the_time_its_answer_waited_to_be_collected():
+    """``timing/env_s`` and a result's ``seconds``: the step's own 0.3 s, though the answer waits 1.5 s in the pipe
+    (an engine step ran meanwhile); counted as the dispatch-to-collection time before."""
+    p = EnvPool("helpers.envs:Sleepy", workers=1, timeout_s=5.0)
+    try:
+        p.submit("a", {"turns": 3, "delay": 0.3}, "hello")
+        time.sleep(1.5)
+        got = results(p, 1)["a"]
+        assert got.message is not None and 0.3 <= got.seconds < 1.0, got.seconds
+        assert 0.3 <= p.metrics()["timing/env_s"] < 1.0
+    finally:
+        p.close()
+
+
 def test_an_instance_per_episode_keeps_its_state_across_calls(pool):
     replies = []
     for _ in range(3):
