@@ -55,7 +55,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     logprobs are computed, in the forward and again in the backward. Peak extra memory is
     O(b·chunk·V/tp) instead of O(b·s·V/tp). A sequence of one chunk is not checkpointed: that would only free its
     logits between the loss's forward and its backward, which follow each other directly without a pipeline and on
-    a pipeline's last stage (but under the interleaved schedule).
+    a pipeline's last stage (not so under the interleaved schedule, where they may wait).
     """
     from torch.utils.checkpoint import checkpoint
 
