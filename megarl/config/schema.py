@@ -44,7 +44,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp > 1)."""
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    """MoE token dispatcher: 'alltoall' or 'allgather' (gloo at ep > 1 × etp > 1 runs 'allgather')."""
+    """MoE token dispatcher: 'alltoall' or 'allgather' (gloo at ep > 1 × etp > 1 runs 'allgather'; so does ep 1 × expert
+    TP 1, where neither communicates: the same bits, fewer copies)."""
 
 
 @dataclass

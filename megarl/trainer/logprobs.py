@@ -6,15 +6,20 @@ import torch
 import torch.distributed as dist
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                   tp_group=None) -> torch.Tensor:
     """log softmax(logits / T)[label] per position; ``logits`` [b, s, V/tp], ``labels`` [b, s].
 
-    Uses megatron-core's vocab-parallel cross entropy, so under TP each rank holds
-    only its vocabulary shard and no rank materialises the full-vocab softmax.
+    Under TP (``tp_group``, megatron's tensor-parallel group) megatron-core's vocab-parallel cross entropy: each rank
+    holds only its vocabulary shard and no rank materialises the full-vocab softmax. Without (None: the whole
+    vocabulary is here) torch's log-softmax, which is that computation without its three all-reduces over a group of
+    one (each a wait on gloo's worker thread) and its transposed copy of the logits.
     """
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    if tp_group is None:
+        return torch.log_softmax(scaled, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     from megatron.core import tensor_parallel
 
-    scaled = logits.float() / temperature
     # vocab_parallel_cross_entropy wants [s, b, v]; it returns -log p(label).
     nll = tensor_parallel.vocab_parallel_cross_entropy(scaled.transpose(0, 1).contiguous(), labels.t().contiguous())
     return -nll.t()
@@ -41,25 +46,26 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, tp_group=None)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+                           temperature: float = 1.0, chunk: int = 1024, tp_group=None) -> torch.Tensor:
     """Per-token logprobs from final hidden states without materialising [tokens × vocab] logits.
 
     ``hidden`` [b, s, h] (already replicated across TP), ``weight`` this rank's vocabulary shard
-    [V/tp, h], ``labels`` [b, s]. The sequence is processed ``chunk`` positions at a time, each
-    chunk under activation checkpointing: its logits exist only while that chunk's logprobs are
-    computed, in the forward and again in the backward. Peak extra memory is
-    O(b·chunk·V/tp) instead of O(b·s·V/tp).
+    [V/tp, h], ``labels`` [b, s], ``tp_group`` as ``token_logprobs``. The sequence is processed ``chunk``
+    positions at a time, each chunk under activation checkpointing: its logits exist only while that chunk's
+    logprobs are computed, in the forward and again in the backward. Peak extra memory is
+    O(b·chunk·V/tp) instead of O(b·s·V/tp). A sequence of one chunk is not checkpointed: that would only free its
+    logits between the loss's forward and its backward, which follow each other directly without a pipeline and on
+    a pipeline's last stage (not so under the interleaved schedule, where they may wait).
     """
     from torch.utils.checkpoint import checkpoint
 
     def piece(h, y):
-        return token_logprobs(torch.matmul(h, weight.t()), y, temperature)
+        return token_logprobs(torch.matmul(h, weight.t()), y, temperature, tp_group)
 
-    outs = []
-    for start in range(0, hidden.shape[1], chunk):
-        h, y = hidden[:, start:start + chunk], labels[:, start:start + chunk]
-        outs.append(checkpoint(piece, h, y, use_reentrant=False) if torch.is_grad_enabled() else piece(h, y))
-    return torch.cat(outs, dim=1)
+    pieces = [(hidden[:, i:i + chunk], labels[:, i:i + chunk]) for i in range(0, hidden.shape[1], chunk)]
+    recompute = len(pieces) > 1 and torch.is_grad_enabled()
+    outs = [checkpoint(piece, h, y, use_reentrant=False) if recompute else piece(h, y) for h, y in pieces]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 class _ContiguousGrad(torch.autograd.Function):

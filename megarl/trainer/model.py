@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.compat.megatron import llama3_inv_freq
+from megarl.compat.megatron import cache_packed_rope, llama3_inv_freq
 from megarl.distributed.parallel import ParallelState
 from megarl.models.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.models.hf_config import (
@@ -186,6 +186,7 @@ def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, transformer
     the local spec, or Transformer Engine's when asked for and always under FP8."""
     from megatron.core.models.gpt import GPTModel
 
+    cache_packed_rope()  # packed rows: one cos/sin table per micro-batch, not one per layer, row and call
     tcfg = transformer_config(cfg, ps, **kwargs)
     spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=transformer_engine or bool(tcfg.fp8))
     coords = ps.coords(vp_stage)
@@ -325,7 +326,11 @@ def moe_dispatcher_for(requested: str, ps: ParallelState, backend: str = "",
     uneven token counts over the expert TP group (``dispatch_postprocess``), which gloo refuses
     ("ProcessGroupGloo::allgather: invalid tensor size"); there ``allgather`` runs instead (same logprobs and
     step, measured: tests/distributed/test_parallel.py), said once on rank 0. ``flex`` needs DeepEP (GPU only).
+    At EP 1 × expert TP 1 neither communicates and both permute tokens alike, but ``alltoall`` copies them twice
+    more each way (its sort by local expert, the identity there): ``allgather`` runs, silently (the same bits).
     ``backend`` '': the default group's."""
+    if requested == "alltoall" and ps.ep == 1 and ps.etp == 1:
+        return "allgather"
     if not backend and dist.is_initialized():
         backend = dist.get_backend()
     if requested != "alltoall" or ps.ep == 1 or ps.etp == 1 or backend != "gloo":

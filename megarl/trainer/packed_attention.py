@@ -12,7 +12,9 @@ Rows of similar length go through SDPA together (``RowGroups``): a group is padd
 where causal attention keeps every real query off the padding, and the padded positions are dropped after. One SDPA
 call per row cost more than the attention itself on CPU (a 256-row step: ~2.5 ms a call, thread-pool start-up), and
 one call for the whole micro-batch would pay its longest row's length for every row; within a group the shortest row
-is at least ``GROUP_RATIO`` of the longest (at most 1/ratio² the attention work of that row alone).
+is at least ``GROUP_RATIO`` of the longest (at most 1/ratio² the attention work of that row alone). A pack whose rows
+all share one length is already that layout: it is viewed, not gathered. Grouped-query attention is SDPA's own
+(``enable_gqa``, 4-D inputs: torch's fused CPU kernel), not KV heads copied per query head.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class RowGroups:
     index: torch.Tensor
     inverse: torch.Tensor
     shapes: list[tuple[int, int]]
+    identity: bool = False
+    """The layout is the pack itself (rows of one length: one group, in pack order): nothing to gather."""
 
     @classmethod
     def of(cls, cu_seqlens: list[int], ratio: float = GROUP_RATIO) -> "RowGroups":
@@ -56,7 +60,7 @@ class RowGroups:
             index.append(torch.where(valid, where, 0).flatten())
             inverse[where[valid]] = (offset + torch.arange(len(group) * longest)).view(len(group), longest)[valid]
             offset += len(group) * longest
-        return cls(torch.cat(index), inverse, [(len(g), lengths[g[0]]) for g in groups])
+        return cls(torch.cat(index), inverse, [(len(g), lengths[g[0]]) for g in groups], len(set(lengths)) == 1)
 
 
 @dataclass
@@ -80,21 +84,22 @@ class PackedDotProductAttention(DotProductAttention):
         # divides softmax_scale by a coefficient the softmax multiplies back)
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout = self.attention_dropout.p if self.training else 0.0
-        if key.shape[1] != query.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
-            # (expanded here, as megatron's own attention does: with enable_gqa SDPA runs its math kernel on CPU)
-            group = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         plan = getattr(packed_seq_params, "row_groups", None) or RowGroups.of(packed_seq_params.cu_seqlens_q.tolist())
-        plan_index = plan.index.to(query.device)
-        sizes = [rows * length for rows, length in plan.shapes]
-        heads, dim = query.shape[1], query.shape[2]
+        dims = [(x.shape[1], x.shape[2]) for x in (query, key, value)]  # (heads, head dim): fewer KV heads under GQA
+        if plan.identity:
+            parts = [(query,), (key,), (value,)]
+        else:  # one gather per tensor and torch.split (its backward one cat): a slice per row gave each row a backward
+            # that wrote into a zeroed copy of the whole pack (measured: a third of a 32-row step)
+            plan_index = plan.index.to(query.device)
+            sizes = [rows * length for rows, length in plan.shapes]
+            parts = [torch.split(x.index_select(0, plan_index), sizes) for x in (query, key, value)]
         out = []
-        # one gather per tensor and torch.split (its backward one cat): a slice per row gave each row a backward
-        # that wrote into a zeroed copy of the whole pack (measured: a third of a 32-row step)
-        for (rows, length), q, k, v in zip(plan.shapes, *(torch.split(x.index_select(0, plan_index), sizes)
-                                                          for x in (query, key, value))):
+        for (rows, length), *qkv in zip(plan.shapes, *parts):
             # [rows, heads, L, head dim]: 4-D, or SDPA passes its fused CPU kernel over for the math one
-            q, k, v = (x.view(rows, length, heads, dim).transpose(1, 2) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
-            out.append(o.transpose(1, 2).reshape(rows * length, heads, dim))
-        return torch.cat(out).index_select(0, plan.inverse.to(query.device)).reshape(query.shape[0], -1)
+            q, k, v = (x.view(rows, length, *d).transpose(1, 2) for x, d in zip(qkv, dims))
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+            out.append(o.transpose(1, 2).reshape(rows * length, -1))
+        if plan.identity:
+            return out[0]
+        return torch.cat(out).index_select(0, plan.inverse.to(query.device))

@@ -228,7 +228,7 @@ class PolicyTrainer(RouteRecording):
             seq_length, rows_per_mb = batch.seq_len, min(self.optim_cfg.micro_batch_size, batch.size)
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
-        chunk = self.chunk
+        chunk, tp_group = self.chunk, self.ps.tp_group if self.ps.tp > 1 else None  # (None: the whole vocabulary)
         last = self.modules[-1]
         output_weight = None
         if chunk and self.ps.is_last_stage:  # tied: the embedding (PP = 1) or its last-stage copy
@@ -262,11 +262,11 @@ class PolicyTrainer(RouteRecording):
                 if head == "value":
                     out = logits[..., 0].float()  # values, one per position
                 elif chunk:  # ``logits`` are the final hidden states here
-                    out = chunked_token_logprobs(logits, output_weight, mb["labels"], temperature, chunk)
+                    out = chunked_token_logprobs(logits, output_weight, mb["labels"], temperature, chunk, tp_group)
                 else:
-                    out = token_logprobs(logits, mb["labels"], temperature)
+                    out = token_logprobs(logits, mb["labels"], temperature, tp_group)
                     if with_entropy:
-                        mb["entropy"] = token_entropy(logits, temperature, self.ps.tp_group if self.ps.tp > 1 else None)
+                        mb["entropy"] = token_entropy(logits, temperature, tp_group)
                 if packed is not None:  # each row's span of the pack: the loss reads rows, as unpacked
                     out = unpack(out, mb)
                     if "entropy" in mb:

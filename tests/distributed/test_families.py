@@ -16,13 +16,13 @@ SCALED = {"llama_tied_llama3", "llama_linear", "qwen2_yarn"}
 
 
 def test_trainer_logprobs_equal_transformers(tmp_path):
-    """Tied embeddings and llama3 / linear / YaRN RoPE scaling give transformers' logprobs; a trainer
-    ignoring the scaling would be off by nats (``rope_effect``), so the comparison can fail."""
+    """Tied embeddings and llama3 / linear / YaRN RoPE scaling give transformers' logprobs, unpacked and packed; a
+    trainer ignoring the scaling would be off by nats (``rope_effect``), so the comparison can fail."""
     got = run_script(["tests/workers/family_checks.py", "parity", str(tmp_path), *PARITY])
     assert got.keys() == set(PARITY)
     for name, g in got.items():
         assert g["scale"] > 1.0, name
-        assert g["gap"] <= 1e-4, (name, g)
+        assert g["gap"] <= 1e-4 and g["packed_gap"] <= 1e-4, (name, g)
         if name in SCALED:
             assert g["rope_effect"] > 0.5, (name, g)
 

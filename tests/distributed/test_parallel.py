@@ -164,7 +164,8 @@ def test_expert_tp2_on_gloo_runs_the_allgather_dispatcher_and_matches_expert_tp1
 
 def test_moe_dispatcher_choice_on_gloo_and_nccl(monkeypatch):
     """alltoall at EP > 1 × expert TP > 1 on gloo → allgather with one logged line (rank 0, once); kept on NCCL,
-    at expert TP 1, at EP 1, and whatever else was asked for."""
+    at expert TP 1 under EP > 1, and whatever else was asked for; at EP 1 × expert TP 1 (no communication either
+    way) allgather, silently."""
     from dataclasses import replace
 
     from megarl.distributed import parallel
@@ -182,4 +183,6 @@ def test_moe_dispatcher_choice_on_gloo_and_nccl(monkeypatch):
     for p, backend, asked in [(ps, "nccl", "alltoall"), (replace(ps, etp=1), "gloo", "alltoall"),
                               (replace(ps, ep=1), "gloo", "alltoall"), (ps, "gloo", "allgather")]:
         assert model.moe_dispatcher_for(asked, p, backend, said.append) == asked, (p, backend)
+    for backend in ("gloo", "nccl"):
+        assert model.moe_dispatcher_for("alltoall", replace(ps, ep=1, etp=1), backend, said.append) == "allgather"
     assert len(said) == 1

@@ -119,12 +119,15 @@ def test_load_hf_state_dict_errors_name_the_directory(tmp_path):
 
 def test_megatron_logprobs_equal_transformers_for_every_family(tmp_path):
     """Routing (renormalised or not), Mixtral's names, Qwen2-MoE's gated shared expert and its
-    dense ``mlp_only_layers`` layer all mean what transformers means by them."""
+    dense ``mlp_only_layers`` layer all mean what transformers means by them, unpacked and packed (rows of several
+    lengths, and rows of one length: the packed attention's two paths, grouped-query heads)."""
     gaps = run_script(["tests/workers/hf_parity_checks.py", str(tmp_path), *FAMILIES])
     assert gaps.keys() == set(FAMILIES)
     for family, g in gaps.items():
         assert g["scale"] > 1.0, family  # large random weights: a wrong path would show
-        assert g["gap"] <= 1e-5 * g["scale"], (family, g)
+        assert g["equal_rows"] == [13], family
+        for gap in ("gap", "packed_gap", "equal_packed_gap"):
+            assert g[gap] <= 1e-5 * g["scale"], (family, gap, g)
 
 
 def test_mixtral_and_shared_expert_names():

@@ -4,8 +4,8 @@
     python tests/workers/family_checks.py engine WORKDIR NAME
 
 ``parity``: for each model of ``tests/hf_models.SPECS``, the trainer's per-token logprobs of a
-fixed 64-position batch against transformers' (``gap``, over the loss mask), and how far
-transformers moves when the config's RoPE scaling is removed (``rope_effect``: what a trainer
+fixed 64-position batch against transformers' (``gap``; ``packed_gap`` with the rows packed; over the loss mask),
+and how far transformers moves when the config's RoPE scaling is removed (``rope_effect``: what a trainer
 that ignored it would be off by). ``engine``: vLLM samples, the trainer's logprobs of them,
 then one optimizer step, an in-memory sync (``hf_weights`` → vLLM) and the same again.
 Prints one JSON line.
@@ -43,10 +43,13 @@ def parity(work: str, *names: str) -> None:
         _, cfg, trainer = build_trainer("single", str(path), OptimConfig(micro_batch_size=4))
         batch = fixed_batch(cfg["vocab_size"], seq=64)
         ours, theirs = trainer.logprobs(batch), hf_logprobs(path, batch)
+        trainer.packing = True  # the rows packed: RoPE from one table per micro-batch (compat.cache_packed_rope)
+        packed = trainer.logprobs(batch)
         plain = hf_logprobs(path, batch, rope_parameters={"rope_type": "default",
                                                           "rope_theta": cfg["rope_parameters"]["rope_theta"]})
         mask = batch.loss_mask
         out[name] = {"gap": float(((ours - theirs).abs() * mask).max()),
+                     "packed_gap": float(((packed - theirs).abs() * mask).max()),
                      "scale": float((theirs.abs() * mask).max()),
                      "rope_effect": float(((plain - theirs).abs() * mask).max())}
     print(json.dumps(out), flush=True)
