@@ -24,6 +24,7 @@ from pathlib import Path
 from megarl.checkpoint.dist import load_checkpoint
 from megarl.checkpoint.run import newest_step_dir
 from megarl.rollout.evaluate import pass_rates
+from megarl.rollout.turns import build_episodes
 from megarl.session import build_session
 from megarl.types import GenerationRequest
 
@@ -95,7 +96,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
     # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's
     cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")),
-                  warmup=replace(cfg.warmup, steps=0))
+                  warmup=replace(cfg.warmup, steps=0, path=""))
     note = checkpoint_note(kind, path)
     s = build_session(cfg)
     if note and s.is_main:
@@ -106,7 +107,8 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         if not report.loaded:
             raise RuntimeError(f"the checkpoint {path} could not be loaded into the engines (see the log above)")
     result = pass_rates(s.engines, s.tokenizer, s.eval_prompts, s.rewards, cfg.rollout.max_new_tokens,
-                        cfg.eval.samples, cfg.eval.temperature, progress=s.is_main)
+                        cfg.eval.samples, cfg.eval.temperature, progress=s.is_main,
+                        episodes=(lambda: build_episodes(cfg, s.tokenizer)) if cfg.env.fn else None)
     shown = s.eval_prompts[:3]
     outs = s.engines.generate([GenerationRequest(p.ids, max_tokens=cfg.rollout.max_new_tokens, greedy=True)
                               for p in shown], seed=0)

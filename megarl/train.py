@@ -32,10 +32,11 @@ from megarl.keeper import RunKeeper, StopRun
 from megarl.logging.console import main_only
 from megarl.rollout.evaluate import pass_rates
 from megarl.rollout.pipeline import Rollout
+from megarl.rollout.turns import build_episodes
 from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
-from megarl.trainer.sft import supervised_warmup
+from megarl.trainer.sft import supervised_warmup, warmup_examples
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,10 @@ class RunResult:
 
 
 def pass_at_1(s: Session) -> float:
-    """Greedy pass@1 of the engines on the held-out prompts."""
+    """Greedy pass@1 of the engines on the held-out prompts (``env.fn``: whole episodes, each with its environment)."""
     prompts, max_tokens = s.eval_prompts, s.cfg.rollout.max_new_tokens
-    return pass_rates(s.engines, s.tokenizer, prompts, s.rewards, max_tokens)["pass_at_1"]
+    envs = (lambda: build_episodes(s.cfg, s.tokenizer)) if s.cfg.env.fn else None
+    return pass_rates(s.engines, s.tokenizer, prompts, s.rewards, max_tokens, episodes=envs)["pass_at_1"]
 
 
 def rl_step(s: Session, step: int, keeper: RunKeeper | None = None) -> dict[str, float]:
@@ -121,8 +123,8 @@ def run(cfg: RunConfig) -> RunResult:
     if not steps:
         if cfg.warmup.steps:
             with s.cpus.alone():  # no engine generates yet: the trainer may take every core
-                supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
-                                  cfg.warmup.lr, log=say)
+                supervised_warmup(s.trainer, s.tokenizer, warmup_examples(cfg, s.tokenizer, s.task),
+                                  cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
             keeper.sync(0)  # survives engine errors, as every sync of the loop
         if s.eval_prompts:
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: pass_at_1(s), 0)  # survives engine errors
