@@ -1,6 +1,6 @@
 """Write the calculator example's data: long multiplication, with and without a ``multiply`` tool.
 
-A problem multiplies a 2-3-digit number by a 1-2-digit one (``What is 407 * 58?``, answer ``23606``). The
+A problem multiplies a 3-digit number by a 2-digit one (``What is 407 * 58?``, answer ``23606``). The
 files, in ``--out``:
 
 - ``train.jsonl``, ``test.jsonl``: RL prompts and the held-out set (``prompt``, ``answer``); no problem of one is
@@ -28,7 +28,9 @@ import json
 import random
 from pathlib import Path
 
-FIRST_DIGITS, SECOND_DIGITS = (2, 3), (1, 2)
+FIRST_DIGITS, SECOND_DIGITS = (3, 3), (2, 2)
+# (fixed widths: each operand's digits sit at the same offsets in every prompt and every call, a copy a tiny model
+# learns within the warm-up; with 2-4 and 1-3 digits it copied too few of them, see the README)
 
 
 def number(rng: random.Random, digits: tuple[int, int]) -> int:
