@@ -14,8 +14,6 @@ SCRIPT = ROOT / "examples" / "calculator" / "run.py"
 
 
 @pytest.mark.slow  # (two real runs: warm-ups, evaluations and a few RL steps, about ten minutes on 2 cores)
-@pytest.mark.xfail(reason="the tool arm's warm-up does not yet teach the tiny model to copy the operands: both arms "
-                          "score 0 (examples/calculator/README.md, Measured)", strict=False)
 def test_the_tool_arm_calls_the_tool_and_ends_above_the_no_tool_arm(tmp_path):
     out = tmp_path / "calc"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--train", "2000", "--test", "48",
