@@ -107,7 +107,7 @@ def run_eval(cfg, checkpoint: str | None = None) -> dict:
         cfg = replace(cfg, model=replace(cfg.model, path=str(path), make_tiny=""))
     # the session's own files (resolved config, TensorBoard) go beside the result, not over a run's
     cfg = replace(cfg, train=replace(cfg.train, run_dir=str(out.parent / "eval_session")),
-                  warmup=replace(cfg.warmup, steps=0))
+                  warmup=replace(cfg.warmup, steps=0, path=""))
     note = checkpoint_note(kind, path)
     s = build_session(cfg)
     if note and s.is_main:

@@ -36,7 +36,7 @@ from megarl.rollout.pipeline import Rollout
 from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
-from megarl.trainer.sft import supervised_warmup
+from megarl.trainer.sft import supervised_warmup, warmup_examples
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ def run(cfg: RunConfig) -> RunResult:
     if not steps:
         if cfg.warmup.steps:
             with s.cpus.alone():  # no engine generates yet: the trainer may take every core
-                supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size,
-                                  cfg.warmup.lr, log=say)
+                supervised_warmup(s.trainer, s.tokenizer, warmup_examples(cfg, s.tokenizer, s.task),
+                                  cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
             keeper.sync(0)  # survives engine errors, as every sync of the loop
         if s.eval_prompts:
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: pass_at_1(s), 0)  # survives engine errors

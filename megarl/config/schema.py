@@ -297,11 +297,15 @@ class OptimConfig:
 @dataclass
 class WarmupConfig:
     steps: int = 0
-    """Supervised steps on reference responses before RL (0: none)."""
+    """Supervised steps before RL (0: none), on ``path``'s conversations, else the built-in task's references."""
     batch_size: int = 64
-    """Problems per supervised step."""
+    """Examples per supervised step."""
     lr: float = 1e-3
     """Learning rate of the supervised phase."""
+    path: str = ""
+    """Warm-up conversations: rows ``{"messages": [...]}`` (.jsonl, .parquet, a directory or glob, a datasets dir),
+    trained on their assistant turns, a multi-turn episode's environment messages masked, rendered as the rollouts
+    render them ('': the built-in task's reference responses; docs/environments.md)."""
 
 
 @dataclass

@@ -1,26 +1,85 @@
-"""Supervised warm-up on reference responses (next-token NLL on the response tokens)."""
+"""Supervised warm-up (``warmup.*``): next-token NLL on the model's tokens of reference episodes.
+
+The examples come from ``warmup.path`` (chat conversations, multi-turn ones with the environment's tokens masked:
+``megarl/data/conversations.py``) or, without it, from the built-in task's reference responses.
+"""
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
 
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
 from megarl.data import encode, pad_id
 from megarl.trainer.policy import PolicyTrainer
 
+Example = tuple[list[int], list[int], list[float]]
+"""(prompt ids, response ids, per response token 1.0 where it trains and 0.0 where it is the environment's)."""
 
-def supervised_warmup(trainer: PolicyTrainer, tokenizer, task, steps: int, batch_size: int, lr: float,
-                      log_every: int = 10, log=print) -> list[float]:
-    """``steps`` Adam steps on (prompt, reference response + EOS); returns the NLL per step."""
-    trainer.set_lr(lr)
+
+def task_examples(task, tokenizer) -> Callable[[int], list[Example]]:
+    """The built-in task's next problems with their reference responses (+ EOS), every response token trained."""
     eos = tokenizer.eos_token_id
+
+    def draw(n: int) -> list[Example]:
+        out = []
+        for p in task.next_problems(n):
+            response = [*encode(tokenizer, p.response), eos]
+            out.append((encode(tokenizer, p.prompt), response, [1.0] * len(response)))
+        return out
+
+    return draw
+
+
+def conversation_examples(conversations: list, render, seed: int, max_tokens: int = 0
+                          ) -> Callable[[int], list[Example]]:
+    """``(where, prompt, episode)`` rows (``read_conversations``) rendered once by ``render``
+    (``ConversationRenderer``), drawn in a shuffled order each epoch (seeded). ``max_tokens``: a row longer than this
+    (prompt and response) is refused, naming it (the engine could never generate it)."""
+    examples = []
+    for where, prompt, episode in conversations:
+        ex = render(prompt, episode)
+        if max_tokens and len(ex[0]) + len(ex[1]) > max_tokens:
+            raise ValueError(f"warmup.path: {where}: the conversation is {len(ex[0]) + len(ex[1])} tokens, more than "
+                             f"engine.max_model_len={max_tokens}; shorten it or raise engine.max_model_len")
+        examples.append(ex)
+    rng, order = random.Random(seed), []
+
+    def draw(n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            if not order:
+                order.extend(rng.sample(range(len(examples)), len(examples)))
+            out.append(examples[order.pop()])
+        return out
+
+    return draw
+
+
+def warmup_examples(cfg, tokenizer, task) -> Callable[[int], list[Example]]:
+    """The examples ``warmup.*`` asks for: ``warmup.path``'s conversations, rendered as the run's rollouts render
+    them (its chat template, system prompt and ``env.tools``), else the built-in ``task``'s references."""
+    if not cfg.warmup.path:
+        return task_examples(task, tokenizer)
+    from megarl.data.conversations import ConversationRenderer, read_conversations
+    from megarl.envs.tools import prompt_tools
+
+    d = cfg.data
+    render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env))
+    return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len)
+
+
+def supervised_warmup(trainer: PolicyTrainer, tokenizer, examples: Callable[[int], list[Example]], steps: int,
+                      batch_size: int, lr: float, log_every: int = 10, log=print) -> list[float]:
+    """``steps`` Adam steps on ``examples(batch_size)`` each; returns the NLL per step."""
+    trainer.set_lr(lr)
     history, start = [], time.time()
     for step in range(1, steps + 1):
-        problems = task.next_problems(batch_size)
-        prompts = [encode(tokenizer, p.prompt) for p in problems]
-        responses = [encode(tokenizer, p.response) + [eos] for p in problems]
-        batch = build_batch(prompts, responses, loss_agg="token_mean", pad_id=pad_id(tokenizer))
+        prompts, responses, masks = zip(*examples(batch_size))
+        batch = build_batch(list(prompts), list(responses), loss_agg="token_mean", pad_id=pad_id(tokenizer),
+                            model_masks=list(masks))
         metrics = trainer.train_step(batch, lambda logp, mb: nll_loss(logp, mb["loss_mask"]))
         history.append(metrics.get("nll", float("nan")))
         if step % log_every == 0 or step == steps:

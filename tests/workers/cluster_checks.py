@@ -145,7 +145,7 @@ def layout(run_dir: str, *overrides: str) -> None:
     from megarl.distributed import collectives as cluster
     from megarl.session import build_session
     from megarl.train import rl_step
-    from megarl.trainer.sft import supervised_warmup
+    from megarl.trainer.sft import supervised_warmup, task_examples
     from megarl.weight_sync import streaming
     from megarl.weight_sync.protocol import logprob_gap
 
@@ -191,7 +191,8 @@ def layout(run_dir: str, *overrides: str) -> None:
 
     s.weight_sync.run = sync_after_gap
     try:  # a short supervised warm-up first: the trainer moves away from the checkpoint the replicas load
-        supervised_warmup(s.trainer, s.tokenizer, s.task, 2, 16, 3e-3, log=lambda *a, **k: None)
+        supervised_warmup(s.trainer, s.tokenizer, task_examples(s.task, s.tokenizer), 2, 16, 3e-3,
+                          log=lambda *a, **k: None)
         steps = []
         for step in range(steps_n):
             m = rl_step(s, step)

@@ -47,7 +47,7 @@ def main(run_dir: str, *overrides: str) -> None:
     from megarl.rollout.scoring import shared_rewards
     from megarl.session import build_session
     from megarl.train import rl_step
-    from megarl.trainer.sft import supervised_warmup
+    from megarl.trainer.sft import supervised_warmup, task_examples
     from megarl.types import SlotRequest
 
     cfg = load_config("configs/demo.yaml", [
@@ -92,8 +92,8 @@ def main(run_dir: str, *overrides: str) -> None:
 
     s.controller.run_phase = recorded_phase
 
-    supervised_warmup(s.trainer, s.tokenizer, s.task, cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr,
-                      log=lambda *a, **k: None)
+    supervised_warmup(s.trainer, s.tokenizer, task_examples(s.task, s.tokenizer), cfg.warmup.steps,
+                      cfg.warmup.batch_size, cfg.warmup.lr, log=lambda *a, **k: None)
     own = s.engines.engine  # this rank's engine
     gap_stale = rank_gaps(own, s.trainer, seed=3)  # the engines still hold the checkpoint
     s.weight_sync.run(s.engines, 0)

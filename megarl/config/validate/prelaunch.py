@@ -22,6 +22,7 @@ from megarl.config.validate.model import (
 )
 from megarl.config.validate.settings import validate
 from megarl.data.checks import check_data, check_run_data
+from megarl.data.conversations import check_conversations
 from megarl.envs.base import check_env_call
 from megarl.envs.tools import prompt_tools
 from megarl.models.hf_config import check_weights_format
@@ -51,6 +52,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     # tools' descriptions included); its columns
     check_reward(cfg, extras)
     check_env(cfg, extras)  # env.fn imports and is built from those columns
+    check_conversations(cfg)  # warmup.path: every row a usable conversation
     if notes:  # (once every check passed: an error comes alone)
         for note in unread_keys(cfg) + algo_notes(cfg) + engine_dtype_notes(cfg) + _tiny_model_note(cfg):
             print(f"megarl: note: {note}", file=sys.stderr)

@@ -126,9 +126,16 @@ def _validate_data_reward_eval(cfg: RunConfig) -> None:
     d, r = cfg.data, cfg.reward
     if d.max_prompt_tokens < 0 or d.eval_size < 0:
         raise ConfigError("data.max_prompt_tokens and data.eval_size must be >= 0")
-    if d.path and (cfg.warmup.steps or d.pool_size):
-        raise ConfigError("warmup.steps and data.pool_size work with the built-in task only (they need its "
-                          f"reference responses / problem pool); set them to 0 with data.path={d.path!r}")
+    if d.path and d.pool_size:
+        raise ConfigError("data.pool_size works with the built-in task only (it needs its problem pool); set it to 0 "
+                          f"with data.path={d.path!r}")
+    if d.path and cfg.warmup.steps and not cfg.warmup.path:
+        raise ConfigError(f"warmup.steps={cfg.warmup.steps} with data.path={d.path!r} needs warmup.path, a file of "
+                          "reference conversations ({\"messages\": [...]} rows; the built-in task's references serve "
+                          "only without data.path), or warmup.steps=0")
+    if cfg.warmup.path and not cfg.warmup.steps:
+        raise ConfigError(f"warmup.path={cfg.warmup.path!r} is read by the warm-up: set warmup.steps > 0 "
+                          "(or warmup.path='')")
     if d.path and not r.fn:
         raise ConfigError("reward.fn must be set with data.path: "
                           "'math', 'exact', 'addition' or 'package.module:function'")
