@@ -13,6 +13,8 @@ from collections.abc import Callable
 from megarl.algo.batch import build_batch
 from megarl.algo.losses import nll_loss
 from megarl.data import encode, pad_id
+from megarl.data.conversations import ConversationRenderer, read_conversations
+from megarl.envs.tools import prompt_tools
 from megarl.trainer.policy import PolicyTrainer
 
 Example = tuple[list[int], list[int], list[float]]
@@ -63,9 +65,6 @@ def warmup_examples(cfg, tokenizer, task) -> Callable[[int], list[Example]]:
     them (its chat template, system prompt and ``env.tools``), else the built-in ``task``'s references."""
     if not cfg.warmup.path:
         return task_examples(task, tokenizer)
-    from megarl.data.conversations import ConversationRenderer, read_conversations
-    from megarl.envs.tools import prompt_tools
-
     d = cfg.data
     render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env))
     return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len)
