@@ -78,11 +78,11 @@ def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str) -> 
     steps_seen: list = []
     plain = rl_update.rollout_batch
 
-    def recording(groups, cfg, pad_id):
+    def recording(groups, cfg, pad_id, *args, **kwargs):  # (rollout_batch's other arguments passed on as they come)
         steps_seen.append([[list(x.prompt_ids), list(x.response_ids)] for g in groups for x in g.samples])
         with open(out, "w") as f:
             json.dump(steps_seen, f)
-        return plain(groups, cfg, pad_id)
+        return plain(groups, cfg, pad_id, *args, **kwargs)
 
     rl_update.rollout_batch = recording
     with tempfile.TemporaryDirectory() as tmp:
