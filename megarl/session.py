@@ -176,7 +176,8 @@ def build_session(cfg: RunConfig) -> Session:
     timeline = Timeline(ps.rank, keep_all=cfg.train.trace, append_to=run_dir / "trace" if cfg.train.trace else None)
     # rank 0's generating thread runs the phases (``phases``, built below from the controller this pipeline gates)
     pipeline = Pipeline(cfg.rollout.overlap, lambda version, batch: phases(version, batch, alone=True),
-                        cfg.rollout.staleness_limit, leader=ps.rank == 0, batches=cfg.train.steps)
+                        cfg.rollout.staleness_limit, leader=ps.rank == 0, batches=cfg.train.steps,
+                        on_thread=cpus.generating_thread)
     controller = build_controller(
         cfg, engines.slot_engines(), IndexedSource(source), traced_scorer(score, timeline),
         engine_turn=pipeline.gate.step,

@@ -13,10 +13,11 @@
                                                       every core thrash (a 2-core step measured 0.5 s alone, 1.3-5.1 s
                                                       beside generation)
 
-A process that is alone in its side of the node is not pinned (the OS places its threads); several are, each to its
-own cores. With fewer cores than processes nothing is pinned and each runs one thread. ``OMP_NUM_THREADS`` in the
-environment (torchrun sets it to 1) is not what decides: these keys are. On GPUs the same shares govern the host
-threads of each process.
+Under the split, rank 0's generating thread (it drives the replicas' engine steps) runs on the replicas' cores
+(``RankPlacement.generating_thread``). A process that is alone in its side of the node is not pinned (the OS places
+its threads); several are, each to its own cores. With fewer cores than processes nothing is pinned and each runs
+one thread. ``OMP_NUM_THREADS`` in the environment (torchrun sets it to 1) is not what decides: these keys are. On
+GPUs the same shares govern the host threads of each process.
 """
 
 from __future__ import annotations
@@ -152,6 +153,15 @@ class RankPlacement:
             yield
         finally:
             apply(node.trainer[self.index])
+
+    def generating_thread(self) -> None:
+        """Called in rank 0's generating thread (generation beside training): it runs on the replicas' cores, not this
+        rank's. It drives the engine steps one at a time and scores between them while the replicas wait for its
+        next command, so it and they take turns on their cores, and training keeps this rank's cores to itself.
+        Nothing when the replicas are not pinned (or not on this node)."""
+        cores = sorted({c for workers in self.node.replicas for w in workers for c in w.cores})
+        if self.node.together and cores:
+            os.sched_setaffinity(0, cores)  # (Linux: the calling thread's, not the process's)
 
 
 def replicas_on_node(placement: str, replicas: int, replica_nodes: int, dedicated: bool, node: int,

@@ -129,10 +129,11 @@ class Pipeline:
     whatever needs idle engines. Only rank 0 (``leader``) runs a thread; the caller shares what ``take`` gives."""
 
     def __init__(self, mode: str, generate: Callable[[int, int], Rollout], staleness_limit: int,
-                 leader: bool = True, batches: int = 0) -> None:
-        """``batches``: the run's steps (``train.steps``): no batch is generated past the last (0: no end)."""
+                 leader: bool = True, batches: int = 0, on_thread: Callable[[], None] | None = None) -> None:
+        """``batches``: the run's steps (``train.steps``): no batch is generated past the last (0: no end).
+        ``on_thread``: called first in each generating thread (its cores: ``RankPlacement.generating_thread``)."""
         self.mode, self.generate, self.k, self.leader = mode, generate, staleness_limit, leader
-        self.batches = batches
+        self.batches, self.on_thread = batches, on_thread
         self.gate = EngineGate()
         self.queue: collections.deque[Rollout] = collections.deque()
         self.generated = 0  # batches generated (the next one's index)
@@ -333,7 +334,12 @@ class Pipeline:
             self._start(self._loop)
 
     def _start(self, target, *args) -> None:
-        self._thread = threading.Thread(target=target, args=args, name=f"megarl-rollout-{self.mode}", daemon=True)
+        def run() -> None:
+            if self.on_thread is not None:
+                self.on_thread()
+            target(*args)
+
+        self._thread = threading.Thread(target=run, name=f"megarl-rollout-{self.mode}", daemon=True)
         self._thread.start()
 
     def _join(self) -> None:

@@ -59,6 +59,39 @@ def test_a_trainer_alone_under_a_split_placement_takes_every_core_then_its_share
         torch.set_num_threads(saved[1])
 
 
+def test_the_generating_thread_runs_on_the_replicas_cores_and_leaves_the_trainers_alone():
+    """Under overlap's split, rank 0's generating thread (a real ``Pipeline`` thread, one_step's) steps the replicas
+    and scores between their steps while they wait: it takes their cores, and the trainer's main thread keeps its
+    own. When the sides take turns nothing is pinned."""
+    import os
+
+    from megarl.rollout.phase_metrics import PhaseMetrics
+    from megarl.rollout.pipeline import Pipeline, Rollout
+
+    cores = available_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    seen = []
+
+    def generate(version: int, batch: int) -> Rollout:
+        seen.append(os.sched_getaffinity(0))
+        return Rollout([], PhaseMetrics(), batch=batch)
+
+    saved = os.sched_getaffinity(0)
+    try:
+        for together in (True, False):
+            node = place_node(cores[:2], 1, [1], together=together)
+            main = set(node.trainer[0].cores or cores[:2])  # (the trainer's share: core 0 split, both alone)
+            os.sched_setaffinity(0, main)
+            p = Pipeline("one_step", generate, 1, on_thread=RankPlacement(node, 0).generating_thread)
+            p.after_take()
+            assert p.take()[0] is not None
+            assert seen.pop() == ({cores[1]} if together else main)  # split: the replica's core; else inherited
+            assert os.sched_getaffinity(0) == main  # the main thread's: unchanged
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 def test_a_large_node_splits_by_processes_and_never_shares_a_core():
     node = place_node(list(range(16)), 8, [1, 1], together=True)
     cores = [c for s in node.trainer + [w for r in node.replicas for w in r] for c in s.cores]
