@@ -5,9 +5,10 @@ One RL batch per task, the demo's shape (``rollout.prompts_per_step`` 32 × ``sa
 tiny Qwen3-MoE in fp32, ``optim.micro_batch_size`` 64, ``optim.logprob_chunk`` 1024), at the demo's settings and on
 the long tail (``data.max_digits=12 data.tail_alpha=0.5 rollout.max_new_tokens=128``). With ``--rollouts`` the
 batches are real: a short ``megarl train`` of the demo per task (``--warmup`` supervised steps, then ``--rl-steps`` RL
-steps with the task's settings, ``rollout.mode`` as given) records the samples of its last RL step, which the trainers
-then take. Without it: the task's prompts with their reference answers (what the warm-up teaches, cut at
-``rollout.max_new_tokens``; the same length for a group's 8 samples, where a policy's vary). Three trainers from the
+steps with the task's settings; ``rollout.mode`` the config's, sync, unless ``--mode`` names another) records the
+samples of its last RL step, which the trainers then take. Without it: the task's prompts with their reference
+answers (what the warm-up teaches, cut at ``rollout.max_new_tokens``; the same length for a group's 8 samples, where a
+policy's vary). Three trainers from the
 same weights take GRPO steps on it in turn, repeat after repeat: padded (``trainer.packing=false``: every row padded to
 the batch's longest), packed by rows (the default: 64 rows a micro-batch laid end to end) and packed by tokens
 (``trainer.max_tokens_per_microbatch``). Trained tokens are the rows' own (prompt + response − 1 each); the figure is
@@ -69,7 +70,7 @@ TASK_SETTINGS = {"demo": [], "long_tail": ["data.max_digits=12", "data.tail_alph
                                           "engine.max_model_len=160"]}
 
 
-def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str) -> None:
+def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str | None) -> None:
     """In this process: ``megarl train`` of the demo with the task's settings, recording each RL step's samples
     (prompt and response ids, from ``rl_update.rollout_batch``) into ``out`` as JSON, one list per step."""
     from megarl import cli
@@ -88,8 +89,8 @@ def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str) -> 
     with tempfile.TemporaryDirectory() as tmp:
         code = cli.main(["train", "--config", "configs/demo.yaml", f"train.run_dir={tmp}/run",
                          f"model.path={tmp}/model", f"warmup.steps={warmup}", f"train.steps={steps}",
-                         "train.time_limit_s=0", "train.save_every=0", "data.eval_size=4", f"rollout.mode={mode}",
-                         *TASK_SETTINGS[task]])
+                         "train.time_limit_s=0", "train.save_every=0", "data.eval_size=4",
+                         *([f"rollout.mode={mode}"] if mode else []), *TASK_SETTINGS[task]])
     if code:
         raise SystemExit(f"megarl train for {task}'s rollouts exited {code}")
 
@@ -175,7 +176,8 @@ def main() -> None:
     p.add_argument("--rollouts", action="store_true", help="real rollout batches from a short megarl train per task")
     p.add_argument("--warmup", type=int, default=100, help="with --rollouts: supervised warm-up steps")
     p.add_argument("--rl-steps", type=int, default=3, help="with --rollouts: RL steps (the last one's batch is used)")
-    p.add_argument("--mode", default="partial", help="with --rollouts: rollout.mode (sync, on_policy, partial)")
+    p.add_argument("--mode",
+                   help="with --rollouts: rollout.mode (sync, on_policy, partial; default: the config's, sync)")
     p.add_argument("--record", nargs=2, metavar=("TASK", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.record:
@@ -188,7 +190,8 @@ def main() -> None:
             for task in args.tasks.split(","):
                 out = f"{tmp}/{task}.json"
                 subprocess.run([sys.executable, __file__, "--record", task, out, "--warmup", str(args.warmup),
-                                "--rl-steps", str(args.rl_steps), "--mode", args.mode], check=True,
+                                "--rl-steps", str(args.rl_steps), *(["--mode", args.mode] if args.mode else [])],
+                               check=True,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
                 with open(out) as f:
                     recorded[task] = json.load(f)[-1]
@@ -196,6 +199,8 @@ def main() -> None:
 
     apply(place_node(available_cores(), 1, [], together=False).trainer[0])  # megarl's choice for a lone trainer
     result = measure(args.repeats, args.max_tokens, args.tasks.split(","), args.rows, args.group, recorded)
+    if recorded:
+        result["batches"] += f", rollout.mode={args.mode or 'sync (the config)'}"
     print(json.dumps(result))
     for name, r in result["tasks"].items():
         v = r["vs_padded"]
@@ -204,7 +209,7 @@ def main() -> None:
               f"packed by rows {v['packed_rows']:.2f}x, by tokens {v['packed_tokens']:.2f}x padded's tokens/s "
               f"({r['tokens_per_s']['padded']:.0f} tokens/s padded); per CPU second {c['packed_rows']:.2f}x, "
               f"{c['packed_tokens']:.2f}x")
-    print(f"host: {result['host']} (after: {result['host_after']})")
+    print(f"batches: {result['batches']}; host: {result['host']} (after: {result['host_after']})")
 
 
 if __name__ == "__main__":
