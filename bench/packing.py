@@ -4,17 +4,17 @@
 One RL batch per task, the demo's shape (``rollout.prompts_per_step`` 32 × ``samples_per_prompt`` 8 rows; the demo's
 tiny Qwen3-MoE in fp32, ``optim.micro_batch_size`` 64, ``optim.logprob_chunk`` 1024), at the demo's settings and on
 the long tail (``data.max_digits=12 data.tail_alpha=0.5 rollout.max_new_tokens=128``). With ``--rollouts`` the
-batches are real: a short ``megarl train`` of the demo per task (``--warmup`` supervised steps, then ``--rl-steps`` RL
-steps with the task's settings; ``rollout.mode`` the config's, sync, unless ``--mode`` names another) records the
+batches are real: a short ``megarl train`` of the demo per task (``--warmup`` supervised steps, then ``--rl-steps``
+RL steps with the task's settings; ``rollout.mode`` the config's, sync, unless ``--mode`` names another) records the
 samples of its last RL step, which the trainers then take. Without it: the task's prompts with their reference
-answers (what the warm-up teaches, cut at ``rollout.max_new_tokens``; the same length for a group's 8 samples, where a
-policy's vary). Three trainers from the
-same weights take GRPO steps on it in turn, repeat after repeat: padded (``trainer.packing=false``: every row padded to
-the batch's longest), packed by rows (the default: 64 rows a micro-batch laid end to end) and packed by tokens
-(``trainer.max_tokens_per_microbatch``). Trained tokens are the rows' own (prompt + response − 1 each); the figure is
-the median over repeats of each trainer's step time, as tokens per second and as a ratio to padded, and the same per CPU
-second of the process (``time.process_time``: less moved by other jobs on a shared machine). The process computes
-as megarl places a lone trainer (``distributed/placement.py``: every core of the host): what a user gets.
+answers (what the warm-up teaches, cut at ``rollout.max_new_tokens``; the same length for a group's 8 samples, where
+a policy's vary). Three trainers from the same weights take GRPO steps on it in turn, repeat after repeat: padded
+(``trainer.packing=false``: every row padded to the batch's longest), packed by rows (the default: 64 rows a
+micro-batch laid end to end) and packed by tokens (``trainer.max_tokens_per_microbatch``). Trained tokens are the
+rows' own (prompt + response − 1 each); the figure is the median over repeats of each trainer's step time, as tokens
+per second and as a ratio to padded, and the same per CPU second of the process (``time.process_time``: less moved by
+other jobs on a shared machine). The process computes as megarl places a lone trainer (``distributed/placement.py``:
+every core of the host): what a user gets.
 
     .venv/bin/python bench/packing.py [--repeats 5] [--max-tokens 4096] [--tasks demo,long_tail]
                                       [--rollouts [--warmup 100] [--rl-steps 3] [--mode partial]]
@@ -72,7 +72,8 @@ TASK_SETTINGS = {"demo": [], "long_tail": ["data.max_digits=12", "data.tail_alph
 
 def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str | None) -> None:
     """In this process: ``megarl train`` of the demo with the task's settings, recording each RL step's samples
-    (prompt and response ids, from ``rl_update.rollout_batch``) into ``out`` as JSON, one list per step."""
+    (prompt and response ids, from ``rl_update.rollout_batch``) into ``out`` as JSON: ``steps``, one list per step,
+    and the run's ``mode`` (``rollout.mode`` as the run resolved it)."""
     from megarl import cli
     from megarl.trainer import rl_update
 
@@ -82,7 +83,7 @@ def record_rollouts(task: str, out: str, warmup: int, steps: int, mode: str | No
     def recording(groups, cfg, pad_id, *args, **kwargs):  # (rollout_batch's other arguments passed on as they come)
         steps_seen.append([[list(x.prompt_ids), list(x.response_ids)] for g in groups for x in g.samples])
         with open(out, "w") as f:
-            json.dump(steps_seen, f)
+            json.dump({"mode": cfg.rollout.mode, "steps": steps_seen}, f)
         return plain(groups, cfg, pad_id, *args, **kwargs)
 
     rl_update.rollout_batch = recording
@@ -183,7 +184,7 @@ def main() -> None:
     if args.record:
         record_rollouts(args.record[0], args.record[1], args.warmup, args.rl_steps, args.mode)
         return
-    recorded = None
+    recorded, modes = None, set()
     if args.rollouts:  # each task's run in a process of its own (megatron keeps process-global state)
         recorded = {}
         with tempfile.TemporaryDirectory() as tmp:
@@ -194,13 +195,15 @@ def main() -> None:
                                check=True,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
                 with open(out) as f:
-                    recorded[task] = json.load(f)[-1]
+                    run = json.load(f)
+                recorded[task] = run["steps"][-1]
+                modes.add(run["mode"])
     from megarl.distributed.placement import apply, available_cores, place_node
 
     apply(place_node(available_cores(), 1, [], together=False).trainer[0])  # megarl's choice for a lone trainer
     result = measure(args.repeats, args.max_tokens, args.tasks.split(","), args.rows, args.group, recorded)
     if recorded:
-        result["batches"] += f", rollout.mode={args.mode or 'sync (the config)'}"
+        result["batches"] += f", rollout.mode={','.join(sorted(modes))}"
     print(json.dumps(result))
     for name, r in result["tasks"].items():
         v = r["vs_padded"]
