@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+ROUTE_PARTS = 16
+"""A sample's route arrays kept apart at most (``Sample.add_routes``); past it they are merged into one."""
+
 
 def no_route(dtype) -> int:
     """The expert id of a position the engine did not route (padding, never fed): no expert's (uint8 routes: 255,
@@ -106,6 +109,8 @@ class Sample:
             raise RuntimeError(f"routing replay: routes start at position {first} but only {have} are known")
         if len(new) > have - first:
             parts.append(new[have - first:])
+        if len(parts) > ROUTE_PARTS:  # a decode step adds one row: merged, so a call costs no walk of them all
+            parts = [np.concatenate(parts)]
         self.routes = parts
 
     def route_array(self) -> np.ndarray | None:

@@ -8,7 +8,7 @@ import torch
 from megarl.algo.batch import batch_routes, build_batch
 from megarl.config import ConfigError, load_config, validate
 from megarl.models.tiny import TinyShape, hf_config
-from megarl.types import Sample, no_route
+from megarl.types import ROUTE_PARTS, Sample, no_route
 
 MOE = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
 DENSE = hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)
@@ -32,6 +32,20 @@ def test_a_resumed_sample_keeps_its_earlier_routes_and_a_gap_is_refused():
     with pytest.raises(RuntimeError, match="start at position 7 but only 5 are known"):
         s.add_routes(7, rows(7, 1))
     assert Sample(prompt_ids=[1]).route_array() is None
+
+
+def test_a_long_decode_keeps_every_route_in_few_arrays():
+    """One row per decode step: the arrays are merged as they come (a step's cost does not grow with the length),
+    and every position keeps its own route, a resume's re-prefill included."""
+    s = Sample(prompt_ids=[5, 6, 7])
+    s.add_routes(0, rows(0, 3))
+    for pos in range(3, 200):
+        s.add_routes(pos, rows(pos, 1))
+        assert len(s.routes) <= ROUTE_PARTS + 1
+    s.add_routes(0, rows(0, 201, value=7))  # resumed: only position 200 is new
+    got = s.route_array()
+    assert got.shape == (201, 2, 2) and got[:200, 0, 0].tolist() == list(range(200))
+    assert got[200, 0, 0] == 7
 
 
 def test_the_batch_routes_pad_with_no_expert_and_survive_the_trainers_padding():
