@@ -102,6 +102,7 @@ class RunKeeper:
         self.error = False  # stopped by a fault (exit status 1) rather than preempted (0)
         self.requeue = False  # stopped by an engine fault (StopRun): exit status EXIT_REQUEUE
         self.trained_to = 0  # the steps done when a weight sync stopped the run (StopRun: that step's update is made)
+        self.waited_s = 0.0  # the trainer's wait for this step's batch (``next_rollout``)
         start_watchdog(s.cfg.engine.hang_timeout_s, EXIT_REQUEUE, rank)  # a hung call → exit 75 (watchdog.py)
 
     # ---- resume / save ------------------------------------------------------------------------------------------
@@ -216,7 +217,8 @@ class RunKeeper:
             p.generated_now()
         p.after_take()
         rollout.phase.staleness = staleness(rollout.groups, version)  # against the version that trains it
-        rollout.metrics.update({"timing/trainer_wait_s": time.perf_counter() - start,
+        self.waited_s = time.perf_counter() - start  # (and the sync's wait for the phase in flight, if any: ``sync``)
+        rollout.metrics.update({"timing/trainer_wait_s": self.waited_s,
                                 "pipeline/queue_groups": float(p.queued_groups())})
         return rollout
 
@@ -307,6 +309,8 @@ class RunKeeper:
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank restarts, or none)
                 error = exc
             if not any_rank(error is not None):
+                if p.boundary_wait_s:  # async waited for its next batch's phase to end first: the trainer's wait too
+                    metrics["timing/trainer_wait_s"] = self.waited_s + p.boundary_wait_s
                 return metrics
             try:
                 self._restart(error or RuntimeError("the weight sync failed on another rank"),

@@ -70,7 +70,8 @@ class Phase:
         engines = self.c.engine_turn  # one engine step at a time (an in-flight weight sync comes between two)
         with engines():
             self.reseed()
-            self.release_held()
+        self.release_held()  # (held groups scored outside the engines' gate, as every completed group is)
+        with engines():
             self.admit()
             if self.fill:
                 self.admit_for_free_slots()

@@ -8,7 +8,8 @@ Timelines of one engine (E) and one trainer (T); g_b generates batch b, t_b trai
                T  ·· t0 ··· s1 t1 ··· s2 t2 ···            weights move at the phase boundary (staleness 1)
     async      E  g0 g1 g2 │g3 g4 │g5 ...                 never waits: batches queue, s_v loads between two
                T  ·· t0 s1 t1 s2 t2 s3 ...                 engine steps (│), no drain; g_b starts only while
-                                                           the engines hold v ≥ b − k (k = rollout.staleness_limit)
+                                                           the engines hold v ≥ b − k (k = rollout.staleness_limit);
+                                                           none queued: s_v at the phase's end (``sync``)
 
 The generating side runs in a thread of rank 0 (it only talks to the engine replicas, processes of their own);
 the trainer's main thread pulls batches, shares each with every rank, trains and syncs. Invariants:
@@ -36,6 +37,7 @@ import contextlib
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -148,6 +150,7 @@ class Pipeline:
         self._busy = False  # a phase runs in the thread (set when it decides to start one, under the lock)
         self._now = False  # the trainer's thread is generating the next batch itself (async: the thread waits)
         self._paused = 0  # pauses in force (``pause`` nests)
+        self.boundary_wait_s = 0.0  # the last sync's wait for the phase in flight (async, none queued)
 
     # ---- the trainer's side (main thread) ---------------------------------------------------------------------
     def take(self) -> tuple[Rollout | None, BaseException | None]:
@@ -197,14 +200,31 @@ class Pipeline:
     @contextlib.contextmanager
     def sync(self):
         """Around a weight sync: async takes the engines between two engine steps (none runs inside) and yields
-        whether a phase is in flight (its requests go on under the new weights); otherwise the engines are idle."""
+        whether a phase is in flight (its requests go on under the new weights); otherwise the engines are idle.
+        With no batch queued the phase in flight is the trainer's next batch, which it would wait for right after:
+        it waits first, and the weights load at that phase's end, no phase starting meanwhile (no running request's
+        KV to recompute, no engine step paused mid-phase); a preemption signal ends that wait (the load goes in
+        flight)."""
         if not (self.leader and self.mode == "async"):
             yield False
             return
-        with self.gate.exclusive():
+        start, boundary = time.perf_counter(), False
+        try:
             with self._cond:
-                in_flight = self._busy
-            yield in_flight
+                boundary = self._busy and not self.queue
+                self._held += boundary
+                while boundary and self._busy and not self._stop and not signalled():
+                    self._cond.wait(timeout=0.5)
+            self.boundary_wait_s = time.perf_counter() - start if boundary else 0.0
+            with self.gate.exclusive():
+                with self._cond:
+                    in_flight = self._busy
+                yield in_flight
+        finally:
+            if boundary:
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
 
     def step_done(self, version: int, served: int) -> None:
         """A step has trained its batch and synced, or not: ``version`` is the policy's now, ``served`` the lowest

@@ -105,11 +105,13 @@ def test_async_keeps_the_staleness_bound_when_syncs_fail_in_a_row(model, tmp_pat
 
 @pytest.mark.slow
 def test_async_loads_weights_while_a_phase_runs(model, tmp_path):
-    """Longer answers than the update takes: the sync finds a phase running, loads between two engine steps, and
-    that phase's tokens carry two versions (the engine's version moved under its running samples)."""
+    """Longer answers than the update takes, and a trainer slower than one phase, faster than two (4 epochs over each
+    batch): a sync finds a phase running while the trainer has a batch queued (so it does not wait for the phase's
+    end), loads between two engine steps, and that phase's tokens carry two versions (the engine's version moved
+    under its running samples)."""
     run = tmp_path / "run"
     _train(model, run, "rollout.overlap=async", "rollout.staleness_limit=2", "rollout.max_new_tokens=64",
-           "rollout.samples_per_prompt=8", "train.steps=6", "train.save_every=0")
+           "rollout.samples_per_prompt=8", "train.steps=6", "train.save_every=0", "algo.ppo_epochs=4")
     steps = _steps(run)
     assert any(r["sync/in_flight"] == 1 for r in steps)
     assert any(r["rollout/phase_versions"] >= 2 for r in steps)

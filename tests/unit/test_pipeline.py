@@ -161,3 +161,55 @@ def test_one_step_does_not_generate_ahead_with_weights_two_versions_old():
     p.after_take()  # batch 2 would train at 2 with the engines at 0: not ahead
     assert p.boundary() is None and p.take() == (None, None)  # the trainer's thread generates it at its turn
     assert [b for b, _, _ in started] == [1]
+
+
+def _gated_pipeline(k=2):
+    """async whose phases each wait for ``release`` (a phase in flight as long as the test wants)."""
+    started, release = [], threading.Event()
+
+    def generate(version, batch):
+        started.append(batch)
+        release.wait(10)
+        release.clear()
+        return Rollout([], PhaseMetrics(), {}, batch)
+
+    return Pipeline("async", generate, k), started, release
+
+
+def test_async_loads_at_the_phase_boundary_when_the_trainer_waits_for_that_phase_anyway():
+    """The phase in flight is the batch the trainer takes next (none queued): the sync waits for it to end and loads
+    with the engines idle, no phase starting meanwhile; with a batch queued the trainer has work, and the load goes in
+    flight (the phase's requests recomputed under the new weights)."""
+    import megarl.distributed.signals as signals
+
+    p, started, release = _gated_pipeline()
+    _ = p._ensure_thread(), release.set()
+    rollout, _ = p.take()  # batch 0; batch 1 is in flight
+    _wait_for(lambda: started == [0, 1])
+    threading.Timer(0.1, release.set).start()
+    start = time.monotonic()
+    with p.sync() as in_flight:
+        assert not in_flight and not p._busy and time.monotonic() - start >= 0.09  # waited for the boundary
+        time.sleep(0.05)
+        assert started == [0, 1] and [r.batch for r in p.queue] == [1]  # and none started inside
+    assert p.boundary_wait_s >= 0.09  # (the trainer's wait: timing/trainer_wait_s)
+    p.step_done(1, 1)
+    _wait_for(lambda: started == [0, 1, 2])  # after it, the next phase starts at once
+    assert p.take()[0].batch == 1
+    release.set()
+    _wait_for(lambda: len(p.queue) == 1 and started == [0, 1, 2, 3])  # batch 2 queued while 3 runs
+    with p.sync() as in_flight:
+        assert in_flight  # the trainer has batch 2 to train: no waiting, the load goes in flight
+    assert p.boundary_wait_s == 0.0
+    p.step_done(2, 2)
+    assert p.take()[0].batch == 2  # (batch 3 in flight, nothing queued)
+    signals._signalled = "SIGTERM"
+    try:
+        start = time.monotonic()
+        with p.sync() as in_flight:  # a preemption does not wait for the phase
+            assert in_flight and time.monotonic() - start < 2
+    finally:
+        signals._signalled = ""
+    release.set()
+    p.close()
+
