@@ -45,6 +45,7 @@ class Sample:
     finish_reason: str = ""  # 'stop' | 'length' once done
     interruptions: int = 0  # times generation was stopped and later resumed (partial mode)
     routes: list | None = None  # the engine's experts per input position: uint8 arrays [positions, MoE layers, k]
+    routed: int = 0  # positions ``routes`` holds (counted as they come: ``add_routes``)
     # multi-turn episodes (``env.fn``): the environment's messages and where their tokens lie in ``response_ids``
     env_messages: list[dict] = field(default_factory=list)
     env_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each message's tokens
@@ -103,15 +104,18 @@ class Sample:
         """Routes of positions ``first``.. (``engines.routes``), appended. Positions already known keep theirs: a
         resumed sample's re-prefilled tokens keep the routes of the phase that sampled them. A gap raises (cached
         prefix rows are never routed: prefix caching must be off)."""
-        parts = self.routes if self.routes is not None else []
-        have = sum(len(p) for p in parts)
+        parts = self.routes or []
+        # (the count goes with the arrays: None again after a restart or a copy without them; a sample pickled
+        # before the count existed has none: counted once)
+        have = (self.routed or sum(len(p) for p in parts)) if parts else 0
         if first > have:
             raise RuntimeError(f"routing replay: routes start at position {first} but only {have} are known")
         if len(new) > have - first:
             parts.append(new[have - first:])
-        if len(parts) > ROUTE_PARTS:  # a decode step adds one row: merged, so a call costs no walk of them all
+            have = first + len(new)
+        if len(parts) > ROUTE_PARTS:  # a decode step adds one row: merged, so the arrays stay few
             parts = [np.concatenate(parts)]
-        self.routes = parts
+        self.routes, self.routed = parts, have
 
     def route_array(self) -> np.ndarray | None:
         """The routes as one array [positions, MoE layers, k] (None: none captured)."""

@@ -35,8 +35,8 @@ def test_a_resumed_sample_keeps_its_earlier_routes_and_a_gap_is_refused():
 
 
 def test_a_long_decode_keeps_every_route_in_few_arrays():
-    """One row per decode step: the arrays are merged as they come (a step's cost does not grow with the length),
-    and every position keeps its own route, a resume's re-prefill included."""
+    """One row per decode step: the arrays are merged as they come and their positions counted (a step's cost does
+    not grow with the length), and every position keeps its own route, a resume's re-prefill included."""
     s = Sample(prompt_ids=[5, 6, 7])
     s.add_routes(0, rows(0, 3))
     for pos in range(3, 200):
@@ -45,7 +45,10 @@ def test_a_long_decode_keeps_every_route_in_few_arrays():
     s.add_routes(0, rows(0, 201, value=7))  # resumed: only position 200 is new
     got = s.route_array()
     assert got.shape == (201, 2, 2) and got[:200, 0, 0].tolist() == list(range(200))
-    assert got[200, 0, 0] == 7
+    assert got[200, 0, 0] == 7 and s.routed == 201
+    s.routed = 0  # (a sample from a checkpoint written before the count): counted from its arrays once
+    s.add_routes(201, rows(201, 1))
+    assert s.route_array().shape[0] == 202 and s.routed == 202
 
 
 def test_the_batch_routes_pad_with_no_expert_and_survive_the_trainers_padding():
