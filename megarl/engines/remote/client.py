@@ -30,12 +30,16 @@ class ReplicaClient(TrackedRequests):
     def __init__(self, index: int, conn, proc, slots: int) -> None:
         self.index, self.conn, self.proc, self.slots = index, conn, proc, slots
         self.weight_version = 0
+        self._pending: list[SlotRequest] = []  # submitted since the last command: sent before the next one
         super().__init__()
 
     def call(self, msg, reply: bool = True):
         """Send one command (``messages.py``) and wait for its reply, or raise ``EngineDied`` if the process is gone."""
         try:
             with guard(f"engine replica {self.index}: {type(msg).__name__}"):  # never answering → exit 75 (watchdog)
+                if self._pending:
+                    pending, self._pending = self._pending, []
+                    self.conn.send(Submit(pending))
                 self.conn.send(msg)
                 answer = self.conn.recv() if reply else None
         except (OSError, EOFError) as exc:  # a broken pipe, a reset or ended link
@@ -50,8 +54,12 @@ class ReplicaClient(TrackedRequests):
         if self.weight_version == UNUSABLE:
             raise EngineUnusable(f"engine replica {self.index} refuses to generate: its last weight update failed "
                                  "with no backup (sync.rollback=resync); it must be re-synced")
-        self.call(Submit(request), reply=False)
+        self._pending.append(request)  # (sent with the next command: ``call``)
         self._active.add(request.request_id)
+
+    def reset(self) -> None:
+        super().reset()
+        self._pending = []
 
     def reseed(self, seed: int) -> None:
         """The replica's sampling stream from here on (a phase that starts from the same state samples alike)."""

@@ -3,10 +3,12 @@
 Every command goes over the replica's connection (a pipe, or a TCP link to another node) as one of the
 dataclasses below; the replica answers those marked *reply* with the reply type named. ``Submit`` and ``Abort``
 have no reply (the controller's next ``Step`` reports their effect); ``Update``'s reply comes after the transfer.
+The client gathers the requests the controller submits between two commands into one ``Submit`` sent before the
+next one (a message per request woke the replica for each).
 
 | command | reply |
 | --- | --- |
-| ``Submit(request)`` | none |
+| ``Submit(requests)`` | none |
 | ``Seed(seed)`` | none (the engine's sampling stream from here on) |
 | ``Abort(request_ids)`` | none |
 | ``Step()`` | ``StepDone(events, elapsed, version)`` |
@@ -29,7 +31,7 @@ from megarl.types import GenerationRequest, SlotRequest, TokenEvent
 
 @dataclass(frozen=True)
 class Submit:
-    request: SlotRequest
+    requests: list[SlotRequest]
 
 
 @dataclass(frozen=True)

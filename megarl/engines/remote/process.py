@@ -147,12 +147,13 @@ class _Replica:
             return None if isinstance(msg, Submit) else EngineUnusable(
                 f"engine replica refuses to generate: {self.unusable}")
         match msg:
-            case Submit(request):
+            case Submit(requests):
                 from vllm.inputs import TokensPrompt  # deferred: vLLM (loaded with the engine, in this process only)
 
-                self.engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
-                                        _params(request))
-                self.active.add(request.request_id)
+                for request in requests:
+                    self.engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
+                                            _params(request))
+                    self.active.add(request.request_id)
             case Abort(request_ids):
                 ids = [r for r in request_ids if r in self.active]
                 if ids:
