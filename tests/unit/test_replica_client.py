@@ -54,3 +54,23 @@ def test_requests_submitted_between_two_commands_go_as_one_message_before_the_ne
     finally:
         ours.send(None)
         replica.join()
+
+
+def test_a_steps_routes_travel_as_one_array_and_come_back_on_their_events():
+    """Routing replay: the reply carries the events' routes as one array (``StepDone.packed``); through a real pipe
+    each event gets its own rows back at its own start, and an event without routes stays without."""
+    import numpy as np
+
+    events = [TokenEvent("a", [5], [-0.1]), TokenEvent("b", [6, 7], [-0.2, -0.3]), TokenEvent("c", [8], [-0.4])]
+    events[0].route_start, events[0].routes = 3, np.full((4, 2, 2), 1, dtype=np.uint8)  # a prefill's rows
+    events[2].route_start, events[2].routes = 9, np.full((1, 2, 2), 3, dtype=np.uint8)
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send(StepDone.packed(events, 0.5, 2))
+    done = ours.recv()
+    assert done.route_rows == [4, 0, 1] and done.routes.shape == (5, 2, 2)
+    got = done.routes_of()
+    assert [e.request_id for e in got] == ["a", "b", "c"] and [e.route_start for e in got] == [3, 0, 9]
+    assert got[0].routes.shape == (4, 2, 2) and (got[0].routes == 1).all() and got[1].routes is None
+    assert got[2].routes.tolist() == [[[3, 3], [3, 3]]]
+    plain = StepDone.packed([TokenEvent("d", [1], [-1.0])], 0.1, 0)  # no routes captured: nothing packed
+    assert plain.routes is None and plain.routes_of()[0].routes is None

@@ -71,7 +71,7 @@ class ReplicaClient(TrackedRequests):
     def step(self) -> StepReport:
         active = len(self._active)
         done = self.call(Step())
-        for ev in done.events:
+        for ev in done.routes_of():
             if ev.finished:
                 self._active.discard(ev.request_id)
         return StepReport(done.events, done.elapsed, active)

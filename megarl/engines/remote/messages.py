@@ -11,7 +11,7 @@ next one (a message per request woke the replica for each).
 | ``Submit(requests)`` | none |
 | ``Seed(seed)`` | none (the engine's sampling stream from here on) |
 | ``Abort(request_ids)`` | none |
-| ``Step()`` | ``StepDone(events, elapsed, version)`` |
+| ``Step()`` | ``StepDone(events, elapsed, version, routes, route_rows)`` |
 | ``Generate(requests, seed)`` | ``list[list[Completion]]`` |
 | ``InitTransfer(info)`` | ``Outcome`` |
 | ``Update(plan, groups, dtype, version, rollback, stage_only)`` | ``Updated`` |
@@ -25,6 +25,8 @@ with an ``EngineUnusable`` instead. At start it sends ``Outcome`` once: ready, o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from megarl.types import GenerationRequest, SlotRequest, TokenEvent
 
@@ -95,6 +97,30 @@ class StepDone:
     events: list[TokenEvent]
     elapsed: float
     version: int
+    # routing replay: the events' routes as one array and each event's rows, in order (an array per event pickled
+    # at ~10 µs each: 3 ms a step of 256 requests); ``routes_of`` puts them back on the events
+    routes: np.ndarray | None = None
+    route_rows: list[int] | None = None
+
+    @staticmethod
+    def packed(events: list[TokenEvent], elapsed: float, version: int) -> StepDone:
+        """The reply with the events' routes moved into one array (the events keep their ``route_start``)."""
+        rows = [0 if ev.routes is None else len(ev.routes) for ev in events]
+        if not any(rows):
+            return StepDone(events, elapsed, version)
+        routes = np.concatenate([ev.routes for ev in events if ev.routes is not None])
+        for ev in events:
+            ev.routes = None
+        return StepDone(events, elapsed, version, routes, rows)
+
+    def routes_of(self) -> list[TokenEvent]:
+        """The events, each with its routes again (views of the one array)."""
+        if self.routes is not None:
+            at = 0
+            for ev, n in zip(self.events, self.route_rows):
+                if n:
+                    ev.routes, at = self.routes[at:at + n], at + n
+        return self.events
 
 
 @dataclass(frozen=True)

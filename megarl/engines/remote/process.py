@@ -198,7 +198,7 @@ class _Replica:
                     ev.finished, ev.finish_reason = True, c.finish_reason or "length"
                     self.active.discard(out.request_id)
                 events.append(ev)
-        return StepDone(events, elapsed, self.version)
+        return StepDone.packed(events, elapsed, self.version)
 
     def update(self, u: Update) -> Updated:
         """All or nothing across this replica's TP workers (see the module docstring)."""
