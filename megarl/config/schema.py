@@ -289,7 +289,8 @@ class OptimConfig:
     moe_z_loss_coeff: float = 0.0
     """Router z-loss coefficient (ST-MoE: penalises large router logits; 0: off)."""
     logprob_chunk: int = 1024
-    """Compute logprobs from hidden states this many positions at a time (0: from full logits)."""
+    """Compute logprobs from hidden states this many positions of a micro-batch at a time, its rows together (0: from
+    full logits)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer) when DP > 1."""
 

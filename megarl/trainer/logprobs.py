@@ -50,19 +50,21 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     """Per-token logprobs from final hidden states without materialising [tokens × vocab] logits.
 
     ``hidden`` [b, s, h] (already replicated across TP), ``weight`` this rank's vocabulary shard
-    [V/tp, h], ``labels`` [b, s], ``tp_group`` as ``token_logprobs``. The sequence is processed ``chunk``
-    positions at a time, each chunk under activation checkpointing: its logits exist only while that chunk's
-    logprobs are computed, in the forward and again in the backward. Peak extra memory is
-    O(b·chunk·V/tp) instead of O(b·s·V/tp). A sequence of one chunk is not checkpointed: that would only free its
-    logits between the loss's forward and its backward, which follow each other directly without a pipeline and on
-    a pipeline's last stage (not so under the interleaved schedule, where they may wait).
+    [V/tp, h], ``labels`` [b, s], ``tp_group`` as ``token_logprobs``. The micro-batch is processed ``chunk``
+    positions at a time (``chunk // b`` columns of its ``b`` rows; at least one), each chunk under activation
+    checkpointing: its logits exist only while that chunk's logprobs are computed, in the forward and again in the
+    backward. Peak extra memory is O(chunk·V/tp) instead of O(b·s·V/tp), what ``megarl plan`` sizes. A micro-batch
+    of one chunk is not checkpointed: that would only free its logits between the loss's forward and its backward,
+    which follow each other directly without a pipeline and on a pipeline's last stage (not so under the
+    interleaved schedule, where they may wait).
     """
     from torch.utils.checkpoint import checkpoint
 
     def piece(h, y):
         return token_logprobs(torch.matmul(h, weight.t()), y, temperature, tp_group)
 
-    pieces = [(hidden[:, i:i + chunk], labels[:, i:i + chunk]) for i in range(0, hidden.shape[1], chunk)]
+    cols = max(1, chunk // hidden.shape[0])  # (a packed micro-batch is one row: its chunk is ``chunk`` tokens)
+    pieces = [(hidden[:, i:i + cols], labels[:, i:i + cols]) for i in range(0, hidden.shape[1], cols)]
     recompute = len(pieces) > 1 and torch.is_grad_enabled()
     outs = [checkpoint(piece, h, y, use_reentrant=False) if recompute else piece(h, y) for h, y in pieces]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
