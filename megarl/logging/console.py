@@ -38,12 +38,28 @@ class _Console(logging.StreamHandler):
         pass
 
 
+class _NotMegarl(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != "megarl" and not record.name.startswith("megarl.")
+
+
 def configure(level: int = logging.INFO) -> None:
-    """Attach megarl's two console handlers once per process (stdout below WARNING, stderr from it)."""
+    """Attach megarl's two console handlers once per process (stdout below WARNING, stderr from it).
+
+    A root logger without handlers gets one too, for other libraries' warnings (what logging's last resort would
+    print) and never megarl's: a library's root-level ``logging.debug(...)`` otherwise runs ``basicConfig`` and
+    every megarl record, propagating, is printed a second time as ``INFO:megarl...`` (vLLM's CPU MoE kernel does,
+    on AMD hosts: ``zentorch_utils.is_zentorch_moe_supported``)."""
     root = logging.getLogger("megarl")
     root.setLevel(level)
     if any(getattr(h, "megarl_console", False) for h in root.handlers):
         return
+    if not logging.root.handlers:
+        others = _Console("stderr")
+        others.setLevel(logging.WARNING)
+        others.addFilter(_NotMegarl())
+        others.setFormatter(logging.Formatter("%(message)s"))
+        logging.root.addHandler(others)
     out = _Console("stdout")
     out.addFilter(_Below(logging.WARNING))
     err = _Console("stderr")
