@@ -38,9 +38,15 @@ class _Console(logging.StreamHandler):
         pass
 
 
-class _NotMegarl(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name != "megarl" and not record.name.startswith("megarl.")
+def _plain(stream: str, level: int = logging.NOTSET, keep=None) -> _Console:
+    """A handler of one plain line per record (the message alone) to ``stream``, from ``level``, for the records
+    ``keep`` (a filter) passes."""
+    handler = _Console(stream)
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    if keep is not None:
+        handler.addFilter(keep)
+    return handler
 
 
 def configure(level: int = logging.INFO) -> None:
@@ -50,24 +56,16 @@ def configure(level: int = logging.INFO) -> None:
     print) and never megarl's: a library's root-level ``logging.debug(...)`` otherwise runs ``basicConfig`` and
     every megarl record, propagating, is printed a second time as ``INFO:megarl...`` (vLLM's CPU MoE kernel does,
     on AMD hosts: ``zentorch_utils.is_zentorch_moe_supported``)."""
-    root = logging.getLogger("megarl")
-    root.setLevel(level)
-    if any(getattr(h, "megarl_console", False) for h in root.handlers):
+    megarl = logging.getLogger("megarl")
+    megarl.setLevel(level)
+    if any(getattr(h, "megarl_console", False) for h in megarl.handlers):
         return
     if not logging.root.handlers:
-        others = _Console("stderr")
-        others.setLevel(logging.WARNING)
-        others.addFilter(_NotMegarl())
-        others.setFormatter(logging.Formatter("%(message)s"))
-        logging.root.addHandler(others)
-    out = _Console("stdout")
-    out.addFilter(_Below(logging.WARNING))
-    err = _Console("stderr")
-    err.setLevel(logging.WARNING)
-    for handler in (out, err):
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours = logging.Filter("megarl")  # (passes the megarl logger's records and its children's)
+        logging.root.addHandler(_plain("stderr", logging.WARNING, lambda record: not ours.filter(record)))
+    for handler in (_plain("stdout", keep=_Below(logging.WARNING)), _plain("stderr", logging.WARNING)):
         handler.megarl_console = True
-        root.addHandler(handler)
+        megarl.addHandler(handler)
 
 
 def main_only(say: Callable[[str], None], rank: int | None = None) -> Callable[[str], None]:
