@@ -16,10 +16,14 @@ like the input ids (``pack``).
 Assignment (``plan_microbatches``), computed alike on every rank from the whole batch's lengths:
 
 - ``max_tokens`` 0: rows split over DP ranks in contiguous blocks and ``micro_batch_size`` rows per micro-batch, in
-  order (the unpacked trainer's micro-batches, packed);
+  order (the unpacked trainer's micro-batches, packed) or, ``by_length``, longest first: rows of similar length
+  share a micro-batch, so its attention takes fewer, less padded groups of rows (``trainer/packed_attention.py``)
+  and no micro-batch holds more positions than the unpacked trainer's (``micro_batch_size`` × the longest row);
 - ``max_tokens`` M > 0: rows to DP ranks by Karmarkar–Karp on their tokens (equal loads); on each rank, the fewest
   micro-batches of ≤ M tokens that longest-first, least-loaded placement (LPT) finds; every rank then builds the
-  most any rank needs (equal micro-batch counts: pipeline schedules, expert-parallel collectives), re-balanced.
+  most any rank needs (equal micro-batch counts: pipeline schedules, expert-parallel collectives), re-balanced:
+  ``by_length``, as runs of its rows longest first (similar lengths together, the heaviest run as light as runs
+  allow) where such runs fit in M, else by LPT (each micro-batch a mix of lengths, loads as equal as it finds).
 
 Invariants (tests/unit/test_packing_layout.py): every row with a position is in exactly one micro-batch; a micro-batch
 holds ≤ M real tokens; every rank has the same number of micro-batches (a multiple of ``count_multiple``); each
@@ -92,6 +96,31 @@ def _lpt(rows: list[int], lengths: dict[int, int], bins: int, cap: int) -> list[
     return out
 
 
+def _runs(rows: list[int], lengths: dict[int, int], bins: int, cap: int) -> list[list[int]] | None:
+    """Rows longest first, cut into ``bins`` runs of ≤ ``cap`` tokens each, the heaviest run as light as a cut
+    allows (the least limit for which cutting greedily takes ``bins`` runs or fewer); None when no cut gives
+    exactly ``bins`` runs within the cap."""
+    order = sorted(rows, key=lambda r: (-lengths[r], r))
+
+    def cut(limit: int) -> list[list[int]]:
+        out, load = [[]], 0
+        for r in order:
+            if out[-1] and load + lengths[r] > limit:
+                out, load = out + [[]], 0
+            out[-1].append(r)
+            load += lengths[r]
+        return out
+
+    if not order or len(cut(cap)) > bins:
+        return None
+    low, high = max(-(-sum(lengths[r] for r in order) // bins), lengths[order[0]]), cap
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(cut(mid)) <= bins else (mid + 1, high)
+    out = cut(low)
+    return out if len(out) == bins else None
+
+
 def _split_to(bins: list[list[int]], lengths: dict[int, int], count: int) -> list[list[int]]:
     """``bins`` (each ≤ the cap) split until there are ``count``: the heaviest bin of ≥ 2 rows in two by LPT; empty
     bins when every bin holds one row (such a rank's extra micro-batches are padding only)."""
@@ -117,7 +146,7 @@ def _token_bins(rows: list[int], lengths: dict[int, int], cap: int) -> list[list
 
 def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1, max_tokens: int = 0,
                       multiple: int = 1, equal_length: bool = False,
-                      count_multiple: int = 1) -> list[list[PackedLayout]]:
+                      count_multiple: int = 1, by_length: bool = False) -> list[list[PackedLayout]]:
     """Per data-parallel rank, its packed micro-batches (see the module docstring). Rows of length 0 carry no
     position and are left out; a row longer than ``max_tokens`` raises, naming the key."""
     known = {i: int(n) for i, n in enumerate(lengths) if n > 0}
@@ -130,14 +159,16 @@ def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1
         per_rank = [_token_bins(rows, known, max_tokens) for rows in ranks]
         count = max(len(b) for b in per_rank)
         count = -(-count // count_multiple) * count_multiple
-        per_rank = [(_lpt(rows, known, count, max_tokens) or _split_to(bins, known, count))
-                    for rows, bins in zip(ranks, per_rank)]
+        per_rank = [((by_length and _runs(rows, known, count, max_tokens)) or _lpt(rows, known, count, max_tokens)
+                     or _split_to(bins, known, count)) for rows, bins in zip(ranks, per_rank)]
         per_rank = [sorted(bins, key=lambda b: min(b) if b else len(lengths)) for bins in per_rank]
     else:
         blocks = torch.tensor_split(torch.arange(len(lengths)), dp)
         per_rank = []
         for block in blocks:
             rows = [int(r) for r in block if int(r) in known]
+            if by_length:
+                rows.sort(key=lambda r: (-known[r], r))
             per_rank.append([rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)])
         count = max(1, max(len(b) for b in per_rank))
         count = -(-count // count_multiple) * count_multiple

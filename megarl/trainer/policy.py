@@ -192,12 +192,15 @@ class PolicyTrainer(RouteRecording):
     def _plan(self, batch: TrainBatch) -> list[list[PackedLayout]]:
         """Every DP rank's packed micro-batches (``algo/packing.py``) shaped for the layout: a multiple of TP
         positions under sequence parallelism; one length under PP (equal p2p shapes) and under megatron's
-        all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches under virtual stages."""
-        ps = self.ps
-        same = ps.pp > 1 or (ps.ep > 1 and self.tcfg.moe_token_dispatcher_type == "allgather")
+        all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches under virtual stages.
+        By rows, longest first where nothing reads a micro-batch's make-up: not under one length (the longest
+        micro-batch would set every one's) nor with the MoE router losses on (a micro-batch's load statistic)."""
+        ps, cfg = self.ps, self.tcfg
+        same = ps.pp > 1 or (ps.ep > 1 and cfg.moe_token_dispatcher_type == "allgather")
+        router_losses = bool(self.moe and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff))
         return plan_microbatches(batch.row_lengths(), ps.dp, self.optim_cfg.micro_batch_size, self.max_tokens,
                                  multiple=ps.tp if ps.sequence_parallel else 1, equal_length=same,
-                                 count_multiple=ps.pp if ps.vpp > 1 else 1)
+                                 count_multiple=ps.pp if ps.vpp > 1 else 1, by_length=not same and not router_losses)
 
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size

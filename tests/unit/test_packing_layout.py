@@ -15,15 +15,16 @@ def _rows(plan):
     return [r for bins in plan for b in bins for r in b.rows]
 
 
+@pytest.mark.parametrize("by_length", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_token_balanced_plans_keep_their_invariants(seed):
+def test_token_balanced_plans_keep_their_invariants(seed, by_length):
     rng = random.Random(seed)
     n, dp, cap = rng.randint(1, 40), rng.choice([1, 2, 4]), rng.choice([64, 100, 257])
     lengths = [int(1 + rng.paretovariate(0.8) * 4) % cap + 1 for _ in range(n)]  # long-tailed, ≤ cap
     lengths[rng.randrange(n)] = cap  # a row exactly as long as the budget
     multiple, pp = rng.choice([1, 2]), rng.choice([1, 2])
     plan = plan_microbatches(lengths, dp=dp, max_tokens=cap, multiple=multiple, equal_length=pp > 1,
-                             count_multiple=pp)
+                             count_multiple=pp, by_length=by_length)
     assert len(plan) == dp
     assert sorted(_rows(plan)) == list(range(n))  # every row once
     counts = {len(bins) for bins in plan}
@@ -120,3 +121,26 @@ def test_the_token_budget_is_checked_before_launch_against_the_longest_row():
         check("trainer.max_tokens_per_microbatch=512", "trainer.packing=false")
     with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_microbatch must be >= 0"):
         check("trainer.max_tokens_per_microbatch=-1")
+
+
+def test_by_length_puts_rows_of_similar_length_in_one_micro_batch_on_each_rank():
+    """Longest first within each DP rank's contiguous block, ``micro_batch_size`` rows each: no micro-batch holds
+    more positions than ``micro_batch_size`` × the longest row (the unpacked trainer's micro-batch)."""
+    lengths = [5, 30, 0, 7, 28, 2, 9, 31]
+    plan = plan_microbatches(lengths, dp=2, micro_batch_size=2, by_length=True)
+    assert [[mb.rows for mb in bins] for bins in plan] == [[[1, 3], [0]], [[7, 4], [6, 5]]]
+    assert [[mb.lengths for mb in bins] for bins in plan] == [[[30, 7], [5]], [[31, 28], [9, 2]]]
+    assert max(mb.padded for bins in plan for mb in bins) <= 2 * max(lengths)
+    assert plan_microbatches(lengths, dp=2, micro_batch_size=2)[1][0].rows == [4, 5]  # (off: in batch order)
+
+
+def test_by_length_token_budgets_cut_runs_of_similar_length_as_even_as_runs_allow():
+    """By tokens, ``by_length``: the rank's rows longest first in as many runs as LPT needs (2 here), the heaviest
+    run the lightest a cut gives (LPT mixes long and short rows in each); where no cut fits, LPT's bins."""
+    lengths = [13, 40, 12, 39, 11, 38, 10, 37]
+    (runs,) = plan_microbatches(lengths, max_tokens=120, by_length=True)
+    assert sorted(mb.lengths for mb in runs) == [[37, 13, 12, 11, 10], [40, 39, 38]]  # 117 is the least heaviest
+    (lpt,) = plan_microbatches(lengths, max_tokens=120)
+    assert sorted(sorted(mb.lengths) for mb in lpt) == [[10, 13, 37, 40], [11, 12, 38, 39]]
+    (tight,) = plan_microbatches(lengths, max_tokens=100, by_length=True)  # 2 runs would need 117 tokens
+    assert sorted(sorted(mb.lengths) for mb in tight) == [[10, 13, 37, 40], [11, 12, 38, 39]]

@@ -3,15 +3,17 @@
     python tests/workers/packing_checks.py LAYOUT MODEL_DIR [lm|value] [fp32|bf16]
     torchrun --nproc-per-node 2 tests/workers/packing_checks.py pp2_vpp2 MODEL_DIR
 
-Three trainers at the layout from the same HF weights: unpacked (``optim.micro_batch_size`` 2), packed by rows (the
-same micro-batches laid end to end) and packed by tokens (``trainer.max_tokens_per_microbatch`` = the longest row,
-so a row exactly as long as the budget, and rows of one position). Each takes three optimizer steps, one per loss
+Three trainers at the layout from the same HF weights: unpacked (``optim.micro_batch_size`` 2), packed by rows (2 rows
+a micro-batch laid end to end: longest first, or the unpacked micro-batches under PP) and packed by tokens
+(``trainer.max_tokens_per_microbatch`` = the longest row, so a row exactly as long as the budget, and rows of one
+position). Each takes three optimizer steps, one per loss
 aggregation (token_mean + PPO with entropy where the layout computes full logits; seq_mean_token_mean + PPO with a
 k3 KL to reference logprobs; seq_mean_token_sum_norm + GSPO, per-sequence ratios); the critic (``value``) regresses
 onto targets under each aggregation. MoE trainers replay routes given with the batch (R3: random expert sets on most
 positions, none on the rest) and record their own (R2). Rank 0 prints one JSON line: per packed variant, the largest
 logprob (value) gap relative to the largest magnitude, per step the loss, grad norm and metrics of each, the largest
-weight gap after one step relative to each tensor's magnitude, and R2's recorded routes compared.
+weight gap after one step relative to each tensor's magnitude, R2's recorded routes compared, and the rows of the
+packed-by-rows trainer's micro-batches on rank 0 (``rows_plan``; with the MoE router losses on: ``rows_plan_router``).
 """
 
 from __future__ import annotations
@@ -109,8 +111,14 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
     batch, g = packing_batch(cfg["vocab_size"], experts if head == "lm" else 0,
                              len(trainers["unpacked"].route_columns), cfg.get("num_experts_per_tok", 2))
     mask = batch.loss_mask
-    out = {"layout": layout, "world": ps.world_size, "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "vpp": ps.vpp, "ep": ps.ep,
-           "lengths": batch.lengths.tolist(), "steps": [], "logprob_gap": {}, "weight_gap": {}}
+    rows = trainers["rows"]
+    plan = {"rows_plan": [mb.rows for mb in rows._plan(batch)[0]]}
+    if experts:  # the plan of the same trainer with the router's load-balancing loss on
+        rows.tcfg.moe_aux_loss_coeff = 0.1
+        plan["rows_plan_router"] = [mb.rows for mb in rows._plan(batch)[0]]
+        rows.tcfg.moe_aux_loss_coeff = 0.0
+    out = {**plan, "layout": layout, "world": ps.world_size, "dp": ps.dp, "tp": ps.tp, "pp": ps.pp, "vpp": ps.vpp,
+           "ep": ps.ep, "lengths": batch.lengths.tolist(), "steps": [], "logprob_gap": {}, "weight_gap": {}}
 
     def rel_gap(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(((a - b).abs() * mask).max() / (a.abs() * mask).max())
