@@ -17,7 +17,12 @@ other jobs on a shared machine). The process computes as megarl places a lone tr
 every core of the host): what a user gets.
 
     .venv/bin/python bench/packing.py [--repeats 5] [--max-tokens 4096] [--tasks demo,long_tail]
-                                      [--rollouts [--warmup 100] [--rl-steps 3] [--mode partial]]
+                                      [--rollouts [--warmup 100] [--rl-steps 3] [--mode partial] [--save FILE]]
+                                      [--rollouts-from FILE]
+
+A policy's batch moves with any change to what trained it (the order of a sum is enough to sample other lengths;
+its padding share is what packing can save): ``--save`` keeps the recorded batches, ``--rollouts-from`` measures
+on them again, e.g. two commits on one batch.
 """
 
 from __future__ import annotations
@@ -179,13 +184,22 @@ def main() -> None:
     p.add_argument("--rl-steps", type=int, default=3, help="with --rollouts: RL steps (the last one's batch is used)")
     p.add_argument("--mode",
                    help="with --rollouts: rollout.mode (sync, on_policy, partial; default: the config's, sync)")
+    p.add_argument("--save", help="with --rollouts: write the recorded batches to this JSON file")
+    p.add_argument("--rollouts-from", help="the batches of an earlier --rollouts --save instead of recording")
     p.add_argument("--record", nargs=2, metavar=("TASK", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.record:
         record_rollouts(args.record[0], args.record[1], args.warmup, args.rl_steps, args.mode)
         return
     recorded, modes = None, set()
-    if args.rollouts:  # each task's run in a process of its own (megatron keeps process-global state)
+    if args.rollouts_from:
+        with open(args.rollouts_from) as f:
+            saved = json.load(f)
+        recorded, modes = saved["batches"], {saved["mode"]}
+        if missing := [t for t in args.tasks.split(",") if t not in recorded]:
+            raise SystemExit(f"{args.rollouts_from} holds no batch of {', '.join(missing)} (it holds "
+                             f"{', '.join(sorted(recorded))}): name those with --tasks")
+    elif args.rollouts:  # each task's run in a process of its own (megatron keeps process-global state)
         recorded = {}
         with tempfile.TemporaryDirectory() as tmp:
             for task in args.tasks.split(","):
@@ -198,6 +212,9 @@ def main() -> None:
                     run = json.load(f)
                 recorded[task] = run["steps"][-1]
                 modes.add(run["mode"])
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"mode": ",".join(sorted(modes)), "batches": recorded}, f)
     from megarl.distributed.placement import apply, available_cores, place_node
 
     apply(place_node(available_cores(), 1, [], together=False).trainer[0])  # megarl's choice for a lone trainer
