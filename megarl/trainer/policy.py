@@ -193,8 +193,9 @@ class PolicyTrainer(RouteRecording):
         """Every DP rank's packed micro-batches (``algo/packing.py``) shaped for the layout: a multiple of TP
         positions under sequence parallelism; one length under PP (equal p2p shapes) and under megatron's
         all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches under virtual stages.
-        By rows, longest first where nothing reads a micro-batch's make-up: not under one length (the longest
-        micro-batch would set every one's) nor with the MoE router losses on (a micro-batch's load statistic)."""
+        Rows of similar length together (``by_length``) where nothing reads a micro-batch's make-up: not under one
+        length (the longest micro-batch would set every one's) nor with the MoE router losses on (a micro-batch's
+        load statistic)."""
         ps, cfg = self.ps, self.tcfg
         same = ps.pp > 1 or (ps.ep > 1 and cfg.moe_token_dispatcher_type == "allgather")
         router_losses = bool(self.moe and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff))
