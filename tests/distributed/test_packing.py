@@ -47,6 +47,21 @@ def assert_packed_equals_unpacked(got, rel=1e-5):
         assert got["r2_same"] == {n: got["r2_positions"] for n in ("unpacked", "rows", "tokens")}
 
 
+def assert_rows_plan(got, layout):
+    """The packed-by-rows trainer's micro-batches on rank 0: rows of similar length together (fewer, fuller attention
+    groups), or the unpacked micro-batches where a micro-batch's make-up matters."""
+    # rank 0's rows: all ten, or the first five at DP 2 (lengths 1, 24, 3, 17, 9 | 2, 12, 20, 5, 7)
+    batch_order = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]] if got["dp"] == 1 else [[0, 1], [2, 3], [4]]
+    longest_first = [[1, 7], [3, 6], [4, 9], [8, 2], [5, 0]] if got["dp"] == 1 else [[1, 3], [4, 2], [0]]
+    plan = [mb for mb in got["rows_plan"] if mb]  # (less any padding-only micro-batch of the interleaved schedule)
+    if got["pp"] > 1 or layout == "ep2_allgather":  # one micro-batch length: the longest would set every one's
+        assert plan == batch_order
+    else:
+        assert plan == longest_first
+    if "rows_plan_router" in got:  # the router losses read a micro-batch's make-up
+        assert [mb for mb in got["rows_plan_router"] if mb] == batch_order
+
+
 LAYOUTS = [("qwen2", "single"), ("qwen3_moe", "single"), ("qwen3_moe", "pp2_vpp2"),
            pytest.param("qwen2", "tp2_sp", marks=SLOW), pytest.param("qwen2", "pp2", marks=SLOW),
            pytest.param("qwen2", "pp2_vpp2", marks=SLOW), pytest.param("qwen2", "dp2", marks=SLOW),
@@ -62,32 +77,14 @@ def test_packed_micro_batches_equal_unpacked_rows(models, family, layout):
     if family == "qwen3_moe":  # routing replay on: the routes given with the batch were replayed
         assert "moe/route_agreement" in got["steps"][0]["unpacked"] and "r2_positions" in got
     assert_packed_equals_unpacked(got)
-    # rank 0's rows: all ten, or the first five at DP 2 (lengths 1, 24, 3, 17, 9 | 2, 12, 20, 5, 7)
-    batch_order = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]] if got["dp"] == 1 else [[0, 1], [2, 3], [4]]
-    longest_first = [[1, 7], [3, 6], [4, 9], [8, 2], [5, 0]] if got["dp"] == 1 else [[1, 3], [4, 2], [0]]
-    plan = [mb for mb in got["rows_plan"] if mb]  # (less any padding-only micro-batch of the interleaved schedule)
-    if got["pp"] > 1 or layout == "ep2_allgather":  # one micro-batch length: the longest would set every one's
-        assert plan == batch_order
-    else:  # rows of similar length share a micro-batch (fewer, fuller attention groups)
-        assert plan == longest_first
-    if "rows_plan_router" in got:  # the router losses read a micro-batch's make-up: the unpacked micro-batches
-        assert [mb for mb in got["rows_plan_router"] if mb] == batch_order
+    assert_rows_plan(got, layout)
 
 
 @pytest.mark.parametrize("layout", ["single", pytest.param("tp2_sp", marks=SLOW), pytest.param("pp2", marks=SLOW)])
 def test_packed_critic_values_equal_unpacked(models, layout):
     got = run(models, "qwen2", layout, head="value")
     assert_packed_equals_unpacked(got)
-    # rank 0's rows: all ten, or the first five at DP 2 (lengths 1, 24, 3, 17, 9 | 2, 12, 20, 5, 7)
-    batch_order = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]] if got["dp"] == 1 else [[0, 1], [2, 3], [4]]
-    longest_first = [[1, 7], [3, 6], [4, 9], [8, 2], [5, 0]] if got["dp"] == 1 else [[1, 3], [4, 2], [0]]
-    plan = [mb for mb in got["rows_plan"] if mb]  # (less any padding-only micro-batch of the interleaved schedule)
-    if got["pp"] > 1 or layout == "ep2_allgather":  # one micro-batch length: the longest would set every one's
-        assert plan == batch_order
-    else:  # rows of similar length share a micro-batch (fewer, fuller attention groups)
-        assert plan == longest_first
-    if "rows_plan_router" in got:  # the router losses read a micro-batch's make-up: the unpacked micro-batches
-        assert [mb for mb in got["rows_plan_router"] if mb] == batch_order
+    assert_rows_plan(got, layout)
 
 
 @pytest.mark.slow
