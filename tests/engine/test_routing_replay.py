@@ -104,11 +104,14 @@ def test_replay_is_the_same_at_every_layout(captured, layout):
 @pytest.mark.parametrize("family", [pytest.param("qwen2_moe", marks=SLOW), pytest.param("mixtral", marks=SLOW)])
 def test_replay_in_other_moe_families(captured, family):
     """Qwen2-MoE: a shared expert and a dense middle layer (``mlp_only_layers``: no routes; the layers after it one
-    column to the left); Mixtral's names."""
+    column to the left); Mixtral's names. Replay brings the trainer's logprobs nearer the engine's on average; the
+    largest gap may sit on a position no route flip reaches (bf16 rounding alone: Qwen2-MoE's 0.006, the same in
+    both passes), so only the mean is compared."""
     *_, report = captured(family, "bfloat16")
     assert report["lengths_ok"] and report["shape"] == ([3, 2] if family == "qwen2_moe" else [4, 2])
     r = replay(captured, family, "bfloat16")
-    assert r["differ"] == 0 and r["gap_replayed"][1] < r["gap_own"][1]
+    assert r["differ"] == 0 and r["flip_tokens"] > 0.0  # (the engine's routes differ from the trainer's somewhere)
+    assert r["gap_replayed"][0] < r["gap_own"][0]
 
 
 @pytest.mark.slow  # (its own engine: ~20 s on a quiet 2-core host; tests/unit/test_routes.py keeps the bookkeeping)
