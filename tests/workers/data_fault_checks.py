@@ -19,8 +19,8 @@ def main(config: str, work: str) -> None:
         result = run(cfg)
     text = out.getvalue()
     sys.stderr.write(text[-4000:])
-    print(json.dumps({"stopped": result["stopped"], "error": result["error"], "requeue": result["requeue"],
-                      "steps": result["steps"], "engine_errors": text.count("engine error"),
+    print(json.dumps({"stopped": result.stopped, "error": result.error, "requeue": result.requeue,
+                      "steps": result.steps, "engine_errors": text.count("engine error"),
                       "restarts": text.count("restart 1/")}))
 
 
