@@ -213,7 +213,7 @@ def test_megarl_train_hung_in_the_engine_exits_75_and_resumes(tmp_path):
     assert code == EXIT_REQUEUE, out[-6000:]
     assert "rank 0: engine hang injected by MEGARL_TEST_FAULT" in out
     assert "megarl watchdog: rank 0: vLLM engine step (RL step 2) has not returned after" in out
-    assert "in hang_forever" in out and "in _step" in out  # the hung thread's stack
+    assert "in hang_forever" in out and "in faulty_step" in out  # the hung thread's stack: the engine step
     assert exit_file.read_text() == f"{EXIT_REQUEUE}\n"
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "step_000001").is_dir() and not (ckpts / "step_000002").exists()
