@@ -84,10 +84,15 @@ def karmarkar_karp(lengths: dict[int, int], parts: int) -> list[list[int]]:
     return [sorted(rows) for _, rows in heap[0][2]]
 
 
+def _longest_first(rows: list[int], lengths: dict[int, int]) -> list[int]:
+    """``rows`` by length, longest first, ties by row id (deterministic on every rank)."""
+    return sorted(rows, key=lambda r: (-lengths[r], r))
+
+
 def _lpt(rows: list[int], lengths: dict[int, int], bins: int, cap: int) -> list[list[int]] | None:
     """Longest first, each into the least-loaded bin; None when a row fits in no bin (≤ ``cap`` tokens)."""
     load, out = [0] * bins, [[] for _ in range(bins)]
-    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+    for row in _longest_first(rows, lengths):
         j = min(range(bins), key=lambda b: (load[b], b))
         if load[j] + lengths[row] > cap:
             return None
@@ -100,7 +105,7 @@ def _runs(rows: list[int], lengths: dict[int, int], bins: int, cap: int) -> list
     """Rows longest first, cut into ``bins`` runs of ≤ ``cap`` tokens each, the heaviest run as light as a cut
     allows (the least limit for which cutting greedily takes ``bins`` runs or fewer); None when no cut gives
     exactly ``bins`` runs within the cap."""
-    order = sorted(rows, key=lambda r: (-lengths[r], r))
+    order = _longest_first(rows, lengths)
 
     def cut(limit: int) -> list[list[int]]:
         out, load = [[]], 0
@@ -168,7 +173,7 @@ def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1
         for block in blocks:
             rows = [int(r) for r in block if int(r) in known]
             if by_length:
-                rows.sort(key=lambda r: (-known[r], r))
+                rows = _longest_first(rows, known)
             per_rank.append([rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)])
         count = max(1, max(len(b) for b in per_rank))
         count = -(-count // count_multiple) * count_multiple
