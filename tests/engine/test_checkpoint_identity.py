@@ -294,7 +294,7 @@ def test_a_relative_model_path_is_found_from_the_runs_launch_directory(models, t
     policy = run / "checkpoints" / "step_000001" / "policy"
     monkeypatch.chdir(tmp_path)  # not the launch directory
     words, found = recorded_source(policy)
-    assert found is None and "exists here" not in words
+    assert found is None and ", found at" not in words  # (the words of a model found: not said of a missing one)
     assert f"which does not exist here: no config.json in {tmp_path / 'runs/a/model'} (relative to the current " \
            f"directory) nor in {run / 'model'} (relative to the directory the run was launched from)" in words
     shutil.copytree(models["qwen2"], run / "model")

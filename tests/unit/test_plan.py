@@ -296,7 +296,7 @@ def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(bare), "PLAN_ONLY": "1"}
     proc = subprocess.run(["bash", "examples/qwen3-30b-a3b.sh"], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=60)
-    assert proc.returncode == 1 and "refused this layout" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "megarl plan refused this config" not in proc.stderr, proc.stderr
     assert f"could not run megarl plan with PYTHON={bare}" in proc.stderr and "set PYTHON=" in proc.stderr
     defaulted = subprocess.run(["bash", "-c", "source examples/common.sh; echo \"$PYTHON\""], capture_output=True,
                                text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, timeout=60)
@@ -307,20 +307,23 @@ def test_an_example_run_with_a_python_that_cannot_import_megarl_says_so(tmp_path
 def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, capsys):
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN25_32B))
-    # (micro-batches of 2 × 4096 tokens: no sleep level or offload makes one node's training phase fit)
+    # (micro-batches of 2 × 4096 tokens: without recompute no sleep level or offload makes one node's training phase
+    # fit; full recompute does)
     run = ["optim.micro_batch_size=2", "engine.max_model_len=4096", "engine.slots=64", "optim.logprob_chunk=1024",
-           "trainer.precision=fp32", "--gpu-mem-gib", "80"]
+           "trainer.precision=fp32", "trainer.recompute=none", "--gpu-mem-gib", "80"]
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "8", *run]) == 1
     out = capsys.readouterr().out
     assert ("sized at  engine.max_model_len=4096 optim.micro_batch_size=2 engine.slots=64" in out
             and "defaults" not in out)
     assert ("no layout of 1 node × 8 GPUs fits in 80 GiB per GPU at these sizes; the one shown is the closest. "
-            "Would fit: --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len") in out, out
+            "Would fit: trainer.recompute=full (activations ") in out, out
+    assert "; about a third more training compute), --nodes 2 (× 8 GPUs); or a shorter engine.max_model_len" in out
     assert main(["--model", str(model), "--nodes", "2", "--gpus-per-node", "8", *run]) == 0  # as it said
     assert "no layout" not in capsys.readouterr().out
-    # (at 141 GiB a trainer of TP 4 beside 2 engine GPUs a node fits on 8 nodes: 120 GiB, nothing up to 16)
+    # (at 141 GiB a trainer of TP 4 beside 2 engine GPUs a node fits on 8 nodes: 120 GiB, nothing up to 16; full
+    # recompute would fit on 2)
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "120",
-                 "trainer.precision=fp32"]) == 1
+                 "trainer.precision=fp32", "trainer.recompute=none"]) == 1
     out = capsys.readouterr().out  # without --config: the tiny demo's sizes, said so
     assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "the schema defaults" in out
     assert "None fits with trainer.precision=bf16 or up to --nodes 16 either" in out, out
