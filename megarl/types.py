@@ -74,6 +74,12 @@ class Sample:
             mask[a:b] = [0.0] * (b - a)
         return mask
 
+    def model_versions(self) -> list[int]:
+        """The policy version of each token the model sampled (the environment's left out): what staleness counts."""
+        if not self.env_spans:
+            return self.versions
+        return [v for v, x in zip(self.versions, self.model_mask()) if x]
+
     def add_env_turn(self, message: dict, ids: list[int]) -> None:
         """The environment's ``message``, rendered as ``ids``, appended to the trajectory: no logprob of the policy
         (0.0, never trained) and the version of the model token before it (staleness counts the model's)."""

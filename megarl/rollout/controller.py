@@ -228,9 +228,8 @@ class RolloutController(PromptBuffer):
                 return
             for s, spent in zip(g.samples, times):
                 s.status = SampleStatus.CONSUMED
-                sampled = [v for v, x in zip(s.versions, s.model_mask()) if x] if s.env_spans else s.versions
-                for v, n in collections.Counter(sampled).items():  # (the model's tokens: the environment's are not
-                    m.staleness[version - v] += n  # trained)
+                for v, n in collections.Counter(s.model_versions()).items():  # (the environment's are not trained)
+                    m.staleness[version - v] += n
                 m.interruptions += s.interruptions
                 m.slot_time_useful += spent
                 m.turns_sum += s.turns

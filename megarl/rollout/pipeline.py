@@ -59,11 +59,12 @@ class Rollout:
 
 
 def staleness(groups: list[Group], version: int) -> collections.Counter:
-    """Tokens by how many versions before ``version`` (the one training them) they were sampled."""
+    """The model's tokens by how many versions before ``version`` (the one training them) they were sampled (an
+    environment's message in a trajectory is not the model's, nor trained)."""
     out: collections.Counter = collections.Counter()
     for g in groups:
         for s in g.samples:
-            out.update(version - v for v in s.versions)
+            out.update(version - v for v in s.model_versions())
     return out
 
 

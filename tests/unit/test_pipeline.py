@@ -213,3 +213,18 @@ def test_async_loads_at_the_phase_boundary_when_the_trainer_waits_for_that_phase
     release.set()
     p.close()
 
+
+
+def test_the_batch_staleness_counts_the_models_tokens_not_the_environments():
+    """``rollout/staleness`` (the keeper's count against the version that trains a batch) is over the tokens the
+    model sampled, as the controller's: an environment's message carries the version of the token before it and
+    is never trained."""
+    from megarl.rollout.pipeline import staleness
+    from megarl.types import Group, Sample
+
+    s = Sample(prompt_ids=[1], response_ids=[5, 6], versions=[0, 1])
+    s.add_env_turn({"role": "tool", "content": "42"}, [7, 8, 9])  # three environment tokens (version 1)
+    s.response_ids += [10]
+    s.versions += [2]
+    assert staleness([Group(prompt_index=0, prompt_text="", answer="", samples=[s])], 2) == {2: 1, 1: 1, 0: 1}
+    assert s.model_versions() == [0, 1, 2]
