@@ -24,10 +24,12 @@ sample from the prompt (``env/restarted``).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from megarl.data.chat import TurnRenderer, load_template
 from megarl.envs.pool import EnvPool
@@ -50,6 +52,7 @@ class Episodes:
         self.pool, self.render, self.tokenizer, self.on_call, self.shared = pool, render, tokenizer, on_call, shared
         self.waited = 0.0  # seconds the last ``answers`` waited (rank 0's, under ``shared``)
         self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.turn_ends = end_of_turn_ids(tokenizer)
         self.keys: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, sample) → its episode's pool key
         self.serial = itertools.count()
         self.waiting: dict[tuple[int, int, int], Sample] = {}  # pool key → the sample awaiting its answer
@@ -88,7 +91,7 @@ class Episodes:
         key = self.keys.get(where)
         if key is None:
             key = self.keys[where] = (*where, next(self.serial))
-        text = self.tokenizer.decode(s.segments()[-1][1], skip_special_tokens=True)
+        text = turn_text(self.tokenizer, s.segments()[-1][1], self.turn_ends)
         self.pool.submit(key, dict(row or {}), text, state)
         self.waiting[key] = s
         s.status = SampleStatus.WAITING
@@ -208,6 +211,28 @@ class Episodes:
     def close(self) -> None:
         """The environments' worker processes end (a run's end)."""
         self.pool.close()
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The tokens a model's turn ends with: the tokenizer's EOS and the ``eos_token_id``s of the model's
+    ``generation_config.json`` beside it (where vLLM stops: Llama 3's ``<|eot_id|>``, ``<|eom_id|>``, ...)."""
+    ends = {tokenizer.eos_token_id}
+    try:
+        said = json.loads((Path(tokenizer.name_or_path) / "generation_config.json").read_text()).get("eos_token_id")
+        ends |= set(said if isinstance(said, list) else [said])
+    except (OSError, ValueError, TypeError, AttributeError):  # no such file (a tokenizer made in memory): its EOS
+        pass
+    return ends - {None}
+
+
+def turn_text(tokenizer, ids: list[int], ends: set[int]) -> str:
+    """A model turn as its environment reads it: decoded with its special tokens, as vLLM's tool-call parsers
+    decode (a ``<tool_call>`` tag is a special token in some tokenizers: skipping them left no call to find), less
+    the end-of-turn tokens it stopped on."""
+    ids = list(ids)
+    while ids and ids[-1] in ends:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def transcript(s: Sample, tokenizer) -> list[dict]:

@@ -175,3 +175,27 @@ def test_gae_skips_an_environment_turn_rather_than_ending_the_episode_there():
     ref_adv, ref_ret = gae(rewards[:, keep], values[:, keep], mask[:, keep], 0.9, 0.8)
     assert torch.allclose(adv[:, keep], ref_adv) and torch.allclose(ret[:, keep], ref_ret)
     assert (adv[:, ~keep] == 0).all() and adv[0, 0] != 0
+
+
+def test_a_turn_reaches_its_environment_with_tool_tags_a_tokenizer_marks_special(tmp_path):
+    """Where ``<tool_call>`` is a special token (Hermes-style tokenizers; vLLM's Hermes parser decodes with
+    ``skip_special_tokens=False`` for it), the environment still reads the call; the end-of-turn tokens the model
+    stopped on (its EOS, generation_config.json's ``eos_token_id``s) are not part of the text."""
+    from megarl.envs.tools import parse_tool_calls
+    from megarl.rollout.turns import end_of_turn_ids, turn_text
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|eot|>"]})
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": [2, {tok.convert_tokens_to_ids("<|eot|>")}]}}')
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    turn = 'I will compute it. <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    ends = end_of_turn_ids(tok)
+    assert ends == {tok.eos_token_id, tok.convert_tokens_to_ids("<|eot|>")}
+    for end in ends:
+        ids = tok.encode(turn, add_special_tokens=False) + [end]
+        assert parse_tool_calls(tok.decode(ids, skip_special_tokens=True)) == []  # the old decode: no call left
+        assert turn_text(tok, ids, ends) == turn
+        assert parse_tool_calls(turn_text(tok, ids, ends)) == [{"name": "multiply", "arguments": {"a": 3, "b": 4}}]
