@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # This machine's pip config lists local indexes that pip warns about for every package.
 QUIET := grep -v "^WARNING: Location" || true
 
-.PHONY: install demo demo-real test test-all lint clean kernels
+.PHONY: install install-gpu demo demo-real test test-slow test-all lint clean kernels
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,27 @@ $(VENV)/.installed: setup.py
 	$(PY) -c "import vllm, megatron.core, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $@
 
+# The GPU install (not run here: no GPU; docs/cluster.md#the-gpu-install): a venv of the current python3 (3.12 on the
+# clusters' images), megarl with vLLM's CUDA wheel and the torch it pins, binary wheels only, under the pins that
+# tests/unit/test_gpu_install.py resolves against PyPI; then Transformer Engine, built against that torch.
+GPU_PYTHON ?= $(shell command -v python3)
+GPU_CONSTRAINTS := constraints/gpu-py312.txt
+# megatron-core 0.16.1 asks for transformer-engine < 2.12 (its dev extra): 2.11.0, the newest such
+TE_SPEC := transformer_engine[core_cu13,pytorch]==2.11.0
+
+install-gpu:
+	@test ! -f $(VENV)/.installed || { echo "$(VENV) holds the CPU install: name another, e.g. make install-gpu VENV=.venv-gpu"; exit 1; }
+	@$(GPU_PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else "the GPU install needs Python 3.12 (or 3.11): vllm 0.32.0 and megatron-core 0.16.1 wheels")'
+	$(GPU_PYTHON) -m venv $(VENV)
+	# NGC images pin their own packages (PIP_CONSTRAINT=/etc/pip/constraint.txt); this venv uses none of them
+	PIP_CONSTRAINT= $(PY) -m pip install -q --only-binary=:all: -c $(GPU_CONSTRAINTS) -e '.[gpu,dev]'
+	# Transformer Engine's torch extension is a source distribution: built against the torch above (its setup
+	# takes a prebuilt wheel for that torch where NVIDIA publishes one, else compiles with nvcc and cuDNN headers).
+	# Without it model.transformer_engine=auto stays off.
+	PIP_CONSTRAINT= $(PY) -m pip install -q --no-build-isolation -c $(GPU_CONSTRAINTS) '$(TE_SPEC)' || \
+	    echo "install-gpu: Transformer Engine did not build (see above); megarl runs without it (docs/cluster.md#the-gpu-install)"
+	$(PY) -c "import vllm, megatron.core, torch; print('installed: torch', torch.__version__, 'CUDA', torch.version.cuda, '| vllm', vllm.__version__, '| megatron-core', megatron.core.__version__)"
+
 demo: install
 	$(VENV)/bin/megarl demo
 
@@ -43,6 +64,10 @@ demo-real: install
 
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
+
+# the slow set alone: what `make test` leaves out (the heavy cases; each has a fast representative in `make test`)
+test-slow: install
+	$(PY) -m pytest -q -m slow tests
 
 test-all: install
 	$(PY) -m pytest -q tests

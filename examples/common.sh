@@ -27,6 +27,10 @@ RUN_DIR|the run directory (checkpoints, logs, TensorBoard); a relative one is fr
 MODEL_ON_NODES|1: submit although MODEL_PATH has no config.json on this machine
 PLAN_ONLY|1: print the plan and stop (nothing is submitted)
 PYTHON|the interpreter megarl is installed in (default: the repository's .venv/bin/python, else python3)
+MEGARL_SBATCH_ARGS|more sbatch options, split on spaces: --partition=gpu --account=proj --time=24:00:00 ...
+CPUS_PER_TASK|cores of the one task a node runs (default: the fewest CPUs of a node the partition has, sinfo)
+CONTAINER_IMAGE|a container (pyxis/enroot) the job steps run in, e.g. nvcr.io#nvidia/pytorch:25.01-py3
+CONTAINER_MOUNTS|its mounts (pyxis --container-mounts), e.g. /models:/models,/scratch:/scratch
 VARS
 }
 
@@ -57,6 +61,29 @@ if [[ -z ${PYTHON:-} ]]; then
 fi
 export PYTHON
 PLAN_ARGS=()  # more megarl plan flags (tiny_cpu.sh: --cpu)
+
+# The site's sbatch options (MEGARL_SBATCH_ARGS, split on spaces; sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT,
+# SBATCH_TIMELIMIT are read by sbatch itself) after the script's, and --cpus-per-task: the job runs one task a node
+# (torchrun), which Slurm would give one core by default, and megarl pins its threads to the task's cores.
+site_sbatch_args() {
+    local extra=() partition="${SBATCH_PARTITION:-}" arg cpus
+    read -r -a extra <<<"${MEGARL_SBATCH_ARGS:-}"
+    for arg in "${SBATCH_ARGS[@]}" "${extra[@]}"; do
+        case $arg in
+            --cpus-per-task=* | -c*) CPUS_PER_TASK=${CPUS_PER_TASK:-given} ;;
+            --partition=*) partition=${arg#--partition=} ;;
+            -p?*) partition=${arg#-p} ;;
+        esac
+    done
+    SBATCH_ARGS+=("${extra[@]}")
+    if [[ -z ${CPUS_PER_TASK:-} ]]; then
+        cpus=$(sinfo -h -o %c ${partition:+-p "$partition"} 2>/dev/null | tr -d '+' | sort -n | head -n 1) || true
+        CPUS_PER_TASK=${cpus:-}
+    fi
+    if [[ ${CPUS_PER_TASK:-given} != given ]]; then
+        SBATCH_ARGS+=(--cpus-per-task="$CPUS_PER_TASK")
+    fi
+}
 
 submit() {
     local status=0
@@ -91,6 +118,8 @@ submit() {
             "eval \"\$(tests/cluster/slurm_cluster.sh start DIR)\" as root (docs/cluster.md)" >&2
         exit 1
     fi
+    site_sbatch_args
+    export CONTAINER_IMAGE CONTAINER_MOUNTS  # (slurm/train.sbatch runs its steps in them)
     mkdir -p "$RUN_DIR/logs"
     local job
     job=$(sbatch --parsable --nodes "$NODES" --output "$RUN_DIR/logs/%j.batch.log" "${SBATCH_ARGS[@]}" \

@@ -121,6 +121,32 @@ def test_the_batch_script_sizes_the_trainer_by_trainer_gpus_per_node_not_by_the_
     assert not list((run_dir / "logs").glob("*.node*.log"))  # refused before srun
 
 
+@pytest.fixture()
+def two_core_nodes(tmp_path_factory):
+    yield from _cluster(tmp_path_factory, SLURM_TEST_CPUS="2")
+
+
+def test_the_sites_sbatch_options_and_a_task_of_the_nodes_cores_reach_the_job(two_core_nodes, tmp_path):
+    """MEGARL_SBATCH_ARGS (partition, time, comment ...) after the example's own options, sbatch's SBATCH_* from
+    the environment, and --cpus-per-task from the partition's nodes (sinfo: 2 cores each here; Slurm's default is
+    1), so that the one task a node runs gets the node's cores; CPUS_PER_TASK overrides it. The jobs are cancelled
+    once submitted."""
+    slurm = two_core_nodes
+    env = {**slurm, "MEGARL_SBATCH_ARGS": "--partition=main --time=30 --comment=megarl-site"}
+    job = submit_tiny(env, tmp_path / "run")
+    try:
+        fields = {f: job_field(slurm, job, f) for f in ("Partition", "TimeLimit", "Comment", "CPUs/Task", "JobName")}
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    assert fields == {"Partition": "main", "TimeLimit": "00:30:00", "Comment": "megarl-site", "CPUs/Task": "2",
+                      "JobName": "megarl-tiny"}, fields
+    job = submit_tiny({**slurm, "CPUS_PER_TASK": "1", "SBATCH_TIMELIMIT": "45"}, tmp_path / "run1")
+    try:
+        assert (job_field(slurm, job, "CPUs/Task"), job_field(slurm, job, "TimeLimit")) == ("1", "00:45:00")
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+
+
 @pytest.mark.slow  # (~3 min: the default run keeps the two-node job and test_slurm_requeue's requeue logic)
 def test_a_signalled_job_checkpoints_requeues_and_continues_the_step_count(slurm, tmp_path):
     run_dir = tmp_path / "run"

@@ -192,3 +192,19 @@ def test_train_checks_stop_the_batch_script_before_srun(tmp_path):
         proc = batch(script, f"data.path={tmp_path / 'missing.jsonl'}")
         assert proc.returncode == 2 and str(tmp_path / "missing.jsonl") in proc.stderr, proc.stderr
         assert not (tmp_path / "run").exists()  # nothing started, no log directory made
+
+
+def test_the_container_options_reach_the_job_steps_and_the_scripts_own_checks():
+    """CONTAINER_IMAGE / CONTAINER_MOUNTS (pyxis): the srun options of every job step; the script's own checks run
+    as a one-task step in the image (a fake srun shows the command it was given); none without an image."""
+    fake = 'srun() { echo "srun $*"; }\nCONTAINER=()\n'
+    assert sbatch_functions("container_args") == []
+    assert sbatch_functions(f"{fake}in_image echo here") == ["here"]  # without an image: run here, no srun
+    with_image = ("CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:25.01-py3 CONTAINER_MOUNTS=/models:/models\n"
+                  'mapfile -t CONTAINER < <(container_args)\nsrun() { echo "srun $*"; }\n')
+    assert sbatch_functions(f"{with_image}printf '%s\\n' \"${{CONTAINER[@]}}\"") == [
+        "--container-image=nvcr.io#nvidia/pytorch:25.01-py3", "--container-mounts=/models:/models"]
+    assert sbatch_functions(f"{with_image}in_image python3 -m megarl.launch run-dir x") == [
+        "srun", "--nodes", "1", "--ntasks", "1", "--relative", "0",
+        "--container-image=nvcr.io#nvidia/pytorch:25.01-py3", "--container-mounts=/models:/models",
+        "python3", "-m", "megarl.launch", "run-dir", "x"]
