@@ -1,7 +1,7 @@
 """Every algorithm preset for a few RL steps in the real loop (megatron-core + vLLM CPU, tiny MoE).
 
 Prints one JSON line: per preset, the metrics of each step and whether the policy's
-weights moved. Usage: python tests/workers/preset_checks.py WORKDIR
+weights moved. Usage: python tests/workers/preset_checks.py WORKDIR [PRESET ...] (default: every preset)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def snapshot(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.modules[0].named_parameters()}
 
 
-def main(workdir: str) -> None:
+def main(workdir: str, *presets: str) -> None:
     work = Path(workdir)
     base = [f"model.path={work / 'model'}", "model.make_tiny=qwen3_moe", f"train.run_dir={work / 'run'}",
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
@@ -41,7 +41,7 @@ def main(workdir: str) -> None:
     base = [b for b in base if not b.startswith(("model.path", "model.make_tiny"))] + [f"model.path={work / 'warm'}"]
     engines, source, score = s.controller.engines, s.controller.next_prompt, s.controller.score
     out = {}
-    for preset in PRESETS:
+    for preset in presets or PRESETS:
         extra = ["algo.minibatches=2", "algo.ppo_epochs=2"] if preset == "ppo" else []
         extra += ["algo.tis=token", "algo.entropy_coef=0.001"] if preset == "grpo" else []
         extra += (["algo.dual_clip=3.0", "algo.prioritized_replay=true", "algo.minibatches=2"]
@@ -73,4 +73,4 @@ def main(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
