@@ -326,7 +326,8 @@ class RunKeeper:
 
     def _restart(self, exc: Exception, what: str, done: str) -> None:
         """Count and log an engine error and restart the engines (their weights: the caller syncs them); ``StopRun``
-        after ``engine.max_restarts`` failures in a row or when the restart is refused."""
+        after ``engine.max_restarts`` failures in a row, when the restart is refused, or when it fails (a replica
+        that does not come back, a fresh engine that does not start): saved, requeued, resumed in fresh processes."""
         decision = self.faults.engine_error(exc, what, done)
         if decision.action is Action.STOP:
             raise StopRun(decision.reason) from exc
@@ -335,4 +336,6 @@ class RunKeeper:
             self.s.engines.restart()  # under torchrun: recovered in place, or refused (every rank alike)
         except EngineRestartRefused as refused:
             raise StopRun(str(refused)) from exc
+        except Exception as failed:  # noqa: BLE001  (any failure to come back: the same contract as a refusal)
+            raise StopRun(f"the engines did not come back after {what} ({type(failed).__name__}: {failed})") from exc
         self.preemption.install()

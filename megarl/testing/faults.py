@@ -13,7 +13,9 @@ does nothing when none is. The product's code paths hold no check of their own.
   ``nan_grad`` (a NaN in the policy's first gradient); ``engine_error`` (the engine raises before its 3rd step);
   ``engine_error_one_rank`` (the same on rank 0 only: at engine TP > 1 its peers must not wait for it inside
   vLLM's collectives); ``engine_unrecoverable`` (under torchrun, the in-place recovery after an engine error
-  fails: the run stops with a checkpoint); ``sync_error`` (the weight sync's stream breaks half-way);
+  fails: the run stops with a checkpoint); ``engine_restart_fails`` (the engines' restart after an engine error
+  raises, as a replica that does not come back or a fresh in-process engine that fails to start: the run stops with
+  a checkpoint, exit 75); ``sync_error`` (the weight sync's stream breaks half-way);
   ``engine_hang`` (the engine's 3rd step blocks forever on the last rank — rank 0 in one process — while its
   peers wait for it: the hang watchdog, ``engine.hang_timeout_s``, must end the run with exit 75);
   ``engine_stall`` (from the engine's 3rd step every step schedules nothing until the engine is reset: the
@@ -124,6 +126,8 @@ def install(session) -> None:
             _failing_recovery(engines.engine)
         if _asked("forward_error_last_rank"):
             _failing_forward(engines.engine.worker.model_runner.get_model())
+    if _asked("engine_restart_fails"):
+        _failing_restart(engines)
     if _asked("sync_error"):
         _breaking_loads(engines)
     if _asked("replica_dies_before_audit") and isinstance(engines, EngineReplicas):
@@ -161,6 +165,17 @@ def _faulty_steps(slot) -> None:
         reset()
 
     slot._step, slot.reset = faulty_step, reset_stall
+
+
+def _failing_restart(engines) -> None:
+    restart = engines.restart
+
+    def failing() -> None:
+        if injected("engine_restart_fails"):
+            raise RuntimeError("engine restart fault injected by MEGARL_TEST_FAULT (a test hook)")
+        restart()
+
+    engines.restart = failing
 
 
 def _failing_recovery(engine) -> None:

@@ -319,6 +319,23 @@ def test_engine_failing_past_max_restarts_stops_with_a_checkpoint(baseline, tmp_
     assert _resumed_from(out)[0] == 1 and f"step {STEPS}/{STEPS} |" in out
 
 
+@pytest.mark.slow  # (two runs, 80 s: the default run keeps test_nan_gradient_skips_..., an engine error contained)
+def test_a_restart_that_fails_stops_the_run_with_a_checkpoint_for_the_requeue(baseline, tmp_path):
+    """An engine error in step 3's phase, then the engines' restart itself raises (a replica that does not come back,
+    a fresh engine that fails to start): contained as a refused restart is, a checkpoint of step 2 and exit 75
+    (requeued by the batch script), not exit 1 with the steps since the last save lost; the same command resumes."""
+    model = baseline[0]
+    run = tmp_path / "run"
+    out = train(model, run, "train.save_every=0", env={"MEGARL_TEST_FAULT": "engine_error@3,engine_restart_fails@3"},
+                rc=75)
+    assert "the engines did not come back after step 3: engine error mid-phase" in out, out[-3000:]
+    assert "RuntimeError: engine restart fault injected" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    no_prompt_lost_or_twice(final_state(run))
+    out = train(model, run)
+    assert _resumed_from(out)[0] == 2 and f"step {STEPS}/{STEPS} |" in out
+
+
 def test_metrics_jsonl_drops_lines_past_the_checkpoint(tmp_path):
     from megarl.logging.metrics import MetricsLogger
 
