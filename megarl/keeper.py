@@ -223,15 +223,17 @@ class RunKeeper:
         return rollout
 
     def _engines_within_bound(self, step: int, version: int) -> None:
-        """Before a phase generates here for ``version``: the engines serve within ``rollout.staleness_limit`` of it.
+        """Before a phase generates here for ``version``: the engines serve within the pipeline's lag of it (0 under
+        ``rollout.overlap=none``, 1 under one_step, ``rollout.staleness_limit`` under async: ``Pipeline.engine_lag``).
         A failed sync can leave them behind (they keep their old weights); the sync then runs again with the trainer's
         weights, and if they are still behind the engines are restarted and synced (counted as an engine fault: past
         ``engine.max_restarts`` in a row the run stops). Every rank sees the same served versions."""
-        k, retried = self.cfg.rollout.staleness_limit, False
+        k, retried = self.s.pipeline.engine_lag, False
         while (served := min(self.s.engines.served_versions())) < version - k:
             if not retried:
-                self.faults.say(f"step {step + 1}: the engines serve version {served}, more than "
-                                f"rollout.staleness_limit={k} behind version {version}: the weight sync runs again")
+                self.faults.say(f"step {step + 1}: the engines serve version {served}, behind version {version} "
+                                f"(rollout.overlap={self.cfg.rollout.overlap}: {k} versions at most): the weight sync "
+                                "runs again")
                 self.sync(self.s.policy_version)
                 retried = True
                 continue

@@ -235,6 +235,12 @@ class Pipeline:
             self.version, self.served = version, served
             self._cond.notify_all()
 
+    @property
+    def engine_lag(self) -> int:
+        """The most versions the engines may serve behind the batch a phase generates here: 0 under ``none`` (every
+        phase with the newest weights), 1 under ``one_step``, ``staleness_limit`` under ``async``."""
+        return {"none": 0, "one_step": 1}.get(self.mode, self.k)
+
     def engines_serve(self, served: int) -> None:
         """The engines serve at least ``served`` now (a sync outside a step's end: a resume, a retry, a restart)."""
         with self._cond:

@@ -210,6 +210,10 @@ def test_nan_gradient_skips_the_step_and_engine_fault_is_requeued(baseline, tmp_
     root = run / "checkpoints"
     assert RunCheckpoints(run).steps() == [4, 3, 2, 1]
     assert records[1]["sync/failures"] == 1.0  # (step 1's sync failed; the engine kept serving the old weights)
+    # ... and rollout.overlap=none generates with the newest weights only (staleness 0, whatever staleness_limit
+    # says): step 2's phase waits for the sync to run again rather than sample with version 0's weights
+    assert ("step 2: the engines serve version 0, behind version 1 (rollout.overlap=none: 0 versions at most): "
+            "the weight sync runs again") in out, out[-3000:]
     w1, w2, w4 = (_tensors(root / f"step_{s:06d}" / "policy", tmp_path) for s in (1, 2, 4))
     assert w2.keys() == w4.keys() and any("exp_avg" in k for k in w2)
     assert all(w2[k].equal(w4[k]) for k in w2 if hasattr(w2[k], "equal")), "a skipped step changed the weights"
