@@ -139,7 +139,9 @@ class RunKeeper:
         so that a resume is exact)."""
         self.run.update(**self.faults.state_dict(), sync_failures=self.s.weight_sync.failures)
         s = self.s
-        with guard(f"checkpoint save of step {step}"), s.pipeline.pause(exact):  # queue + controller still
+        # queue + controller still; the hang timer starts once they are (the wait for one_step's phase to end, or
+        # for the phase in flight to reach an engine step's end, is the phase's: its engine steps are guarded)
+        with s.pipeline.pause(exact), guard(f"checkpoint save of step {step}"):
             with s.timeline.span(s.trainer_track, "checkpoint"):
                 path = s.saver.save(step, capture(s, step, self.run) if dist.get_rank() == 0 else None)
         self.say(f"checkpoint {path}")
@@ -275,8 +277,9 @@ class RunKeeper:
         while True:
             value, error = float("nan"), None
             try:
-                # (a phase in flight ends first: its requests share the engines a batch generation steps)
-                with guard(f"evaluation at step {step}"), self.s.pipeline.hold():
+                # (a phase in flight ends first: its requests share the engines a batch generation steps; that wait
+                # is the phase's, whose engine steps are guarded: the evaluation's hang timer starts after it)
+                with self.s.pipeline.hold(), guard(f"evaluation at step {step}"):
                     with self.s.timeline.span(self.s.trainer_track, "evaluate"):
                         value = fn()
             except Exception as exc:  # noqa: BLE001  (agreed below: every rank recovers, or none)

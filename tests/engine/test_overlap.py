@@ -199,6 +199,24 @@ def test_async_evaluates_every_step_under_a_short_watchdog(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_hang_timer_of_an_evaluation_or_a_save_leaves_out_the_wait_for_the_phase_in_flight(model, tmp_path):
+    """async with a verifier of 3 s a call: each phase runs longer than engine.hang_timeout_s (8 s), every engine
+    step well within it, and phases run back to back. The evaluation after every step and the checkpoints wait for
+    the phase in flight first (its engine steps are guarded on their own) and only then start their hang timer: the
+    healthy run completes (it ended with exit 75 when the timers counted the wait)."""
+    from helpers.scripts import TESTS
+
+    run = tmp_path / "run"
+    out = _train(model, run, "rollout.overlap=async", "train.eval_every=1", "engine.hang_timeout_s=8",
+                 "reward.fn=helpers.reward_fns:slow_match", "reward.timeout_s=30", "data.eval_size=1",
+                 "train.save_every=2", env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "3"})
+    assert "megarl watchdog" not in out
+    phase_s = max(float(x) for x in re.findall(r"timing/gen_s ([0-9.]+)", out))
+    assert phase_s > 8, phase_s  # (a phase did outlast the timeout: the test's premise)
+    assert len(_steps(run)) == STEPS
+
+
+@pytest.mark.slow
 def test_a_resume_under_another_overlap_mode_requeues_what_was_generated_ahead(model, tmp_path):
     """A one_step run killed in step 3 left the batch generated ahead in its step-2 checkpoint; resumed with
     rollout.overlap=none, which cannot take it, its prompts are re-queued (said), none is lost or trained twice."""
