@@ -29,7 +29,7 @@ def tensors_of(path: Path) -> tuple[str, dict]:
 
         return "mcore", {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                          for k, v in saved_tensors(path).items()}
-    from megarl.convert.hf_files import HFCheckpoint
+    from megarl.models.hf_reader import HFCheckpoint
 
     ckpt = HFCheckpoint(path)
     return "hf", {k: (shape, str(dtype).removeprefix("torch.")) for k, (_, dtype, shape, _, _) in ckpt.entries.items()}

@@ -45,7 +45,11 @@ def _chain(optimizer) -> list:
 def _model_keys(trainer) -> list[str]:
     """megatron's names for the model chunks in a checkpoint: 'model', or 'model0', 'model1', ...
     under virtual pipeline stages (tensors are matched by their global keys, not by these)."""
-    return ["model"] if len(trainer.modules) == 1 else [f"model{i}" for i in range(len(trainer.modules))]
+    return _chunk_keys(trainer.modules)
+
+
+def _chunk_keys(modules: list) -> list[str]:
+    return ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
 
 
 def _sharded(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
@@ -151,6 +155,32 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
         if not main_params_saved:  # main params from the model weights just loaded
             for opt in _chain(trainer.optimizer):
                 opt.reload_model_params()
+
+
+def load_model_weights(modules: list[torch.nn.Module], path: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """A model's weights alone from the dist checkpoint ``path`` into this rank's chunks (``modules``), resharded to
+    this rank's layout (``model.path`` set to ``tools/convert_checkpoint.py hf-to-mcore``'s output, or to a run's
+    ``policy/``); ``skip``: parameter prefixes left as built (the critic's value head). A tensor the checkpoint
+    lacks is an error naming the checkpoint and the tensors."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path = readable_path(path)
+    keys = _chunk_keys(modules)
+    state = {key: {n: v for n, v in sd.items() if not n.startswith(skip)}
+             for key, sd in zip(keys, compact_layer_keys([m.sharded_state_dict() for m in modules]))}
+    saved = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    wanted = {v.key for v in nested_values(state) if isinstance(v, ShardedTensor)}
+    if missing := sorted(wanted - saved):
+        raise KeyError(f"{path}: the dist checkpoint has no tensors for {missing[:5]} ({len(missing)} missing): it "
+                       "holds another model than config.json describes, or was cut short")
+    loaded = dist_checkpointing.load(state, str(path))
+    for key, m in zip(keys, modules):
+        result = m.load_state_dict(loaded[key], strict=False)
+        unset = [n for n in result.missing_keys if not n.startswith(skip) and not n.endswith("_extra_state")]
+        if unset:
+            raise KeyError(f"{path}: no weights for parameters {unset[:5]}")
 
 
 def _drop_unsaved_main_params(optimizer_sd: dict, saved_keys: set[str]) -> bool:

@@ -38,10 +38,11 @@ from megarl.checkpoint.layer_axis import compact_layer_keys
 from megarl.checkpoint.run import newest_step_dir
 from megarl.compat.megatron import activate_cpu
 from megarl.config.validate.layout import check_model_layout
-from megarl.convert.hf_files import HFCheckpoint, ShardedWriter, copy_aux_files, nbytes
+from megarl.convert.hf_files import ShardedWriter, copy_aux_files, nbytes
 from megarl.distributed.parallel import build_parallel_state
 from megarl.models.hf_adapter import hf_to_megatron, megatron_to_hf
 from megarl.models.hf_config import read_hf_config
+from megarl.models.hf_reader import HFCheckpoint
 from megarl.trainer.model import build_gpt_model
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

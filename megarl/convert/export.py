@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.hf_files import ShardedWriter, copy_aux_files
-from megarl.models.hf_config import DTYPE_NAMES, num_experts, torch_dtype
+from megarl.models.hf_config import DTYPE_NAMES, model_files_dir, num_experts, torch_dtype
 from megarl.weight_sync.streaming import StreamingSync
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def export_hf(trainer, model_dir: str | Path, out: str | Path, max_shard_bytes: 
     for name, tensor in stream.weights():
         writer.add(name, tensor)
     writer.finish()
-    copy_aux_files(model_dir, tmp)
+    copy_aux_files(model_files_dir(model_dir), tmp)  # (a dist checkpoint's: its hf/)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -1,11 +1,10 @@
-"""HF checkpoint directories read and written one tensor at a time (safetensors, sharded with an index).
+"""HF checkpoint directories written one tensor at a time (safetensors, sharded with an index); they are read by
+``megarl/models/hf_reader.py``'s ``HFCheckpoint`` (in ``models/`` so that the trainer, below ``convert``, reads its
+shards through it).
 
-``HFCheckpoint`` reads only the safetensors headers up front (names, dtypes, shapes, byte ranges)
-and checks them — every file an index names exists, no file is shorter than its header says —
-before anything is converted; ``read(name)`` then reads that one tensor with a plain file read
-(no memory map), so the memory in use is the tensor, not the file. ``ShardedWriter`` is given the
-whole plan (names, shapes, dtypes) first, cuts it into shards of at most ``max_shard_bytes`` in
-plan order, writes each shard's header from the plan and each tensor at its offset as it arrives.
+``ShardedWriter`` is given the whole plan (names, shapes, dtypes) first, cuts it into shards of at most
+``max_shard_bytes`` in plan order, writes each shard's header from the plan and each tensor at its offset as it
+arrives.
 """
 
 from __future__ import annotations
@@ -18,76 +17,11 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-INDEX = "model.safetensors.index.json"
+from megarl.models.hf_reader import DTYPES, INDEX
+
 # Files copied beside converted weights (config, generation config, tokenizer and chat template).
 AUX_FILES = re.compile(r"^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|merges|"
                        r"added_tokens|chat_template|preprocessor_config)\.(json|txt|model|jinja)$|^tokenizer\.model$")
-
-
-class HFCheckpoint:
-    """The tensors of an HF checkpoint directory, by name, without loading them."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path}: no config.json (not an HF checkpoint directory)")
-        index = self.path / INDEX
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.path / f).is_file()]
-            if missing:
-                raise FileNotFoundError(f"{index} names {len(missing)} file(s) that are not there: {missing[:3]}")
-        else:
-            files = sorted(f.name for f in self.path.glob("*.safetensors"))
-            weight_map = None
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors files in model directory {self.path}")
-        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
-        for name in files:
-            self._read_header(self.path / name)
-        if weight_map is not None:
-            absent = sorted(set(weight_map) - set(self.entries))
-            if absent:
-                raise KeyError(f"{index} lists tensors that no shard holds: {absent[:3]}")
-
-    def _read_header(self, file: Path) -> None:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ValueError(f"{file}: truncated ({size} bytes; not a safetensors file)")
-            (n,) = struct.unpack("<Q", raw)
-            if 8 + n > size:
-                raise ValueError(f"{file}: truncated (header of {n} bytes, file of {size})")
-            header = json.loads(f.read(n))
-        base = 8 + n
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            if base + end > size:
-                raise ValueError(f"{file}: truncated: tensor {name} ends at byte {base + end}, the file has {size}")
-            if info["dtype"] not in DTYPES:
-                raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}; supported: {', '.join(DTYPES)}")
-            self.entries[name] = (file, DTYPES[info["dtype"]], tuple(info["shape"]), base + start, end - start)
-
-    def meta(self, name: str) -> torch.Tensor:
-        """A meta tensor of ``name``'s shape and dtype (for planning without reading)."""
-        _, dtype, shape, _, _ = self.entries[name]
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def read(self, name: str) -> torch.Tensor:
-        file, dtype, shape, offset, nbytes = self.entries[name]
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        with open(file, "rb") as f:
-            f.seek(offset)
-            if f.readinto(out.numpy()) != nbytes:
-                raise ValueError(f"{file}: truncated while reading {name}")
-        return out.view(dtype).reshape(shape)
 
 
 def copy_aux_files(src: str | Path, dst: str | Path) -> list[str]:

@@ -137,11 +137,11 @@ def check_usable(store: RowStore, key: str, keys: Keys, render: Callable,
                     f"({keys.prompt_name}={keys.prompt!r}, {keys.answer_name}={keys.answer!r})")
 
 
-def _length_renderer(cfg, tools: list | None = None) -> Callable:
+def _length_renderer(cfg, tools: list | None = None, model_files: Path | None = None) -> Callable:
     """``render(prompt) -> (text, ids)`` with the model's own tokenizer when it is on disk (the run's rendering, so
     the length check is exact); without one (``model.make_tiny`` not made yet) the messages only, ids None."""
     d = cfg.data
-    model = Path(cfg.model.path)
+    model = model_files or Path(cfg.model.path)
     if (model / "tokenizer_config.json").is_file() or (model / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
@@ -149,7 +149,8 @@ def _length_renderer(cfg, tools: list | None = None) -> Callable:
     return lambda p: (as_messages(p, d.system_prompt), None)
 
 
-def check_run_data(cfg, stores: dict[str, RowStore] | None = None, tools: list | None = None) -> dict[str, dict]:
+def check_run_data(cfg, stores: dict[str, RowStore] | None = None, tools: list | None = None,
+                   model_files: Path | None = None) -> dict[str, dict]:
     """Before launch, after ``check_data`` (``stores``: the ones it read, not read again): the dataset (and eval
     set) has a usable row in a bounded sample (``check_usable``, with the run's prompt-length limit; ``tools``: the
     functions the prompts describe). Returns, by key (``data.eval_path``, ``data.path``), the other columns of the
@@ -157,7 +158,7 @@ def check_run_data(cfg, stores: dict[str, RowStore] | None = None, tools: list |
     d = cfg.data
     if not d.path:
         return {}
-    render = _length_renderer(cfg, tools)
+    render = _length_renderer(cfg, tools, model_files)
     limit = d.max_prompt_tokens or (cfg.engine.max_model_len - cfg.rollout.max_new_tokens)
     extras = {}
     for spec, key in ((d.eval_path, "data.eval_path"), (d.path, "data.path")):

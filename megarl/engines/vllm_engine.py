@@ -106,8 +106,10 @@ class VLLMEngine:
     def __init__(self, model_dir: str, max_model_len: int, kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
-                 enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0) -> None:
-        """``route_experts``: the MoE model's expert count when each token's routes are captured (routing
+                 enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0,
+                 load_format: str = "auto") -> None:
+        """``load_format``: vLLM's ('dummy': random weights, the trainer's come by the first sync);
+        ``route_experts``: the MoE model's expert count when each token's routes are captured (routing
         replay, ``engines.routes``: vLLM's route output on a GPU, the router hook without prefix caching on CPU), 0
         otherwise."""
         set_cpu_engine_env(kv_cache_gib)
@@ -117,6 +119,7 @@ class VLLMEngine:
         self.unusable = ""  # why generation is refused ('' while usable): a load failed with sync.rollback=resync
         self._args = dict(
             model=str(model_dir),
+            load_format=load_format,
             **numerics_args(dtype, enforce_eager, on_gpu()),
             **SCHEDULING,
             max_model_len=max_model_len,

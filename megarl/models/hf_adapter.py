@@ -3,6 +3,8 @@
 One map, shared by the offline conversion tools and the online weight sync. It
 works on *full* (unsharded) tensors with *global* layer and expert indices;
 ``shard_for_rank`` / the trainer's gather turn those into one rank's pieces.
+``hf_parts`` names the HF tensors one Megatron tensor is made of, from the same
+maps, for the trainer's load, which reads only its slices of them (``hf_slices.py``).
 
 Layouts (Megatron-core local spec, ``GPTModel``):
 
@@ -39,7 +41,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from megarl.models.hf_config import missing_safetensors
 from megarl.models.sharding import LAYER_NAME
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -128,38 +129,53 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iter
     return pairs
 
 
+def hf_parts(name: str, cfg: dict) -> tuple[str, tuple[str, ...]]:
+    """The HF tensors the Megatron tensor ``name`` (global layer / expert indices) is made of, and how:
+    ``('one', (n,))``; ``('qkv', (q, k, v))``, interleaved per query group (``qkv_to_megatron``); ``('fc1', (gate,
+    up))``, stacked. Names as the checkpoint spells them (Mixtral's included); a tied model's output layer is the
+    embedding. KeyError for a name that has no HF source (the loader's per-rank slice reader asks this)."""
+    if name == "output_layer.weight" and cfg.get("tie_word_embeddings"):
+        name = "embedding.word_embeddings.weight"
+    kind, parts = _qwen_parts(name)
+    if cfg.get("model_type") == "mixtral":
+        parts = tuple(_to_mixtral(p) for p in parts)
+    return kind, parts
+
+
+def _qwen_parts(name: str) -> tuple[str, tuple[str, ...]]:
+    if name in _GLOBAL:
+        return "one", (_GLOBAL[name],)
+    m = LAYER_NAME.match(name)
+    if m is None:
+        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+    layer, rest = m.groups()
+    p = f"model.layers.{layer}."
+    e = _EXPERT.match(rest)
+    if rest in _SIMPLE:
+        return "one", (p + _SIMPLE[rest],)
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]  # weight | bias
+        return "qkv", tuple(f"{p}self_attn.{n}_proj.{kind}" for n in "qkv")
+    if rest in _FC1:
+        return "fc1", (p + _FC1[rest] + "gate_proj.weight", p + _FC1[rest] + "up_proj.weight")
+    if e is not None:
+        expert, fc = e.groups()
+        q = f"{p}mlp.experts.{expert}."
+        if fc == "linear_fc2":
+            return "one", (q + "down_proj.weight",)
+        return "fc1", (q + "gate_proj.weight", q + "up_proj.weight")
+    raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
 def _megatron_to_qwen_names(named: Iterable[tuple[str, torch.Tensor]], cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in named:
-        if name in _GLOBAL:
-            yield _GLOBAL[name], t
-            continue
-        m = LAYER_NAME.match(name)
-        if m is None:
-            raise KeyError(f"no HF name for Megatron parameter {name!r}")
-        layer, rest = m.groups()
-        p = f"model.layers.{layer}."
-        e = _EXPERT.match(rest)
-        if rest in _SIMPLE:
-            yield p + _SIMPLE[rest], t
-        elif rest.startswith("self_attention.linear_qkv."):
-            kind = rest.rsplit(".", 1)[1]  # weight | bias
-            q, k, v = qkv_from_megatron(t, cfg)
-            yield from ((f"{p}self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v)))
-        elif rest in _FC1:
-            gate, up = torch.chunk(t, 2, dim=0)
-            yield p + _FC1[rest] + "gate_proj.weight", gate
-            yield p + _FC1[rest] + "up_proj.weight", up
-        elif e is not None:
-            expert, fc = e.groups()
-            q = f"{p}mlp.experts.{expert}."
-            if fc == "linear_fc2":
-                yield q + "down_proj.weight", t
-            else:
-                gate, up = torch.chunk(t, 2, dim=0)
-                yield q + "gate_proj.weight", gate
-                yield q + "up_proj.weight", up
+        kind, parts = _qwen_parts(name)
+        if kind == "qkv":
+            yield from zip(parts, qkv_from_megatron(t, cfg))
+        elif kind == "fc1":
+            yield from zip(parts, torch.chunk(t, 2, dim=0))
         else:
-            raise KeyError(f"no HF name for Megatron parameter {name!r}")
+            yield parts[0], t
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
@@ -206,21 +222,6 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Te
                 out[mq + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         else:
             raise KeyError(f"no Megatron name for HF tensor {name!r}")
-    return out
-
-
-def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory (every ``*.safetensors`` file)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(missing_safetensors(path))
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
     return out
 
 

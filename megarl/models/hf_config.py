@@ -25,12 +25,28 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def is_dist_checkpoint(model_path: str | Path) -> bool:
+    """``model_path`` is a megatron dist checkpoint (``tools/convert_checkpoint.py hf-to-mcore``'s output), not an
+    HF directory: its weights load through megatron's dist checkpointing, its config and tokenizer are in ``hf/``."""
+    path = Path(model_path)
+    return (path / "metadata.json").is_file() and not (path / "config.json").is_file()
+
+
+def model_files_dir(model_path: str | Path) -> Path:
+    """Where ``model_path``'s config, tokenizer and chat template are: the HF directory itself, or a converted dist
+    checkpoint's ``hf/`` (which ``hf-to-mcore`` writes beside the weights)."""
+    path = Path(model_path)
+    return path / "hf" if is_dist_checkpoint(path) else path
+
+
 def read_hf_config(model_dir: str | Path, key: str = "model.path") -> dict:
-    """The HF ``config.json`` of ``model_dir`` (given as ``key``: 'model.path', '--hf', ...), checked for what
-    megarl supports."""
-    path = Path(model_dir) / "config.json"
+    """The HF ``config.json`` of ``model_dir`` (given as ``key``: 'model.path', '--hf', ...; a converted dist
+    checkpoint's ``hf/config.json``), checked for what megarl supports."""
+    path = model_files_dir(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{key}: no config.json in {model_dir}")
+        where = (f"{path.parent} (a megatron dist checkpoint keeps its HF config there, as tools/convert_checkpoint.py "
+                 "hf-to-mcore writes it)" if is_dist_checkpoint(model_dir) else str(model_dir))
+        raise FileNotFoundError(f"{key}: no config.json in {where}")
     cfg = json.loads(path.read_text())
     if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from megarl.compat.megatron import cache_packed_rope, llama3_inv_freq
 from megarl.distributed.parallel import ParallelState
-from megarl.models.hf_adapter import hf_to_megatron, load_hf_state_dict
 from megarl.models.hf_config import (
     check_model_math,
     has_qk_norm,
@@ -23,18 +22,15 @@ from megarl.models.hf_config import (
     rms_norm_eps,
     rope_parameters,
 )
-from megarl.models.sharding import (
-    grouped_expert_name,
-    layers_per_stage,
-    local_expert_name,
-    shard_for_rank,
-    tp_split_dim,
-)
+from megarl.models.hf_slices import ShardReader
+from megarl.models.sharding import layers_per_stage, local_expert_name, tp_split_dim
 
 
 def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                       moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32, fp8: str = ""):
-    """megatron-core TransformerConfig for an HF config and a parallel layout."""
+                       moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32, fp8: str = "",
+                       recompute: str = "none", recompute_layers: int = 1, cp_comm_type: str = "p2p"):
+    """megatron-core TransformerConfig for an HF config and a parallel layout; ``recompute`` (``trainer.recompute``)
+    as ``recompute_settings`` says."""
     from megatron.core.transformer import TransformerConfig
 
     check_model_math(cfg)
@@ -100,13 +96,35 @@ def transformer_config(cfg: dict, ps: ParallelState, moe_aux_loss_coeff: float =
         expert_model_parallel_size=ps.ep,
         expert_tensor_parallel_size=ps.etp,
         sequence_parallel=ps.sequence_parallel,
+        # context parallelism: Transformer Engine's attention exchanges keys and values as ``cp_comm_type`` says
+        # (parallel.cp_comm_type); the local spec's ``PackedDotProductAttention`` all-gathers them
+        context_parallel_size=ps.cp,
+        cp_comm_type=cp_comm_type if ps.cp > 1 else None,
         use_cpu_initialization=True,
         perform_initialization=False,
         # FP8 through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients) with the named recipe.
         fp8="hybrid" if fp8 else None,
         fp8_recipe=fp8 or "delayed",
+        **recompute_settings(recompute, recompute_layers),
         **moe,
     )
+
+
+def recompute_settings(recompute: str, layers: int = 1) -> dict:
+    """``trainer.recompute`` as megatron-core's TransformerConfig keys. 'full': the 'uniform' method, units of
+    ``layers`` consecutive layers of a model chunk, each keeping only its input
+    (``TransformerBlock._checkpointed_forward`` through ``tensor_parallel.checkpoint``); 'selective': each layer's
+    core attention (``recompute_modules`` ['core_attn'], megatron's default; the local spec's
+    ``PackedDotProductAttention`` takes packed rows there as well; MoE layers keep theirs: 'moe_act' needs grouped
+    GEMMs, and 'moe' would run the router and the token exchange again). Either only while training
+    (``self.training``): logprob passes keep nothing for a backward anyway."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=layers)
+    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
 
 
 class TorchNorm:
@@ -280,41 +298,23 @@ def mark_tensor_parallel_params(model: torch.nn.Module, ps: ParallelState) -> No
 
 def load_hf_weights(modules: list[torch.nn.Module], model_dir: str | Path, cfg: dict, ps: ParallelState,
                     skip: tuple[str, ...] = ()) -> None:
-    """Copy an HF checkpoint into this rank's shards of its model chunks (one per virtual stage);
-    every parameter (but ``skip``) must be covered."""
-    full = hf_to_megatron(load_hf_state_dict(str(model_dir)), cfg)
-    if cfg.get("tie_word_embeddings"):  # the last stage's output layer is the embedding (one HF tensor)
-        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    """Read this rank's shards of an HF checkpoint into its model chunks (one per virtual stage): each parameter
+    (but ``skip``) gets exactly its rows and columns of the HF tensors, read from the safetensors files into the
+    parameter (``models/hf_slices.py``), so a rank never holds the model, nor a tensor it does not own beyond one
+    block in flight. Every parameter must be covered, in its shape; both are checked before anything is read."""
+    reader = ShardReader(model_dir, cfg)
     for vp_stage, model in enumerate(modules):
-        mine = shard_for_rank(full, cfg["num_hidden_layers"], num_experts(cfg), ps.coords(vp_stage))
+        coords = ps.coords(vp_stage)
         params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
-        mine = {te_name(n, params): t for n, t in mine.items()}
-        missing = sorted(set(params) - set(mine))
+        plans = {n: reader.plan(n, coords) for n in params}
+        missing = sorted(n for n, plan in plans.items() if plan is None)
         if missing:
             raise KeyError(f"{model_dir}: no weights for Megatron parameters {missing[:5]}")
-        with torch.no_grad():
-            for name, p in params.items():
-                src = mine[name]
-                if src.shape != p.shape:
-                    raise ValueError(f"{model_dir}: {name} has shape {tuple(src.shape)}, "
-                                     f"model expects {tuple(p.shape)}")
-                p.copy_(src.to(p.dtype))
-
-
-# Transformer Engine fuses the pre-attention (and, dense, the pre-MLP) norm into the next linear.
-_TE_FUSED = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
-
-
-def te_name(name: str, params: dict) -> str:
-    """The local-spec name → the TE-spec name (fused norm, grouped-GEMM expert) when the model has that instead."""
-    if name in params:
-        return name
-    candidates = [name[: -len(local)] + fused for local, fused in _TE_FUSED.items() if name.endswith(local)]
-    candidates.append(grouped_expert_name(name))
-    return next((c for c in candidates if c in params), name)
+        for name, p in params.items():
+            if plans[name].shape != tuple(p.shape):
+                raise ValueError(f"{model_dir}: {name} has shape {plans[name].shape}, model expects {tuple(p.shape)}")
+        for name, p in params.items():
+            reader.read(plans[name], out=p)
 
 
 _SAID: set[str] = set()

@@ -254,7 +254,8 @@ def test_a_model_with_only_pytorch_model_bin_is_refused_naming_it(tmp_path, caps
     from safetensors.torch import load_file
 
     from megarl.cli import main as megarl
-    from megarl.models.hf_adapter import load_hf_state_dict
+    from megarl.models.hf_config import read_hf_config
+    from megarl.models.hf_slices import ShardReader
 
     model = make_hf_model(tmp_path / "model", "qwen3", seed=1)
     torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")
@@ -263,7 +264,7 @@ def test_a_model_with_only_pytorch_model_bin_is_refused_naming_it(tmp_path, caps
             "save_pretrained")
     fails(tmp_path, capsys, ["hf-to-mcore", "--hf", model, "--out", tmp_path / "out"], *said)
     with pytest.raises(FileNotFoundError) as exc:
-        load_hf_state_dict(str(model))
+        ShardReader(model, read_hf_config(model))
     assert all(text in str(exc.value) for text in said)
     status = megarl(["train", "--config", str(ROOT / "configs/demo.yaml"), f"model.path={model}",
                      f"train.run_dir={tmp_path / 'run'}"])

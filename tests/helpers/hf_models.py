@@ -37,9 +37,10 @@ SPECS = {
 
 
 def make_hf_model(path: str | Path, name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  max_shard_size: str | None = None, **overrides) -> Path:
+                  max_shard_size: str | None = None, tokenizer: bool = True, **overrides) -> Path:
     """Write the tiny model ``name`` of ``SPECS`` with transformers into ``path`` (in shards with an
-    index when ``max_shard_size`` is given, as hub checkpoints are)."""
+    index when ``max_shard_size`` is given, as hub checkpoints are); without a tokenizer where only the
+    weights are read (``tokenizer=False``: a vocabulary too large to train one for)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megarl.models.tiny import build_tokenizer
@@ -54,5 +55,6 @@ def make_hf_model(path: str | Path, name: str, seed: int = 0, dtype: torch.dtype
                 p.add_(torch.randn_like(p) * 0.1)
     path = Path(path)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    build_tokenizer(cfg.vocab_size).save_pretrained(path)
+    if tokenizer:
+        build_tokenizer(cfg.vocab_size).save_pretrained(path)
     return path

@@ -6,7 +6,6 @@ import torch
 from helpers.scripts import run_script
 from megarl.models.hf_adapter import (
     hf_to_megatron,
-    load_hf_state_dict,
     megatron_to_hf,
     qkv_from_megatron,
     qkv_to_megatron,
@@ -112,11 +111,6 @@ def test_shards_reassemble_to_the_full_model(tp, pp, ep):
     assert all(torch.equal(rebuilt[k], full[k]) for k in full)
 
 
-def test_load_hf_state_dict_errors_name_the_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
-        load_hf_state_dict(str(tmp_path))
-
-
 def test_megatron_logprobs_equal_transformers_for_every_family(tmp_path):
     """Routing (renormalised or not), Mixtral's names, Qwen2-MoE's gated shared expert and its
     dense ``mlp_only_layers`` layer all mean what transformers means by them, unpacked and packed (rows of several
@@ -148,18 +142,11 @@ def test_mixtral_and_shared_expert_names():
     assert f"decoder.layers.{middle + 1}.mlp.router.weight" in meg  # MoE again after it
 
 
-def test_transformer_engine_names_map_to_the_local_spec():
-    from megarl.trainer.model import te_name
-
+def test_transformer_engine_expert_names_map_to_the_local_spec():
     grouped = "decoder.layers.1.mlp.experts.linear_fc2.weight3"
     local = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
     assert local_expert_name(grouped) == local and grouped_expert_name(local) == grouped
     assert local_expert_name("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.1.mlp.linear_fc1.weight"
-    te_params = {grouped: None, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": None}
-    assert te_name(local, te_params) == grouped
-    assert te_name("decoder.layers.0.input_layernorm.weight", te_params) == (
-        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
-    assert te_name(local, {local: None}) == local
 
 
 def test_math_defaults_of_a_config_that_leaves_keys_out_are_transformers_own():

@@ -17,6 +17,7 @@ from megarl.config.validate.limits import engine_dtype_notes, unread_keys
 from megarl.config.validate.model import (
     check_resume_learners,
     check_resume_precision,
+    check_start_checkpoint,
     model_config,
     validate_resume_model,
 )
@@ -25,7 +26,7 @@ from megarl.data.checks import check_data, check_run_data
 from megarl.data.conversations import check_conversations
 from megarl.envs.base import check_env_call
 from megarl.envs.tools import prompt_tools
-from megarl.models.hf_config import check_weights_format
+from megarl.models.hf_config import check_weights_format, is_dist_checkpoint, model_files_dir
 from megarl.rewards.base import check_reward_call, import_reward_fn
 
 
@@ -40,6 +41,8 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     hf = model_config(cfg)
     if (Path(cfg.model.path) / "config.json").is_file():  # (a tiny model to be made writes safetensors)
         check_weights_format(cfg.model.path)  # vLLM would load a pytorch_model.bin; the trainer reads safetensors
+    elif is_dist_checkpoint(cfg.model.path):
+        check_start_checkpoint(cfg, hf)  # hf-to-mcore's output: the model its hf/config.json describes
     validate(cfg, nproc, hf)
     if command in ("train", "demo"):
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
@@ -48,8 +51,8 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node, node_gpus)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
-    extras = check_run_data(cfg, stores, prompt_tools(cfg.env))  # a usable row in a sample (prompt length, the
-    # tools' descriptions included); its columns
+    # a usable row in a sample (prompt length, the tools' descriptions included); its columns
+    extras = check_run_data(cfg, stores, prompt_tools(cfg.env), model_files_dir(cfg.model.path))
     check_reward(cfg, extras)
     check_env(cfg, extras)  # env.fn imports and is built from those columns
     check_conversations(cfg)  # warmup.path: every row a usable conversation

@@ -66,7 +66,8 @@ def _llm(spec: dict):
     # on CPU the KV cache is sized by bytes too (VLLM_CPU_KVCACHE_SPACE is whole GiB; a replica's may be less)
     kv = kv_cache_args(spec["kv_cache_gib"], gpu, spec["gpu_memory_utilization"]) if gpu else {
         "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)}
-    return LLM(model=spec["model"], **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
+    return LLM(model=spec["model"], load_format=spec.get("load_format", "auto"),
+               **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
                **capture_args(spec.get("route_experts", 0), gpu),
