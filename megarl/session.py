@@ -26,6 +26,7 @@ from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
 from megarl.config.schema import captures_routes, resolved_engine_dtype, resolved_routing_replay
 from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.settings import resolved_transformer_engine
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
 from megarl.distributed.bootstrap import detect
@@ -44,7 +45,7 @@ from megarl.logging.console import configure as configure_console
 from megarl.logging.console import main_only
 from megarl.logging.metrics import MetricsLogger
 from megarl.logging.timeline import Timeline, write_trace
-from megarl.models.hf_config import num_experts, read_hf_config
+from megarl.models.hf_config import is_dist_checkpoint, model_files_dir, num_experts, read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
@@ -131,7 +132,7 @@ def build_session(cfg: RunConfig) -> Session:
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     p = cfg.parallel
-    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel, p.vpp)
+    ps = build_parallel_state(p.tp, p.pp, p.ep, p.etp or p.tp, p.sequence_parallel, p.vpp, p.cp)
     cpus = place_trainer(cfg, ps)  # this rank's cores and threads (before vLLM starts here: it fixes them)
     if ps.rank == 0:
         ensure_model(cfg)
@@ -141,7 +142,7 @@ def build_session(cfg: RunConfig) -> Session:
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_files_dir(cfg.model.path))
     d = cfg.data
     task = None if d.path else AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size)
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens,
@@ -198,6 +199,9 @@ def build_session(cfg: RunConfig) -> Session:
                 cpus=cpus)
     if s.eval_prompts:  # (a multi-turn run evaluates episodes, on workers apart from the controller's)
         s.eval_episodes = build_episodes(cfg, tokenizer)
+    if is_dist_checkpoint(cfg.model.path) and not weight_sync.run(engines, version=0).loaded:  # (random weights)
+        raise RuntimeError(f"model.path={cfg.model.path}: the trainer's weights could not be loaded into the engines, "
+                           "which started without any (see the log above)")
     install_test_faults(s)  # the fault hooks a test asks for, wrapped around the rooms (testing/); else nothing
     return s
 
@@ -216,8 +220,10 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
-                  transformer_engine=cfg.model.transformer_engine, precision=cfg.trainer.precision,
-                  packing=cfg.trainer.packing, max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch)
+                  transformer_engine=resolved_transformer_engine(cfg), precision=cfg.trainer.precision,
+                  packing=cfg.trainer.packing, max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                  recompute=cfg.trainer.recompute, recompute_layers=cfg.trainer.recompute_layers,
+                  cp_comm_type=cfg.parallel.cp_comm_type)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
                            routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg), on_gpu()), **common)
     critic = reference = None
@@ -230,10 +236,14 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
 
 
 def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
-    """The engines' dtype (``engine.dtype``, 'auto': the trainer's precision), graphs and GPU memory share, and the
-    expert count of the routes they capture (MoE: routing replay and its agreement metrics; 0: none)."""
+    """The engines' weights at start (``load_format``), dtype (``engine.dtype``, 'auto': the trainer's precision),
+    graphs and GPU memory share, and the expert count of the routes they capture (MoE: routing replay and its agreement
+    metrics; 0: none)."""
     e, experts = cfg.engine, num_experts(hf_cfg)
-    return dict(dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
+    # model.path a dist checkpoint: vLLM starts on random weights (its 'dummy' load) and serves the trainer's from the
+    # first sync (build_session) on; its config and tokenizer are the checkpoint's hf/
+    return dict(load_format="dummy" if is_dist_checkpoint(cfg.model.path) else "auto",
+                dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
                 gpu_memory_utilization=e.gpu_memory_utilization,
                 route_experts=experts if captures_routes(cfg, experts, on_gpu()) else 0)
 
@@ -252,14 +262,14 @@ def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:
 def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None, say=print) -> Engines:
     """The run's engines: in the trainer's processes (colocated), or ``engine.replicas`` vLLM engines in processes of
     their own (disaggregated; ``replica_cpus``: the cores of each replica this node hosts, by its place here)."""
-    e = cfg.engine
+    e, model = cfg.engine, str(model_files_dir(cfg.model.path))  # (a dist checkpoint's hf/)
     if e.placement == "disaggregated":
-        return EngineReplicas(cfg.model.path, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
+        return EngineReplicas(model, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback, replica_nodes=e.replica_nodes,
                               hosts_file=str(rendezvous_path(cfg.train.run_dir)) if e.replica_nodes_dedicated else "",
                               cpus=replica_cpus or [], cpu_threads=e.cpu_threads, **engine_numerics(cfg, hf_cfg))
-    engine = VLLMEngine(cfg.model.path, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
+    engine = VLLMEngine(model, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
                         max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
                         peer_wait_s=e.peer_wait_s, **engine_numerics(cfg, hf_cfg))
     return ColocatedEngines(engine, e.slots, e.tensor_parallel_size, cfg.sync.rollback, e.sleep_level, say)

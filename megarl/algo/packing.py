@@ -25,6 +25,14 @@ Assignment (``plan_microbatches``), computed alike on every rank from the whole 
   ``by_length``, as runs of its rows longest first (similar lengths together, the heaviest run as light as runs
   allow) where such runs fit in M, else by LPT (each micro-batch a mix of lengths, loads as equal as it finds).
 
+Context parallelism (``parallel.cp`` = N; ``row_multiple`` 2·N): each row's segment is padded to a multiple of 2·N
+(its padding counted in its load) and ``split_for_context_parallel`` gives each CP rank its two chunks of every
+segment (``distributed/context.py``); per-row fields stay whole, so the loss reads whole rows::
+
+    rows (input positions)   a a a a a | b              CP 2: segments of a multiple of 4
+    packed                   a a a a a _ _ _ b _ _ _    cu_seqlens [0, 8, 12]
+    rank 0 / rank 1          a a _ _ b _ / a a a _ _ _  chunks 0 and 3 / 1 and 2 of each segment
+
 Invariants (tests/unit/test_packing_layout.py): every row with a position is in exactly one micro-batch; a micro-batch
 holds ≤ M real tokens; every rank has the same number of micro-batches (a multiple of ``count_multiple``); each
 micro-batch's length is a multiple of ``multiple`` and, with ``equal_length``, the same on every rank.
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.distributed.context import chunk_positions, gathered_order
 from megarl.types import no_route
 
 MAX_TOKENS_KEY = "trainer.max_tokens_per_microbatch"
@@ -44,24 +53,36 @@ MAX_TOKENS_KEY = "trainer.max_tokens_per_microbatch"
 
 @dataclass
 class PackedLayout:
-    """One micro-batch: batch ``rows`` in pack order, their ``lengths`` (input positions), ``padded`` ≥ their sum."""
+    """One micro-batch: batch ``rows`` in pack order, their ``lengths`` (input positions), ``padded`` ≥ the sum of
+    their segments; each row's segment is its length rounded up to ``row_multiple`` (2·CP under context
+    parallelism: a row is cut into 2·CP equal chunks, ``distributed/context.py``; 1 otherwise)."""
 
     rows: list[int]
     lengths: list[int]
     padded: int
+    row_multiple: int = 1
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
 
+    @property
+    def segments(self) -> list[int]:
+        """Each row's positions in the pack: its length, and its padding up to ``row_multiple``."""
+        return [round_up(n, self.row_multiple) for n in self.lengths]
+
     def cu_seqlens(self) -> list[int]:
-        """Segment starts and the end; the padding, if any, is a last segment of its own."""
+        """Segment starts and the end; the padding after the last row, if any, is a last segment of its own."""
         out = [0]
-        for n in self.lengths:
+        for n in self.segments:
             out.append(out[-1] + n)
         if self.padded > out[-1]:
             out.append(self.padded)
         return out
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def karmarkar_karp(lengths: dict[int, int], parts: int) -> list[list[int]]:
@@ -151,14 +172,18 @@ def _token_bins(rows: list[int], lengths: dict[int, int], cap: int) -> list[list
 
 def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1, max_tokens: int = 0,
                       multiple: int = 1, equal_length: bool = False,
-                      count_multiple: int = 1, by_length: bool = False) -> list[list[PackedLayout]]:
+                      count_multiple: int = 1, by_length: bool = False,
+                      row_multiple: int = 1) -> list[list[PackedLayout]]:
     """Per data-parallel rank, its packed micro-batches (see the module docstring). Rows of length 0 carry no
-    position and are left out; a row longer than ``max_tokens`` raises, naming the key."""
-    known = {i: int(n) for i, n in enumerate(lengths) if n > 0}
+    position and are left out; a row longer than ``max_tokens`` raises, naming the key. ``row_multiple``: each row
+    padded to a multiple of it (2·CP under context parallelism), its padding counted in its load and the budget."""
+    real = {i: int(n) for i, n in enumerate(lengths) if n > 0}
+    known = {i: round_up(n, row_multiple) for i, n in real.items()}
     if max_tokens:
         if too_long := [i for i, n in known.items() if n > max_tokens]:
             i = too_long[0]
-            raise ValueError(f"{MAX_TOKENS_KEY}={max_tokens} is less than row {i}'s {known[i]} positions "
+            padded = f" ({known[i]} padded to a multiple of {row_multiple})" if row_multiple > 1 else ""
+            raise ValueError(f"{MAX_TOKENS_KEY}={max_tokens} is less than row {i}'s {real[i]} positions{padded} "
                              f"({len(too_long)} rows longer): raise it to at least {max(known.values())}")
         ranks = karmarkar_karp(known, dp)
         per_rank = [_token_bins(rows, known, max_tokens) for rows in ranks]
@@ -180,11 +205,11 @@ def plan_microbatches(lengths: list[int], dp: int = 1, micro_batch_size: int = 1
         per_rank = [bins + [[] for _ in range(count - len(bins))] for bins in per_rank]
 
     def rounded(n: int) -> int:
-        return max(multiple, -(-n // multiple) * multiple)
+        return max(multiple, round_up(n, multiple))
 
     longest = max(rounded(sum(known[r] for r in b)) for bins in per_rank for b in bins)
-    return [[PackedLayout(b, [known[r] for r in b], longest if equal_length else rounded(sum(known[r] for r in b)))
-             for b in bins] for bins in per_rank]
+    return [[PackedLayout(b, [real[r] for r in b], longest if equal_length else rounded(sum(known[r] for r in b)),
+                          row_multiple) for b in bins] for bins in per_rank]
 
 
 ROW_FIELDS_SKIPPED = ("input_ids", "position_ids", "labels", "routes", "lengths")
@@ -202,15 +227,16 @@ def pack(fields: dict[str, torch.Tensor], layout: PackedLayout, pad_id: int = 0)
     rows, lengths = layout.rows, layout.lengths
     width = max(lengths, default=0)
     index = torch.tensor(rows, dtype=torch.long)
-    starts = layout.cu_seqlens()[: len(rows)]
-    pad = layout.padded - layout.tokens
+    cu = layout.cu_seqlens()
+    starts = cu[: len(rows)]
+    segments = [end - start for start, end in zip(cu[:-1], cu[1:])]  # rows (to their multiple), then any padding
 
     out = {
         "input_ids": pack_rows(fields["input_ids"], layout, pad_id),
         "labels": pack_rows(fields["labels"], layout, pad_id),
-        "position_ids": torch.cat([torch.arange(n) for n in [*lengths, pad]]).unsqueeze(0),
-        "cu_seqlens": torch.tensor(layout.cu_seqlens(), dtype=torch.int32),
-        "max_seqlen": torch.tensor(max([*lengths, pad])),
+        "position_ids": torch.cat([torch.arange(n) for n in segments]).unsqueeze(0),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "max_seqlen": torch.tensor(max(segments, default=0)),
         "rows": index,
     }
     if torch.is_tensor(fields.get("routes")):  # (a ``RouteStore``'s rows: the trainer packs them, ``pack_rows``)
@@ -227,11 +253,43 @@ def pack(fields: dict[str, torch.Tensor], layout: PackedLayout, pad_id: int = 0)
 
 def pack_rows(values, layout: PackedLayout, fill) -> torch.Tensor:
     """Per-row values (a [rows, positions, ...] tensor, or a mapping of batch row → [positions, ...]) laid end to end
-    as one micro-batch's [1, padded, ...], each row cut at its length, the padding ``fill``."""
+    as one micro-batch's [1, padded, ...], each row cut at its length, the padding (after each row to its segment's
+    end, and after the last) ``fill``."""
     parts = [values[r][:n] for r, n in zip(layout.rows, layout.lengths)]
     shape, dtype = (parts[0].shape[1:], parts[0].dtype) if parts else (values.shape[2:], values.dtype)
-    parts.append(torch.full((layout.padded - layout.tokens, *shape), fill, dtype=dtype))
+    if layout.row_multiple > 1:  # each row's own padding, up to its segment's end
+        parts = [p for part, n in zip(parts, layout.segments)
+                 for p in (part, torch.full((n - len(part), *shape), fill, dtype=dtype))]
+    parts.append(torch.full((layout.padded - sum(layout.segments), *shape), fill, dtype=dtype))
     return torch.cat(parts).unsqueeze(0)
+
+
+PER_POSITION = ("input_ids", "labels", "position_ids", "routes")
+"""A packed micro-batch's fields the model reads position by position: each CP rank takes its chunks of them."""
+
+
+def split_for_context_parallel(mb: dict, cp: int, rank: int) -> dict:
+    """CP rank ``rank``'s share of a packed micro-batch (``pack``, segments of a multiple of 2·CP:
+    ``plan_microbatches(row_multiple=2·cp)``): ``input_ids``, ``labels`` (shifted in the pack's order before the
+    cut), ``position_ids`` (positions in their row) and ``routes`` [1, t/cp, ...], chunks ``rank`` and
+    2·CP−1−``rank`` of every segment (``distributed/context.py``). Whole as packed: ``cu_seqlens``, ``max_seqlen``
+    and every per-row field (the loss reads whole rows: the trainer gathers the pack's logprobs over CP first).
+    Added: ``cp_inverse`` (each pack position's index among the CP ranks' local packs laid end to end),
+    ``cp_own`` [rows, w] (the row positions this rank computes: its share of every per-token sum) and ``padding``
+    [1, t/cp] (positions no row owns, for the MoE routers' losses)."""
+    index, _ = chunk_positions(mb["cu_seqlens"], cp, rank)
+    out = dict(mb)
+    for key in PER_POSITION:
+        if key in mb:
+            out[key] = mb[key][:, index]
+    held = torch.zeros(int(mb["cu_seqlens"][-1]), dtype=torch.bool)
+    held[index] = True
+    real = torch.zeros_like(held)
+    real[mb["gather"][mb["valid"]]] = True
+    out["cp_inverse"] = gathered_order(mb["cu_seqlens"], cp)
+    out["cp_own"] = held[mb["gather"]] & mb["valid"]
+    out["padding"] = ~real[index].unsqueeze(0)
+    return out
 
 
 def unpack(values: torch.Tensor, mb: dict) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megarl.compat import require
+from megarl.distributed.context import chunk_positions
 
 VERSION = "0.16.1"
 
@@ -267,19 +268,19 @@ def llama3_inv_freq(rotary, inv_freq: torch.Tensor, factor: float, low_freq_fact
 _PACKED_ROPE: list = [None]  # (freqs, cu_seqlens, mscale, dtype, cos, sin) of the last packed micro-batch
 
 
-def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float, dtype: torch.dtype):
-    """cos and sin [t, 1, 1, rotary dim] of each position of a pack, as ``_apply_rotary_pos_emb_thd`` takes them from
-    ``freqs`` [s, 1, 1, rotary dim] (one process of context parallelism): each row from position 0 (its first ``n``
-    frequencies), or the pack's own positions where ``freqs`` has one per position. Computed once per pack: every
-    layer's q and k reuse them (megatron's rotary embedding returns one tensor per length)."""
+def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float, dtype: torch.dtype,
+                    cp: int = 1, cp_rank: int = 0):
+    """cos and sin [t/cp, 1, 1, rotary dim] of each position of a pack this rank holds, as
+    ``_apply_rotary_pos_emb_thd`` takes them from ``freqs`` [s, 1, 1, rotary dim]: each row from position 0 (its
+    first ``n`` frequencies), or the pack's own positions where ``freqs`` has one per position; under context
+    parallelism (``cp`` > 1) this rank's chunks of every row (``distributed.context.chunk_positions``, megatron's
+    ``_get_thd_freqs_on_this_cp_rank``). Computed once per pack: every layer's q and k reuse them (megatron's
+    rotary embedding returns one tensor per length)."""
     hit = _PACKED_ROPE[0]
     if hit is not None and hit[0] is freqs and hit[1] is cu_seqlens and hit[2:4] == (mscale, dtype):
         return hit[4:]
-    total = int(cu_seqlens[-1])
-    positions = torch.arange(total, device=freqs.device)
-    if freqs.size(0) != total:  # positions restart at each row's start
-        starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        positions = positions - torch.repeat_interleave(starts, lengths).to(freqs.device)
+    in_pack, in_row = chunk_positions(cu_seqlens, cp, cp_rank)
+    positions = (in_pack if freqs.size(0) == int(cu_seqlens[-1]) else in_row).to(freqs.device)
     table = freqs[positions]
     cos, sin = (torch.cos(table) * mscale).to(dtype), (torch.sin(table) * mscale).to(dtype)
     _PACKED_ROPE[0] = (freqs, cu_seqlens, mscale, dtype, cos, sin)
@@ -291,9 +292,9 @@ def cache_packed_rope() -> None:
     ``SelfAttention`` calls for q and for k of every layer without TE's fused kernel), slices the frequencies row by
     row (a Python loop over the pack's rows), takes their cos and sin, and copies the rotated tensor once more (a
     ``cat`` with an empty pass-through part) on every call. Applied here as megatron applies it,
-    ``t·cos + rotate_half(t)·sin``, from one cos/sin table per pack (``_packed_cos_sin``); anything else (fused
-    kernels, multi-latent attention, context parallelism, a partial rotary dimension, rows not packed) is
-    megatron's own path. Idempotent."""
+    ``t·cos + rotate_half(t)·sin``, from one cos/sin table per pack (``_packed_cos_sin``; under context parallelism
+    this rank's chunks of the rows); anything else (fused kernels, multi-latent attention, a partial rotary
+    dimension, rows not packed) is megatron's own path. Idempotent."""
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
     from megatron.core.transformer import attention
 
@@ -304,9 +305,10 @@ def cache_packed_rope() -> None:
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         if (cu_seqlens is None or config.apply_rope_fusion or config.multi_latent_attention
-                or freqs.shape[-1] != t.shape[-1] or (cp_group is not None and cp_group.size() > 1)):
+                or freqs.shape[-1] != t.shape[-1]):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        cos, sin = _packed_cos_sin(freqs, cu_seqlens, mscale, t.dtype)
+        cp = cp_group.size() if cp_group is not None else 1
+        cos, sin = _packed_cos_sin(freqs, cu_seqlens, mscale, t.dtype, cp, cp_group.rank() if cp > 1 else 0)
         t = t.unsqueeze(1)  # [t, 1, heads, head dim], as megatron's bshd path takes a pack
         return (t * cos + _rotate_half(t, config.rotary_interleaved) * sin).squeeze(1)
 

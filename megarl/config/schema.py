@@ -24,9 +24,10 @@ class ModelConfig:
     """Seed of the tiny model's random weights (``make_tiny`` only)."""
     fp8: Literal["", "delayed", "tensorwise", "blockwise", "mxfp8"] = ""
     """FP8 training through Transformer Engine: '' (off), 'delayed', 'tensorwise', 'blockwise', 'mxfp8'."""
-    transformer_engine: bool = False
-    """Build layers from Transformer Engine's spec (fused norm+linear, grouped expert GEMMs) without
-    FP8 too; needs TE on a GPU (FP8 always uses it)."""
+    transformer_engine: Literal["auto", True, False] = "auto"
+    """Build layers from Transformer Engine's spec (fused norm+linear, grouped expert GEMMs), FP8 or not: 'auto' (on
+    where CUDA and Transformer Engine are importable, off on CPU), true (needs TE on a GPU) or false; FP8 always
+    uses it."""
 
 
 @dataclass
@@ -43,6 +44,11 @@ class ParallelConfig:
     """Expert tensor-parallel size (0: the same as tp, megatron's default)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp > 1)."""
+    cp: int = 1
+    """Context-parallel size: each packed row cut in 2·cp chunks over cp ranks (long responses; needs
+    ``trainer.packing``); world = tp × pp × cp × dp."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    """How Transformer Engine's attention exchanges keys and values under cp > 1 on GPUs (the CPU path all-gathers)."""
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher: 'alltoall' or 'allgather' (gloo at ep > 1 × etp > 1 runs 'allgather'; so does ep 1 × expert
     TP 1, where neither communicates: the same bits, fewer copies)."""
@@ -372,6 +378,15 @@ class TrainerConfig:
     """Token-balanced micro-batches (needs ``packing``): at most this many tokens each, rows spread over DP ranks
     with equal token loads and micro-batch counts; 0: off (``optim.micro_batch_size`` rows each). At least
     ``engine.max_model_len`` − 1, the longest row a rollout can give."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in training passes (docs/parallelism.md#recompute): 'none' (every layer keeps its
+    activations for the backward), 'selective' (each layer's core attention runs again in the backward: megatron's
+    recompute_modules ['core_attn']), 'full' (a unit of ``recompute_layers`` layers keeps only its input and runs
+    its forward again in the backward: about a third more training compute). Logprob passes keep nothing anyway."""
+    recompute_layers: int = 1
+    """trainer.recompute=full: layers per recompute unit (megatron's recompute_num_layers, method 'uniform'); must
+    divide the layers of a model chunk (layers / (pp × vpp)). Larger: fewer kept inputs, one larger unit's
+    activations live at once in the backward."""
 
 
 @dataclass

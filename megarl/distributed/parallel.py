@@ -35,16 +35,21 @@ class ParallelState:
     ep_rank: int
     etp_rank: int
     dp_rank: int
+    cp: int = 1
+    """Context-parallel size: the ranks that share each packed sequence, each holding 1/cp of its positions."""
+    cp_rank: int = 0
     tp_group: object = field(default=None, compare=False, repr=False)
     """Megatron's tensor-parallel group (None outside a parallel run)."""
     pp_group: object = field(default=None, compare=False, repr=False)
     """The pipeline stages of this rank's model replica."""
     dp_group: object = field(default=None, compare=False, repr=False)
-    """The data-parallel replicas of this rank's model shard."""
+    """The data-parallel replicas of this rank's model shard (the same CP rank: each trains other rows)."""
     ep_group: object = field(default=None, compare=False, repr=False)
     """The expert-parallel ranks."""
     etp_group: object = field(default=None, compare=False, repr=False)
     """The expert tensor-parallel ranks."""
+    cp_group: object = field(default=None, compare=False, repr=False)
+    """The context-parallel ranks: the same rows, each its chunks of every row's positions."""
 
     def coords(self, vp_stage: int = 0) -> RankCoords:
         """Where this rank's model chunk ``vp_stage`` (0 without virtual stages) sits."""
@@ -76,15 +81,17 @@ def init_process_group() -> tuple[int, int]:
 
 
 def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
-                         sequence_parallel: bool = False, vpp: int = 1) -> ParallelState:
+                         sequence_parallel: bool = False, vpp: int = 1, cp: int = 1) -> ParallelState:
     """Initialise Megatron's model-parallel groups on the default group and describe them (etp 0: = tp;
-    ``vpp`` > 1: that many virtual stages per pipeline rank, the interleaved schedule)."""
+    ``vpp`` > 1: that many virtual stages per pipeline rank, the interleaved schedule; ``cp``: context parallelism,
+    world = tp × pp × cp × dp; ``dp``, ``dp_rank`` and ``dp_group`` are the data-parallel ones without CP, which
+    split the batch's rows, while megatron reduces gradients over DP × CP itself)."""
     from megatron.core import parallel_state as mpu
 
     etp = etp or tp
     rank, world = init_process_group()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp×pp = {tp}×{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tp×pp×cp = {tp}×{pp}×{cp}")
     if vpp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline stages ({vpp}) need pipeline parallelism (pp > 1)")
     if not mpu.model_parallel_is_initialized():
@@ -94,6 +101,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
+            context_parallel_size=cp,
             create_gloo_process_groups=True,
         )
     return ParallelState(
@@ -103,7 +111,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
         pp=pp,
         ep=ep,
         etp=etp,
-        dp=world // (tp * pp),
+        dp=world // (tp * pp * cp),
         vpp=vpp,
         sequence_parallel=sequence_parallel and tp > 1,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
@@ -111,9 +119,12 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
         ep_rank=mpu.get_expert_model_parallel_rank(),
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
+        cp=cp,
+        cp_rank=mpu.get_context_parallel_rank(),
         tp_group=mpu.get_tensor_model_parallel_group(),
         pp_group=mpu.get_pipeline_model_parallel_group(),
         dp_group=mpu.get_data_parallel_group(),
         ep_group=mpu.get_expert_model_parallel_group(),
         etp_group=mpu.get_expert_tensor_parallel_group(),
+        cp_group=mpu.get_context_parallel_group(),
     )

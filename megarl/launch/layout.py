@@ -46,6 +46,12 @@ class Layout:
     engine_gpus: int = 0
     """Disaggregated inside the trainer's nodes: each node's GPUs after the trainer's ``gpus_per_node`` that run
     replicas (engine.replica_devices); 0: none."""
+    recompute: str = "none"
+    """trainer.recompute: the trainer's activation recompute ('none', 'selective', 'full')."""
+    recompute_layers: int = 1
+    """trainer.recompute_layers: layers per unit of full recompute."""
+    cp: int = 1
+    """parallel.cp: context parallelism, each micro-batch's positions split over cp ranks."""
 
     @property
     def node_gpus(self) -> int:
@@ -64,6 +70,13 @@ class Layout:
 
     @property
     def dp(self) -> int:
+        """Data parallelism: the ranks that train different rows."""
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks one TP × PP shard is copied on (DP × CP): they reduce its gradients and shard its optimizer
+        state, and each trains 1/dp_cp of a step's tokens."""
         return self.world // (self.tp * self.pp)
 
     @property
@@ -79,7 +92,11 @@ class Layout:
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
                f"parallel.ep={self.ep}", f"parallel.etp={self.etp}",
                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
-               f"engine.tensor_parallel_size={self.engine_tp}"]
+               f"engine.tensor_parallel_size={self.engine_tp}", f"trainer.recompute={self.recompute}"]
+        if self.recompute == "full" and self.recompute_layers != 1:
+            out.append(f"trainer.recompute_layers={self.recompute_layers}")
+        if self.cp > 1:
+            out.append(f"parallel.cp={self.cp}")
         if self.colocated:
             return out + [f"engine.sleep_level={self.sleep_level}",
                           f"trainer.offload_during_rollout={str(self.offload).lower()}"]
@@ -96,7 +113,9 @@ class Layout:
                  else f"{self.engine_gpus} engine GPU{'s' if self.engine_gpus > 1 else ''} a node"
                  if self.engine_gpus else f"{self.engine_nodes} engine node{'s' if self.engine_nodes > 1 else ''}")
         moe = f" · EP {self.ep} · ETP {self.etp}" if experts else ""
-        return (f"{where}: trainer TP {self.tp} · PP {self.pp}{moe} · DP {self.dp} | "
+        recompute = f" · recompute {self.recompute}" if self.recompute != "none" else ""
+        cp = f" · CP {self.cp}" if self.cp > 1 else ""
+        return (f"{where}: trainer TP {self.tp} · PP {self.pp}{moe}{cp} · DP {self.dp}{recompute} | "
                 f"vLLM TP {self.engine_tp} × {self.engine_replicas}")
 
 
@@ -139,18 +158,20 @@ def layout_of(cfg: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
     p, e = cfg.parallel, cfg.engine
     return Layout(nodes, gpus_per_node, p.tp, p.pp, p.vpp, p.ep, p.etp or p.tp, p.sequence_parallel,
                   e.tensor_parallel_size, e.placement, e.sleep_level, cfg.trainer.offload_during_rollout,
-                  engine_only_nodes(cfg), e.replicas, engine_gpus_in_node(cfg))
+                  engine_only_nodes(cfg), e.replicas, engine_gpus_in_node(cfg), cfg.trainer.recompute,
+                  cfg.trainer.recompute_layers, p.cp)
 
 
 def apply_layout(cfg: RunConfig, lay: Layout) -> RunConfig:
     par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp,
-                  sequence_parallel=lay.sequence_parallel)
+                  sequence_parallel=lay.sequence_parallel, cp=lay.cp)
     hosts = (lay.nodes if lay.nodes > 1 else 0) if lay.engine_gpus else lay.engine_nodes
     engine = replace(cfg.engine, tensor_parallel_size=lay.engine_tp, placement=lay.placement,
                      sleep_level=lay.sleep_level if lay.colocated else 0, replicas=lay.replicas,
                      replica_nodes=hosts, replica_nodes_dedicated=lay.engine_nodes > 0,
                      replica_devices="" if lay.colocated else lay.replica_devices)
-    trainer = replace(cfg.trainer, offload_during_rollout=lay.offload)
+    trainer = replace(cfg.trainer, offload_during_rollout=lay.offload, recompute=lay.recompute,
+                      recompute_layers=lay.recompute_layers)
     return replace(cfg, parallel=par, engine=engine, trainer=trainer)
 
 

@@ -4,14 +4,21 @@
   bf16: + fp32 main weights = 12 B), divided by DP under the distributed optimizer (expert
   parameters by the expert data-parallel size). P = this rank's parameters:
   (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP.
-- activations (no recompute; megarl's trainer does not recompute): per layer and token,
-  w·(2h + 2·q + 2·kv) for attention, w·(h + 3f) for a dense MLP and
-  w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
+- activations (``trainer.recompute`` none): per layer and token, w·(2h + 2·q + 2·kv) for attention, plus the core
+  attention's own (``core_attention_floats``: none for fused attention — Transformer Engine's, or megarl's packed
+  rows through SDPA's kernels —, 2·heads·s for megatron's unfused attention of padded rows), w·(h + 3f) for a dense
+  MLP and w·(h + topk·(h + 3f_e) + h + 3f_s) for MoE, divided by TP (without sequence parallelism the
   norms' 3h stay whole), times the tokens of a micro-batch — ``trainer.max_tokens_per_microbatch`` when packed
   micro-batches are balanced by tokens (at most that many each), else micro_batch_size · max_model_len —, times
-  all layers (1F1B keeps PP microbatches of L/PP layers; interleaving adds (PP−1)/(PP·VPP)); full recompute keeps
-  only w·h per layer.
+  all layers (1F1B keeps PP microbatches of L/PP layers; interleaving adds (PP−1)/(PP·VPP)). Selective recompute
+  drops the core attention's own; full recompute keeps only each unit's input, w·h per ``trainer.recompute_layers``
+  layers (times the micro-batches in flight, as above), plus one unit's working set: its layers' activations as
+  without recompute, once (the backward recomputes one unit at a time).
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
+- context parallelism (``parallel.cp``): a rank holds 1/CP of a micro-batch's positions, so its activations and
+  (unchunked) logits are 1/CP; where keys and values are all-gathered (the CPU path, ``parallel.cp_comm_type``
+  all_gather) each layer also keeps the other ranks' (CP−1)/CP of them for the backward: 2·KV heads/TP·head dim·w a
+  token and layer (``gathered_kv_bytes``).
 - vLLM: all weights · w / engine TP; KV cache: ``engine.kv_cache_gib`` per GPU, what each engine worker reserves
   (vLLM's ``kv_cache_memory_bytes``), or with ``engine.gpu_memory_utilization`` what that share of the GPU leaves
   after the engine's weights and CUDA graphs; CUDA graphs (``engine.enforce_eager`` auto or false on GPUs): an
@@ -75,6 +82,31 @@ def activation_floats(hf: dict) -> int:
     return per_token
 
 
+def core_attention_floats(hf: dict, cfg: RunConfig, cpu: bool = False) -> int:
+    """Floats per token and layer the core attention keeps of its own, beyond its inputs q, k, v and its output
+    (which ``activation_floats`` counts): what selective recompute drops. Fused attention keeps only its softmax
+    statistics, none here: Transformer Engine's (``model.transformer_engine`` true, or auto on GPUs) and megarl's
+    packed rows through SDPA's kernels (``trainer.packing``). megatron's unfused local attention over padded rows
+    keeps the scores and their softmax, heads × s each per token (s: ``engine.max_model_len``)."""
+    te = cfg.model.transformer_engine is True or (cfg.model.transformer_engine == "auto" and not cpu)
+    if te or cfg.trainer.packing:
+        return 0
+    return 2 * hf["num_attention_heads"] * cfg.engine.max_model_len
+
+
+def recompute_activation_floats(hf: dict, recompute: str, unit_layers: int = 1, core: int = 0) -> dict:
+    """Floats per token of a micro-batch under ``recompute`` (``trainer.recompute``), whole (before TP), as two
+    parts: ``kept`` (held for the backward by every micro-batch in flight) and ``unit`` (one recompute unit's
+    working set, once). ``core``: ``core_attention_floats``."""
+    layers = hf["num_hidden_layers"]
+    whole = activation_floats(hf) + layers * core
+    if recompute == "none":
+        return {"kept": whole, "unit": 0}
+    if recompute == "selective":
+        return {"kept": whole - layers * core, "unit": 0}
+    return {"kept": layers // unit_layers * hf["hidden_size"], "unit": whole * unit_layers / layers}
+
+
 def cuda_graph_gib(hf: dict, cfg: RunConfig, lay: Layout, precision: str, cpu: bool = False) -> float:
     """vLLM's CUDA graphs on each engine GPU (``engine.enforce_eager`` auto or false; none on CPU), an estimate: the
     captured decode batches share one memory pool that their largest fills, min(2 · ``engine.slots``, 512) tokens
@@ -112,14 +144,22 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     params = shared + expert
     expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
     opt_full = params * OPTIMIZER_BYTES[precision]
-    distributed = cfg.optim.distributed_optimizer and lay.dp > 1
-    opt = (shared / lay.dp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
+    distributed = cfg.optim.distributed_optimizer and lay.dp_cp > 1
+    opt = (shared / lay.dp_cp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
     # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
     replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
-    tokens = microbatch_tokens(cfg)
+    tokens = microbatch_tokens(cfg) / lay.cp  # a CP rank's share of a micro-batch's positions
     inflight = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
-    act = ((activation_floats(hf) - replicated) / lay.tp + replicated) * tokens * w * inflight
-    act_recompute = layers * h * tokens * w / lay.tp * inflight
+    core = core_attention_floats(hf, cfg, cpu)
+    by_mode = {}
+    for mode in ("none", "selective", "full"):
+        part = recompute_activation_floats(hf, mode, lay.recompute_layers, core)
+        whole = part["kept"] * inflight + part["unit"]
+        # whole on every TP rank without SP: the norms' inputs (under full recompute a unit's), the kept layer inputs
+        rest = replicated * inflight if mode != "full" else (
+            replicated * lay.recompute_layers / layers + (part["kept"] * inflight if replicated else 0))
+        by_mode[mode] = ((whole - rest) / lay.tp + rest) * tokens * w
+    act = by_mode[lay.recompute] + gathered_kv_bytes(hf, cfg, lay, precision, cpu)
     chunk = min(cfg.optim.logprob_chunk or tokens, tokens)
     logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
 
@@ -138,11 +178,21 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     kv = kv_cache_use(hf, cfg, lay, precision, parts["kv_cache"])
     parts["total"], parts["peak"] = peak_of(parts, lay)
     parts["optimizer_without_distributed"] = opt_full / GIB
-    parts["activations_full_recompute"] = act_recompute / GIB
+    parts["activations_full_recompute"] = by_mode["full"] / GIB
+    parts["activations_by_recompute"] = {mode: v / GIB for mode, v in by_mode.items()}
     parts["kv_cache_needed"] = kv["needed"] / GIB
     parts["kv_cache_sequences"] = kv["sequences"]
     parts["kv_cache_sequences_held"] = kv["held"]
     return parts
+
+
+def gathered_kv_bytes(hf: dict, cfg: RunConfig, lay: Layout, precision: str, cpu: bool = False) -> float:
+    """The other CP ranks' keys and values a rank keeps for the backward where they are all-gathered (the CPU path,
+    or ``parallel.cp_comm_type`` all_gather on GPUs; TE's ring passes them on): its stage's layers, a micro-batch."""
+    if lay.cp == 1 or not (cpu or cfg.parallel.cp_comm_type == "all_gather"):
+        return 0.0
+    per_token = kv_bytes_per_token(hf, lay.tp, WEIGHT_BYTES[precision]) / lay.pp
+    return per_token * microbatch_tokens(cfg) * (lay.cp - 1) / lay.cp
 
 
 def peak_of(parts: dict, lay: Layout) -> tuple[float, str]:

@@ -35,11 +35,11 @@ The GPU's figures come from ``--gpu`` (a100, h100, h200, b200) or the flags of t
 assumptions. ``--cpu`` sizes CPU processes and proposes the first layout that fits (no step time).
 
 Memory per GPU (``megarl/launch/memory.py``): the trainer's weights, fp32 gradients, optimizer state (sharded by
-the distributed optimizer), activations of a micro-batch (no recompute), chunked logits; the engine's weights
-(/ engine TP) and ``engine.kv_cache_gib``; 2 GiB runtime overhead; the peak over the phases (engines asleep while
-training at sleep level 1 or 2; engine-only GPUs apart). w is ``trainer.precision``'s bytes (bf16: 2 B, fp32: 4 B);
-the engine's take ``engine.dtype``'s (auto: the trainer's). Exit status: 0 fits, 1 does not fit, 2 bad layout or
-input.
+the distributed optimizer), activations of a micro-batch (under ``trainer.recompute``: the config's when set, else
+each mode weighed: none, selective, full), chunked logits; the engine's weights (/ engine TP) and
+``engine.kv_cache_gib``; 2 GiB runtime overhead; the peak over the phases (engines asleep while training at sleep
+level 1 or 2; engine-only GPUs apart). w is ``trainer.precision``'s bytes (bf16: 2 B, fp32: 4 B); the engine's take
+``engine.dtype``'s (auto: the trainer's). Exit status: 0 fits, 1 does not fit, 2 bad layout or input.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from megarl.launch.memory import (
 from megarl.launch.model_size import count_params
 from megarl.launch.plan_args import parser, work_and_gpu
 from megarl.launch.plan_table import format_table
-from megarl.launch.ranking import ranked
+from megarl.launch.ranking import RECOMPUTE_MODES, ranked
 from megarl.launch.step_time import Work, step_time, work_of
 from megarl.models.hf_config import SUPPORTED_MODEL_TYPES, check_model_math, num_experts
 
@@ -84,13 +84,14 @@ __all__ = ["GIB", "check_layout", "count_params", "engine_only_nodes", "main", "
 LAYOUT_KEYS = {*(f"parallel.{k}" for k in ("tp", "pp", "vpp", "ep", "etp", "sequence_parallel")),
                *(f"engine.{k}" for k in ("tensor_parallel_size", "placement", "replicas"))}
 """Setting any of these (file or command line) means: check this layout; none: propose one."""
-INFO_KEYS = ("optimizer_without_distributed", "activations_full_recompute", "kv_cache_needed", "kv_cache_sequences",
-             "kv_cache_sequences_held", "peak")
+INFO_KEYS = ("optimizer_without_distributed", "activations_full_recompute", "activations_by_recompute",
+             "kv_cache_needed", "kv_cache_sequences", "kv_cache_sequences_held", "peak")
 
 
 def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float, propose: bool = False,
          precision: str = "", cpu: bool = False, gpu: Gpu | None = None, work: Work | None = None,
-         rank: bool = True, trainer_gpus: int = 0) -> dict:
+         rank: bool = True, trainer_gpus: int = 0, recompute: tuple[str, ...] = RECOMPUTE_MODES,
+         cps: tuple[int, ...] | None = None) -> dict:
     """Counts, layout, memory and step time: of the config's layout (ConfigError if impossible), or with
     ``propose`` of the fastest valid layout that fits (``--cpu``: the first; else the one closest to fitting),
     the next ones beside it. ``nodes``: the job's, engine-only nodes included. Checked for the cluster, not for
@@ -99,7 +100,10 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     the h100 preset); ``work``: the step's sequences and lengths (default ``work_of`` the config); ``rank``: weigh
     every layout (False: the first that fits, enough to say whether one does); ``trainer_gpus``: the trainer's
     processes per node (TRAINER_GPUS_PER_NODE; 0: ``gpus_per_node`` less the GPUs ``engine.replica_devices`` takes
-    there), below ``gpus_per_node`` proposing only the splits that give each node's other GPUs to replicas."""
+    there), below ``gpus_per_node`` proposing only the splits that give each node's other GPUs to replicas;
+    ``recompute``: the ``trainer.recompute`` modes a proposal weighs (the config's alone when it sets the key);
+    ``cps``: the ``parallel.cp`` it weighs (None: 1, and more for long responses where nothing fits,
+    ``ranking.ranked``)."""
     precision = precision or cfg.trainer.precision
     cfg = replace(cfg, trainer=replace(cfg.trainer, precision=precision))
     counts = count_params(hf)
@@ -111,7 +115,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         st = None if cpu else step_time(counts, hf, cfg, lay, gpu, work, mem)
     else:
         found = ranked(counts, hf, cfg, nodes, gpus_per_node, gpu_mem_gib, precision, cpu, gpu, work,
-                       first_fit=not rank, trainer_gpus=trainer_gpus)
+                       first_fit=not rank, trainer_gpus=trainer_gpus, recompute=recompute, cps=cps)
         if not found["valid"]:  # nothing is valid: the configured layout's error
             configured(hf, cfg, nodes, gpus_per_node, precision, trainer_gpus)
             raise ConfigError(f"no valid layout for {nodes} nodes × {gpus_per_node} GPUs")
@@ -152,7 +156,8 @@ def layout_dict(lay: Layout) -> dict:
             "engine_replicas": lay.engine_replicas, "placement": lay.placement, "sleep_level": lay.sleep_level,
             "offload_during_rollout": lay.offload, "engine_nodes": lay.engine_nodes, "trainer_nodes": lay.nodes,
             "engine_gpus": lay.engine_gpus, "trainer_gpus_per_node": lay.gpus_per_node,
-            "replica_devices": "" if lay.colocated else lay.replica_devices}
+            "replica_devices": "" if lay.colocated else lay.replica_devices, "recompute": lay.recompute,
+            "recompute_layers": lay.recompute_layers, "cp": lay.cp}
 
 
 def proposal(lay: Layout, mem: dict, st: dict, experts: bool) -> dict:
@@ -178,14 +183,17 @@ def sizing(cfg: RunConfig) -> dict:
 
 def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
                    precision: str, explicit: bool = False, cpu: bool = False, gpu: Gpu | None = None,
-                   work: Work | None = None) -> list[str]:
+                   work: Work | None = None, recompute: tuple[str, ...] = RECOMPUTE_MODES,
+                   cps: tuple[int, ...] | None = None) -> list[str]:
     """When the plan does not fit: the nearest changes that would, each checked by a plan of its own — the layout
     ``megarl plan`` proposes for this job (``explicit``: the config named one), a KV cache that leaves room,
-    bf16, more nodes."""
+    full activation recompute, bf16, more nodes. ``recompute``: the modes the plan weighed."""
     hints = []
 
-    def again(c: RunConfig, n: int, propose: bool, prec: str, rank: bool = False) -> dict:
-        return plan(hf, c, n, gpus_per_node, gpu_mem_gib, propose, prec, cpu, gpu, work, rank)
+    def again(c: RunConfig, n: int, propose: bool, prec: str, rank: bool = False,
+              modes: tuple[str, ...] = recompute) -> dict:
+        return plan(hf, c, n, gpus_per_node, gpu_mem_gib, propose, prec, cpu, gpu, work, rank, recompute=modes,
+                    cps=cps)
 
     if explicit:
         try:
@@ -209,6 +217,15 @@ def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu
                                  "at once)")
             except ConfigError:  # it cannot hold one sequence
                 pass
+    if "full" not in recompute or (explicit and cfg.trainer.recompute != "full"):
+        full = replace(cfg, trainer=replace(cfg.trainer, recompute="full", recompute_layers=1))
+        try:
+            mine = again(full, nodes, not explicit, precision, modes=("full",))
+            if mine["fits"]:
+                hints.append(f"trainer.recompute=full (activations {mine['memory_gib_per_gpu']['activations']:.2f} "
+                             f"GiB per GPU; about a third more training compute)")
+        except ConfigError:
+            pass
     if precision == "fp32" and again(cfg, nodes, not explicit, "bf16")["fits"]:
         hints.append("trainer.precision=bf16 (megatron's mixed precision)")
     for more in (2, 4, 8, 16):
@@ -221,15 +238,28 @@ def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu
     return hints
 
 
-def _explicit(config: str | None, overrides: list[str]) -> set[str]:
-    """Layout keys the user set, in the file or on the command line."""
+def _given(config: str | None, overrides: list[str]) -> set[str]:
+    """The ``parallel.*``, ``engine.*`` and ``trainer.*`` keys the user set, in the file or on the command line."""
     import yaml
 
     data = (yaml.safe_load(Path(config).read_text()) or {}) if config and Path(config).is_file() else {}
-    keys = {f"parallel.{k}" for k in (data.get("parallel") or {})}
-    keys |= {f"engine.{k}" for k in (data.get("engine") or {})}
-    keys |= {o.split("=", 1)[0] for o in overrides}
-    return {k for k in keys if k in LAYOUT_KEYS}
+    keys = {f"{section}.{k}" for section in ("parallel", "engine", "trainer") for k in (data.get(section) or {})}
+    return keys | {o.split("=", 1)[0] for o in overrides}
+
+
+def _explicit(config: str | None, overrides: list[str]) -> set[str]:
+    """Layout keys the user set, in the file or on the command line."""
+    return _given(config, overrides) & LAYOUT_KEYS
+
+
+def recompute_modes(cfg: RunConfig, config: str | None, overrides: list[str]) -> tuple[str, ...]:
+    """The ``trainer.recompute`` modes a proposal weighs: the config's when it sets the key, else all of them."""
+    return (cfg.trainer.recompute,) if "trainer.recompute" in _given(config, overrides) else RECOMPUTE_MODES
+
+
+def context_parallel_sizes(cfg: RunConfig, config: str | None, overrides: list[str]) -> tuple[int, ...] | None:
+    """The ``parallel.cp`` a proposal weighs: the config's when it sets the key, else None (``ranking.ranked``)."""
+    return (cfg.parallel.cp,) if "parallel.cp" in _given(config, overrides) else None
 
 
 def read_model(path: str) -> dict:
@@ -270,13 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
         res = plan(hf, cfg, args.nodes, args.gpus_per_node, mem_gib, propose, args.precision, args.cpu, gpu, work,
-                   trainer_gpus=args.trainer_gpus_per_node)
+                   trainer_gpus=args.trainer_gpus_per_node, recompute=recompute_modes(cfg, args.config, args.overrides),
+                   cps=context_parallel_sizes(cfg, args.config, args.overrides))
         if not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
             res["sizing_note"] = ("the schema defaults, the tiny CPU demo's; give your run's with --config FILE "
                                   "or key=value")
         if not res["fits"]:
             res["would_fit"] = what_would_fit(hf, cfg, args.nodes, args.gpus_per_node, mem_gib, args.precision,
-                                              not propose, args.cpu, gpu, work)
+                                              not propose, args.cpu, gpu, work,
+                                              recompute_modes(cfg, args.config, args.overrides),
+                                              context_parallel_sizes(cfg, args.config, args.overrides))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 2

@@ -71,8 +71,11 @@ def layout_line(res: dict) -> str:
     lay = res["layout"]
     experts = f"EP {lay['ep']} · ETP {lay['etp']} · " if res.get("experts") else ""
     replicas = f"{lay['engine_replicas']} replica{'s' if lay['engine_replicas'] > 1 else ''}"
-    return (f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · {experts}DP {lay['dp']}"
-            f"{' (sequence parallel)' if lay['sequence_parallel'] else ''} | vLLM TP {lay['engine_tp']} × {replicas}"
+    recompute = f" · recompute {lay['recompute']}" if lay.get("recompute", "none") != "none" else ""
+    cp = f"CP {lay['cp']} · " if lay.get("cp", 1) > 1 else ""
+    return (f"layout  trainer TP {lay['tp']} · PP {lay['pp']} · VPP {lay['vpp']} · {experts}{cp}DP {lay['dp']}"
+            f"{' (sequence parallel)' if lay['sequence_parallel'] else ''}{recompute} | vLLM TP {lay['engine_tp']} "
+            f"× {replicas}"
             f"{engines_where(lay)}{'   [proposed]' if res['proposed'] else ''}")
 
 
@@ -80,7 +83,7 @@ def memory_lines(res: dict) -> list[str]:
     """The memory rows by part, then the total against the GPU's memory and the phase it peaks in."""
     mem = res["memory_gib_per_gpu"]
     notes = {"optimizer": f"without the distributed optimizer: {amount(res['optimizer_without_distributed'], res)}",
-             "activations": f"no recompute; full recompute: {amount(res['activations_full_recompute'], res)}",
+             "activations": recompute_note(res),
              "kv_cache": kv_note(res), "cuda_graphs": "estimated (engine.enforce_eager=true: none)"}
     lines = [f"memory per {_device(res)[1]} ({unit_of(res)[0]})"]
     for key, label in ROWS:
@@ -91,6 +94,13 @@ def memory_lines(res: dict) -> list[str]:
     lines.append(f"  {'total':<22}{amount(mem['total'], res, 9)}   of {res['gpu_mem_gib']:g} GiB → {verdict} "
                  f"(the peak: {res['peak']})")
     return lines
+
+
+def recompute_note(res: dict) -> str:
+    """'trainer.recompute=full; none 9.19, selective 9.19, full 0.38': the activations under each mode."""
+    mode = res["layout"].get("recompute", "none")
+    by = res.get("activations_by_recompute") or {"full": res["activations_full_recompute"]}
+    return f"trainer.recompute={mode}; " + ", ".join(f"{m} {amount(v, res)}" for m, v in by.items())
 
 
 def routes_lines(res: dict) -> list[str]:

@@ -30,8 +30,11 @@ def ranked_lines(res: dict) -> list[str]:
 
 def train_terms(t: dict) -> str:
     return (f"  train   {_s(t['total_s']):>6} s = compute {_s(t['compute_s'])} ({t['flops']:.3g} FLOP of "
-            f"{t['tokens']:,} tokens / {t['gpus']} GPUs × {t['peak_tflops']:g} TFLOP/s × MFU {t['mfu']:g}) + TP "
-            f"{_s(t['tp_s'])} + EP {_s(t['ep_s'])} + PP bubble {_s(t['pp_s'])} ({t['microbatches']} micro-batches)"
+            f"{t['tokens']:,} tokens / {t['gpus']} GPUs × {t['peak_tflops']:g} TFLOP/s × MFU {t['mfu']:g})"
+            + (f" + recompute {_s(t['recompute_s'])} ({t['recompute']}: {t['recompute_flops']:.3g} FLOP)"
+               if t.get("recompute", "none") != "none" else "") + " + TP "
+            f"{_s(t['tp_s'])} + EP {_s(t['ep_s'])}" + (f" + CP {_s(t['cp_s'])}" if t.get("cp_s") else "")
+            + f" + PP bubble {_s(t['pp_s'])} ({t['microbatches']} micro-batches)"
             f" + DP {_s(t['dp_s'])} + optimizer {_s(t['optimizer_s'])}"
             + (" (a reference forward included)" if t["reference_forward"] else ""))
 

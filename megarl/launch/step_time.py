@@ -1,16 +1,26 @@
 """Seconds per RL step of a layout: training, rollout and weight sync, each from the model's shape, the batch and
 the GPU's figures (``gpus.Gpu``). Pure arithmetic; every term keeps the inputs it was computed from.
 
-    train    = compute + TP + EP + PP bubble + DP + optimizer
+    train    = compute + recompute + TP + EP + CP + PP bubble + DP + optimizer
       compute   FLOPs / (trainer GPUs × peak × MFU); FLOPs = T × (6·N_active + 6·L·q·s), T trained tokens
                 (sequences × (prompt + response)), s their length, q the attention width (QKᵀ and AV, halved by
                 the causal mask); a reference model (algo.kl_coef > 0) adds a forward, T × (2·N_active + 2·L·q·s)
+      recompute trainer.recompute full: the layers' forward once more in the backward, T × (2·N_layers + 2·L·q·s)
+                (N_layers: the active parameters less embedding and output head; ~+33% of the compute), and its TP
+                all-reduces and EP all-to-alls (2 more each per layer); selective: the core attention's forward,
+                T × 2·L·q·s. The plan counts expert GEMMs at the one MFU whether grouped (Transformer Engine) or not:
+                the model has no per-expert GEMM efficiency term
       TP        per GPU: (T/DP) · (L/PP) · h · w · 4 all-reduces (2 forward, 2 backward; +2 for a reference
-                forward) · 2(TP−1)/TP bytes over NVLink
+                forward, +2 under full recompute) · 2(TP−1)/TP bytes over NVLink
       EP        per GPU: T/(DP·TP) tokens · (L_moe/PP) · topk · h · w · 4 all-to-alls (dispatch and combine,
                 forward and backward), the share (EP−1)/EP leaving the GPU: over NVLink to peers in the node,
                 the network to the others
-      PP        the 1F1B bubble, (PP−1) / (micro-batches · VPP) × (compute + TP + EP), + the activations
+      CP        parallel.cp: per GPU, the keys and values of the other CP ranks' positions, each layer's all-gathered
+                in the forward and their gradients reduce-scattered in the backward (Transformer Engine's p2p ring
+                moves as many): (T/(DP·CP)) · (L/PP) · 2·kv/TP · w · 2 (+1 for a reference forward, +1 under full
+                recompute) · (CP−1) bytes over NVLink, the network when TP·CP spans nodes; T/(DP·CP) stands for
+                T/DP in TP, EP and the PP activations (a CP rank holds 1/CP of a micro-batch), and DP is DP × CP
+      PP        the 1F1B bubble, (PP−1) / (micro-batches · VPP) × (compute + recompute + TP + EP), + the activations
                 between stages: 2 (forward, backward) · (T/DP) · h · w over NVLink, the network when TP·PP
                 spans nodes
       DP        per GPU: parameters · (4 B reduce-scatter of fp32 gradients + w all-gather of weights) ·
@@ -106,30 +116,48 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     s, tokens = work.prompt_tokens + work.response_tokens, work.tokens
     flops = tokens * ((6 + 2 * ref) * counts.active + (6 + 2 * ref) * layers * q * s)
     compute = flops / (lay.world * peak_flops(cfg, gpu) * work.mfu)
+    again = recompute_flops(counts, hf, lay.recompute, tokens, s)
+    recompute = again / (lay.world * peak_flops(cfg, gpu) * work.mfu)
     nvlink, network = gpu.nvlink_gbps * 1e9, gpu.network_gbps * 1e9
-    collectives = 4 + 2 * ref
-    tp = (tokens / lay.dp * layers / lay.pp * h * w * collectives * 2 * (lay.tp - 1) / lay.tp / nvlink)
+    collectives = 4 + 2 * ref + (2 if lay.recompute == "full" else 0)
+    local = tokens / lay.dp_cp  # a rank's share of the step's tokens (a CP rank: 1/CP of its DP rank's)
+    tp = (local * layers / lay.pp * h * w * collectives * 2 * (lay.tp - 1) / lay.tp / nvlink)
     ep = 0.0
     if lay.ep > 1:
         in_node = max(1, min(lay.ep, lay.gpus_per_node // lay.etp))
-        moved = tokens / (lay.dp * lay.tp) * moe_layers(hf) / lay.pp * int(hf["num_experts_per_tok"]) * h * w
+        moved = local / lay.tp * moe_layers(hf) / lay.pp * int(hf["num_experts_per_tok"]) * h * w
         ep = moved * collectives * ((in_node - 1) / lay.ep / nvlink + (lay.ep - in_node) / lay.ep / network)
     micro = max(1, math.ceil(tokens / lay.dp / microbatch_tokens(cfg)))
     p2p_link = network if lay.tp * lay.pp > lay.gpus_per_node else nvlink  # stages on other nodes
-    p2p = 2 * (1 + ref) * tokens / lay.dp * h * w / p2p_link if lay.pp > 1 else 0.0
-    pp = (lay.pp - 1) / (micro * lay.vpp) * (compute + tp + ep) + p2p
+    p2p = 2 * (1 + ref) * local * h * w / p2p_link if lay.pp > 1 else 0.0
+    kv = 2 * hf["num_key_value_heads"] * head_dim(hf) / lay.tp
+    cp_link = network if lay.tp * lay.cp > lay.gpus_per_node else nvlink
+    cp = (local * layers / lay.pp * kv * w * (2 + ref + (lay.recompute == "full")) * (lay.cp - 1) / cp_link
+          if lay.cp > 1 else 0.0)
+    pp = (lay.pp - 1) / (micro * lay.vpp) * (compute + recompute + tp + ep + cp) + p2p
     shared, expert = rank_params(counts, lay)
-    distributed = cfg.optim.distributed_optimizer and lay.dp > 1
+    distributed = cfg.optim.distributed_optimizer and lay.dp_cp > 1
     per_param = 4 + w if distributed else 8
     expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
-    dp_bytes = per_param * (shared * (lay.dp - 1) / lay.dp + expert * (expert_dp - 1) / expert_dp)
+    dp_bytes = per_param * (shared * (lay.dp_cp - 1) / lay.dp_cp + expert * (expert_dp - 1) / expert_dp)
     dp = dp_bytes / (network if lay.nodes > 1 else nvlink)
-    shard = shared / lay.dp + expert / expert_dp if distributed else shared + expert
+    shard = shared / lay.dp_cp + expert / expert_dp if distributed else shared + expert
     optimizer = shard * OPTIMIZER_TRAFFIC / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-    terms = {"compute_s": compute, "tp_s": tp, "ep_s": ep, "pp_s": pp, "dp_s": dp, "optimizer_s": optimizer}
+    terms = {"compute_s": compute, "recompute_s": recompute, "tp_s": tp, "ep_s": ep, "cp_s": cp, "pp_s": pp,
+             "dp_s": dp, "optimizer_s": optimizer}
     return {**terms, "total_s": sum(terms.values()), "flops": flops, "tokens": tokens, "gpus": lay.world,
             "peak_tflops": peak_flops(cfg, gpu) / 1e12, "mfu": work.mfu, "microbatches": micro,
-            "reference_forward": bool(ref)}
+            "reference_forward": bool(ref), "recompute": lay.recompute, "recompute_flops": again}
+
+
+def recompute_flops(counts: Counts, hf: dict, recompute: str, tokens: int, s: int) -> float:
+    """FLOPs ``trainer.recompute`` adds to a step of ``tokens`` trained tokens of length ``s`` (the module
+    docstring's recompute): full, the layers' forward again; selective, the core attention's; none, nothing."""
+    q = hf["num_attention_heads"] * head_dim(hf)
+    attention = 2 * hf["num_hidden_layers"] * q * s
+    if recompute == "full":
+        return tokens * (2 * (counts.active - counts.embedding - counts.head) + attention)
+    return tokens * attention if recompute == "selective" else 0.0
 
 
 def decode_batch(hf: dict, cfg: RunConfig, lay: Layout, work: Work) -> int:

@@ -14,17 +14,37 @@ import torch.distributed as dist
 
 from megarl.algo.packing import PackedLayout
 from megarl.distributed.collectives import gather
+from megarl.distributed.context import gather_sequence
 from megarl.types import no_route
 
 
-def packed_seq_params(mb: dict):
+def packed_seq_params(mb: dict, cp_group=None):
     """megatron's ``PackedSeqParams`` (``thd``) of a packed micro-batch (``algo.packing.pack``), with the rows'
-    grouping the local spec's attention reads (``packed_attention.RowGroups``; TE's attention ignores it)."""
-    from megarl.trainer.packed_attention import RowGroups, RowPackedSeqParams  # (megatron's class, subclassed)
+    grouping the local spec's attention reads (``packed_attention.RowGroups``; TE's attention ignores it). Under
+    context parallelism (``cp_group``, a micro-batch split by ``algo.packing.split_for_context_parallel``) the pack's
+    ``cu_seqlens`` stay whole, its segments padded to 2·CP (also TE's ``cu_seqlens_*_padded``), and the local spec's
+    attention reads this rank's chunks (``packed_attention.ContextPlan``)."""
+    from megarl.trainer.packed_attention import (  # (megatron's class, subclassed)
+        ContextPlan,
+        RowGroups,
+        RowPackedSeqParams,
+    )
 
     cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
+    if cp_group is not None and "cp_inverse" in mb:
+        return RowPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                  cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                                  context=ContextPlan.of(cu.tolist(), cp_group))
     return RowPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                               max_seqlen_kv=longest, row_groups=RowGroups.of(cu.tolist()))
+
+
+def pack_order(local: torch.Tensor, mb: dict, cp_group) -> torch.Tensor:
+    """This CP rank's per-position values [1, t/cp] (logprobs, values, entropy) → the whole pack's [1, t], every CP
+    rank's gathered (``distributed.context.gather_sequence``, differentiably: each position's gradient goes back to
+    the rank that computed it) and put in pack order."""
+    every = gather_sequence(local[0], cp_group)
+    return every.index_select(0, mb["cp_inverse"].to(every.device)).unsqueeze(0)
 
 
 def rows_to_batch(pieces: list[tuple[torch.Tensor, torch.Tensor]], size: int, seq_len: int) -> torch.Tensor:

@@ -8,6 +8,17 @@ call: each row's queries attend causally to that row's keys only, through torch'
 Without ``packed_seq_params`` it is megatron's own attention, unchanged. Transformer Engine's
 ``TEDotProductAttention`` takes ``thd`` itself.
 
+Under context parallelism (``parallel.cp``; megatron's class refuses CP > 1 at construction, which the subclass
+bypasses) a rank holds two chunks of every row (``distributed/context.py``): its queries are those, its keys and
+values all-gathered over the CP group (``gather_sequence``: the backward sums the key and value gradients of every
+rank's queries back to the rank holding them) and put in pack order, and a query at position p of a row sees the
+row's keys at positions ≤ p: the rank's queries are put at their places in a pack of zeros and the whole pack goes
+through the causal row attention above, whose outputs at those places are the rank's (the zero queries' are dropped,
+and get no gradient). That spends a whole pack's attention on each CP rank (the linear layers, the MLP and their
+activations are 1/CP; a rank's two chunks are not contiguous, and an explicit [queries × keys] mask would make torch's
+CPU kernel keep it, L²/CP floats a layer) and keeps the reference path exact. On GPUs Transformer Engine's attention
+does CP itself, each rank its share of the attention (``cp_comm_type``).
+
 Rows of similar length go through SDPA together (``RowGroups``): a group is padded to its longest row at the end,
 where causal attention keeps every real query off the padding, and the padded positions are dropped after. One SDPA
 call per row cost more than the attention itself on CPU (a 256-row step: ~2.5 ms a call, thread-pool start-up), and
@@ -22,9 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megarl.distributed.context import chunk_positions, gather_sequence, gathered_order
 
 GROUP_RATIO = 0.75
 """Rows go in one SDPA call while the shortest is at least this share of the longest."""
@@ -64,15 +78,51 @@ class RowGroups:
 
 
 @dataclass
+class ContextPlan:
+    """Where a CP rank's queries and the gathered keys sit in a pack: ``positions`` (this rank's, in its local order),
+    ``inverse`` (each pack position's index among the CP ranks' local packs laid end to end) and the pack's
+    ``row_groups``."""
+
+    group: object
+    positions: torch.Tensor
+    inverse: torch.Tensor
+    row_groups: RowGroups
+
+    @classmethod
+    def of(cls, cu_seqlens: list[int], group) -> "ContextPlan":
+        cp = dist.get_world_size(group)
+        positions, _ = chunk_positions(cu_seqlens, cp, dist.get_rank(group))
+        return cls(group, positions, gathered_order(cu_seqlens, cp), RowGroups.of(cu_seqlens))
+
+
+@dataclass
 class RowPackedSeqParams(PackedSeqParams):
     """megatron's ``PackedSeqParams`` (``thd``) with the rows' grouping for ``PackedDotProductAttention``, computed
-    once per micro-batch (every layer reads it)."""
+    once per micro-batch (every layer reads it), and under context parallelism the ranks' chunks (``context``)."""
 
     row_groups: RowGroups | None = field(default=None)
+    context: ContextPlan | None = field(default=None)
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """megatron's local core attention, plus the packed (``thd``) format: rows from ``cu_seqlens_q``."""
+    """megatron's local core attention, plus the packed (``thd``) format: rows from ``cu_seqlens_q``; under context
+    parallelism, each rank's chunks of them against every key of their rows."""
+
+    def __init__(self, config, *args, **kwargs):
+        cp = config.context_parallel_size  # megatron-core 0.16.1 asserts CP 1 ("only supported by TE"): the CP path
+        config.context_parallel_size = 1  # is this class's own, on packed rows (``_context_parallel``)
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+
+    def _context_parallel(self, query, key, value, plan: ContextPlan, scale: float, dropout: float):
+        """This rank's queries [t/cp, heads, head dim] against their rows' keys and values of every CP rank, causal
+        by position in the row → [t/cp, heads·head dim] (the module docstring)."""
+        inverse, positions = plan.inverse.to(key.device), plan.positions.to(query.device)
+        key, value = (gather_sequence(x, plan.group).index_select(0, inverse) for x in (key, value))
+        whole = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, positions, query)
+        return self._rows(whole, key, value, plan.row_groups, scale, dropout).index_select(0, positions)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -84,7 +134,14 @@ class PackedDotProductAttention(DotProductAttention):
         # divides softmax_scale by a coefficient the softmax multiplies back)
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout = self.attention_dropout.p if self.training else 0.0
+        if (context := getattr(packed_seq_params, "context", None)) is not None:
+            return self._context_parallel(query, key, value, context, scale, dropout)
         plan = getattr(packed_seq_params, "row_groups", None) or RowGroups.of(packed_seq_params.cu_seqlens_q.tolist())
+        return self._rows(query, key, value, plan, scale, dropout)
+
+    def _rows(self, query, key, value, plan: RowGroups, scale: float, dropout: float):
+        """Each row of a pack [t, heads, head dim] (q, k, v) attending causally to its own keys → [t, heads·head dim],
+        rows of similar length through one SDPA call (``RowGroups``)."""
         dims = [(x.shape[1], x.shape[2]) for x in (query, key, value)]  # (heads, head dim): fewer KV heads under GQA
         if plan.identity:
             parts = [(query,), (key,), (value,)]

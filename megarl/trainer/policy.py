@@ -16,16 +16,24 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megarl.algo.packing import PackedLayout, pack, pack_rows, plan_microbatches, unpack
+from megarl.algo.packing import (
+    PackedLayout,
+    pack,
+    pack_rows,
+    plan_microbatches,
+    split_for_context_parallel,
+    unpack,
+)
+from megarl.checkpoint.dist import load_model_weights
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, OptimConfig
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
-from megarl.models.hf_config import num_experts
+from megarl.models.hf_config import is_dist_checkpoint, num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
 from megarl.trainer.model import ValueHead, build_gpt_model, load_hf_weights, moe_dispatcher_for
-from megarl.trainer.packed import packed_seq_params, rows_to_batch, step_metrics
+from megarl.trainer.packed import pack_order, packed_seq_params, rows_to_batch, step_metrics
 from megarl.trainer.route_recording import RouteRecording
 from megarl.trainer.route_store import RouteStore
 from megarl.trainer.routing import (
@@ -69,13 +77,21 @@ class PolicyTrainer(RouteRecording):
 
     ``packing``: each micro-batch is its rows laid end to end (``algo/packing.py``, megatron's ``thd`` path),
     ``micro_batch_size`` rows each or, with ``max_tokens_per_microbatch``, by tokens (``trainer.*`` keys; the class
-    default is unpacked, the config's packed)."""
+    default is unpacked, the config's packed). Under context parallelism (``ps.cp`` > 1, packed only) each rank
+    computes its chunks of every row (``algo.packing.split_for_context_parallel``); the logprobs are gathered over
+    the CP group before the loss, which reads whole rows (``docs/parallelism.md``); ``cp_comm_type``: Transformer
+    Engine's key/value exchange on GPUs (``parallel.cp_comm_type``).
+
+    ``recompute`` ('none', 'selective', 'full'; ``trainer.recompute``) and ``recompute_layers``: megatron's activation
+    recompute in training passes (``model.transformer_config``); the route taps replay a recomputed router's
+    first choice (``routing.RouteTap``)."""
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
                  trainable: bool = True, entropy: bool = False, fp8: str = "",
                  transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none",
-                 packing: bool = False, max_tokens_per_microbatch: int = 0) -> None:
+                 packing: bool = False, max_tokens_per_microbatch: int = 0, recompute: str = "none",
+                 recompute_layers: int = 1, cp_comm_type: str = "p2p") -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -92,16 +108,24 @@ class PolicyTrainer(RouteRecording):
         self.head, self.entropy = head, entropy
         # trainer.packing: micro-batches of rows laid end to end (algo/packing.py), by tokens when max_tokens is set
         self.packing, self.max_tokens = packing, max_tokens_per_microbatch
+        if ps.cp > 1 and not packing:  # (the CP split is that of packed rows; config.validate refuses it first)
+            raise ValueError(f"parallel.cp={ps.cp} needs packed micro-batches: set trainer.packing=true")
         moe_dispatcher = moe_dispatcher_for(moe_dispatcher, ps)  # alltoall at EP × expert TP on gloo: allgather
         # One model chunk per virtual pipeline stage (one without): chunk i holds piece i·pp + pp_rank.
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
                                         moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
-                                        transformer_engine=transformer_engine, dtype=self.dtype)
+                                        transformer_engine=transformer_engine, dtype=self.dtype,
+                                        recompute=recompute, recompute_layers=recompute_layers,
+                                        cp_comm_type=cp_comm_type)
                         for vp in range(ps.vpp)]
         last = self.modules[-1]  # the loss is computed after this chunk (on the last pipeline stage)
         if head == "value" and ps.is_last_stage:
             last.output_layer = ValueHead(hf_cfg["hidden_size"], ps.sequence_parallel, self.dtype)
-        load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=("output_layer.",) if head == "value" else ())
+        skip = ("output_layer.",) if head == "value" else ()  # (the value head starts at zero)
+        if is_dist_checkpoint(model_dir):  # hf-to-mcore's output: megatron's own loading, resharded
+            load_model_weights(self.modules, model_dir, skip)
+        else:
+            load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=skip)
         # built on the host (use_cpu_initialization); on a GPU the model, its DDP buffers and each microbatch live on
         # this rank's device, and what leaves the trainer (logprobs, values) comes back to the host
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -199,9 +223,11 @@ class PolicyTrainer(RouteRecording):
         ps, cfg = self.ps, self.tcfg
         same = ps.pp > 1 or (ps.ep > 1 and cfg.moe_token_dispatcher_type == "allgather")
         router_losses = bool(self.moe and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff))
+        rows = 2 * ps.cp if ps.cp > 1 else 1  # context parallelism: each row in 2·CP chunks, each rank's a multiple
         return plan_microbatches(batch.row_lengths(), ps.dp, self.optim_cfg.micro_batch_size, self.max_tokens,
-                                 multiple=ps.tp if ps.sequence_parallel else 1, equal_length=same,
-                                 count_multiple=ps.pp if ps.vpp > 1 else 1, by_length=not same and not router_losses)
+                                 multiple=rows * (ps.tp if ps.sequence_parallel else 1), equal_length=same,
+                                 count_multiple=ps.pp if ps.vpp > 1 else 1, by_length=not same and not router_losses,
+                                 row_multiple=rows)
 
     def _microbatches(self, batch: TrainBatch) -> list[dict]:
         mbs = self.optim_cfg.micro_batch_size
@@ -224,6 +250,8 @@ class PolicyTrainer(RouteRecording):
                 by_row = dict(zip(rows, fetched))
                 for mb, layout in zip(mbs, mine):
                     mb["routes"] = pack_rows(by_row if layout.rows else fetched, layout, no_route(store.dtype))
+            if self.ps.cp > 1:  # this CP rank's chunks of every row (``seq_length`` stays the pack's: megatron divides)
+                mbs = [split_for_context_parallel(mb, self.ps.cp, self.ps.cp_rank) for mb in mbs]
         else:
             batch = self._local(batch)
             if store is not None:  # (a new batch: ``_local`` may hand back the caller's)
@@ -233,6 +261,7 @@ class PolicyTrainer(RouteRecording):
         scale = len(mbs) * self.ps.dp  # undo the schedule's 1/M and DDP's 1/dp averaging
         temperature, head, with_entropy = self.temperature, self.head, self.entropy and not forward_only
         chunk, tp_group = self.chunk, self.ps.tp_group if self.ps.tp > 1 else None  # (None: the whole vocabulary)
+        cp_group = self.ps.cp_group if self.ps.cp > 1 else None
         last = self.modules[-1]
         output_weight = None
         if chunk and self.ps.is_last_stage:  # tied: the embedding (PP = 1) or its last-stage copy
@@ -254,7 +283,7 @@ class PolicyTrainer(RouteRecording):
             if taps := self.taps.get(id(model)):  # this chunk's routers: the microbatch's routes (or none)
                 set_targets(taps, routes, self.routing_replay != "none", stats, self.ps.tp_rank,
                             1 if held_chunk else self.ps.tp, self.ps.sequence_parallel, columns)
-            packed = packed_seq_params(mb) if "cu_seqlens" in mb else None
+            packed = packed_seq_params(mb, cp_group) if "cu_seqlens" in mb else None
             pad = padding_mask(mb) if self.moe else None  # padding left out of the MoE router losses
             with router_losses_off(model.config, pad is not None and bool(pad.all())):
                 if pad is not None and not getattr(model, "module", model).pre_process and sp > 1:
@@ -271,6 +300,10 @@ class PolicyTrainer(RouteRecording):
                     out = token_logprobs(logits, mb["labels"], temperature, tp_group)
                     if with_entropy:
                         mb["entropy"] = token_entropy(logits, temperature, tp_group)
+                if "cp_inverse" in mb:  # every CP rank's positions, in pack order (the gradient goes back to each)
+                    out = pack_order(out, mb, cp_group)
+                    if "entropy" in mb:
+                        mb["entropy"] = pack_order(mb["entropy"], mb, cp_group)
                 if packed is not None:  # each row's span of the pack: the loss reads rows, as unpacked
                     out = unpack(out, mb)
                     if "entropy" in mb:
@@ -281,9 +314,12 @@ class PolicyTrainer(RouteRecording):
                         back["rows"] = mb["rows"].cpu()
                     return torch.zeros((), requires_grad=False), back
                 per_token, metrics = loss_fn(out, mb)
-                loss = (per_token * mb["weights"]).sum() * scale
+                weighted = per_token * mb["weights"]
+                # under CP every rank has the whole rows' loss: each back-propagates the positions it computed, and
+                # megatron multiplies by CP what DDP then averages over DP × CP
+                loss = (weighted * mb["cp_own"] if "cp_own" in mb else weighted).sum() * scale
                 report = {k: v.detach().float() for k, v in metrics.items()}
-                report["loss_sum"] = loss.detach() / scale
+                report["loss_sum"] = weighted.detach().sum()
                 report["tokens"] = mb["loss_mask"].sum()  # metrics are token means: padding counts for nothing
                 return loss, report
 

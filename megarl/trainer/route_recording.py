@@ -57,6 +57,8 @@ class RouteRecording:
             return self._record_routes(batch)
 
     def _record_routes(self, batch: TrainBatch) -> tuple[RouteStore, torch.Tensor]:
+        if self.ps.cp > 1:  # (config.validate refuses it first: each CP rank's taps see its chunks of the rows only)
+            raise NotImplementedError(f"algo.routing_replay=trainer (R2) at parallel.cp={self.ps.cp}")
         taps = [t for chunk_taps in self.taps.values() for t in chunk_taps]
         for tap in taps:
             tap.recorded = []

@@ -16,8 +16,14 @@ of its own in each router's slot instead:
 Routes reach a microbatch as ``routes`` [b, s, MoE layers, k] (uint8: ``engines.routes``); a router sees its
 layer's [s·b, k] rows, sequence-major as megatron flattens [s, b, h], and under sequence parallelism only this
 TP rank's sequence chunk. Each router's MoE column comes from its global ``layer_number`` (1-based; pipeline
-stages and virtual chunks hold their own layers). The trainer runs no activation recompute, so a forward's
-targets are all a backward needs.
+stages and virtual chunks hold their own layers).
+
+Under activation recompute (``trainer.recompute: full``) a router runs twice per micro-batch: in the forward, inside
+megatron's ``tensor_parallel.checkpoint`` (no autograd graph), and again in the backward, when the pipeline schedule
+may have moved the taps on to a later micro-batch's targets (1F1B: several forwards before the first backward). The
+first call keeps the experts it returned in its tap's queue; the recomputed call takes them back in the same order
+(a chunk's backwards run in the order of its forwards), so it dispatches exactly as the first did, neither routing
+again nor counting or recording twice (``RouteTap.get_replay_topk``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.random import is_checkpointing
 
 from megarl.algo.batch import build_batch
 from megarl.models.hf_config import is_moe_layer
@@ -92,8 +99,18 @@ class RouteTap:
         self.replay = False
         self.stats: RouteStats | None = None
         self.recorded: list[torch.Tensor] | None = None  # the router's own top-k per forward (R2)
+        self.recompute: list[torch.Tensor] = []  # the experts of checkpointed forwards, for their recomputation
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if is_checkpointing() and torch.is_grad_enabled():  # the backward's recomputation: what the forward chose
+            chosen = self.recompute.pop(0).to(scores.device)
+            return scores.gather(1, chosen), chosen
+        probs, chosen = self._route(scores, topk, num_groups, group_topk, default_compute_topk)
+        if is_checkpointing():  # a forward inside megatron's checkpoint (no graph): its backward recomputes it
+            self.recompute.append(chosen.detach())
+        return probs, chosen
+
+    def _route(self, scores, topk, num_groups, group_topk, default_compute_topk):
         probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.recorded is not None:
             self.recorded.append(own.detach().to("cpu", torch.uint8 if scores.shape[1] < 255 else torch.int16))
@@ -119,6 +136,8 @@ def padding_mask(mb: dict) -> torch.Tensor | None:
     load-balancing and z losses leave it out, routing does not change): past each row's ``lengths`` unpacked, past
     the rows laid end to end packed; None where the rows' lengths are unknown."""
     ids = mb["input_ids"]
+    if "padding" in mb:  # a CP rank's chunks of a pack (algo.packing.split_for_context_parallel)
+        return mb["padding"].to(ids.device)
     if "valid" in mb:  # packed (algo/packing.py): the rows, then the padding
         lengths = mb["valid"].sum().reshape(1)
     elif "lengths" in mb:
@@ -174,6 +193,7 @@ def set_targets(taps: list[RouteTap], routes: torch.Tensor | None, replay: bool,
 def clear_targets(taps: list[RouteTap]) -> None:
     for tap in taps:
         tap.target, tap.replay, tap.stats = None, False, None
+        tap.recompute.clear()  # (empty after a whole pass; a pass that failed half-way leaves none behind)
 
 
 def recorded_rows(taps: list[RouteTap], seq_local: int) -> dict[int, torch.Tensor]:
@@ -190,14 +210,10 @@ def recorded_rows(taps: list[RouteTap], seq_local: int) -> dict[int, torch.Tenso
 
 def replay_blockers(config) -> list[str]:
     """What in a megatron-core ``TransformerConfig`` keeps the taps from holding the routes: the fused top-k never
-    asks the router's replay slot; recompute runs a router again in the backward, when the taps hold another
-    micro-batch's targets or none."""
+    asks the router's replay slot. (Recompute does not: a recomputed router replays its first call, ``RouteTap``.)"""
     out = []
     if getattr(config, "moe_router_fusion", False):
         out.append("moe_router_fusion=True (the fused top-k bypasses the replay slot)")
-    if getattr(config, "recompute_granularity", None):
-        out.append(f"recompute_granularity={config.recompute_granularity!r} (the recomputed router would route "
-                   "again, without this micro-batch's targets)")
     return out
 
 

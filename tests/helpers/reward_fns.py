@@ -34,3 +34,9 @@ def slow_match(response: str, answer: str, **_) -> float:
     """1.0 when the response ends with the answer, after ``SLOW_REWARD_S`` seconds (a slow verifier: a long phase)."""
     time.sleep(float(os.environ.get("SLOW_REWARD_S", "1")))
     return float(response.strip().endswith(str(answer)))
+
+
+def character_variety(response: str, answer: str, **_) -> float:
+    """The share of distinct characters in the response: a reward that differs between a random model's samples (so
+    their advantages, the RL loss and its gradient are not zero)."""
+    return len(set(response)) / max(1, len(response))

@@ -38,6 +38,12 @@ LAYOUTS = {
     # at 2 processes EP 2 leaves the dense part DP 2: the distributed optimizer shards its fp32 main params
     "bf16_ep2_distopt": dict(precision="bf16", ep=2, distributed_optimizer=True),
     "bf16_dp2_distopt": dict(precision="bf16", distributed_optimizer=True),
+    # context parallelism (parallel.cp, packed rows): 2 processes share each row; at 4, with TP 2 + SP or DP 2
+    "cp2": dict(cp=2),
+    "ep2_cp2": dict(ep=2, cp=2),
+    "tp2_sp_cp2": dict(tp=2, cp=2, sequence_parallel=True),
+    "dp2_cp2": dict(cp=2),
+    "pp2_cp2": dict(pp=2, cp=2),
 }
 
 

@@ -176,6 +176,45 @@ def test_fp8_without_transformer_engine_is_a_config_error():
         validate(load_config(None, ["model.transformer_engine=true"]), 1, MOE)
 
 
+def test_transformer_engine_auto_resolves_off_on_cpu_and_true_is_refused_here(tmp_path):
+    """model.transformer_engine: auto | true | false, YAML booleans included; auto is off without CUDA and TE (this
+    machine), true is refused before launch naming the key; trainer.recompute and its unit are checked too."""
+    from megarl.config.validate.limits import cuda_available
+    from megarl.config.validate.settings import resolved_transformer_engine, transformer_engine_error
+
+    assert load_config(None, []).model.transformer_engine == "auto"
+    (tmp_path / "te.yaml").write_text("model:\n  transformer_engine: false\n")
+    assert load_config(tmp_path / "te.yaml").model.transformer_engine is False
+    assert load_config(None, ["model.transformer_engine=true"]).model.transformer_engine is True
+    with pytest.raises(ConfigError, match="model.transformer_engine must be one of 'auto', True, False; got 'gpu'"):
+        load_config(None, ["model.transformer_engine=gpu"])
+    if cuda_available() and transformer_engine_error() is None:
+        pytest.skip("gpu: CUDA and Transformer Engine are here; auto resolves on (tests/gpu)")
+    assert resolved_transformer_engine(load_config(None, [])) is False
+    assert resolved_transformer_engine(load_config(None, ["model.transformer_engine=false"])) is False
+    validate(load_config(None, []), 1, MOE)  # auto: no refusal on CPU
+    with pytest.raises(ConfigError, match="model.transformer_engine=true needs Transformer Engine on a GPU"):
+        validate(load_config(None, ["model.transformer_engine=true"]), 1, MOE)
+
+
+def test_recompute_keys_are_checked_before_launch(capsys):
+    from megarl.config.validate.limits import unread_keys
+
+    with pytest.raises(ConfigError, match="trainer.recompute must be one of 'none', 'selective', 'full'"):
+        load_config(None, ["trainer.recompute=block"])
+    with pytest.raises(ConfigError, match="trainer.recompute_layers must be >= 1"):
+        validate(load_config(None, ["trainer.recompute=full", "trainer.recompute_layers=0"]), 1, MOE)
+    # 4 layers at PP 2: 2 a stage; units of 4 would run past a stage's last layer
+    with pytest.raises(ConfigError, match=r"trainer.recompute_layers=4 must divide the layers of a model chunk under "
+                                          r"trainer.recompute=full: 4 layers / \(parallel.pp=2 × parallel.vpp=1\) = 2; "
+                                          r"valid: \[1, 2\]"):
+        validate(load_config(None, ["trainer.recompute=full", "trainer.recompute_layers=4", "parallel.pp=2"]), 2, MOE)
+    validate(load_config(None, ["trainer.recompute=full", "trainer.recompute_layers=2", "parallel.pp=2"]), 2, MOE)
+    validate(load_config(None, ["trainer.recompute=selective", "algo.routing_replay=trainer"]), 1, MOE)
+    assert unread_keys(load_config(None, ["trainer.recompute_layers=2"])) == [
+        "trainer.recompute_layers=2 is not read with trainer.recompute=none (only with full)"]
+
+
 def test_a_float16_engine_under_a_bf16_trainer_is_said_before_launch(tmp_path, capsys):
     """The overflow the note names is real: a bf16 weight the sync casts to the engine's float16 becomes inf."""
     from megarl.config.validate.limits import FLOAT16_MAX

@@ -63,3 +63,30 @@ def test_a_new_pack_gets_its_own_table():
         cu = torch.tensor(cu, dtype=torch.int32)
         theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
         assert torch.equal(attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group), theirs)
+
+
+class GroupOf:
+    """Rank ``rank`` of a context-parallel group of ``size`` (all megatron's ``thd`` RoPE asks of it)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("cp,rank", [(2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("cu,table", [([0, 16, 24, 40], 16), ([0, 16], 16)])  # (one row: a table per position)
+def test_packed_rope_of_a_context_parallel_rank_equals_megatrons(cu, table, cp, rank):
+    """Under context parallelism a rank holds chunks ``rank`` and 2·CP−1−``rank`` of every segment: the cached table
+    gives them the positions megatron's ``thd`` RoPE gives them (``_get_thd_freqs_on_this_cp_rank``)."""
+    cache_packed_rope()
+    g = torch.Generator().manual_seed(cp + rank + table)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    freqs, config, group = torch.randn(table, 1, 1, 8, generator=g), Config(False), GroupOf(cp, rank)
+    t = torch.randn(int(cu[-1]) // cp, 2, 8, generator=g)
+    theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
+    assert torch.equal(attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group), theirs)

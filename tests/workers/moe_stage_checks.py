@@ -6,9 +6,9 @@ transformers with some layers dense (``mlp_only_layers``).
 With the trainer at ``LAYOUT`` (tests/helpers/trainers.py): R2's recording of the trainer's own routes, a logprob
 pass replaying them and a training step replaying them — each measures the routing agreement, a collective every
 rank enters. Then replay's start-up self-check (``routing.check_replay_holds``): as built, with the last router's
-tap taken out of its slot (what megatron's fused top-k does to every router), and under activation recompute.
-Rank 0 prints one JSON line: the recorded routes (per MoE column), the logprobs with and without replay, the
-agreements, what each self-check raised.
+tap taken out of its slot (what megatron's fused top-k does to every router), and under activation recompute
+(which holds). Rank 0 prints one JSON line: the recorded routes (per MoE column), the logprobs with and without
+replay, the agreements, what each self-check raised.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def divisors(n: int) -> list[int]:
 def check_world_layout(cfg, world_size: int, hf: dict | None = None) -> None:
     """``parallel.*`` and the colocated engine TP against the world size (the model's experts when ``hf`` is given)."""
     p = cfg.parallel
-    for key in ("tp", "pp", "vpp", "ep"):
+    for key in ("tp", "pp", "vpp", "ep", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.etp < 0:
@@ -25,17 +25,42 @@ def check_world_layout(cfg, world_size: int, hf: dict | None = None) -> None:
     if world_size % (p.tp * p.pp):
         raise ConfigError(f"parallel.tp × parallel.pp = {p.tp}×{p.pp} must divide the world size {world_size}; "
                           f"valid tp×pp products: {divisors(world_size)}")
-    dp = world_size // (p.tp * p.pp)
+    if world_size % (p.tp * p.pp * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp}: tp × pp × cp = {p.tp}×{p.pp}×{p.cp} must divide the world size "
+                          f"{world_size}; valid cp: {divisors(world_size // (p.tp * p.pp))}")
+    check_context_parallel(cfg)
+    dp = world_size // (p.tp * p.pp * p.cp)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
     etp = p.etp or p.tp
-    if (p.ep * etp) > 1 and (dp * p.tp) % (p.ep * etp):
+    if (p.ep * etp) > 1 and (dp * p.tp * p.cp) % (p.ep * etp):
         raise ConfigError(expert_layout_error(p, dp, num_experts(hf) if hf else 0))
     e = cfg.engine
     if e.placement == "colocated" and (e.tensor_parallel_size < 1 or world_size % e.tensor_parallel_size):
         raise ConfigError(  # world/TP colocated replicas (megarl/engines/colocated.py); TP = world: one engine
             f"engine.tensor_parallel_size={e.tensor_parallel_size} must divide the world size {world_size} "
             f"(colocated placement: world/TP engine replicas); valid: {divisors(world_size)}")
+
+
+def check_context_parallel(cfg) -> None:
+    """``parallel.cp`` > 1 against the trainer's settings: CP cuts packed rows (each padded to a multiple of 2·cp, so
+    rows of any length run), hence ``trainer.packing``; a token budget holds a row's padded length only when it is a
+    multiple of 2·cp; R2's recording is not split over CP ranks."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.cp == 1:
+        return
+    if not t.packing:
+        raise ConfigError(f"parallel.cp={p.cp} cuts packed rows over the CP ranks: set trainer.packing=true "
+                          "(padded micro-batches, trainer.packing=false, have no context-parallel path)")
+    if t.max_tokens_per_microbatch % (2 * p.cp):
+        budget = t.max_tokens_per_microbatch
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={budget} must be a multiple of 2 × parallel.cp = "
+                          f"{2 * p.cp} (each row is padded to a multiple of 2·cp; a row of the budget's length must "
+                          f"fit): e.g. {-(-budget // (2 * p.cp)) * 2 * p.cp}")
+    if cfg.algo.routing_replay == "trainer":
+        raise ConfigError(f"algo.routing_replay=trainer (R2: the trainer records its own routes) is not supported at "
+                          f"parallel.cp={p.cp}; valid there: none, rollout, auto (the engine's routes, split over CP "
+                          "ranks like the tokens)")
 
 
 def check_model_layout(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0, vpp: int = 1,
@@ -135,15 +160,16 @@ def check_replica_share(replicas: int, replica_nodes: int) -> None:
 def expert_layout_error(p, dp: int, experts: int = 0) -> str:
     """Why ``parallel.ep × parallel.etp`` does not divide tp×dp: etp's default (0 → tp) spelled out, the valid ep
     values (dividing tp×dp/etp and the expert count) and, when etp defaulted, those with ``parallel.etp=1``."""
-    etp, group = p.etp or p.tp, dp * p.tp
+    etp, group = p.etp or p.tp, dp * p.tp * p.cp
 
     def valid(e: int) -> list[int]:
         return [d for d in divisors(group // e) if not experts or experts % d == 0] if group % e == 0 else []
 
     implicit = f" (parallel.etp=0 → parallel.tp={p.tp})" if not p.etp and p.tp > 1 else ""
     of = f" and the {experts} experts" if experts else ""
-    msg = (f"parallel.ep={p.ep} × parallel.etp={etp}{implicit} = {p.ep * etp} must divide tp×dp = {group}; "
-           f"valid ep (dividing tp×dp / etp{of}): {valid(etp) or 'none with this etp'}")
+    dims = "tp×cp×dp" if p.cp > 1 else "tp×dp"
+    msg = (f"parallel.ep={p.ep} × parallel.etp={etp}{implicit} = {p.ep * etp} must divide {dims} = {group}; "
+           f"valid ep (dividing {dims} / etp{of}): {valid(etp) or 'none with this etp'}")
     if etp > 1:
         msg += f" (or set parallel.etp=1: valid ep {valid(1)})"
     return msg

@@ -9,7 +9,7 @@ import importlib.util
 import os
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RolloutConfig, RunConfig
+from megarl.config.schema import RolloutConfig, RunConfig, TrainerConfig
 
 
 def cuda_available() -> bool:
@@ -46,7 +46,8 @@ def check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"{key} must be in [0, 1), got {value} (e.g. 0.9 and 0.999)")
     if o.lr_decay == "cosine" and o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the cosine decays from lr to min_lr)")
-    for key, value in (("optim.micro_batch_size", o.micro_batch_size), ("warmup.batch_size", w.batch_size)):
+    for key, value in (("optim.micro_batch_size", o.micro_batch_size), ("warmup.batch_size", w.batch_size),
+                       ("trainer.recompute_layers", cfg.trainer.recompute_layers)):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if not 0 < r.top_p <= 1:
@@ -197,4 +198,7 @@ def unread_keys(cfg: RunConfig) -> list[str]:
                    f"rollout.overlap={r.overlap} (only in partial mode and with rollout.overlap=async)")
     if r.mode == "on_policy" and not r.long_rounds and r.long_round_groups:
         out.append(f"rollout.long_round_groups={r.long_round_groups} is not read with rollout.long_rounds=false")
+    if cfg.trainer.recompute != "full" and cfg.trainer.recompute_layers != TrainerConfig.recompute_layers:
+        out.append(f"trainer.recompute_layers={cfg.trainer.recompute_layers} is not read with trainer.recompute="
+                   f"{cfg.trainer.recompute} (only with full)")
     return out

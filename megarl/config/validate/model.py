@@ -10,9 +10,15 @@ from pathlib import Path
 from megarl.config.errors import ConfigError
 from megarl.config.schema import RunConfig, captures_routes, route_capture_limit
 from megarl.config.validate.algo import needed_learners
-from megarl.config.validate.layout import check_model_layout
+from megarl.config.validate.layout import check_model_layout, divisors
 from megarl.config.validate.limits import check_engine_head_size, cuda_available, vllm_route_output_problem
-from megarl.models.hf_config import check_sequence_length, num_experts, read_hf_config
+from megarl.models.hf_config import (
+    check_sequence_length,
+    is_dist_checkpoint,
+    model_files_dir,
+    num_experts,
+    read_hf_config,
+)
 
 # Deferred imports below (each marked): torch comes with megarl.models.tiny and megarl.checkpoint; config errors and
 # ``megarl plan`` on a login node stay instant without it.
@@ -20,8 +26,8 @@ from megarl.models.hf_config import check_sequence_length, num_experts, read_hf_
 
 def model_config(cfg: RunConfig) -> dict:
     """The HF config the run will use: the checkpoint's, or the tiny model's it will create."""
-    path = Path(cfg.model.path) / "config.json"
-    if path.is_file():
+    path = model_files_dir(cfg.model.path) / "config.json"
+    if path.is_file() or is_dist_checkpoint(cfg.model.path):  # (a dist checkpoint without hf/: read_hf_config says so)
         return read_hf_config(cfg.model.path)
     if cfg.model.make_tiny:
         from megarl.models.tiny import TinyShape, hf_config  # deferred: torch (see above)
@@ -34,6 +40,7 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
     """The layout, the sequence length and (``here``: on this machine's vLLM) the attention head size."""
     p = cfg.parallel
     check_model_layout(hf, p.tp, p.pp, p.ep, p.etp, p.vpp, model=cfg.model.path)
+    check_recompute(cfg, hf)
     if num_experts(hf) and p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(f"parallel.tp={p.tp} on an MoE model needs parallel.sequence_parallel=true "
                           "(megatron-core refuses MoE + TP without it)")
@@ -52,11 +59,37 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
         raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
                           f"max_position_embeddings ({hf['max_position_embeddings']})")
     try:
-        check_sequence_length(hf, cfg.engine.max_model_len, f"{cfg.model.path}/config.json")
+        check_sequence_length(hf, cfg.engine.max_model_len, f"{model_files_dir(cfg.model.path)}/config.json")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if here:  # (the attention backends of this machine's vLLM build)
-        check_engine_head_size(hf, f"{cfg.model.path}/config.json")
+        check_engine_head_size(hf, f"{model_files_dir(cfg.model.path)}/config.json")
+
+
+def check_recompute(cfg: RunConfig, hf: dict) -> None:
+    """``trainer.recompute=full`` runs units of ``trainer.recompute_layers`` layers (megatron's method 'uniform'),
+    which must tile each model chunk's layers: megatron would index past the chunk's last layer otherwise."""
+    t, p = cfg.trainer, cfg.parallel
+    chunk = hf["num_hidden_layers"] // (p.pp * p.vpp)
+    if t.recompute == "full" and chunk % t.recompute_layers:
+        raise ConfigError(f"trainer.recompute_layers={t.recompute_layers} must divide the layers of a model chunk "
+                          f"under trainer.recompute=full: {hf['num_hidden_layers']} layers / (parallel.pp={p.pp} × "
+                          f"parallel.vpp={p.vpp}) = {chunk}; valid: {divisors(chunk)}")
+
+
+def check_start_checkpoint(cfg: RunConfig, hf: dict) -> None:
+    """``model.path`` a megatron dist checkpoint (``hf-to-mcore``'s output): its tensors are of the model its
+    ``hf/config.json`` describes (``checkpoint/identity.py``), so a checkpoint of another model, or one converted with
+    another config, is refused before launch naming the file."""
+    from megarl.checkpoint.identity import ModelMismatch, check_same_model  # deferred: torch (see above)
+
+    path = Path(cfg.model.path)
+    try:
+        check_same_model(path, hf, f"its {model_files_dir(path) / 'config.json'}")
+    except ModelMismatch as exc:
+        raise ConfigError(f"model.path={cfg.model.path}: {exc}") from None
+    except (OSError, EOFError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"model.path={cfg.model.path}: not a readable megatron dist checkpoint ({exc})") from None
 
 
 def validate_resume_model(cfg: RunConfig, hf: dict) -> None:

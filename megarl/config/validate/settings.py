@@ -191,6 +191,16 @@ def transformer_engine_error() -> str | None:
     return None
 
 
+def resolved_transformer_engine(cfg: RunConfig) -> bool:
+    """``model.transformer_engine`` as the trainer applies it: 'auto' is on where CUDA and Transformer Engine are
+    importable (a GPU machine with megarl[gpu]), off elsewhere (CPU); true and false as given (true without them
+    is refused before launch: ``validate``). Called once, by the session, before the trainers are built."""
+    te = cfg.model.transformer_engine
+    if te == "auto":
+        return cuda_available() and transformer_engine_error() is None
+    return bool(te)
+
+
 def _validate_model_keys(cfg: RunConfig) -> None:
     """``model.fp8`` and ``model.transformer_engine`` need Transformer Engine on a GPU."""
     m = cfg.model
@@ -200,9 +210,12 @@ def _validate_model_keys(cfg: RunConfig) -> None:
     if m.fp8 and (why := transformer_engine_error()) is not None:
         raise ConfigError(f"model.fp8={m.fp8!r} needs Transformer Engine on a GPU, which is not importable here "
                           f"({why}); install megarl[gpu] on a CUDA machine or set model.fp8=''")
-    if m.transformer_engine and (why := transformer_engine_error()) is not None:
+    if m.transformer_engine is True and (why := transformer_engine_error()) is not None:
         raise ConfigError(f"model.transformer_engine=true needs Transformer Engine on a GPU, which is not "
-                          f"importable here ({why}); set model.transformer_engine=false")
+                          f"importable here ({why}); set model.transformer_engine=auto (off without it) or false")
+    if m.transformer_engine is True and not cuda_available():
+        raise ConfigError("model.transformer_engine=true needs Transformer Engine on a GPU, and CUDA is absent here; "
+                          "set model.transformer_engine=auto (off on CPU) or false")
 
 
 def _validate_env(cfg: RunConfig) -> None:
