@@ -339,6 +339,8 @@ class TrainConfig:
     """Steps in a row with a non-finite loss or gradient (each skipped, weights untouched) that stop the run."""
     export_hf_every: int = 0
     """Export the policy as an HF checkpoint to run_dir/hf/step_N every N steps (0: only at the end)."""
+    export_shard_gib: float = 5.0
+    """Largest safetensors file of the HF export (the hub's and transformers' usual 5 GB; an index names them all)."""
     trace: bool = False
     """Write run_dir/trace.json, a Chrome trace (Perfetto, chrome://tracing): generate, reward, train and sync spans,
     one track per engine replica and trainer rank."""

@@ -70,7 +70,8 @@ def export_policy(s, step: int, final: bool = False) -> Path | None:
     due = bool(every) and step % every == 0
     if (final and due and step > 0) or (not final and not due):  # (final: the loop just exported it)
         return None
-    path = export_hf(s.trainer, s.cfg.model.path, Path(s.run_dir) / "hf" / f"step_{step}")
+    path = export_hf(s.trainer, s.cfg.model.path, Path(s.run_dir) / "hf" / f"step_{step}",
+                     max_shard_bytes=int(s.cfg.train.export_shard_gib * 2**30))
     if path is not None:
         log.info(f"exported the policy as an HF checkpoint: {path}")
     return path

@@ -223,19 +223,3 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Te
         else:
             raise KeyError(f"no Megatron name for HF tensor {name!r}")
     return out
-
-
-def save_hf_checkpoint(out_dir: str, named: Iterable[tuple[str, torch.Tensor]], like_dir: str) -> None:
-    """Write HF-named tensors as ``model.safetensors`` beside the config and tokenizer files of ``like_dir``."""
-    import shutil
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    out, src = Path(out_dir), Path(like_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out / f.name)
-    tensors = {name: t.detach().contiguous().clone() for name, t in named}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -16,7 +16,7 @@ import torch
 from helpers.trainers import hf_weights
 from megarl.config import load_config
 from megarl.config.presets import PRESETS
-from megarl.models.hf_adapter import save_hf_checkpoint
+from megarl.convert.export import export_hf
 from megarl.session import build_controller, build_learners, build_session
 from megarl.train import rl_step
 from megarl.trainer.sft import supervised_warmup, task_examples
@@ -37,7 +37,7 @@ def main(workdir: str, *presets: str) -> None:
     # A short supervised warm-up so that rewards vary within groups (a random policy scores 0 everywhere
     # and every advantage would be 0); the presets then start from this checkpoint.
     supervised_warmup(s.trainer, s.tokenizer, task_examples(s.task, s.tokenizer), 60, 64, 3e-3, log=lambda *a: None)
-    save_hf_checkpoint(str(work / "warm"), hf_weights(s.trainer), str(work / "model"))
+    export_hf(s.trainer, work / "model", work / "warm")
     base = [b for b in base if not b.startswith(("model.path", "model.make_tiny"))] + [f"model.path={work / 'warm'}"]
     engines, source, score = s.controller.engines, s.controller.next_prompt, s.controller.score
     out = {}

@@ -52,6 +52,8 @@ def check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if not t.export_shard_gib > 0:
+        raise ConfigError(f"train.export_shard_gib must be > 0, got {t.export_shard_gib} (e.g. 5: files of 5 GiB)")
 
 
 def check_engine_sizes(cfg: RunConfig) -> None:
