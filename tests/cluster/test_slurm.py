@@ -126,6 +126,7 @@ def two_core_nodes(tmp_path_factory):
     yield from _cluster(tmp_path_factory, SLURM_TEST_CPUS="2")
 
 
+@pytest.mark.slow  # (a cluster of its own, 40 s; the container's srun options stay in test_slurm_requeue.py)
 def test_the_sites_sbatch_options_and_a_task_of_the_nodes_cores_reach_the_job(two_core_nodes, tmp_path):
     """MEGARL_SBATCH_ARGS (partition, time, comment ...) after the example's own options, sbatch's SBATCH_* from
     the environment, and --cpus-per-task from the partition's nodes (sinfo: 2 cores each here; Slurm's default is

@@ -11,11 +11,11 @@ from helpers.hf_models import make_hf_model
 from helpers.scripts import run_script
 from megarl.models.tiny import TinyShape, make_tiny_model
 
-SLOW = pytest.mark.slow  # (each case is two 2-process runs: the default run keeps one of each kind)
+SLOW = pytest.mark.slow  # (each case is two 2-process runs: the default run keeps MoE's chained case and DP 2 -> 2)
 CASES = [
-    ("qwen2", "tp2", "single"),
+    pytest.param("qwen2", "tp2", "single", marks=SLOW),
     pytest.param("qwen2", "pp2", "single", marks=SLOW),
-    ("qwen3_moe", "pp2_vpp2", "single"),  # interleaved chunks ('model0', 'model1') into one model
+    pytest.param("qwen3_moe", "pp2_vpp2", "single", marks=SLOW),  # interleaved chunks ('model0', 'model1') into one
     pytest.param("qwen2", "single", "pp2_vpp2", marks=SLOW),
     pytest.param("qwen2", "dp2", "single", marks=SLOW),
     ("qwen3_moe", "ep2_alltoall", "single"),  # the MoE chained-optimizer case (chained_0. prefixes)
@@ -58,7 +58,7 @@ def test_dense_and_moe_layers_checkpoint_reshards_with_optimizer_state(tmp_path,
     reshard(tmp_path, make_hf_model(tmp_path / "model", spec, seed=5), saved_at, loaded_at)
 
 
-@pytest.mark.parametrize("loaded_at", ["single", "dp2"])
+@pytest.mark.parametrize("loaded_at", [pytest.param("single", marks=SLOW), "dp2"])
 def test_a_checkpoint_saved_before_any_optimizer_step_resumes(tmp_path, loaded_at):
     """A policy saved during the critic's warm-up (VAPO's value pre-training) has no Adam state: its resume was
     megatron's KeyError 'optimizer.state.exp_avg... not in state dict'. A fresh optimizer is that state."""

@@ -57,6 +57,7 @@ def test_math_example_trains_with_reward_and_data_metrics_in_tensorboard(trained
     assert 0 < s["data/epoch"][-1] < 1  # 4 of the ~66 rows drawn
 
 
+@pytest.mark.slow  # (31 s; a dist checkpoint into a trainer stays in the default run: test_start_from_dist.py)
 def test_megarl_eval_on_a_run_dir_loads_its_dist_checkpoint(trained):
     run = trained / "run"
     got = run_script(["tests/workers/eval_checks.py", str(CONFIG), str(run), *tiny(trained)])

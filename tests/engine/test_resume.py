@@ -152,6 +152,7 @@ def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the
     assert sent and "step 1: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
     assert RunCheckpoints(run).steps()[0] == 1 and "eval after RL" not in out
 
+@pytest.mark.slow  # (a whole session started to train nothing: 11 s)
 def test_a_finished_run_resubmitted_says_it_has_nothing_to_train(baseline, tmp_path):
     """A requeued or resubmitted job whose run is done: it says so and changes nothing (no step, no re-export)."""
     model, run, records, _ = baseline

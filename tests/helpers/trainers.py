@@ -61,6 +61,22 @@ def fixed_batch(vocab: int, n: int = 8, prompt: int = 5, seq: int = 20):
     return build_batch(prompts, responses, logps, adv, loss_agg="token_mean", seq_len=seq)
 
 
+def seeded_layout(spec: dict, model_dir: str) -> tuple:
+    """What a worker building trainers at a layout starts with: the parallel state of ``spec`` (a ``LAYOUTS`` entry
+    less its trainer keys), the CPU adapter, every seed at 0, and the model's HF config: (ps, cfg)."""
+    from megarl.compat.megatron import activate_cpu
+    from megarl.distributed.parallel import build_parallel_state
+    from megarl.models.hf_config import read_hf_config
+
+    ps = build_parallel_state(**spec)
+    activate_cpu()
+    from megatron.core import tensor_parallel  # (megatron's RNG tracker: after the CPU adapter)
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return ps, read_hf_config(model_dir)
+
+
 def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
 
@@ -70,9 +86,6 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """
     import dataclasses
 
-    from megarl.compat.megatron import activate_cpu
-    from megarl.distributed.parallel import build_parallel_state
-    from megarl.models.hf_config import read_hf_config
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
@@ -82,13 +95,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     optim_keys = {f.name for f in dataclasses.fields(optim)}
     optim = dataclasses.replace(optim,
                                 **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
-    ps = build_parallel_state(**spec)
-    activate_cpu()
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = read_hf_config(model_dir)
+    ps, cfg = seeded_layout(spec, model_dir)
     return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head,
                                     precision=precision)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from workers.packing_checks import MAX_TOKENS, STEPS, packing_batch  # noqa: E402
 
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS  # noqa: E402
+from helpers.trainers import LAYOUTS, seeded_layout  # noqa: E402
 
 
 def main(layout: str, model_dir: str, out_path: str, head: str = "lm", logprobs: str = "full", spec: str = "local",
@@ -36,22 +36,14 @@ def main(layout: str, model_dir: str, out_path: str, head: str = "lm", logprobs:
     from megarl.algo.batch import aggregation_weights
     from megarl.algo.losses import value_loss
     from megarl.algo.objective import policy_loss_fn
-    from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import AlgoConfig, OptimConfig
-    from megarl.distributed.parallel import build_parallel_state
-    from megarl.models.hf_config import num_experts, read_hf_config
+    from megarl.models.hf_config import num_experts
     from megarl.trainer.policy import PolicyTrainer
     from megarl.weight_sync.gather import gather_full_megatron
 
     spec = dict(LAYOUTS[layout])
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
-    ps = build_parallel_state(**spec)
-    activate_cpu()
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = read_hf_config(model_dir)
+    ps, cfg = seeded_layout(spec, model_dir)
     experts = num_experts(cfg)
     chunked = logprobs == "chunk"
     optim = OptimConfig(lr=1e-5, micro_batch_size=1, grad_clip=1.0, logprob_chunk=8 if chunked else 0)

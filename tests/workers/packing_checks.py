@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS, every_stage_routes  # noqa: E402
+from helpers.trainers import LAYOUTS, every_stage_routes, seeded_layout  # noqa: E402
 
 MAX_TOKENS = 24
 """The token budget of the packed-by-tokens trainer, and the longest row of the batch."""
@@ -62,22 +62,14 @@ def packing_batch(vocab: int, experts: int = 0, layers: int = 0, k: int = 2):
 
 
 def build(layout: str, model_dir: str, head: str, precision: str):
-    from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import OptimConfig
-    from megarl.distributed.parallel import build_parallel_state
-    from megarl.models.hf_config import num_experts, read_hf_config
+    from megarl.models.hf_config import num_experts
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
     spec.pop("rows", None)
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
-    ps = build_parallel_state(**spec)
-    activate_cpu()
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = read_hf_config(model_dir)
+    ps, cfg = seeded_layout(spec, model_dir)
     moe = bool(num_experts(cfg))
     # full logits (and the entropy) at one process; logprobs from hidden states in chunks elsewhere
     entropy = layout == "single" and head == "lm"

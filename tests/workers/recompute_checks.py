@@ -28,27 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from workers.packing_checks import packing_batch  # noqa: E402
 
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS  # noqa: E402
+from helpers.trainers import LAYOUTS, seeded_layout  # noqa: E402
 
 MODES = ("none", "selective", "full")
 
 
 def build(layout: str, model_dir: str):
-    from megarl.compat.megatron import activate_cpu
     from megarl.config.schema import OptimConfig
-    from megarl.distributed.parallel import build_parallel_state
-    from megarl.models.hf_config import num_experts, read_hf_config
+    from megarl.models.hf_config import num_experts
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
     dispatcher = spec.pop("moe_dispatcher", "alltoall")
-    ps = build_parallel_state(**spec)
-    activate_cpu()
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    cfg = read_hf_config(model_dir)
+    ps, cfg = seeded_layout(spec, model_dir)
     moe = bool(num_experts(cfg))
     chunk = cfg["num_hidden_layers"] // (ps.pp * ps.vpp)
     optim = OptimConfig(lr=1e-4, micro_batch_size=2, grad_clip=1.0, logprob_chunk=8)
