@@ -176,10 +176,14 @@ class RunKeeper:
     def stop(self, step: int, stop: StopRun) -> None:
         """Stop now: save the state of ``step`` done steps (or of the step whose weight sync failed: its update is
         done, its controller state advanced). A preemption's save does not wait for the phase in flight."""
+        trained = self.trained_to > step  # a sync stopped it: the step's update made, its end not reached
         step = max(step, self.trained_to)
         fault = not stop.preempted
         self.stopped, self.error, self.requeue = str(stop), fault, fault and not stop.fatal
-        self.save(step, exact=not stop.preempted)
+        with self.s.pipeline.pause(exact=not stop.preempted) if trained else contextlib.nullcontext():
+            if trained:  # the pipeline counts that step done too (as end_of_step would): its saved counts are the
+                self.s.pipeline.step_done(self.s.policy_version, min(self.s.engines.served_versions()))  # run's
+            self.save(step, exact=not stop.preempted)
         self.say(f"step {step}: {stop}; checkpoint saved, stopping")
 
     def finish(self, step: int) -> None:

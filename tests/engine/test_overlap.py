@@ -198,6 +198,25 @@ def test_a_run_preempted_under_async_mid_phase_resumes_to_the_end_losing_nothing
 
 
 @pytest.mark.slow
+def test_a_run_a_failed_sync_stopped_resumes_its_pipeline_at_the_step_it_trained(model, tmp_path):
+    """async at k = 0, a replica killed right before step 2's sync audit and engine.max_restarts=0: the sync stops
+    the run with a checkpoint of step 2 (its update made) and exit 75. The pipeline is saved at that step too, so the
+    resumed run generates its next batch and trains to the end (its pipeline one step behind, the resumed trainer
+    waited forever for a batch no phase would start)."""
+    run = tmp_path / "run"
+    extra = ["rollout.overlap=async", "rollout.staleness_limit=0", "sync.check_every=1", "engine.replicas=2",
+             "train.save_every=0"]
+    out = _train(model, run, *extra, "engine.max_restarts=0",
+                 env={"MEGARL_TEST_FAULT": "replica_dies_before_audit@2"}, rc=75)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002", out[-3000:]
+    state = final_state(run)
+    assert state["step"] == 2 and state["pipeline"]["done"] == 2, state["pipeline"]
+    out = _train(model, run, *extra, timeout=300)
+    assert "resumed from" in out and [r["step"] for r in _steps(run)][-1] == STEPS
+    no_prompt_lost_or_twice(final_state(run))
+
+
+@pytest.mark.slow
 def test_async_evaluates_every_step_under_a_short_watchdog(model, tmp_path):
     """An evaluation after every step beside the generating thread, with a 20 s hang timeout: each thread's guarded
     calls have their own watchdog slot, and the healthy run ends (one shared slot once let a returned call's slot
