@@ -74,7 +74,7 @@ class Episodes:
             self._forget(where)
             key = None
         elif key is None:  # mid-episode, its instance in a worker no more: rebuilt from the state a checkpoint kept
-            state = self.restore.pop(where, None)
+            state = self._take_restored(where)
             if state is None:  # (``sweep`` restarts such samples before they run: a safeguard)
                 s.env_error = f"lost: {LOST}"
                 return False
@@ -95,6 +95,14 @@ class Episodes:
         self.pool.submit(key, dict(row or {}), text, state)
         self.waiting[key] = s
         s.status = SampleStatus.WAITING
+
+    def _take_restored(self, where: tuple[int, int]) -> bytes | None:
+        """The instance a loaded checkpoint kept for ``where``, for the call that rebuilds it; it stays what a
+        checkpoint keeps until that call's answer replaces it (taken in flight, a checkpoint would lose it)."""
+        state = self.restore.pop(where, None)
+        if state is not None:
+            self.saved[where] = state
+        return state
 
     def _forget(self, where: tuple[int, int]) -> None:
         for kept in (self.saved, self.unpicklable, self.restore):
@@ -175,7 +183,7 @@ class Episodes:
                     continue
                 if s.status == SampleStatus.WAITING and (not s.env_messages or where in self.restore):
                     self.pool.resumed += 1  # (its first turn's call needs no instance: it is built afresh)
-                    self._ask(where, s, g.item.extras, self.restore.pop(where, None))
+                    self._ask(where, s, g.item.extras, self._take_restored(where))
                 elif where in self.restore:
                     self.pool.resumed += 1  # (its next turn's end rebuilds the instance: ``turn_ended``)
                 else:

@@ -436,3 +436,20 @@ def test_samples_waiting_on_a_slow_tool_count_as_work_to_come_for_admission(tok,
     finally:
         pool.close()
         rewards.close()
+
+
+def test_a_checkpoint_while_a_resumed_episodes_call_is_in_flight_keeps_its_instance(tok, monkeypatch):
+    """After a resume, an episode's next call takes its instance out of what the checkpoint handed back; until the
+    answer comes, a checkpoint must still hold that instance (the one the call started from: the sample waits, and a
+    resume asks again), not lose it and restart the episode from its prompt."""
+    monkeypatch.setenv("SLOW_ENV_S", "0.05")
+    rows = [{"turns": 2}, {"turns": 4}] * 2
+    state, c, pool, rewards = interrupted(tok, "helpers.envs:Slow", rows, **PARTIAL)
+    kept = state["episodes"]["saved"]
+    try:
+        c.episodes.sweep(c.live)  # the samples that waited are asked again at once: their calls in flight
+        assert c.episodes.waiting and not set(kept) & set(c.episodes.restore)  # (taken out by those calls)
+        assert c.episodes.state_dict()["saved"] == kept
+    finally:
+        pool.close()
+        rewards.close()
