@@ -7,7 +7,8 @@
                                       │  reply = env.step(response); the instance pickled after it (``state``)
     poll() ◄── EnvResult(key, message | None, error, state) ◄──┘
                past timeout_s: the worker is killed and replaced; its call times out, and every other episode it
-               held is lost (its instance died with it): each ends at its next call, counted in ``env/lost``
+               held is lost (its instance died with it): its next call is answered so, counted in ``env/lost``
+               (``rollout/turns.py`` then rebuilds the instance from the one kept after its last answer)
 
 Unlike a reward call, ``submit`` returns at once: the rollout controller goes on generating while environments work,
 and collects their answers with ``poll``. A call that raises, returns a wrong type, hangs past ``env.timeout_s`` or

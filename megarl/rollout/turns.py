@@ -61,6 +61,7 @@ class Episodes:
         self.saved: dict[tuple[int, int], bytes] = {}
         self.unpicklable: dict[tuple[int, int], str] = {}
         self.restore: dict[tuple[int, int], bytes] = {}
+        self.rows: dict[tuple[int, int], dict] = {}  # (group, sample) → its row's columns (an episode asked again)
         self.lock = threading.RLock()  # the controller's: a checkpoint sees the samples and their instances at once
 
     def turn_ended(self, index: int, j: int, s: Sample, row: dict | None) -> bool:
@@ -91,6 +92,7 @@ class Episodes:
         key = self.keys.get(where)
         if key is None:
             key = self.keys[where] = (*where, next(self.serial))
+        self.rows[where] = dict(row or {})
         text = turn_text(self.tokenizer, s.segments()[-1][1], self.turn_ends)
         self.pool.submit(key, dict(row or {}), text, state)
         self.waiting[key] = s
@@ -105,7 +107,7 @@ class Episodes:
         return state
 
     def _forget(self, where: tuple[int, int]) -> None:
-        for kept in (self.saved, self.unpicklable, self.restore):
+        for kept in (self.saved, self.unpicklable, self.restore, self.rows):
             kept.pop(where, None)
 
     def answers(self, timeout: float = 0.0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -131,6 +133,11 @@ class Episodes:
             if s is None or self.keys.get(where) != r.key or s.status != SampleStatus.WAITING:
                 continue  # (its episode ended meanwhile: the sample started again, or a failed phase reset it)
             s.env_s += r.seconds
+            if r.kind == "lost" and where in self.saved:  # its worker was replaced for another episode's failed call:
+                self.keys.pop(where, None)  # its instance rebuilt on a worker from the one kept after its last answer
+                self.pool.resumed += 1  # (env/resumed), and this call asked again
+                self._ask(where, s, self.rows.get(where), self.saved[where])
+                continue
             if r.error:
                 s.env_error = f"{r.kind}: {r.error}"
                 log.warning("environment: sample %s: the episode ends after turn %d (%s)", where, s.turns, s.env_error)

@@ -453,3 +453,22 @@ def test_a_checkpoint_while_a_resumed_episodes_call_is_in_flight_keeps_its_insta
     finally:
         pool.close()
         rewards.close()
+
+
+def test_an_episode_whose_worker_a_hung_call_took_down_goes_on_from_its_kept_instance(tok, monkeypatch):
+    """A call that hangs past env.timeout_s gets its worker killed and replaced; the other episodes that worker held
+    lost their instances with it. Each one with an instance kept after its last answer (what a checkpoint keeps) is
+    rebuilt on a worker from it and its call asked again, counted in env/resumed, and runs all its turns; only the
+    hung episodes end."""
+    monkeypatch.setenv("SLOW_ENV_S", "0.2")  # (a slow tool: the hung episodes start while the others are mid-way)
+    c, _, pool, rewards = controller(tok, [{"turns": 4}, {"turns": 3, "mode": "hang"}], env="helpers.envs:Slow")
+    try:
+        groups, _ = c.run_phase(0)
+    finally:
+        pool.close()
+        rewards.close()
+    ok, hung = sorted(groups, key=lambda g: g.prompt_index)
+    assert all(s.env_error.startswith("timeout") for s in hung.samples) and pool.timeouts == 2
+    assert pool.lost >= 1  # (the premise: a hang took down a worker holding another episode)
+    assert_whole_episodes(tok, [ok])  # every turn of the other episodes, none ended by the hang
+    assert pool.resumed == pool.lost
