@@ -17,6 +17,9 @@ floor. One line per layout, each figure the largest over its ranks, as a fractio
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,12 +34,23 @@ MOE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=2, num_attentio
 LAYOUTS = [("TP 1", "dense", "single", 1), ("TP 2", "dense", "tp2", 2), ("EP 2", "moe", "ep2_alltoall", 2)]
 
 
+def measure(check: str, nproc: int) -> list[dict]:
+    """``tests/workers/load_checks.py CHECK`` under torchrun, the environment as it is (no thread count set: what
+    torchrun and megarl choose) but for the allocator's threshold that lets a freed buffer leave RSS; each rank's
+    figures."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           "tests/workers/load_checks.py", check], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{check} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])[check]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="where to write the two checkpoints (default: a temporary dir)")
     args = parser.parse_args()
     from helpers.hf_models import make_hf_model
-    from helpers.scripts import run_script
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
@@ -46,9 +60,7 @@ def main() -> None:
                                        **MOE)}
         for label, kind, layout, nproc in LAYOUTS:
             check = f"memory:{models[kind]}:{layout}"
-            ranks = run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                                "tests/workers/load_checks.py", check],
-                               env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})[check]
+            ranks = measure(check, nproc)
             ckpt = ranks[0]["checkpoint_bytes"]
             sliced, whole, shard = (max(r[key] for r in ranks) / ckpt for key in ("sliced", "whole", "shard_bytes"))
             assert all(r["same"] for r in ranks), f"{label}: the two paths loaded different parameters"
