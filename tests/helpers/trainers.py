@@ -77,6 +77,12 @@ def seeded_layout(spec: dict, model_dir: str) -> tuple:
     return ps, read_hf_config(model_dir)
 
 
+def relative_gap(weights: dict, reference: dict) -> float:
+    """The largest gap of any tensor to the reference's, relative to that tensor's largest entry (at least 1e-2)."""
+    return max(float((weights[k].float() - reference[k].float()).abs().max()
+                     / reference[k].float().abs().max().clamp(min=1e-2)) for k in reference)
+
+
 def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
     """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
 

@@ -72,6 +72,16 @@ def test_section_must_be_mapping(tmp_path):
          r"pp × vpp = 8 must divide the number of layers \(4\); valid vpp: \[1, 2\]"),
         (["parallel.pp=2", "parallel.vpp=2"], 2, None),
         (["rollout.samples_per_prompt=1"], 1, "samples_per_prompt must be >= 2"),
+        # context parallelism (parallel.cp): its world, packed rows, token budget, R2 and the expert group
+        (["parallel.cp=2"], 2, None),
+        (["parallel.cp=0"], 1, "parallel.cp must be >= 1"),
+        (["parallel.cp=3"], 2, r"parallel.cp=3: tp × pp × cp = 1×1×3 must divide the world size 2; valid cp: \[1, 2\]"),
+        (["parallel.cp=2", "trainer.packing=false"], 2, "parallel.cp=2 .* set trainer.packing=true"),
+        (["parallel.cp=2", "trainer.max_tokens_per_microbatch=30"], 2,
+         r"trainer.max_tokens_per_microbatch=30 must be a multiple of 2 × parallel.cp = 4 .*e.g. 32"),
+        (["parallel.cp=2", "algo.routing_replay=trainer"], 2, "algo.routing_replay=trainer .* parallel.cp=2"),
+        (["parallel.cp=2", "parallel.ep=2"], 2, None),  # the expert group spans the CP ranks (megatron's layout)
+        (["parallel.cp=2", "parallel.ep=4"], 2, r"parallel.ep=4 × parallel.etp=1 = 4 must divide tp×cp×dp = 2"),
     ],
 )
 def test_impossible_layouts_are_explained(overrides, world, message):

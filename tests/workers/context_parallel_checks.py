@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers, workers
-from workers.packing_checks import MAX_TOKENS, STEPS, packing_batch  # noqa: E402
+from workers.packing_checks import MAX_TOKENS, STEPS, packing_batch, step_loss  # noqa: E402
 
 from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import LAYOUTS, seeded_layout  # noqa: E402
@@ -34,9 +34,7 @@ from helpers.trainers import LAYOUTS, seeded_layout  # noqa: E402
 def main(layout: str, model_dir: str, out_path: str, head: str = "lm", logprobs: str = "full", spec: str = "local",
          precision: str = "fp32") -> None:
     from megarl.algo.batch import aggregation_weights
-    from megarl.algo.losses import value_loss
-    from megarl.algo.objective import policy_loss_fn
-    from megarl.config.schema import AlgoConfig, OptimConfig
+    from megarl.config.schema import OptimConfig
     from megarl.models.hf_config import num_experts
     from megarl.trainer.policy import PolicyTrainer
     from megarl.weight_sync.gather import gather_full_megatron
@@ -71,12 +69,7 @@ def main(layout: str, model_dir: str, out_path: str, head: str = "lm", logprobs:
     steps, weights = [], {}
     for agg, algo in STEPS:
         batch.weights = aggregation_weights(mask, agg, norm_tokens=MAX_TOKENS)
-        if head == "value":
-            def loss_fn(v, mb):
-                return value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
-        else:
-            loss_fn = policy_loss_fn(AlgoConfig(loss_agg=agg, **algo))
-        steps.append(trainer.train_step(batch, loss_fn))
+        steps.append(trainer.train_step(batch, step_loss(head, agg, algo)))
         if len(steps) == 1:  # the weights after one step (later ones compound Adam's sign-like first steps)
             weights = gather_full_megatron(trainer.modules, ps, cfg["num_hidden_layers"], experts)
     plan = [[mb.rows for mb in rank] for rank in trainer._plan(batch)]

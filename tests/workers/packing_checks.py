@@ -28,12 +28,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS, every_stage_routes, seeded_layout  # noqa: E402
+from helpers.trainers import LAYOUTS, every_stage_routes, relative_gap, seeded_layout  # noqa: E402
 
 MAX_TOKENS = 24
 """The token budget of the packed-by-tokens trainer, and the longest row of the batch."""
 STEPS = [("token_mean", dict()), ("seq_mean_token_mean", dict(kl_coef=0.1)),
          ("seq_mean_token_sum_norm", dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4))]
+
+
+def step_loss(head: str, agg: str, algo: dict):
+    """One of ``STEPS``' objectives: the critic's clipped value loss, or the policy loss of ``agg`` and ``algo``."""
+    from megarl.algo.losses import value_loss
+    from megarl.algo.objective import policy_loss_fn
+    from megarl.config.schema import AlgoConfig
+
+    if head == "value":
+        return lambda v, mb: value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
+    return policy_loss_fn(AlgoConfig(loss_agg=agg, **algo))
 
 
 def packing_batch(vocab: int, experts: int = 0, layers: int = 0, k: int = 2):
@@ -87,9 +98,6 @@ def build(layout: str, model_dir: str, head: str, precision: str):
 
 def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32") -> None:
     from megarl.algo.batch import aggregation_weights
-    from megarl.algo.losses import value_loss
-    from megarl.algo.objective import policy_loss_fn
-    from megarl.config.schema import AlgoConfig
     from megarl.models.hf_config import num_experts
     from megarl.weight_sync.gather import gather_full_megatron
 
@@ -137,20 +145,14 @@ def main(layout: str, model_dir: str, head: str = "lm", precision: str = "fp32")
         held = {name: t.hold_routes(arrays, batch) for name, t in trainers.items()}
     for agg, algo in STEPS:
         batch.weights = aggregation_weights(mask, agg, norm_tokens=MAX_TOKENS)
-        if head == "value":
-            def loss_fn(v, mb):
-                return value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
-        else:
-            loss_fn = policy_loss_fn(AlgoConfig(loss_agg=agg, **algo))
+        loss_fn = step_loss(head, agg, algo)
         out["steps"].append({name: t.train_step(dataclasses.replace(batch, routes=held[name]) if held else batch,
                                                 loss_fn) for name, t in trainers.items()})
         if len(out["steps"]) == 1:  # the weights after one step (later ones compound Adam's sign-like first steps)
             full = {name: gather_full_megatron(t.modules, ps, cfg["num_hidden_layers"], experts)
                     for name, t in trainers.items()}
             for name, weights in full.items():
-                out["weight_gap"][name] = max(float((weights[k].float() - full["unpacked"][k].float()).abs().max()
-                                                    / full["unpacked"][k].float().abs().max().clamp(min=1e-2))
-                                              for k in full["unpacked"])
+                out["weight_gap"][name] = relative_gap(weights, full["unpacked"])
     if ps.rank == 0:
         print(json.dumps(out), flush=True)
     if dist.is_initialized():

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from workers.packing_checks import packing_batch  # noqa: E402
 
 from helpers.processes import end_process_group  # noqa: E402
-from helpers.trainers import LAYOUTS, seeded_layout  # noqa: E402
+from helpers.trainers import LAYOUTS, relative_gap, seeded_layout  # noqa: E402
 
 MODES = ("none", "selective", "full")
 
@@ -96,8 +96,7 @@ def main(layout: str, model_dir: str) -> None:
     full = {mode: gather_full_megatron(t.modules, ps, cfg["num_hidden_layers"], experts)
             for mode, t in trainers.items()}
     for mode, weights in full.items():
-        out["weight_gap"][mode] = max(float((weights[k] - full["none"][k]).abs().max()
-                                            / full["none"][k].abs().max().clamp(min=1e-2)) for k in full["none"])
+        out["weight_gap"][mode] = relative_gap(weights, full["none"])
     if ps.rank == 0:
         print(json.dumps(out), flush=True)
     if dist.is_initialized():
