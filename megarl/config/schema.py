@@ -74,6 +74,10 @@ class DataConfig:
     """System message put first in every prompt that has none ('' : none)."""
     chat_template: str = "auto"
     """'auto' (the tokenizer's chat template, plain text if it has none), 'none' (plain text), or a Jinja file path."""
+    enable_thinking: Literal["auto", True, False] = "auto"
+    """Passed to the chat template as ``enable_thinking`` for prompts and environment messages: true or false (Qwen3's
+    reasoning switch: false ends each generation prompt with an empty ``<think>`` block; a template that does not
+    read it renders the same), 'auto' (not passed: the template's default, Qwen3's thinking on)."""
     max_prompt_tokens: int = 0
     """Drop prompts longer than this many tokens, counted as data/prompts_too_long
     (0: max_model_len − max_new_tokens)."""

@@ -145,7 +145,8 @@ def _length_renderer(cfg, tools: list | None = None, model_files: Path | None = 
     if (model / "tokenizer_config.json").is_file() or (model / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        return PromptRenderer(AutoTokenizer.from_pretrained(str(model)), d.chat_template, d.system_prompt, tools)
+        return PromptRenderer(AutoTokenizer.from_pretrained(str(model)), d.chat_template, d.system_prompt, tools,
+                              d.enable_thinking)
     return lambda p: (as_messages(p, d.system_prompt), None)
 
 

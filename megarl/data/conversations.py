@@ -86,11 +86,12 @@ class ConversationRenderer:
     """A conversation → ``(prompt ids, response ids, model mask)``: the trajectory a rollout of the same episode
     builds (``rollout/turns.py``), with 1.0 on the model's tokens and 0.0 on the environment's."""
 
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "", tools: list | None = None
-                 ) -> None:
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "", tools: list | None = None,
+                 enable_thinking=None) -> None:
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
-        self.prompt = PromptRenderer(tokenizer, chat_template, system_prompt, tools)
-        self.turn = TurnRenderer(tokenizer, self.prompt.template)  # (build_episodes' renderer of answers)
+        self.prompt = PromptRenderer(tokenizer, chat_template, system_prompt, tools, enable_thinking)
+        self.turn = TurnRenderer(tokenizer, self.prompt.template,  # (build_episodes' renderer of answers)
+                                 enable_thinking=enable_thinking)
 
     def __call__(self, prompt: list[dict], episode: list[dict]) -> tuple[list[int], list[int], list[float]]:
         _, prompt_ids = self.prompt(prompt)

@@ -172,7 +172,7 @@ def build_prompts(d, tokenizer, task=None, default_max_prompt_tokens: int = 0, t
     the functions its chat template describes (``PromptRenderer``)."""
     if not d.path:
         return AdditionSource(task, tokenizer)
-    render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt, tools)
+    render = PromptRenderer(tokenizer, d.chat_template, d.system_prompt, tools, d.enable_thinking)
     eval_store = RowStore(d.eval_path, "data.eval_path") if d.eval_path else None
     return DatasetSource(RowStore(d.path), render, keys_of(d), d.max_prompt_tokens or default_max_prompt_tokens,
                          d.on_bad_row, d.seed, d.shuffle, eval_store, d.eval_size, keys_of(d, "data.eval_path"))

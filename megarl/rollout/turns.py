@@ -270,7 +270,8 @@ def build_episodes(cfg, tokenizer, on_call: Callable[[float, float], None] | Non
     if not e.fn:
         return None
     rank, world = rank_and_world()
-    render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template))
+    render = TurnRenderer(tokenizer, load_template(tokenizer, cfg.data.chat_template),
+                          enable_thinking=cfg.data.enable_thinking)
     pool = EnvPool(e.fn, e.workers, e.timeout_s, tools=e.tools, runs=rank == 0)
     return Episodes(pool, render, tokenizer, e.max_turns, cfg.rollout.max_new_tokens, on_call,
                     shared=world > 1 and cfg.engine.placement == "colocated")

@@ -66,7 +66,8 @@ def warmup_examples(cfg, tokenizer, task) -> Callable[[int], list[Example]]:
     if not cfg.warmup.path:
         return task_examples(task, tokenizer)
     d = cfg.data
-    render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env))
+    render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env),
+                                  d.enable_thinking)
     return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len)
 
 
