@@ -20,7 +20,10 @@ training, and each has every core while they take turns), which every run prints
 per second); ``ceiling`` is what overlap could reach from ``none``'s phase times, (T_gen + T_train) / max(T_gen,
 T_train), with each side as fast as it is alone on every core (an upper bound: a side on half the cores is slower).
 The modes run one after the other, interleaved over ``--repeats`` rounds; the figures are the medians.
-``--controller`` adds the SortedRL controller's cost per token event, on simulated engines, alone and with a
+One_step and async train stale tokens, so they run AReaL's decoupled objective (``algo.decoupled_ppo: auto``: a
+proximal forward over the batch each step); ``--uncorrected`` adds both with it off, and ``*_correction_cost`` is
+their trained tokens per second without it over with it. ``--controller`` adds the SortedRL controller's cost per
+token event, on simulated engines, alone and with a
 trainer's matmuls running in the same process (as rank 0 runs it beside training under overlap). Settings after
 the options go to every run: ``data.max_digits=12 data.tail_alpha=0.5 rollout.max_new_tokens=128
 engine.max_model_len=160`` gives the task a longer tail (the demo's step is training-heavy).
@@ -29,7 +32,7 @@ engine.max_model_len=160`` gives the task a longer tail (the demo's step is trai
 (its warm-up, 200 held-out prompts) trains ``S`` seconds of RL wall time under each of ``--wall-modes`` and reports
 pass@1 after RL, the steps each fitted in ``S``, and each mode's pass@1 minus ``none``'s, per seed and averaged.
 
-    .venv/bin/python bench/overlap.py [--steps 12] [--repeats 3] [--controller]
+    .venv/bin/python bench/overlap.py [--steps 12] [--repeats 3] [--controller] [--uncorrected]
     .venv/bin/python bench/overlap.py --controller-only
     .venv/bin/python bench/overlap.py --equal-wall 300 [--seeds 0,1,2] [--wall-modes none,async]
 """
@@ -75,10 +78,11 @@ def warm_start(work: Path, args) -> Path:
     return work / "warm" / "hf" / "step_0"
 
 
-def run(mode: str, work: Path, tag: str, args, warm: Path) -> dict:
+def run(mode: str, work: Path, tag: str, args, warm: Path, *extra: str) -> dict:
     """Throughput figures of one run of ``--steps`` steps from ``warm`` (the first ``--skip`` left out)."""
     rows, placement = train(work, tag, mode, [f"train.steps={args.steps}", "train.time_limit_s=0", "data.eval_size=1",
-                                              "warmup.steps=0", f"train.seed={args.seed}", *args.overrides], warm)
+                                              "warmup.steps=0", f"train.seed={args.seed}", *args.overrides, *extra],
+                            warm)
     steps = [r for r in rows if "timing/step_s" in r][args.skip:]
     if not steps:
         raise SystemExit(f"{tag}: no step past --skip {args.skip}")
@@ -105,6 +109,9 @@ def ratios(none: dict, got: dict[str, dict]) -> dict:
         line[f"{m}_tokens_vs_none"] = got[m]["tokens_per_s"] / none["tokens_per_s"]
     line["ceiling"] = (none["t_gen"] + none["t_train"]) / max(none["t_gen"], none["t_train"])
     line["async_of_ceiling"] = line["async_tokens_vs_none"] / line["ceiling"]
+    for m in ("one_step", "async"):  # --uncorrected: what the default off-policy correction costs
+        if f"{m}_uncorrected" in got:
+            line[f"{m}_correction_cost"] = got[f"{m}_uncorrected"]["tokens_per_s"] / got[m]["tokens_per_s"]
     return line
 
 
@@ -180,6 +187,8 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2", help="train.seed of the --equal-wall runs")
     p.add_argument("--wall-modes", default="none,async", help="rollout.overlap of the --equal-wall runs (first: the "
                    "baseline)")
+    p.add_argument("--uncorrected", action="store_true", help="also one_step and async with algo.decoupled_ppo="
+                   "false: the cost of their default off-policy correction (a proximal forward per step)")
     p.add_argument("overrides", nargs="*", help="more key=value settings for every run")
     args = p.parse_args()
     if args.steps <= args.skip or args.repeats < 1:
@@ -199,6 +208,9 @@ def main() -> int:
         for r in range(args.repeats):
             none = run("none", work, f"none-{r}", args, warm)
             got = {m: run(m, work, f"{m}-{r}", args, warm) for m in ("one_step", "async")}
+            if args.uncorrected:  # the same modes with the decoupled objective (their default) turned off
+                got.update({f"{m}_uncorrected": run(m, work, f"{m}-uncorrected-{r}", args, warm,
+                                                    "algo.decoupled_ppo=false") for m in ("one_step", "async")})
             line = {"round": r, **ratios(none, got)}
             print(json.dumps(line), flush=True)
             rounds.append(line)

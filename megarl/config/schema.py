@@ -227,9 +227,11 @@ class AlgoConfig:
     mask_high: float = 2.0
     """algo.tis=mask_token|mask_sequence: the band's upper bound, inclusive (> 1; IcePop used 5). A sequence's
     geometric mean moves far less than one token's ρ: mask_sequence wants a band near 1 (verl: 1.0001 to 1.001)."""
-    decoupled_ppo: bool = False
+    decoupled_ppo: Literal["auto", True, False] = "auto"
     """AReaL's decoupled PPO for stale samples: clip against the proximal policy (the trainer's logprobs before the
-    update), weight by min(π_prox/π_behaviour, tis_cap) per token (algo.tis=token's computation, named)."""
+    update, one more forward over the batch), weight by min(π_prox/π_behaviour, tis_cap) per token (algo.tis=token's
+    computation, named). 'auto': on where the run trains stale tokens (rollout.overlap one_step, or async or partial
+    rollouts at staleness_limit ≥ 1) and neither algo.tis nor policy_loss=cispo corrects them; else off."""
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95

@@ -19,6 +19,7 @@ from megarl.algo.losses import masked_fractions, mismatch_metrics, mismatch_weig
 from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import resolved_decoupled_ppo
 from megarl.trainer.policy import PolicyTrainer
 from megarl.types import Group, TrainBatch
 
@@ -83,13 +84,13 @@ def _train(learner: PolicyTrainer, batch: TrainBatch, loss_fn, cfg: RunConfig, s
     return {k: v / counts[k] for k, v in sums.items()}
 
 
-def proximal_level(a) -> str | None:
+def proximal_level(a, decoupled: bool) -> str | None:
     """The mismatch correction when the loss clips against the proximal policy (``algo.tis``: truncated IS or a mask
-    of π_prox/π_behaviour, ``mismatch_weights``; ``algo.decoupled_ppo`` alone: 'token'), None when it clips against
-    the behaviour policy."""
+    of π_prox/π_behaviour, ``mismatch_weights``; ``decoupled``, ``algo.decoupled_ppo`` as resolved, alone: 'token'),
+    None when it clips against the behaviour policy."""
     if a.tis != "none":
         return a.tis
-    return "token" if a.decoupled_ppo else None
+    return "token" if decoupled else None
 
 
 def proximal_correction(prox: torch.Tensor, batch: TrainBatch, mode: str, a) -> dict[str, float]:
@@ -115,8 +116,9 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
     if a.routing_replay == "trainer" and learners.policy.taps:  # R2: this step's first routes, replayed in its updates
         batch.routes, own = learners.policy.record_routes(batch)
         agreement = dict(learners.policy.route_stats) if engine_routes is not None else {}  # own vs the engine's
-    if (level := proximal_level(a)) is not None:  # decoupled: ratio against the proximal policy, IS weight for the rest
-        # (the policy before this update: AReaL's proximal policy; R2's recording pass computed it already)
+    if (level := proximal_level(a, resolved_decoupled_ppo(cfg))) is not None:  # decoupled: ratio against the
+        # proximal policy, IS weight for the rest (the policy before this update: AReaL's proximal policy; R2's
+        # recording pass computed it already)
         prox = own if own is not None else learners.policy.logprobs(batch)
         out.update(proximal_correction(prox, batch, level, a))
     if learners.reference is not None:

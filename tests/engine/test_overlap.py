@@ -51,6 +51,7 @@ def test_one_step_trains_each_batch_one_version_after_the_weights_that_sampled_i
     steps = _steps(one_step)
     assert len(steps) == STEPS and steps[0]["rollout/staleness_max"] == 0
     assert all(r["rollout/staleness_max"] == 1 and r["rollout/staleness_mean"] > 0 for r in steps[1:])
+    assert all("mismatch/abs_max" in r for r in steps)  # the decoupled objective's proximal forward: the default here
     state = final_state(one_step)
     assert state["pipeline"]["generated"] == STEPS and state["pipeline"]["done"] == STEPS  # none past the last step
     no_prompt_lost_or_twice(state)

@@ -308,11 +308,11 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_with_a_token_is_weight(
     from megarl.config.schema import AlgoConfig
     from megarl.trainer.rl_update import proximal_level
 
-    assert proximal_level(AlgoConfig()) is None  # plain PPO: the ratio against the behaviour logprobs
-    assert proximal_level(AlgoConfig(decoupled_ppo=True)) == "token"
-    assert proximal_level(AlgoConfig(decoupled_ppo=True, tis="sequence")) == "sequence"
+    assert proximal_level(AlgoConfig(), False) is None  # plain PPO: the ratio against the behaviour logprobs
+    assert proximal_level(AlgoConfig(), True) == "token"
+    assert proximal_level(AlgoConfig(tis="sequence"), True) == "sequence"
     prox, beh = torch.log(torch.tensor([[0.5, 0.9]])), torch.log(torch.tensor([[0.1, 0.9]]))
-    w = mismatch_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(decoupled_ppo=True)), cap=2.0)
+    w = mismatch_weights(prox, beh, torch.ones(1, 2), proximal_level(AlgoConfig(), True), cap=2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0]]))  # min(π_prox/π_behaviour, cap) per token
 
 
@@ -445,8 +445,8 @@ def test_the_proximal_correction_weights_masks_and_reports_the_batch():
     prox = torch.zeros_like(batch.old_logprobs)
     prox[:, -5:] = PROX  # the response's label positions
     a = AlgoConfig(tis="mask_token", mask_low=0.5, mask_high=2.0)
-    assert proximal_level(a) == "mask_token"
-    out = proximal_correction(prox, batch, proximal_level(a), a)
+    assert proximal_level(a, False) == "mask_token"
+    out = proximal_correction(prox, batch, proximal_level(a, False), a)
     assert batch.is_weight[0, -5:].tolist() == [0.0, 0.5, 1.5, 2.0, 0.0] and not batch.is_weight[0, :-5].any()
     assert torch.equal(batch.old_logprobs, prox)  # the ratio is now against the proximal policy
     assert out["mismatch/masked_token_frac"] == pytest.approx(0.4) and out["mismatch/masked_seq_frac"] == 1.0

@@ -168,10 +168,12 @@ def _notes(*overrides):
 @pytest.mark.parametrize("stale", sorted(STALE))
 @pytest.mark.parametrize("loss", [[], ["algo.preset=gspo"]])
 def test_stale_data_without_an_off_policy_correction_is_noted(stale, loss):
-    """One-step and async overlap, partial rollouts: at every k ≥ 1, not only past AReaL's staleness 2."""
-    (note,) = _notes(*STALE[stale], *loss)
+    """One-step and async overlap, partial rollouts: at every k ≥ 1, not only past AReaL's staleness 2 (the default
+    corrects them: only a run that turns the decoupled objective off meets the note)."""
+    assert _notes(*STALE[stale], *loss) == []
+    (note,) = _notes(*STALE[stale], *loss, "algo.decoupled_ppo=false")
     assert stale.split()[0] in note and "no off-policy correction" in note
-    assert "algo.decoupled_ppo=true" in note and "algo.tis=token|sequence|mask_token|mask_sequence" in note
+    assert "algo.decoupled_ppo=false turns off" in note and "algo.tis=token|sequence|mask_token|mask_sequence" in note
     assert "algo.policy_loss=cispo" in note
     assert ("beyond staleness 2" in note) == (stale == "async k=3")
 
@@ -190,9 +192,25 @@ def test_fresh_data_is_not_noted(fresh):
 def test_the_stale_data_note_is_said_before_launch(tmp_path, capsys):
     from megarl.config.validate.prelaunch import checked_config
 
+def test_the_decoupled_objective_is_on_by_default_where_the_data_is_stale():
+    """AReaL's decoupled PPO under one_step, async and partial rollouts at k ≥ 1; off on fresh data (it costs a
+    forward over the batch there for nothing) and where algo.tis or CISPO already corrects; an explicit value wins."""
+    from megarl.config.validate.algo import resolved_decoupled_ppo
+
+    def resolved(*overrides):
+        return resolved_decoupled_ppo(load_config(None, ["engine.placement=disaggregated", *overrides]))
+
+    assert all(resolved(*STALE[k]) for k in STALE)
+    assert not any(resolved(*FRESH[k]) for k in FRESH)
+    for other in (["algo.tis=token"], ["algo.tis=mask_sequence"], ["algo.policy_loss=cispo"]):
+        assert not resolved("rollout.overlap=one_step", *other)
+    assert not resolved("rollout.overlap=one_step", "algo.decoupled_ppo=false")
+    assert resolved("algo.decoupled_ppo=true")  # (fresh data: the user's choice)
+
+
     run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe",
            "engine.placement=disaggregated", "rollout.overlap=one_step"]
-    checked_config(None, run, 1, command="plan")
+    checked_config(None, [*run, "algo.decoupled_ppo=false"], 1, command="plan")
     assert "megarl: note: rollout.overlap=one_step trains every batch 1 version after" in capsys.readouterr().err
     checked_config(None, [*run, "algo.tis=mask_token"], 1, command="plan")
     assert "off-policy" not in capsys.readouterr().err

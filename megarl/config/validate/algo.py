@@ -99,7 +99,7 @@ def _combinations(cfg: RunConfig) -> None:
                           f"oversample_cap × rollout.prompts_per_step released groups, useful or not; below 1 no "
                           f"phase could fill its batch, and 0 would loop forever on uninformative groups), "
                           f"got {a.oversample_cap}")
-    if 0 < r.top_p < 1 and a.tis == "none" and not a.decoupled_ppo:  # (out of (0, 1]: the range check says so)
+    if 0 < r.top_p < 1 and a.tis == "none" and not resolved_decoupled_ppo(cfg):  # (out of (0, 1]: range check says so)
         raise ConfigError(f"rollout.top_p={r.top_p} with algo.tis=none: the engine's behaviour logprobs are of the "
                           "nucleus it samples from (renormalised), the trainer's of the whole vocabulary, so the "
                           "importance ratio starts near the nucleus mass instead of 1 (with GSPO's clip band every "
@@ -163,13 +163,22 @@ def stale_source(cfg: RunConfig) -> str:
     return ""
 
 
-def off_policy_correction(a: AlgoConfig) -> str:
+def resolved_decoupled_ppo(cfg: RunConfig) -> bool:
+    """``algo.decoupled_ppo`` as the run applies it ('auto': on where the run trains stale tokens that no other key
+    corrects, ``stale_source``)."""
+    a = cfg.algo
+    if a.decoupled_ppo != "auto":
+        return a.decoupled_ppo
+    return bool(stale_source(cfg)) and a.tis == "none" and a.policy_loss != "cispo"
+
+
+def off_policy_correction(cfg: RunConfig) -> str:
     """The key that corrects the objective for off-policy tokens ('' when none does): a decoupled ratio with its
     truncated IS weight or mask (``algo.tis``, ``algo.decoupled_ppo``), or CISPO's clipped importance weight."""
     if a.tis != "none":
         return f"algo.tis={a.tis}"
-    if a.decoupled_ppo:
-        return "algo.decoupled_ppo=true"
+    if resolved_decoupled_ppo(cfg):
+        return "algo.decoupled_ppo=" + ("auto" if a.decoupled_ppo == "auto" else "true")
     return "algo.policy_loss=cispo" if a.policy_loss == "cispo" else ""
 
 
@@ -178,11 +187,12 @@ def algo_notes(cfg: RunConfig) -> list[str]:
     off-policy correction (PPO-clip or GSPO with the engine's logprobs as the old policy)."""
     a, r = cfg.algo, cfg.rollout
     source = stale_source(cfg)
-    if not source or off_policy_correction(a):
+    if not source or off_policy_correction(cfg):
         return []
     areal = (" (plain PPO against the behaviour policy was found unstable beyond staleness 2: AReaL)"
              if r.overlap != "one_step" and r.staleness_limit > 2 else "")
     return [f"{source}, and algo.policy_loss={a.policy_loss} clips against the behaviour policy with no off-policy "
-            f"correction{areal}: set algo.decoupled_ppo=true (clip against the proximal policy, weight by "
+            f"correction{areal} (algo.decoupled_ppo=false turns off the default one): leave algo.decoupled_ppo at "
+            "auto or set it true (clip against the proximal policy, weight by "
             "min(π_prox/π_behaviour, algo.tis_cap)), algo.tis=token|sequence|mask_token|mask_sequence, or "
             "algo.policy_loss=cispo (see docs/algorithms.md)"]
