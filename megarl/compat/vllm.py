@@ -9,6 +9,8 @@ anything but these repairs.
 - ``repack_after_reload``: an in-place weight reload leaves a tied LM head unpacked.
 - ``before_each_forward``: a call at the start of every forward of an in-process model runner (its scheduled
   requests, which the routes each token took are filed under: ``engines.routes``).
+- ``routes_on_first_tp_rank``: an in-process engine of TP > 1 that returns routes fails its first step on every rank
+  but the first.
 
 Every patch here is written for vllm 0.32.0 and refuses another version (``compat.require``).
 """
@@ -193,3 +195,37 @@ def before_each_forward(runner, call) -> None:
         return original(scheduler_output, *args, **kwargs)
 
     runner.execute_model = execute_model
+
+
+def routes_on_first_tp_rank(llm) -> bool:
+    """vllm 0.32.0, an in-process engine of TP > 1 (``external_launcher``: every rank runs a scheduler of its own)
+    started with ``enable_return_routed_experts``: only the first TP rank's worker keeps the route rows (its
+    ``AuxOutputWorkerConnector`` owns the data plane there alone), so every other rank's scheduler, handed no worker
+    output, fails the engine's first step ("auxiliary output worker output is missing"). On those ranks the
+    scheduler takes no rows when the worker gave none (``scheduler_takes_no_missing_rows``): their outputs carry
+    ``routed_experts=None``, the first rank's the routes. Returns whether this rank's outputs carry the routes
+    (True as well for an engine that is not split this way)."""
+    require("vllm", VERSION)
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    if parallel.tensor_parallel_size == 1 or parallel.distributed_executor_backend != "external_launcher":
+        return True
+    from vllm.distributed.parallel_state import get_tp_group
+
+    if get_tp_group().is_first_rank:
+        return True
+    scheduler_takes_no_missing_rows(llm.llm_engine.engine_core.engine_core.scheduler.aux_output_connector)
+    return False
+
+
+def scheduler_takes_no_missing_rows(connector) -> None:
+    """A scheduler's ``AuxOutputSchedulerConnector`` whose ``take_output`` gives no rows (None) for a step whose
+    worker output is None, where vLLM asserts; a worker output that lacks a request still fails as before."""
+    original = connector.take_output
+    if getattr(original, "megarl_patched", False):
+        return
+
+    def take_output(request, output):
+        return None if output is None else original(request, output)
+
+    take_output.megarl_patched = True
+    connector.take_output = take_output

@@ -479,15 +479,15 @@ def captures_routes(cfg: RunConfig, experts: int, gpu: bool = False) -> bool:
 
 def route_capture_limit(cfg: RunConfig, gpu: bool) -> str:
     """Why the engines cannot capture routes ('' when they can; ``engines/routes.py``): on CPU the router hook runs
-    in the driver worker, which only a replica of engine TP 1 has in its own process; on GPUs vLLM's route output
-    comes back on the first TP rank only, so an engine of TP > 1 inside torchrun's ranks (colocated) fails on the
-    others."""
-    e = cfg.engine
-    if e.tensor_parallel_size > 1 and gpu and e.placement != "disaggregated":
-        return (f"engine.placement={e.placement} at engine.tensor_parallel_size={e.tensor_parallel_size} on GPUs: "
-                "vLLM returns the routes on the engine's first TP rank only, and each trainer rank runs its own share")
-    if e.tensor_parallel_size > 1 and not gpu and e.placement == "disaggregated":
-        return (f"engine.placement=disaggregated at engine.tensor_parallel_size={e.tensor_parallel_size} on CPU: a "
+    in the driver worker, which only a replica of engine TP 1 has in its own process. On GPUs every placement and
+    engine TP captures them (vLLM's route output, on each engine's first TP rank)."""
+    return engine_route_limit(cfg.engine.placement, cfg.engine.tensor_parallel_size, gpu)
+
+
+def engine_route_limit(placement: str, engine_tp: int, gpu: bool) -> str:
+    """``route_capture_limit`` of engines at ``placement`` and ``engine_tp`` (``megarl plan``'s layouts)."""
+    if engine_tp > 1 and not gpu and placement == "disaggregated":
+        return (f"engine.placement=disaggregated at engine.tensor_parallel_size={engine_tp} on CPU: a "
                 "replica's routes are captured in its driver worker, which only a replica of engine TP 1 has in its "
                 "own process")
     return ""

@@ -7,11 +7,13 @@ Two ways in, one layout out (``capture_args`` chooses; ``route_capture`` builds)
   kernels report through their ``routing_sink``), copies a step's rows to the host once, asynchronously, and keeps
   full KV blocks' routes in a store keyed by the blocks' hashes, so a prompt served from the prefix cache still gets
   its rows: vLLM *requires* prefix caching for it. It needs Model Runner V2, which needs Triton (``vllm/config/
-  vllm.py``, ``_verify_aux_output_compatibility``), and only the first TP rank's worker holds the rows: an engine of
-  TP > 1 inside torchrun (colocated, ``external_launcher``) asserts on its other ranks, refused before launch
-  (``config.schema.captures_routes``). A request's routes come back once, on its finished output
-  (``CompletionOutput.routed_experts``, positions 0 .. prompt + response − 2); an aborted request's are dropped (the
-  resumed request re-prefills those positions and returns them).
+  vllm.py``, ``_verify_aux_output_compatibility``), and only the first TP rank's worker holds the rows. An engine of
+  TP > 1 inside torchrun (colocated, ``external_launcher``) runs a scheduler on every rank, and vLLM's asserts on
+  the others, which get no rows: there it takes none (``compat.vllm.routes_on_first_tp_rank``), so the routes
+  arrive on the engine's first rank alone, which is all routing replay reads (``colocated.py``: replicas' first
+  ranks send theirs to rank 0, which sends each trainer rank its share). A request's routes come back once, on its
+  finished output (``CompletionOutput.routed_experts``, positions 0 .. prompt + response − 2); an aborted request's
+  are dropped (the resumed request re-prefills those positions and returns them).
 - **CPU: the router hook** (``RouteCapture``). vLLM's CPU build has no Triton backend, so Model Runner V2 and its
   route output are refused there (measured: "Model Runner V2 requires Triton"). megarl binds vLLM's own capturer
   (``RoutedExpertsCapturer``, its buffer in host memory) to every fused-MoE layer's router hook
@@ -44,7 +46,7 @@ import logging
 
 import numpy as np
 
-from megarl.compat.vllm import before_each_forward
+from megarl.compat.vllm import before_each_forward, routes_on_first_tp_rank
 from megarl.models.hf_config import is_moe_layer, num_experts, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -79,9 +81,13 @@ def capture_args(experts: int, gpu: bool) -> dict:
 
 
 def route_capture(llm, model_dir: str, gpu: bool):
-    """The capture of an in-process ``LLM`` of ``model_dir``'s model, started with ``capture_args(experts, gpu)``."""
+    """The capture of an in-process ``LLM`` of ``model_dir``'s model, started with ``capture_args(experts, gpu)``
+    (on a GPU at TP > 1 under torchrun: the engine's first rank's outputs carry the routes, the others' none)."""
     hf_cfg = read_hf_config(model_dir)
-    return ReturnedRoutes(hf_cfg) if gpu else RouteCapture(llm, hf_cfg)
+    if not gpu:
+        return RouteCapture(llm, hf_cfg)
+    routes_on_first_tp_rank(llm)
+    return ReturnedRoutes(hf_cfg)
 
 
 class ReturnedRoutes:
@@ -98,7 +104,7 @@ class ReturnedRoutes:
 
     def take(self, out) -> tuple[int, np.ndarray | None]:
         """(0, routes of every fed position) when ``out`` (a ``RequestOutput``) finished its request; (0, None)
-        before."""
+        before, and always on an engine's TP ranks but the first (``routes_on_first_tp_rank``)."""
         rows = out.outputs[0].routed_experts if out.finished else None
         return (0, None) if rows is None else (0, vllm_routes(rows, self.layer_ids, self.dtype))
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import RunConfig
-from megarl.config.validate.model import model_config
+from megarl.config.validate.model import model_config, routes_off_note
 from megarl.launch.gpus import PRESETS, Gpu
 from megarl.launch.layout import (
     Layout,
@@ -137,6 +137,7 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "overrides": lay.overrides(), "sized_at": sizing(cfg),
         "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay, cfg.trainer.packing),
         "step_time": st, "proposals": [proposal(*p, bool(experts)) for p in proposals if p[2] is not None],
+        "routes_off": routes_off_note(cfg, experts, not cpu, lay.placement, lay.engine_tp),
     }
 
 

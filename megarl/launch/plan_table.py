@@ -104,7 +104,9 @@ def recompute_note(res: dict) -> str:
 
 
 def routes_lines(res: dict) -> list[str]:
-    """What MoE routing replay carries in host memory ([] for a dense model)."""
+    """What MoE routing replay carries in host memory ([] for a dense model), or why it is off."""
+    if res.get("routes_off"):
+        return [f"routes  none: {res['routes_off']}"]
     if not res.get("routes"):
         return []
     r = res["routes"]

@@ -80,6 +80,33 @@ def test_a_bf16_engine_flips_routes_and_replay_routes_every_token_to_the_engines
     assert 0 < r["r3_held"][0] < r["full_bytes"]  # one process holds every row, to its end (no padding)
 
 
+def test_an_engines_other_tp_ranks_take_no_routes_where_vllm_would_assert():
+    """A colocated engine of TP > 1 on GPUs: every rank runs vLLM's scheduler, and only the first TP rank's worker
+    returns route rows; vLLM's own scheduler connector fails each other rank's first step. Patched, it takes none
+    there (the first rank's outputs carry the routes: ``compat.vllm.routes_on_first_tp_rank``), and still takes
+    exactly vLLM's rows where the worker gave them, and still fails where the worker output lacks a request."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector, AuxRequestOutput
+    from vllm.v1.request import Request
+
+    from megarl.compat.vllm import scheduler_takes_no_missing_rows
+
+    request = Request("r", [5, 6, 7], SamplingParams(max_tokens=4), None)
+    request.append_output_token_ids([8, 9])  # positions 0..3 fed: 4 rows
+    rows = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)
+    connector = AuxOutputSchedulerConnector()
+    with pytest.raises(AssertionError, match="auxiliary output worker output is missing r"):
+        connector.take_output(request, None)  # what every TP rank but the first met
+    expected = connector.take_output(request, {"r": AuxRequestOutput(0, rows)})
+    scheduler_takes_no_missing_rows(connector)
+    assert connector.take_output(request, None) is None
+    assert np.array_equal(connector.take_output(request, {"r": AuxRequestOutput(0, rows)}), expected)
+    assert expected.shape == (4, 3, 2)
+    with pytest.raises(AssertionError, match="auxiliary output worker output is missing r"):
+        connector.take_output(request, {"other": AuxRequestOutput(0, rows)})
+
+
 @pytest.mark.parametrize("layout", ["tp2_sp", pytest.param("pp2", marks=SLOW), pytest.param("pp2_vpp2", marks=SLOW),
                                     pytest.param("ep2_alltoall", marks=SLOW), pytest.param("dp2", marks=SLOW)])
 def test_replay_is_the_same_at_every_layout(captured, layout):

@@ -98,20 +98,50 @@ def test_prefix_caching_is_off_only_while_the_hook_captures_routes():
     assert capture_args(4, gpu=True) == {"enable_prefix_caching": True, "enable_return_routed_experts": True}
 
 
-def test_on_gpus_routes_are_captured_where_vllm_returns_them_and_refused_elsewhere(monkeypatch):
+def test_on_gpus_every_placement_captures_routes_and_on_cpu_a_tp2_replica_does_not(monkeypatch):
     from megarl.config.schema import captures_routes, resolved_routing_replay
     from megarl.config.validate.limits import vllm_route_output_problem
 
     colocated_tp2 = load_config(None, ["engine.tensor_parallel_size=2"])
     assert captures_routes(colocated_tp2, 4, gpu=False)  # the CPU hook: every rank routes every token
-    assert not captures_routes(colocated_tp2, 4, gpu=True)  # vLLM's output: the first TP rank's only
-    assert resolved_routing_replay(colocated_tp2, 4, gpu=True) == "none"
+    assert captures_routes(colocated_tp2, 4, gpu=True)  # vLLM's output, on the engine's first TP rank
+    assert resolved_routing_replay(colocated_tp2, 4, gpu=True) == "rollout"
     remote_tp2 = load_config(None, ["engine.placement=disaggregated", "engine.tensor_parallel_size=2"])
     assert captures_routes(remote_tp2, 4, gpu=True) and not captures_routes(remote_tp2, 4, gpu=False)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in vllm_route_output_problem()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert vllm_route_output_problem() == ""  # (triton is installed here)
+
+
+def test_where_auto_resolves_to_none_for_want_of_routes_the_start_and_the_plan_say_so(tmp_path, capsys):
+    from helpers.plans import QWEN3_30B_A3B, RUN
+    from megarl.config.validate.prelaunch import checked_config
+    from megarl.launch.plan import plan
+    from megarl.launch.plan_table import routes_lines
+
+    run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe"]
+    off = ("algo.routing_replay=auto resolves to none (no routing replay, no moe/* agreement metrics): the engines "
+           "cannot capture each token's routes with engine.placement=disaggregated at engine.tensor_parallel_size=2 "
+           "on CPU")
+    checked_config(None, [*run, "engine.placement=disaggregated", "engine.tensor_parallel_size=2"], 1,
+                   command="plan")
+    said = [line for line in capsys.readouterr().err.splitlines() if "routing_replay" in line]
+    assert len(said) == 1 and said[0].startswith(f"megarl: note: {off}: a replica's routes are captured")
+    assert said[0].endswith("engine.tensor_parallel_size=1 captures them, algo.routing_replay=trainer replays the "
+                            "trainer's own (R2)")
+    for kept in (["engine.tensor_parallel_size=2"], ["engine.placement=disaggregated", "engine.tensor_parallel_size=2",
+                                                     "algo.routing_replay=none"]):
+        checked_config(None, [*run, *kept], 2, command="plan")  # routes captured, or none asked for: no note
+        assert "routing_replay" not in capsys.readouterr().err
+    # on GPUs the layouts the plan proposes (the 30B recipe's colocated engine TP 8 among them) all replay
+    gpus = plan(QWEN3_30B_A3B, load_config(None, RUN), 2, 8, 80, propose=True)
+    assert gpus["routes_off"] == "" and routes_lines(gpus)[0].startswith("routes  384 B per token")
+    tp8 = plan(QWEN3_30B_A3B, load_config(None, [*RUN, "engine.tensor_parallel_size=8"]), 2, 8, 80)
+    assert tp8["layout"]["placement"] == "colocated" and tp8["layout"]["engine_tp"] == 8 and tp8["routes_off"] == ""
+    cpu = plan(MOE, load_config(None, ["engine.placement=disaggregated", "engine.tensor_parallel_size=2",
+                                       "engine.replicas=1"]), 2, 2, 64, cpu=True)
+    assert routes_lines(cpu) == [f"routes  none: {cpu['routes_off']}"] and cpu["routes_off"].startswith(off)
 
 
 def test_vllms_route_layout_becomes_megarls():

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import RunConfig, captures_routes, route_capture_limit
+from megarl.config.schema import RunConfig, captures_routes, engine_route_limit, route_capture_limit
 from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.layout import check_model_layout, divisors
 from megarl.config.validate.limits import check_engine_head_size, cuda_available, vllm_route_output_problem
@@ -64,6 +64,24 @@ def check_model_fits(cfg: RunConfig, hf: dict, here: bool = True) -> None:
         raise ConfigError(str(exc)) from None
     if here:  # (the attention backends of this machine's vLLM build)
         check_engine_head_size(hf, f"{model_files_dir(cfg.model.path)}/config.json")
+
+
+def routes_off_note(cfg: RunConfig, experts: int, gpu: bool, placement: str = "", engine_tp: int = 0) -> str:
+    """The line said where ``algo.routing_replay=auto`` resolves to none on an MoE model because its engines cannot
+    capture routes ('' elsewhere): the start's (``routing_replay_notes``) and ``megarl plan``'s, whose layout's
+    ``placement`` and ``engine_tp`` stand for the config's."""
+    why = engine_route_limit(placement or cfg.engine.placement, engine_tp or cfg.engine.tensor_parallel_size, gpu)
+    if not (experts and why and cfg.algo.routing_replay == "auto"):
+        return ""
+    return (f"algo.routing_replay=auto resolves to none (no routing replay, no moe/* agreement metrics): the "
+            f"engines cannot capture each token's routes with {why}; engine.tensor_parallel_size=1 captures them, "
+            "algo.routing_replay=trainer replays the trainer's own (R2)")
+
+
+def routing_replay_notes(cfg: RunConfig, hf: dict) -> list[str]:
+    """``routes_off_note`` of the run on this machine's kind (CPU or GPUs), as a list of notes."""
+    note = routes_off_note(cfg, num_experts(hf), cuda_available())
+    return [note] if note else []
 
 
 def check_recompute(cfg: RunConfig, hf: dict) -> None:

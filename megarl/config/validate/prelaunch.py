@@ -19,6 +19,7 @@ from megarl.config.validate.model import (
     check_resume_precision,
     check_start_checkpoint,
     model_config,
+    routing_replay_notes,
     validate_resume_model,
 )
 from megarl.config.validate.settings import validate
@@ -57,7 +58,8 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     check_env(cfg, extras)  # env.fn imports and is built from those columns
     check_conversations(cfg)  # warmup.path: every row a usable conversation
     if notes:  # (once every check passed: an error comes alone)
-        for note in unread_keys(cfg) + algo_notes(cfg) + engine_dtype_notes(cfg) + _tiny_model_note(cfg):
+        for note in (unread_keys(cfg) + algo_notes(cfg) + engine_dtype_notes(cfg) + routing_replay_notes(cfg, hf)
+                     + _tiny_model_note(cfg)):
             print(f"megarl: note: {note}", file=sys.stderr)
     return cfg
 
