@@ -178,10 +178,10 @@ def build_session(cfg: RunConfig) -> Session:
     # rank 0's generating thread runs the phases (``phases``, built below from the controller this pipeline gates)
     pipeline = Pipeline(cfg.rollout.overlap, lambda version, batch: phases(version, batch, alone=True),
                         cfg.rollout.staleness_limit, leader=ps.rank == 0, batches=cfg.train.steps,
-                        on_thread=cpus.generating_thread)
+                        on_thread=cpus.generating_thread, handed=lambda: controller.hand_over())
     controller = build_controller(
         cfg, engines.slot_engines(), IndexedSource(source), traced_scorer(score, timeline),
-        engine_turn=pipeline.gate.step,
+        engine_turn=pipeline.gate.step, lock=pipeline.lock,  # (one state lock: a checkpoint takes both at once)
         on_engine_step=lambda k, start, end: timeline.add(f"replica {k}", "generate", start, end, merge=True),
         # phases run ahead of the weights under overlap: partial admission minds the lag
         engine_version=pipeline.engine_version if cfg.rollout.overlap != "none" else None,
@@ -277,7 +277,7 @@ def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None
 
 def build_controller(cfg: RunConfig, engines: list, next_prompt, score, **hooks) -> RolloutController:
     """The SortedRL controller over ``engines`` (slot engines) as ``rollout.*`` says; ``hooks``: the controller's
-    ``engine_turn``, ``on_engine_step`` and ``engine_version``."""
+    ``engine_turn``, ``on_engine_step``, ``engine_version``, ``episodes`` and ``lock``."""
     r = cfg.rollout
     ccfg = ControllerConfig(
         mode=r.mode, group_size=r.samples_per_prompt, update_groups=r.prompts_per_step,

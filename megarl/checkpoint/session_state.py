@@ -102,15 +102,26 @@ class IndexedSource:
         self.drawn, self.recent = state["drawn"], []
 
 
+def rollout_state(controller, pipeline) -> dict:
+    """What a checkpoint keeps of the rollout: the controller's state (a copy), the batches generated ahead and the
+    prompts drawn, in one hold of the state lock that the controller and the pipeline share. Taken inside
+    ``Pipeline.pause`` (or ``hold``), it is consistent by construction: each of them changes only inside an engine
+    step or under that lock (``rollout/pipeline.py``, invariant 3), so every prompt drawn is in exactly one place."""
+    if controller.lock is not pipeline.lock:
+        raise ValueError("the controller and the pipeline must share one state lock "
+                         "(RolloutController(..., lock=pipeline.lock)): a checkpoint could miss a batch otherwise")
+    with controller.lock:
+        return {"controller": pickle.loads(controller.snapshot()),  # (a copy: a group may still be being scored)
+                "pipeline": pipeline.state_dict(), "source": controller.next_prompt.state_dict()}
+
+
 def capture(s, step: int, run: dict) -> dict:
     """The run's state after ``step`` RL steps (rank 0 writes it)."""
     return {
         "step": step,
         "policy_version": s.policy_version,
         "lr": s.trainer.optimizer.param_groups[0]["lr"],
-        "controller": pickle.loads(s.controller.snapshot()),  # (a copy: a group may still be being scored)
-        "pipeline": s.pipeline.state_dict(),  # batches generated ahead (rollout.overlap), taken inside its hold
-        "source": s.controller.next_prompt.state_dict(),
+        **rollout_state(s.controller, s.pipeline),  # controller, pipeline (batches generated ahead), source
         "stateful": {name: state_of(obj) for name, obj in stateful(s).items()},
         "run": dict(run),
     }

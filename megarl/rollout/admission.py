@@ -66,8 +66,11 @@ class PromptBuffer:
         self.source_done = False
         self.clock = 0.0  # engine time across phases
         self.in_phase: dict[int, LiveGroup] = {}  # groups the phase in flight released so far (its batch-to-be)
-        # held while the state changes outside the engines' gate (a released group being scored), so that a
-        # checkpoint (``state_dict``) taken then sees every group in one place
+        # the phase's batch stays in ``in_phase`` after it, until ``hand_over`` (the pipeline's thread's phases)
+        self.keep_batch = False
+        # the state lock: held by every change of the state outside the engines' gate (a released group scored, a
+        # stale group dropped, episodes swept, a failed phase put back, a batch handed over) and by a checkpoint
+        # (``state_dict``, ``session_state.rollout_state``), so that it sees every prompt in exactly one place
         self.lock = threading.RLock()
 
     def _new_group(self, item: PromptItem, version: int, discards: int = 0, first: int | None = None) -> int:
@@ -116,15 +119,17 @@ class PromptBuffer:
             self.env_cache[item.key] = sum(s.env_s for s in samples) / n
 
     def expire_stale(self, version: int, m: PhaseMetrics) -> None:
-        """Partial mode: samples whose oldest token is more than k versions old are not resumed."""
-        for index in list(self.live):
-            if self.stale_samples(index, version) and self.cfg.stale_action == "drop":
-                g = self.live.pop(index)
-                m.tokens_wasted += sum(s.model_tokens for s in g.samples)
-                self.forget_time(index)
-                self.requeued.appendleft((g.item, g.discards, g.admitted_version))
-            else:
-                self.regenerate_stale(index, version, m)
+        """Partial mode: samples whose oldest token is more than k versions old are not resumed (under the lock: a
+        phase's start, outside the engines' gate)."""
+        with self.lock:
+            for index in list(self.live):
+                if self.stale_samples(index, version) and self.cfg.stale_action == "drop":
+                    g = self.live.pop(index)
+                    m.tokens_wasted += sum(s.model_tokens for s in g.samples)
+                    self.forget_time(index)
+                    self.requeued.appendleft((g.item, g.discards, g.admitted_version))
+                else:
+                    self.regenerate_stale(index, version, m)
 
     def stale_samples(self, index: int, version: int) -> list[int]:
         """The samples of live group ``index`` with a token sampled more than k versions before ``version``."""
@@ -218,6 +223,12 @@ class PromptBuffer:
             self.released.discard(g.prompt_index)
             item = PromptItem(g.prompt_index, list(g.samples[0].prompt_ids), g.prompt_text, g.answer, extras=g.extras)
             self.requeued.appendleft((item, 0, version))
+
+    def hand_over(self) -> None:
+        """The batch the last phase kept (``keep_batch``) leaves the controller's state (``in_phase``): its caller
+        holds it now (the pipeline's queue, which takes it in the same hold of the lock)."""
+        with self.lock:
+            self.in_phase.clear()
 
     def forget_time(self, index: int) -> None:
         for j in range(self.cfg.group_size):

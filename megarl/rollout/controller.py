@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,16 +138,19 @@ class RolloutController(PromptBuffer):
                  batch_order: Callable[[list[Group]], list[Group]] | None = None,
                  engine_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  on_engine_step: Callable[[int, float, float], None] | None = None,
-                 engine_version: Callable[[float], int] | None = None, episodes: Episodes | None = None) -> None:
+                 engine_version: Callable[[float], int] | None = None, episodes: Episodes | None = None,
+                 lock: threading.RLock | None = None) -> None:
         """``score`` fills in a released group's rewards; ``keep_group`` (dynamic sampling) says whether it is
         useful; ``batch_order`` orders the update batch (selective batching). ``engine_turn``: a context each engine
         step runs inside (the pipeline's gate, so an in-flight weight sync comes between two steps);
         ``on_engine_step(engine, start, end)``: told of each step (the timeline); ``engine_version(now)``: the
         weight version the engines hold at a phase's engine time under overlap (None: the phase's own), which
         partial admission keeps within the staleness bound (``Phase.room``); ``episodes``: the samples'
-        environments (multi-turn, ``turns.py``; None: single-turn)."""
+        environments (multi-turn, ``turns.py``; None: single-turn); ``lock``: the state lock (``PromptBuffer``'s),
+        shared with the pipeline whose queue a checkpoint takes with this state (``Pipeline.lock``)."""
         cfg.validate()
         super().__init__(cfg, next_prompt)
+        self.lock = lock or self.lock
         self.engines = engines
         self.score = score or (lambda group: None)
         self.keep_group = keep_group or (lambda group: True)

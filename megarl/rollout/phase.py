@@ -249,16 +249,17 @@ class Phase:
         if block:  # (the wait as rank 0 measured it: lockstep ranks move their clocks alike)
             self.times = [t + episodes.waited for t in self.times]
             self.now += episodes.waited
-        for index, j in reversed(again):
-            if index not in self.c.live:
-                continue  # (its group left meanwhile: the next phase's sweep ends its episode)
-            if self.drain_at is not None and index not in self.pinned:
-                self.c.live[index].samples[j].status = SampleStatus.RESUMED  # drained: it goes on in a later phase
-            else:
-                self.queue.appendleft((index, j))
-        for index, j in ended:
-            if index in self.c.live:
-                self.sample_done(index, self.c.live[index].samples[j])
+        with self.c.lock:  # (outside the engines' gate)
+            for index, j in reversed(again):
+                if index not in self.c.live:
+                    continue  # (its group left meanwhile: the next phase's sweep ends its episode)
+                if self.drain_at is not None and index not in self.pinned:
+                    self.c.live[index].samples[j].status = SampleStatus.RESUMED  # drained: on in a later phase
+                else:
+                    self.queue.appendleft((index, j))
+            for index, j in ended:
+                if index in self.c.live:
+                    self.sample_done(index, self.c.live[index].samples[j])
 
     def complete(self, index: int) -> None:
         """A group whose samples are all done: released (or held) if every sample is within k versions of this
@@ -324,7 +325,8 @@ class Phase:
         """Abort what still runs (kept or discarded by mode), advance the clock, fill in the phase's metrics."""
         c, m = self.c, self.m
         c.end_phase(self.running, self.engine_of, m, len(self.released))
-        c.in_phase.clear()  # (the batch leaves with this phase)
+        if not c.keep_batch:  # (the batch leaves with this phase; kept: its caller hands it over, ``hand_over``)
+            c.in_phase.clear()
         end = max(self.times) if self.times else c.clock
         m.duration = end - c.clock
         m.drain_s = end - self.drain_at if self.drain_at is not None else 0.0

@@ -45,8 +45,9 @@ class PhaseRunner:
                 groups, phase = (c.generate if alone else c.run_phase)(version)
         except Exception:
             drawn = list(c.next_prompt.recent)
-            c.load_state_dict(pickle.loads(snapshot))  # (episodes go on from their instances as it kept them)
-            c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
+            with c.lock:  # (one change for a checkpoint: the state before the phase, with the prompts it drew)
+                c.load_state_dict(pickle.loads(snapshot))  # (episodes go on from their instances as it kept them)
+                c.requeued.extend((item, 0, version) for item in drawn)  # (item, discards, first version)
             self.requeued = len(drawn)
             self.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
             raise

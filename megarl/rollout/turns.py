@@ -174,7 +174,11 @@ class Episodes:
         mid-episode without an instance in a worker (a resumed run, a failed phase put back) goes on from the
         instance its checkpoint kept (a waiting one asked again at once), or, when none was kept (the instance
         cannot be pickled), starts again from its prompt, counted in ``env/restarted``. The model tokens the
-        restarted samples had sampled (wasted)."""
+        restarted samples had sampled (wasted). Under the lock: a checkpoint sees each instance kept once."""
+        with self.lock:
+            return self._sweep(live)
+
+    def _sweep(self, live: dict) -> int:
         for where in [w for w in self.keys if w[0] not in live]:
             key = self.keys.pop(where)
             self.waiting.pop(key, None)

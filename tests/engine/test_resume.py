@@ -284,12 +284,12 @@ def test_prompt_stream_continues_exactly_after_restore(curriculum):
             draw = CurriculumSource(pool, lambda p: p.prompt, tracker, seed=1) if curriculum else None
             source = pool_prompt_source(pool, tokenizer, 1, draw)
             stateful = {"tracker": tracker, **({"curriculum": draw} if draw else {})}
+        pipeline = Pipeline("none", None, 1)  # (nothing generated ahead)
         controller = SimpleNamespace(next_prompt=IndexedSource(source), snapshot=lambda: pickle.dumps({}),
-                                     load_state_dict=lambda _: None)
+                                     load_state_dict=lambda _: None, lock=pipeline.lock)
         optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
         return SimpleNamespace(task=task, rewards=None, controller=controller, stateful=stateful,
-                               trainer=SimpleNamespace(optimizer=optimizer), policy_version=0,
-                               pipeline=Pipeline("none", None, 1))  # (nothing generated ahead)
+                               trainer=SimpleNamespace(optimizer=optimizer), policy_version=0, pipeline=pipeline)
 
     for pool_size in (0, 12):
         a = session(pool_size)
