@@ -54,6 +54,7 @@ from megarl.engines.protocol import EngineRestartRefused
 from megarl.faults import Action, FaultPolicy, one_line
 from megarl.logging.console import main_only
 from megarl.rollout.leader import groups_without_routes
+from megarl.rollout.phase import PhaseStopped
 from megarl.rollout.pipeline import Preempted, Rollout, staleness
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ class RunKeeper:
                 return rollout
             except DataError as exc:  # not the engine's fault: no restart, no requeue (exit 1)
                 raise StopRun(f"data error (not an engine fault, not requeued): {exc}", fatal=True) from exc
+            except PhaseStopped as stop:  # a preemption mid-phase: the controller as before it is saved
+                raise StopRun(f"{stop.args[0]} received", preempted=True) from stop
             except Exception as exc:  # noqa: BLE001  (the engine failed mid-phase: contained, on every rank)
                 c = self.s.controller
                 self._recover(exc, f"step {step + 1}: engine error mid-phase",

@@ -160,6 +160,7 @@ class RolloutController(PromptBuffer):
         if episodes is not None:
             episodes.lock = self.lock  # (a checkpoint sees the samples and their environments' instances at once)
         self.phase_seed: int | None = None  # engines that take a seed (replicas) are reseeded by each phase with it
+        self.interrupt: Callable[[], str] = lambda: ""  # a preemption's signal name: the phase stops between steps
 
     def _state(self) -> dict:
         """``PromptBuffer``'s, with the episodes' instances (multi-turn)."""

@@ -8,6 +8,7 @@
                                              it trains on them (rank 0 sends each rank its share of the routes
                                              once the batch is known: ``PolicyTrainer.hold_routes``)
       engine error ──────broadcast_object──▶ the same error: every rank's RunKeeper restarts + resyncs
+      preemption ────────broadcast_object──▶ the same stop (``PhaseStopped``): every rank saves and exits
 
 With one trainer process it is the plain controller.
 """
@@ -19,6 +20,7 @@ from dataclasses import replace
 from megarl.distributed.collectives import rank_and_world, share
 from megarl.engines.remote.client import EngineDied
 from megarl.rollout.controller import RolloutController
+from megarl.rollout.phase import PhaseStopped
 
 
 class LeaderController(RolloutController):
@@ -36,12 +38,17 @@ class LeaderController(RolloutController):
         if rank == 0:
             try:
                 payload = ("ok", self.generate(version))
+            except PhaseStopped as stop:  # (a preemption: every rank saves and stops)
+                share(("stopped", stop.args[0]))
+                raise
             except Exception as exc:  # noqa: BLE001  (every rank raises it: the keeper's containment)
                 share(("error", f"{type(exc).__name__}: {exc}"))
                 raise
         # the other ranks' samples without their routes: rank 0 sends each its share once the batch is known
         # (``PolicyTrainer.hold_routes``), not every route to every rank
         mine, payload = payload, share(without_routes(payload) if rank == 0 else None)
+        if payload[0] == "stopped":
+            raise PhaseStopped(payload[1])
         if payload[0] == "error":
             raise EngineDied(f"on trainer rank 0: {payload[1]}")
         return (mine if rank == 0 else payload)[1]

@@ -48,6 +48,12 @@ class EngineStalled(RuntimeError):
     """An engine made no progress for ``STALL_STEPS`` steps in a row: an engine error (the keeper contains it)."""
 
 
+class PhaseStopped(Exception):
+    """A preemption signal (its name: ``args[0]``) came while the trainer's own thread ran the phase
+    (``RolloutController.interrupt``): it stopped between two engine steps; the caller puts the controller back
+    (``rollout.phases``), saves and stops."""
+
+
 class Phase:
     """One generation phase of a ``RolloutController``; ``run`` calls its steps in the order they happen."""
 
@@ -77,6 +83,8 @@ class Phase:
                 self.admit_for_free_slots()
             self.dispatch()
         while (self.running or self.c.waiting()) and not self.done():
+            if signal := self.c.interrupt():  # (a preemption: the save must not wait for the phase to end)
+                raise PhaseStopped(signal)
             with engines():
                 k = self.step() if self.running else None
             if self.c.episodes is not None:  # environments' answers (waited for when no engine has work)

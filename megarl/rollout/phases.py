@@ -1,6 +1,7 @@
 """One controller phase for one batch, put back whole when it fails: what the loop and the pipeline generate with.
 
-A phase that raises (an engine error mid-phase, a replica gone) leaves the controller as it was before the phase:
+A phase that raises (an engine error mid-phase, a replica gone, a preemption signal that stopped the trainer's own
+thread's phase between two engine steps: ``PhaseStopped``) leaves the controller as it was before the phase:
 its state is pickled first and loaded back, the prompts the phase drew are re-queued (drawn, never trained), and
 the reward figures of the groups it scored are dropped (they run again). The keeper then restarts the engines and
 generates the batch again; the pipeline's thread hands the error to the trainer's thread, which does the same.
@@ -16,6 +17,7 @@ import pickle
 import time
 from collections.abc import Callable
 
+from megarl.distributed.signals import signalled
 from megarl.rollout.pipeline import Rollout
 
 SEED_STRIDE, BATCH_STRIDE = 1_000_003, 7_919
@@ -39,6 +41,10 @@ class PhaseRunner:
         snapshot = c.snapshot()
         c.next_prompt.mark()
         c.phase_seed = self.seed * SEED_STRIDE + batch * BATCH_STRIDE  # the same state samples alike (resume)
+        c.keep_batch = alone  # (the pipeline's thread: the batch stays the controller's until its queue takes it)
+        # the trainer's own thread stops its phase at a preemption signal (the run saves what was before it); the
+        # pipeline's thread is paused by the save instead (``Pipeline.pause``)
+        c.interrupt = (lambda: "") if alone else signalled
         start = time.perf_counter()
         try:
             with self.span("rollout", f"generate batch {batch}"):
@@ -51,6 +57,8 @@ class PhaseRunner:
             self.requeued = len(drawn)
             self.rewards.step_metrics()  # (cleared: the failed phase's scores are not counted)
             raise
+        finally:
+            c.interrupt = lambda: ""
         figures = {**self.rewards.step_metrics(), **self.prompts.metrics(), "timing/gen_s": time.perf_counter() - start}
         if c.episodes is not None:
             figures.update(c.episodes.pool.metrics())  # env/* counts, timing/env_s

@@ -144,9 +144,14 @@ def test_an_in_flight_update_recomputes_the_kv_of_running_requests(tmp_path):
     assert abs(r["after"][1] - r["fresh"][1]) <= 1e-5, r
 
 
-def _preempted_async(model, tmp_path) -> tuple:
-    """SIGTERM to every process of an async run (as Slurm signals a job step) while the trainer waits for a batch
-    whose phase runs long (a verifier of 2 s a call): the run dir, its overrides and its output."""
+ASYNC = ("engine.placement=disaggregated", "rollout.overlap=async", "rollout.staleness_limit=1")
+DEFAULT_PATH = ("engine.placement=colocated", "rollout.overlap=none", "rollout.mode=sync")  # (the schema's defaults)
+
+
+def _preempted(model, tmp_path, layout=ASYNC) -> tuple:
+    """SIGTERM to every process of a run (as Slurm signals a job step) while a phase runs long (a verifier of 2 s a
+    call): async, the trainer waiting for a batch generated ahead; the default path, the trainer's own thread in the
+    phase. The run dir, its overrides and its output."""
     import os
     import subprocess
     import time
@@ -155,9 +160,9 @@ def _preempted_async(model, tmp_path) -> tuple:
     from helpers.scripts import TESTS
 
     run = tmp_path / "run"
-    extra = ["rollout.overlap=async", "rollout.staleness_limit=1", "reward.fn=helpers.reward_fns:slow_match",
-             "reward.timeout_s=30", "train.save_every=0", "data.eval_size=1"]
-    proc = start(_args(model, run, *extra), env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "2"},
+    extra = [*layout, "reward.fn=helpers.reward_fns:slow_match", "reward.timeout_s=30", "train.save_every=0",
+             "data.eval_size=1"]
+    proc = start(tiny_partial_run(model, run, STEPS, *extra), env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "2"},
                  out=subprocess.PIPE)
     lines, sent, saved = [], 0.0, 0.0
     try:
@@ -179,7 +184,7 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
     """The wait for the batch ends, the phase in flight is paused between two engine steps (the bound: one engine
     step; the groups it completed are scored outside it) and saved with the checkpoint (its samples so far, its
     groups released so far), the run exits 0 long before the phase would have ended, and no prompt is lost."""
-    run, _, out, took = _preempted_async(model, tmp_path)
+    run, _, out, took = _preempted(model, tmp_path)
     phase_s = float(re.search(r"timing/gen_s ([0-9.]+)", out).group(1))  # how long a phase of this run takes
     assert took is not None and took < min(10.0, phase_s / 2), (took, phase_s, out[-3000:])
     assert "SIGTERM received; checkpoint saved, stopping" in out and "eval after RL" not in out
@@ -188,12 +193,26 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
     assert any(x.response_ids for _, samples, *_ in state["controller"]["live"].values() for x in samples)
 
 
+def test_a_preemption_on_the_default_path_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
+    """Colocated engines, no overlap: the trainer's own thread runs the phase, which stops between two engine steps
+    at the signal; the controller as it was before that phase is saved (its drawn prompts re-queued: they run again
+    after the resume), the run exits 0 long before the phase would have ended, and no prompt is lost."""
+    run, _, out, took = _preempted(model, tmp_path, DEFAULT_PATH)
+    phase_s = float(re.search(r"timing/gen_s ([0-9.]+)", out).group(1))
+    assert took is not None and took < min(10.0, phase_s / 2), (took, phase_s, out[-3000:])
+    assert "step 1: SIGTERM received; checkpoint saved, stopping" in out and "eval after RL" not in out
+    state = final_state(run)
+    assert state["step"] == 1
+    no_prompt_lost_or_twice(state)
+    assert state["controller"]["requeued"]  # the stopped phase's prompts, first in the next one
+
+
 @pytest.mark.slow  # (the preempted run resumed to its end: 35 s more than the default run's save-within-seconds)
 def test_a_run_preempted_under_async_mid_phase_resumes_to_the_end_losing_nothing(model, tmp_path):
     from helpers.scripts import TESTS
 
-    run, extra, _, _ = _preempted_async(model, tmp_path)
-    _train(model, run, *extra, env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "0"})  # resumed, to the end
+    run, extra, _, _ = _preempted(model, tmp_path)
+    train(tiny_partial_run(model, run, STEPS, *extra), run, env={"PYTHONPATH": str(TESTS), "SLOW_REWARD_S": "0"})
     no_prompt_lost_or_twice(final_state(run))
     assert [r["step"] for r in _steps(run)][-1] == STEPS
 
