@@ -22,7 +22,9 @@ NODES|nodes of the job (sbatch --nodes)
 GPUS_PER_NODE|GPUs (on CPU: processes) per node, as sbatch asks for them
 TRAINER_GPUS_PER_NODE|trainer processes per node, on GPUs 0..N-1 (fewer: the rest run replicas, engine.replica_devices)
 GPU_MEM_GIB|memory per GPU (on CPU: per process) that megarl plan sizes against
+GPU|the GPU megarl plan times the step on: a100, h100 (default), h200, b200 (its FLOP/s and bandwidths)
 MODEL_PATH|the HF checkpoint directory, as the compute nodes see it
+DATA_DIR|the recipe's datasets (dapo-math-17k.parquet, aime-2024.parquet), as the compute nodes see it
 RUN_DIR|the run directory (checkpoints, logs, TensorBoard); a relative one is from where you launch
 MODEL_ON_NODES|1: submit although MODEL_PATH has no config.json on this machine
 PLAN_ONLY|1: print the plan and stop (nothing is submitted)
@@ -91,7 +93,8 @@ submit() {
     TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
     export GPUS_PER_NODE TRAINER_GPUS_PER_NODE
     "$PYTHON" -m megarl.cli plan --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" --gpu-mem-gib "$GPU_MEM_GIB" \
-        --trainer-gpus-per-node "$TRAINER_GPUS_PER_NODE" "${PLAN_MODEL[@]}" "${PLAN_ARGS[@]}" "${ARGS[@]}" || status=$?
+        --gpu "${GPU:-h100}" --trainer-gpus-per-node "$TRAINER_GPUS_PER_NODE" "${PLAN_MODEL[@]}" "${PLAN_ARGS[@]}" \
+        "${ARGS[@]}" || status=$?
     if ((status == 1)) && ! "$PYTHON" -c 'import megarl.launch.plan, torch' 2>/dev/null; then
         # exit 1 is also Python's for a crash: an interpreter that cannot import megarl did not plan anything
         echo "could not run megarl plan with PYTHON=$PYTHON (it cannot import megarl or torch); set" \

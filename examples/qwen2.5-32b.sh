@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# GRPO on Qwen2.5-32B (dense) on one node of 8 × 141 GiB GPUs (H200), fp32 as megarl trains today:
-# trainer TP 8 with sequence parallelism, one vLLM engine with TP 8 colocated on the same GPUs.
+# DAPO on Qwen2.5-32B (dense; the base model is the DAPO paper's own) on 4 nodes of 8 × 80 GiB GPUs (H100), bf16:
+# the dense recipe configs/qwen3-32b-dapo.yaml (DAPO-Math-17k, math-verify rewards, responses up to 20,480 tokens,
+# AIME 2024 held out) sized for this model's shape: trainer TP 8 (a node) + sequence parallel, DP 4 with the
+# distributed optimizer, full recompute; four colocated vLLM engines of TP 8, one a node.
 #
-#   MODEL_PATH=/models/Qwen2.5-32B examples/qwen2.5-32b.sh [key=value ...]
-#   PLAN_ONLY=1 examples/qwen2.5-32b.sh parallel.tp=4 parallel.pp=2 engine.tensor_parallel_size=4   # another layout
+#   MODEL_PATH=/models/Qwen2.5-32B DATA_DIR=/data/dapo examples/qwen2.5-32b.sh [key=value ...]
+#   PLAN_ONLY=1 NODES=2 examples/qwen2.5-32b.sh engine.kv_cache_gib=16      # 2 nodes: a smaller KV cache
 set -euo pipefail
 # shellcheck source=examples/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-NODES=${NODES:-1}
+NODES=${NODES:-4}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
-GPU_MEM_GIB=${GPU_MEM_GIB:-141}
+GPU_MEM_GIB=${GPU_MEM_GIB:-80}
 MODEL_PATH=${MODEL_PATH:-/models/Qwen2.5-32B}
+DATA_DIR=${DATA_DIR:-data}
+DATA_DIR=$(run_dir "$DATA_DIR")
 RUN_DIR=${RUN_DIR:-runs/qwen2.5-32b}
 RUN_DIR=$(run_dir "$RUN_DIR")
 plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen2.5-32b.json"
 SBATCH_ARGS=(--job-name=megarl-32b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
 
+RECIPE=(--config "$ROOT/configs/qwen3-32b-dapo.yaml")  # layout, rollout, DAPO, data keys, reward: see there
 MODEL=(model.path="$MODEL_PATH")
-PARALLEL=(parallel.tp=8 parallel.sequence_parallel=true parallel.pp=1 engine.tensor_parallel_size=8
-          optim.micro_batch_size=1 optim.logprob_chunk=1024)
-ROLLOUT=(rollout.prompts_per_step=32 rollout.samples_per_prompt=8 rollout.max_new_tokens=3072
-         engine.max_model_len=4096 engine.slots=64 engine.kv_cache_gib=16)
-ALGO=(algo.preset=grpo optim.lr=1.0e-6 warmup.steps=0)
-CHECKPOINT=(train.run_dir="$RUN_DIR" train.steps=500)
+DATA=(data.path="$DATA_DIR/dapo-math-17k.parquet" data.eval_path="$DATA_DIR/aime-2024.parquet")
+CHECKPOINT=(train.run_dir="$RUN_DIR")
 
-ARGS=("${MODEL[@]}" "${PARALLEL[@]}" "${ROLLOUT[@]}" "${ALGO[@]}" "${CHECKPOINT[@]}" "$@")
+ARGS=("${RECIPE[@]}" "${MODEL[@]}" "${DATA[@]}" "${CHECKPOINT[@]}" "$@")
 submit

@@ -31,6 +31,12 @@ def overlong_mask(finish_reasons: list[str], mask: torch.Tensor) -> torch.Tensor
     return mask * keep.unsqueeze(1)
 
 
+def overlong_ramp(cache: int, frac: float, max_len: int) -> int:
+    """L_cache in tokens: ``cache`` when set, else ``frac`` of the cap ``max_len`` (``algo.overlong_cache`` /
+    ``algo.overlong_cache_frac``); 0: no over-long penalty."""
+    return cache if cache else round(frac * max_len)
+
+
 def soft_overlong_penalty(length: int, max_len: int, cache_len: int, penalty: float = 1.0) -> float:
     """DAPO's soft over-long punishment: 0 up to the soft start L_max − L_cache, then linear down to −λ at
     L_max (and −λ beyond): R = λ·((L_max − L_cache) − |y|) / L_cache in between."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.advantage import grpo_advantages, rloo_advantages
-from megarl.algo.filters import soft_overlong_penalty
+from megarl.algo.filters import overlong_ramp, soft_overlong_penalty
 from megarl.algo.losses import (
     cispo_loss,
     gspo_loss,
@@ -24,14 +24,16 @@ from megarl.types import Group
 
 
 def shaped_rewards(groups: list[Group], a: AlgoConfig, max_new_tokens: int) -> torch.Tensor:
-    """[groups, G] task rewards plus DAPO's soft over-long penalty when ``overlong_cache`` > 0."""
+    """[groups, G] task rewards plus DAPO's soft over-long penalty when its ramp (``overlong_cache`` tokens, or
+    ``overlong_cache_frac`` of the cap) is > 0."""
+    ramp = overlong_ramp(a.overlong_cache, a.overlong_cache_frac, max_new_tokens)
     rows = []
     for g in groups:
         row = []
         for s in g.samples:
             r = s.reward
-            if a.overlong_cache:
-                r += soft_overlong_penalty(len(s.response_ids), max_new_tokens, a.overlong_cache, a.overlong_penalty)
+            if ramp:
+                r += soft_overlong_penalty(len(s.response_ids), max_new_tokens, ramp, a.overlong_penalty)
             row.append(r)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float32)

@@ -25,10 +25,11 @@ PRESETS: dict[str, dict] = {
                 "clip_low": 0.2, "clip_high": 0.2},
     # Ahmadian et al. 2024 (Back to basics): leave-one-out baseline.
     "rloo": {"advantage": "rloo", "policy_loss": "ppo", "loss_agg": "token_mean"},
-    # Yu et al. 2025 (DAPO): clip-higher, token-level loss, dynamic sampling, over-long shaping.
+    # Yu et al. 2025 (DAPO): clip-higher, token-level loss, dynamic sampling, over-long shaping over the last 20% of
+    # the length cap (the paper's 4,096 of 20,480 tokens).
     "dapo": {"advantage": "grpo", "policy_loss": "ppo", "loss_agg": "token_mean", "clip_low": 0.2,
-             "clip_high": 0.28, "dynamic_sampling": True, "overlong_filter": False, "overlong_cache": 16,
-             "overlong_penalty": 1.0},
+             "clip_high": 0.28, "dynamic_sampling": True, "overlong_filter": False,
+             "overlong_cache_frac": 0.2, "overlong_penalty": 1.0},
     # Zheng et al. 2025 (GSPO): sequence-level length-normalised ratio with a tight clip range.
     "gspo": {"advantage": "grpo", "policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "clip_low": 3e-4,
              "clip_high": 4e-4},

@@ -257,7 +257,11 @@ class AlgoConfig:
     overlong_filter: bool = False
     """Mask the loss of samples truncated by the length cap."""
     overlong_cache: int = 0
-    """DAPO soft over-long punishment: length of the penalty ramp before the cap (0: off)."""
+    """DAPO soft over-long punishment: length of the penalty ramp before the cap, in tokens (0: overlong_cache_frac
+    decides)."""
+    overlong_cache_frac: float = 0.0
+    """The penalty ramp as a share of rollout.max_new_tokens when overlong_cache is 0, in [0, 1) (DAPO: 0.2, its
+    4,096 of 20,480 tokens; 0: off)."""
     overlong_penalty: float = 1.0
     """Penalty λ reached at the cap."""
     ppo_epochs: int = 1

@@ -19,6 +19,7 @@ from megarl.algo.filters import (
     degenerate_group_probability,
     is_informative,
     overlong_mask,
+    overlong_ramp,
     oversampling_factor,
     soft_overlong_penalty,
 )
@@ -33,7 +34,8 @@ from megarl.algo.losses import (
     value_loss,
 )
 from megarl.algo.minibatches import minibatch_rows
-from megarl.algo.objective import group_advantages, policy_loss_fn
+from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards
+from megarl.config.presets import PRESETS
 from megarl.config.schema import AlgoConfig
 from megarl.types import Group, Sample
 
@@ -210,6 +212,12 @@ def test_filters_and_overlong_shaping():
     assert soft_overlong_penalty(80, 100, 20, 1.0) == 0.0
     assert soft_overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
     assert soft_overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
+    # the ramp: overlong_cache tokens when set, else that share of the cap (DAPO's preset: 4,096 of 20,480)
+    assert overlong_ramp(0, PRESETS["dapo"]["overlong_cache_frac"], 20480) == 4096
+    assert overlong_ramp(512, 0.2, 20480) == 512 and overlong_ramp(0, 0.0, 20480) == 0
+    a = AlgoConfig(overlong_cache_frac=0.2)  # the shaped rewards follow the cap they are given
+    g = Group(0, "", "", [Sample([1], [1] * 90, reward=1.0), Sample([1], [1] * 70, reward=1.0)])
+    assert shaped_rewards([g], a, 100).tolist() == [[pytest.approx(0.5), 1.0]]  # ramp 20: 80..100
 
 
 def test_curriculum_budget_and_replay():

@@ -92,6 +92,9 @@ def test_ppo_value_targets_use_its_lambda():
      r"algo.oversample_cap must be >= 1 with algo.dynamic_sampling.*got 0"),
     (["algo.dynamic_sampling=true", "algo.oversample_cap=0.5"], r"algo.oversample_cap must be >= 1"),
     (["algo.overlong_cache=-5"], r"algo.overlong_cache must be >= 0 .*got -5"),
+    (["algo.overlong_cache_frac=1"], r"algo.overlong_cache_frac must be in \[0, 1\) .*got 1"),
+    (["algo.overlong_cache_frac=0.99", "rollout.max_new_tokens=20"],
+     r"algo.overlong_cache_frac=0.99 of rollout.max_new_tokens \(20\) leaves no response length unpenalised"),
     (["algo.loss_norm_tokens=-3"], r"algo.loss_norm_tokens must be >= 0 .*got -3"),
     (["algo.value_clip=-1"], r"algo.value_clip must be >= 0 .*got -1"),
     (["algo.clip_low=1.5"], r"algo.clip_low must be in \[0, 1\) .*got 1.5"),
@@ -189,9 +192,6 @@ def test_fresh_data_is_not_noted(fresh):
     assert _notes(*FRESH[fresh]) == []
 
 
-def test_the_stale_data_note_is_said_before_launch(tmp_path, capsys):
-    from megarl.config.validate.prelaunch import checked_config
-
 def test_the_decoupled_objective_is_on_by_default_where_the_data_is_stale():
     """AReaL's decoupled PPO under one_step, async and partial rollouts at k ≥ 1; off on fresh data (it costs a
     forward over the batch there for nothing) and where algo.tis or CISPO already corrects; an explicit value wins."""
@@ -208,9 +208,14 @@ def test_the_decoupled_objective_is_on_by_default_where_the_data_is_stale():
     assert resolved("algo.decoupled_ppo=true")  # (fresh data: the user's choice)
 
 
+def test_the_stale_data_note_is_said_before_launch(tmp_path, capsys):
+    from megarl.config.validate.prelaunch import checked_config
+
     run = [f"train.run_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "model.make_tiny=qwen3_moe",
            "engine.placement=disaggregated", "rollout.overlap=one_step"]
     checked_config(None, [*run, "algo.decoupled_ppo=false"], 1, command="plan")
     assert "megarl: note: rollout.overlap=one_step trains every batch 1 version after" in capsys.readouterr().err
+    checked_config(None, run, 1, command="plan")
+    assert "off-policy" not in capsys.readouterr().err
     checked_config(None, [*run, "algo.tis=mask_token"], 1, command="plan")
     assert "off-policy" not in capsys.readouterr().err

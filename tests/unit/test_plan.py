@@ -211,13 +211,16 @@ def test_check_layout_accepts_the_examples_layouts():
         check_layout(load_config(None, RUN), QWEN25_32B, 0, 8)
 
 
-@pytest.mark.parametrize("script", ["qwen2.5-32b.sh", "qwen3-30b-a3b.sh", "qwen3-235b-a22b.sh"])
+@pytest.mark.parametrize("script", ["qwen2.5-32b.sh", "qwen3-32b.sh", "qwen3-30b-a3b.sh", "qwen3-235b-a22b.sh"])
 def test_each_example_validates_its_layout_with_plan(script):
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PLAN_ONLY": "1"}
     proc = subprocess.run(["bash", f"examples/{script}"], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "→ fits" in proc.stdout
+    # sized with its recipe's own shapes (configs/*-dapo.yaml: 2,048 + 20,480 tokens, 32 prompts × 16 samples)
+    assert "sized at  engine.max_model_len=22528 optim.micro_batch_size=1" in proc.stdout
+    assert "rollout.prompts_per_step=32 rollout.samples_per_prompt=16" in proc.stdout
     assert ("· EP " in proc.stdout) == ("-a" in script)  # expert parallelism shown for the MoE models only
     assert re.search(r"^step time +\d+\.\d s/step \(train .*-bound\)$", proc.stdout, re.M), proc.stdout
     bad = subprocess.run(["bash", f"examples/{script}", "parallel.tp=3"], capture_output=True, text=True, cwd=ROOT,

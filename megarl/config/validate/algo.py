@@ -88,6 +88,9 @@ def _ranges(cfg: RunConfig) -> None:
     if not a.mask_high > 1:
         raise ConfigError(f"algo.mask_high must be > 1 (the upper bound of the band of π_prox/π_behaviour that "
                           f"algo.tis=mask_token|mask_sequence keeps, which must hold ρ = 1), got {a.mask_high}")
+    if not 0 <= a.overlong_cache_frac < 1:
+        raise ConfigError(f"algo.overlong_cache_frac must be in [0, 1) (the over-long penalty ramp as a share of "
+                          f"rollout.max_new_tokens; DAPO: 0.2; 0: off), got {a.overlong_cache_frac}")
     if a.ppo_epochs < 1 or a.minibatches < 1:
         raise ConfigError(f"algo.ppo_epochs and algo.minibatches must be >= 1, got {a.ppo_epochs}, {a.minibatches}")
 
@@ -119,6 +122,11 @@ def _combinations(cfg: RunConfig) -> None:
     if a.overlong_cache >= r.max_new_tokens:
         raise ConfigError(f"algo.overlong_cache ({a.overlong_cache}) must be < rollout.max_new_tokens "
                           f"({r.max_new_tokens})")
+    # (the ramp in tokens, as algo/filters.py's overlong_ramp takes it)
+    if not a.overlong_cache and round(a.overlong_cache_frac * r.max_new_tokens) >= r.max_new_tokens:
+        raise ConfigError(f"algo.overlong_cache_frac={a.overlong_cache_frac} of rollout.max_new_tokens "
+                          f"({r.max_new_tokens}) leaves no response length unpenalised: the ramp must be shorter than "
+                          "the cap (DAPO: 0.2)")
     if a.policy_loss != "ppo" and a.dual_clip:
         raise ConfigError(f"algo.dual_clip={a.dual_clip} does not apply with algo.policy_loss={a.policy_loss} (dual "
                           "clip bounds PPO-clip's token objective; GSPO's sequence ratio and CISPO's clipped weight "
@@ -175,6 +183,7 @@ def resolved_decoupled_ppo(cfg: RunConfig) -> bool:
 def off_policy_correction(cfg: RunConfig) -> str:
     """The key that corrects the objective for off-policy tokens ('' when none does): a decoupled ratio with its
     truncated IS weight or mask (``algo.tis``, ``algo.decoupled_ppo``), or CISPO's clipped importance weight."""
+    a = cfg.algo
     if a.tis != "none":
         return f"algo.tis={a.tis}"
     if resolved_decoupled_ppo(cfg):
