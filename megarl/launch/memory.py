@@ -246,7 +246,10 @@ def kv_cache_use(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32",
 
 def check_kv_cache(hf: dict, cfg: RunConfig, lay: Layout, precision: str = "fp32") -> None:
     """ConfigError when ``engine.kv_cache_gib`` cannot hold one sequence of ``engine.max_model_len``: vLLM
-    refuses to start such an engine ("to serve at least one request with the model's max seq len ...")."""
+    refuses to start such an engine ("to serve at least one request with the model's max seq len ..."). With
+    ``engine.gpu_memory_utilization`` the share sizes the cache instead (the memory table's kv_cache line)."""
+    if cfg.engine.gpu_memory_utilization:
+        return
     kv = kv_cache_use(hf, cfg, lay, precision)
     if kv["held"] < 1:
         e = cfg.engine

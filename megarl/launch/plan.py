@@ -7,8 +7,9 @@ proposal: the fastest layout that fits.
 ``--model`` is a local checkpoint directory or ``config.json`` (nothing is downloaded; ``examples/models/`` holds
 the shapes of the example models). Memory is sized at the config's sequence length and batch
 (``engine.max_model_len``, ``optim.micro_batch_size`` or ``trainer.max_tokens_per_microbatch``, ``engine.slots``, the
-rollout's sequences): without ``--config`` and those keys, the schema defaults, i.e. the tiny CPU demo's 256-token
-sequences; give yours with ``--config FILE`` or ``key=value``.
+rollout's sequences): without ``--config`` and those keys, a GPU plan takes a long-reasoning step (``LONG_REASONING``:
+32 prompts × 16 samples, responses to 16k tokens, half of each GPU for vLLM) and ``--cpu`` the schema defaults, the
+tiny CPU demo's 256-token sequences; give yours with ``--config FILE`` or ``key=value``.
 
 Without any ``parallel.*``, ``engine.tensor_parallel_size``, ``engine.placement`` or ``engine.replicas`` setting,
 it weighs every layout — the trainer's TP × PP × EP × expert TP; engines colocated at each ``engine.sleep_level``
@@ -136,8 +137,8 @@ def plan(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: 
         "memory_gib_per_gpu": mem, **info, "fits": mem["total"] <= gpu_mem_gib, "proposed": propose,
         "overrides": lay.overrides(), "sized_at": sizing(cfg),
         "routes": route_bytes_per_rank(route_bytes(hf, cfg), lay, cfg.trainer.packing),
-        "step_time": st, "proposals": [proposal(*p, bool(experts)) for p in proposals if p[2] is not None],
         "routes_off": routes_off_note(cfg, experts, not cpu, lay.placement, lay.engine_tp),
+        "step_time": st, "proposals": [proposal(*p, bool(experts)) for p in proposals if p[2] is not None],
     }
 
 
@@ -166,6 +167,21 @@ def proposal(lay: Layout, mem: dict, st: dict, experts: bool) -> dict:
     return {"layout": layout_dict(lay), "describe": lay.describe(experts), "overrides": lay.overrides(),
             "memory_gib": mem["total"], "step_time": st}
 
+
+LONG_REASONING = ("rollout.prompts_per_step=32", "rollout.samples_per_prompt=16", "optim.micro_batch_size=1",
+                  "engine.slots=256", "engine.gpu_memory_utilization=0.5")
+"""The shape a GPU plan is sized at without ``--config`` or any sizing key (``long_reasoning``): a long-reasoning
+step of 32 prompts × 16 samples, one row a micro-batch, vLLM's KV cache what half of each GPU leaves after the
+engine's weights."""
+LONG_RESPONSE, LONG_PROMPT = 16384, 1024
+
+
+def long_reasoning(hf: dict) -> list[str]:
+    """``LONG_REASONING`` with its lengths: responses capped at 16k tokens after prompts of up to 1k (the mean
+    response half the cap), or the same split of the model's ``max_position_embeddings`` where that is shorter."""
+    longest = min(LONG_RESPONSE + LONG_PROMPT, int(hf.get("max_position_embeddings") or LONG_RESPONSE + LONG_PROMPT))
+    response = max(1, longest * LONG_RESPONSE // (LONG_RESPONSE + LONG_PROMPT))
+    return [*LONG_REASONING, f"engine.max_model_len={longest}", f"rollout.max_new_tokens={response}"]
 
 SIZING_KEYS = ("engine.max_model_len", "optim.micro_batch_size", "engine.slots", "rollout.prompts_per_step",
                "rollout.samples_per_prompt", "engine.kv_cache_gib", "trainer.max_tokens_per_microbatch")
@@ -287,23 +303,29 @@ def read_model(path: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_intermixed_args(argv)
     try:
+        default_shape = not args.config and not args.cpu and not (
+            {o.split("=", 1)[0] for o in args.overrides} & {*SIZING_KEYS, "rollout.max_new_tokens",
+                                                             "engine.gpu_memory_utilization"})
         cfg = load_config(args.config, args.overrides)
+        hf = read_model(args.model) if args.model else model_config(cfg)
+        if default_shape:
+            cfg = load_config(None, [*long_reasoning(hf), *args.overrides])
         if args.precision:
             cfg.trainer.precision = args.precision
         args.precision = cfg.trainer.precision
         if args.model:
-            hf = read_model(args.model)
             model = Path(args.model)  # the model the checks name (e.g. a head size vLLM cannot run)
             cfg.model.path = str(model.parent if model.is_file() else model)
-        else:
-            hf = model_config(cfg)
         work, gpu, mem_gib = work_and_gpu(args, cfg, hf)
         # Any layout key given: check and size exactly what `megarl train` would run; none: propose one.
         propose = not _explicit(args.config, args.overrides)
         res = plan(hf, cfg, args.nodes, args.gpus_per_node, mem_gib, propose, args.precision, args.cpu, gpu, work,
                    trainer_gpus=args.trainer_gpus_per_node, recompute=recompute_modes(cfg, args.config, args.overrides),
                    cps=context_parallel_sizes(cfg, args.config, args.overrides))
-        if not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
+        if default_shape:
+            res["sizing_note"] = ("a long-reasoning step (32 prompts × 16 samples, responses to 16k tokens); give "
+                                  "your run's with --config FILE or key=value")
+        elif not args.config and not {o.split("=", 1)[0] for o in args.overrides} & set(SIZING_KEYS):
             res["sizing_note"] = ("the schema defaults, the tiny CPU demo's; give your run's with --config FILE "
                                   "or key=value")
         if not res["fits"]:

@@ -325,11 +325,16 @@ def test_plan_names_its_sizes_and_says_plainly_when_no_layout_fits(tmp_path, cap
     assert "no layout" not in capsys.readouterr().out
     # (at 141 GiB a trainer of TP 4 beside 2 engine GPUs a node fits on 8 nodes: 120 GiB, nothing up to 16; full
     # recompute would fit on 2)
+    tiny = ["engine.max_model_len=256", "optim.micro_batch_size=64", "rollout.max_new_tokens=96"]  # the schema's
     assert main(["--model", str(model), "--nodes", "1", "--gpus-per-node", "6", "--gpu-mem-gib", "120",
-                 "trainer.precision=fp32", "trainer.recompute=none"]) == 1
-    out = capsys.readouterr().out  # without --config: the tiny demo's sizes, said so
-    assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "the schema defaults" in out
+                 "trainer.precision=fp32", "trainer.recompute=none", *tiny]) == 1
+    out = capsys.readouterr().out
+    assert "engine.max_model_len=256 optim.micro_batch_size=64" in out and "long-reasoning" not in out
     assert "None fits with trainer.precision=bf16 or up to --nodes 16 either" in out, out
+    assert main(["--model", str(model), "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "120"]) in (0, 1)
+    out = capsys.readouterr().out  # without --config or a sizing key: a long-reasoning step's sizes, said so
+    assert "engine.max_model_len=17408 optim.micro_batch_size=1" in out and "a long-reasoning step" in out, out
+    assert "512 sequences of 512 + 8192 tokens" in out, out
 
 
 def test_plan_help_shows_a_command_that_works(capsys, monkeypatch):
