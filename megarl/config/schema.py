@@ -449,6 +449,22 @@ class EvalConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA adapters' rank r (0: off, full fine-tuning); > 0 freezes the base weights and trains only the adapters
+    (docs/lora.md)."""
+    alpha: float = 16.0
+    """Adapter scale numerator: each adapter adds (alpha / rank) · B A x to its layer's output."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training, in [0, 1) (0 under parallel.tp > 1 for now)."""
+    targets: str = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
+    """Comma-separated layers that get adapters: 'linear_qkv' (attention QKV), 'linear_proj' (attention out),
+    'linear_fc1', 'linear_fc2' (dense MLP in, out); 'experts' (MoE experts) is not built yet; the router never."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """A's initialisation: 'kaiming' (uniform, PEFT's default) or 'gaussian' (std 1/rank); B starts at zero."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -464,6 +480,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 PRECISION_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

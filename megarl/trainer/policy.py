@@ -26,12 +26,13 @@ from megarl.algo.packing import (
 )
 from megarl.checkpoint.dist import load_model_weights
 from megarl.compat.megatron import count_expert_grads_once
-from megarl.config.schema import PRECISION_DTYPES, OptimConfig
+from megarl.config.schema import PRECISION_DTYPES, LoraConfig, OptimConfig
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
 from megarl.models.hf_config import is_dist_checkpoint, num_experts
 from megarl.trainer.logprobs import HiddenOutput, chunked_token_logprobs, token_entropy, token_logprobs
+from megarl.trainer.lora import apply_lora
 from megarl.trainer.model import ValueHead, build_gpt_model, load_hf_weights, moe_dispatcher_for
 from megarl.trainer.packed import pack_order, packed_seq_params, rows_to_batch, step_metrics
 from megarl.trainer.route_recording import RouteRecording
@@ -84,14 +85,18 @@ class PolicyTrainer(RouteRecording):
 
     ``recompute`` ('none', 'selective', 'full'; ``trainer.recompute``) and ``recompute_layers``: megatron's activation
     recompute in training passes (``model.transformer_config``); the route taps replay a recomputed router's
-    first choice (``routing.RouteTap``)."""
+    first choice (``routing.RouteTap``).
+
+    ``lora`` with a rank > 0: LoRA adapters on the targeted layers, A drawn from ``seed``, the rest frozen; only
+    the adapters have gradients and optimizer state (``trainer/lora.py``)."""
 
     def __init__(self, hf_cfg: dict, model_dir: str, ps: ParallelState, optim: OptimConfig,
                  temperature: float = 1.0, moe_dispatcher: str = "alltoall", head: str = "lm",
                  trainable: bool = True, entropy: bool = False, fp8: str = "",
                  transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none",
                  packing: bool = False, max_tokens_per_microbatch: int = 0, recompute: str = "none",
-                 recompute_layers: int = 1, cp_comm_type: str = "p2p") -> None:
+                 recompute_layers: int = 1, cp_comm_type: str = "p2p", lora: LoraConfig | None = None,
+                 seed: int = 0) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -126,6 +131,8 @@ class PolicyTrainer(RouteRecording):
             load_model_weights(self.modules, model_dir, skip)
         else:
             load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=skip)
+        # lora.rank > 0: adapters beside the loaded weights, which are frozen (DDP and the optimizer skip them)
+        self.adapters = apply_lora(self.modules, lora, seed) if lora is not None and lora.rank > 0 else []
         # built on the host (use_cpu_initialization); on a GPU the model, its DDP buffers and each microbatch live on
         # this rank's device, and what leaves the trainer (logprobs, values) comes back to the host
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

@@ -6,6 +6,7 @@
 | ``layout.py`` | the parallel layout against the world, the model's shape and the job's nodes (one copy of the rules) |
 | ``model.py`` | the model against the layout and the engine; the checkpoint a resume continues from |
 | ``algo.py`` | ``algo.*`` ranges and combinations; the note on stale data with no off-policy correction |
+| ``lora.py`` | ``lora.*`` values, targets against the model, what LoRA does not run yet |
 | ``limits.py`` | what torch or vLLM would refuse only after launch (ranges, engine sizes, memory, head sizes) |
 | ``prelaunch.py`` | ``checked_config``: the whole sequence, with the data, the reward function and the environment |
 

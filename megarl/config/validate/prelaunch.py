@@ -14,6 +14,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import algo_notes
 from megarl.config.validate.layout import check_job_shape
 from megarl.config.validate.limits import engine_dtype_notes, unread_keys
+from megarl.config.validate.lora import check_lora_run
 from megarl.config.validate.model import (
     check_resume_learners,
     check_resume_precision,
@@ -45,6 +46,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     elif is_dist_checkpoint(cfg.model.path):
         check_start_checkpoint(cfg, hf)  # hf-to-mcore's output: the model its hf/config.json describes
     validate(cfg, nproc, hf)
+    check_lora_run(cfg)  # (until the adapter-only sync exists: every command here runs engines)
     if command in ("train", "demo"):
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
         check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs

@@ -15,6 +15,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import validate_algo
 from megarl.config.validate.layout import check_world_layout, replica_device_ids, validate_replica_nodes
 from megarl.config.validate.limits import check_engine_sizes, check_microbatch_tokens, check_ranges, cuda_available
+from megarl.config.validate.lora import validate_lora
 from megarl.config.validate.model import check_model_fits
 
 MAX_OVERSUBSCRIPTION = 64.0
@@ -40,6 +41,7 @@ def validate(cfg: RunConfig, world_size: int, hf_config: dict | None = None, her
     check_ranges(cfg)
     check_engine_sizes(cfg)
     check_microbatch_tokens(cfg)
+    validate_lora(cfg, hf_config)
     if hf_config is not None:
         check_model_fits(cfg, hf_config, here)
 

@@ -1,0 +1,90 @@
+"""``lora.*`` checks before launch: the adapters' values, their targets against the model, and what this stage of
+LoRA does not run yet (docs/lora.md), each refused with the key named rather than run wrong.
+
+Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
+or without sequence parallelism), frozen base weights, adapter-only optimizer state (``trainer/lora.py``). Not built
+yet, so refused: MoE expert adapters, Transformer Engine's fused layers, dropout under TP, full activation
+recompute, and any run with engines (the adapter-only weight sync to vLLM).
+"""
+
+from __future__ import annotations
+
+from megarl.config.errors import ConfigError
+from megarl.config.schema import LoraConfig, RunConfig
+from megarl.models.hf_config import is_moe_layer
+
+TARGETS = {
+    "linear_qkv": "attention QKV (column-parallel)",
+    "linear_proj": "attention out (row-parallel)",
+    "linear_fc1": "dense MLP in, gate and up (column-parallel)",
+    "linear_fc2": "dense MLP out (row-parallel)",
+}
+"""The layers that take adapters, by megatron-core's module name (each layer's ``self_attention.*`` or ``mlp.*``)."""
+
+NOT_YET = {"experts": "MoE expert adapters (with expert parallelism) are not built yet"}
+NEVER = {"router": "the MoE router never gets an adapter (its routes must stay the engine's)"}
+
+
+def lora_targets(lora: LoraConfig) -> tuple[str, ...]:
+    """``lora.targets`` as a tuple of kinds (checked: known, built, no repeats, at least one)."""
+    kinds = tuple(t.strip() for t in lora.targets.split(",") if t.strip())
+    valid = f"valid: {', '.join(TARGETS)} (comma-separated)"
+    if not kinds:
+        raise ConfigError(f"lora.targets is empty; {valid}")
+    for kind in kinds:
+        why = NOT_YET.get(kind) or NEVER.get(kind)
+        if why:
+            raise ConfigError(f"lora.targets={lora.targets!r}: {kind!r}: {why}; {valid}")
+        if kind not in TARGETS:
+            raise ConfigError(f"lora.targets={lora.targets!r}: {kind!r} is not a layer kind; {valid}")
+    if len(set(kinds)) != len(kinds):
+        raise ConfigError(f"lora.targets={lora.targets!r} names a layer kind twice")
+    return kinds
+
+
+def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
+    """``lora.*`` values (always: a typo fails before it matters) and, with ``lora.rank`` > 0, the targets against
+    the model ``hf`` and the combinations this stage does not run."""
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank must be >= 0 (0: off, full fine-tuning), got {lo.rank}")
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha must be > 0 (the adapters' scale is alpha / rank), got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+    kinds = lora_targets(lo)
+    if lo.rank == 0:
+        return
+    if hf is not None:
+        check_targets_in_model(kinds, hf, cfg.model.path)
+    if lo.dropout and cfg.parallel.tp > 1:
+        raise ConfigError(f"lora.dropout={lo.dropout} at parallel.tp={cfg.parallel.tp}: the TP ranks' dropout masks "
+                          "on an adapter's shared input are not tied yet; set lora.dropout=0")
+    if cfg.trainer.recompute == "full":
+        raise ConfigError(f"lora.rank={lo.rank} with trainer.recompute=full: a recomputed unit's input comes from "
+                          "frozen weights, needs no gradient, and megatron's recompute then drops the adapters' "
+                          "gradients inside it; set trainer.recompute=selective or none")
+    from megarl.config.validate.settings import resolved_transformer_engine  # deferred: settings imports this module
+
+    if cfg.model.fp8 or resolved_transformer_engine(cfg):
+        raise ConfigError(f"lora.rank={lo.rank} with Transformer Engine layers (model.transformer_engine="
+                          f"{cfg.model.transformer_engine}, model.fp8={cfg.model.fp8!r}): adapters on its fused "
+                          "norm+linear layers are not built yet; set model.transformer_engine=false and model.fp8=''")
+
+
+def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None:
+    """Every target kind exists in the model: a dense MLP (``linear_fc1``/``linear_fc2``) needs a layer without
+    routed experts (an all-MoE model such as Qwen3-MoE has none; its shared experts are experts)."""
+    dense = any(not is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"]))
+    for kind in kinds:
+        if kind in ("linear_fc1", "linear_fc2") and not dense:
+            raise ConfigError(f"lora.targets: {kind!r} ({TARGETS[kind]}): model.path={model} has no dense MLP "
+                              "layer (every layer routes to experts); use linear_qkv,linear_proj")
+
+
+def check_lora_run(cfg: RunConfig) -> None:
+    """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0 would sync the base weights
+    and never the adapters: refused until the adapter-only sync exists."""
+    if cfg.lora.rank > 0:
+        raise ConfigError(f"lora.rank={cfg.lora.rank}: adapter-only sync to vLLM is not built yet (the engines would "
+                          "generate from the base weights, not the trained adapters); set lora.rank=0 for this run")

@@ -1,0 +1,157 @@
+"""LoRA adapters on megatron-core's parallel linear layers, sharded as each base layer is (``lora.*``).
+
+An adapted layer computes ``W x + (alpha / r) · B A dropout(x)``: the base ``W`` frozen in the trainer's precision
+(no gradient, no main copy, no optimizer state: megatron's DDP and optimizer skip parameters that need no
+gradient), ``A`` [r, in] and ``B`` [out, r] trained, ``B`` starting at zero so that the adapted model starts as the
+base. Each adapter is a module ``lora`` on its base layer (``…linear_qkv.lora.a``), run by a forward hook: the base
+layer, its parameters and their names stay as they are (the HF maps, the weight sync and checkpoints read them).
+
+Sharding, at tensor-parallel size ``tp`` (``h``: the rank-r activation between A and B)::
+
+    column-parallel (linear_qkv, linear_fc1): A [r, in] replicated, B [out/tp, r] split on the output
+        no SP:  h = A x              → copy to the TP region (backward: dh all-reduced)  → B h
+        SP:     h = A x_shard        → gather the sequence   (backward: reduce-scatter)  → B h
+                (A on the rank's own positions, the base layer's gathered input as a sum of them; A's gradient
+                 is then partial over positions: summed over TP as a sequence-parallel norm's is)
+    row-parallel (linear_proj, linear_fc2): A [r, in/tp] split on the input, B [out, r] replicated
+        no SP:  h = A_rank x_rank    → all-reduce (as the base output is)                → B h
+        SP:     h = A_rank x_rank    → reduce-scatter to the sequence shards             → B h
+                (B's gradient partial over positions: summed over TP)
+
+``A`` is drawn whole for each layer from a generator seeded by the seed, the layer's global number and the target,
+then sliced: every layout starts from one process's adapters. ``adapters_off`` runs the model as the base (the
+reference of the KL penalty without a second model in memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from megarl.config.schema import LoraConfig
+from megarl.config.validate.lora import TARGETS, lora_targets
+
+COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
+
+
+class LoraAdapter(torch.nn.Module):
+    """One base layer's adapter: ``a`` [r, in (/tp)], ``b`` [out (/tp), r], the scale alpha / r, the input dropout,
+    and how the rank-r activation crosses the TP group (``row``: the input is split; else the output)."""
+
+    def __init__(self, base: torch.nn.Module, row: bool, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        weight = base.weight
+        out_features, in_features = weight.shape  # this rank's shard
+        self.row, self.scale, self.enabled = row, alpha / rank, True
+        self.tp_group, self.sequence_parallel = base.tp_group, bool(base.sequence_parallel)
+        self.tp = self.tp_group.size() if self.tp_group is not None else 1
+        self.tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
+        self.a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=weight.dtype, device=weight.device))
+        self.b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=weight.dtype, device=weight.device))
+        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        if self.tp > 1:
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            # the split factor as megatron tags its own shards (the grad norm counts it on every rank); the
+            # replicated one, partial over positions under SP, is summed over TP by megatron's finalize_model_grads
+            split, replicated = (self.a, self.b) if row else (self.b, self.a)
+            set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
+            replicated.sequence_parallel = self.sequence_parallel
+
+    @torch.no_grad()
+    def reset(self, init: str, generator: torch.Generator) -> None:
+        """B to zero; A drawn whole ([r, in × tp] for a row-parallel layer), this rank's columns kept:
+        'kaiming' is PEFT's default (uniform, bound 1/√in), 'gaussian' N(0, 1/r²)."""
+        rank, local = self.a.shape
+        whole = torch.empty(rank, local * self.tp if self.row else local, dtype=torch.float32)
+        if init == "kaiming":
+            torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+        elif init == "gaussian":
+            torch.nn.init.normal_(whole, std=1.0 / rank, generator=generator)
+        else:
+            raise ValueError(f"lora.init must be 'kaiming' or 'gaussian', got {init!r}")
+        if self.row:
+            whole = whole[:, self.tp_rank * local:(self.tp_rank + 1) * local]
+        self.a.copy_(whole)
+        self.b.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's term of the base layer's output, laid out as that output is."""
+        from megatron.core.tensor_parallel import mappings as tp_map
+
+        h = F.linear(self.dropout(x), self.a)
+        if self.row and self.sequence_parallel:
+            h = tp_map.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        elif self.row:
+            h = tp_map.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        elif self.sequence_parallel:
+            h = tp_map.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
+        else:
+            h = tp_map.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        return F.linear(h, self.b) * self.scale
+
+
+def _add_adapter(module: torch.nn.Module, args: tuple, kwargs: dict, output):
+    """Forward hook of an adapted layer: its ``(output, bias)`` with the adapter's term added to the output."""
+    adapter = module.lora
+    if not adapter.enabled:
+        return output
+    x = args[0] if args else kwargs["input_"]
+    out, bias = output
+    return out + adapter(x), bias
+
+
+def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
+    """Adapters on every targeted layer of the model chunks (``lora.targets``), every other parameter frozen;
+    returns the adapters. Only megatron-core's own ColumnParallelLinear / RowParallelLinear are adapted (the
+    local spec; Transformer Engine's fused layers are refused before launch, ``config/validate/lora.py``)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    kinds = lora_targets(lora)
+    for m in modules:
+        for p in m.parameters():
+            p.requires_grad_(False)
+    adapters = []
+    for m in modules:
+        for layer in (x for x in m.modules() if isinstance(x, TransformerLayer)):
+            for name, base in layer.named_modules():
+                kind = name.rsplit(".", 1)[-1]
+                if kind not in kinds or name not in (f"self_attention.{kind}", f"mlp.{kind}"):
+                    continue  # (experts' and shared experts' linears sit deeper: mlp.experts.…, mlp.shared_experts.…)
+                row = kind in ROW
+                if type(base) is not (RowParallelLinear if row else ColumnParallelLinear) or (
+                        not row and base.gather_output):
+                    raise TypeError(f"lora.targets: {kind} ({TARGETS[kind]}) is a {type(base).__name__} here; "
+                                    "adapters are built on megatron-core's own parallel linears only")
+                base.lora = LoraAdapter(base, row, lora.rank, lora.alpha, lora.dropout)
+                g = torch.Generator().manual_seed(seed * 1_000_003 + layer.layer_number * 16 + kinds.index(kind))
+                base.lora.reset(lora.init, g)
+                base.register_forward_hook(_add_adapter, with_kwargs=True)
+                adapters.append(base.lora)
+    if not adapters:
+        raise ValueError(f"lora.targets={lora.targets!r}: no layer of the model is one of them")
+    return adapters
+
+
+def adapters(modules: list[torch.nn.Module]) -> list[LoraAdapter]:
+    """The model chunks' adapters, in module order."""
+    return [x for m in modules for x in m.modules() if isinstance(x, LoraAdapter)]
+
+
+@contextmanager
+def adapters_off(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """The base model inside: every adapter skipped (its hook hands the base output back untouched)."""
+    found = adapters(modules)
+    were = [x.enabled for x in found]
+    for x in found:
+        x.enabled = False
+    try:
+        yield
+    finally:
+        for x, was in zip(found, were):
+            x.enabled = was

@@ -1,0 +1,57 @@
+"""``lora.*`` config: bad values, unknown or unbuilt targets, targets the model lacks and combinations this stage
+of LoRA does not run stop the run before launch, naming the key (megarl/config/validate/lora.py). Pure config."""
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.validate.lora import check_lora_run, lora_targets, validate_lora
+from megarl.models.tiny import TinyShape, hf_config
+
+DENSE = hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)
+MOE = hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0)
+
+
+def check(*overrides: str, hf: dict = DENSE, world: int = 1) -> None:
+    validate(load_config(None, ["model.transformer_engine=false", *overrides]), world, hf)
+
+
+def test_lora_is_off_by_default_and_a_valid_section_passes():
+    cfg = load_config(None, [])
+    assert cfg.lora.rank == 0
+    check_lora_run(cfg)  # off: nothing to refuse
+    check("lora.rank=8", "lora.alpha=16", "lora.dropout=0.05", "lora.init=gaussian")
+    assert lora_targets(load_config(None, ["lora.targets= linear_qkv , linear_proj"]).lora) == ("linear_qkv",
+                                                                                               "linear_proj")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("lora.rank=-1", "lora.rank must be >= 0"),
+    ("lora.alpha=0", "lora.alpha must be > 0"),
+    ("lora.dropout=1.0", "lora.dropout must be in [0, 1)"),
+    ("lora.targets=linear_qkv,q_proj", "'q_proj' is not a layer kind; valid: linear_qkv, linear_proj"),
+    ("lora.targets=linear_qkv,experts", "'experts': MoE expert adapters"),
+    ("lora.targets=router", "'router': the MoE router never gets an adapter"),
+    ("lora.targets=linear_qkv,linear_qkv", "names a layer kind twice"),
+    ("lora.targets=''", "lora.targets is empty"),
+])
+def test_bad_values_are_refused_naming_the_key(override, words):
+    with pytest.raises(ConfigError, match="lora") as err:
+        check("lora.rank=8", override)
+    assert words in str(err.value)
+
+
+def test_targets_the_model_lacks_and_unbuilt_combinations_are_refused():
+    with pytest.raises(ConfigError, match="'linear_fc1'.*no dense MLP layer"):
+        check("lora.rank=8", "parallel.ep=1", hf=MOE)  # every Qwen3-MoE layer routes to experts
+    check("lora.rank=8", "lora.targets=linear_qkv,linear_proj", hf=MOE)
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 at parallel.tp=2.*set lora.dropout=0"):
+        check("lora.rank=8", "lora.dropout=0.1", "parallel.tp=2", world=2)
+    with pytest.raises(ConfigError, match="trainer.recompute=full"):
+        check("lora.rank=8", "trainer.recompute=full")
+    with pytest.raises(ConfigError, match="model.fp8='delayed'.*not built yet"):  # (a GPU's check, made here)
+        validate_lora(load_config(None, ["lora.rank=8", "model.fp8=delayed"]), DENSE)
+
+
+def test_a_run_with_engines_is_refused_until_the_adapter_sync_exists():
+    with pytest.raises(ConfigError, match="lora.rank=8: adapter-only sync to vLLM is not built yet"):
+        check_lora_run(load_config(None, ["lora.rank=8"]))

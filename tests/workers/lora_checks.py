@@ -1,0 +1,129 @@
+"""LoRA adapters on the megatron-core trainer at one layout (gloo, CPU, fp32 unless the precision is given), for
+comparison with one process. Launched by the tests with torchrun (2 processes) or plainly (1).
+
+    python tests/workers/lora_checks.py LAYOUT MODEL_DIR OUT_DIR [PRECISION]
+
+Rank 0 writes OUT_DIR/result.json: the largest gap of the logprobs with B at zero, and with the adapters switched
+off, to a trainer without adapters (both exactly 0 when right); the gap made by a random B (> 0: the adapters act);
+after one backward, every adapter's gradient gathered by its sharding into one process's layout; what the optimizer
+holds (its parameters and Adam state, in elements) against the adapters' and the base's sizes; and, in one process,
+the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) · B A x.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.processes import end_process_group  # noqa: E402
+from helpers.trainers import LAYOUTS, fixed_batch, seeded_layout  # noqa: E402
+
+RANK, ALPHA = 4, 8.0
+
+
+def sharded(name: str, adapter) -> bool:
+    """Whether this adapter tensor is split over TP as its base weight is (column B, row A)."""
+    return name.endswith(".lora.a") == adapter.row
+
+
+def whole(name: str, t: torch.Tensor, adapter, ps) -> torch.Tensor:
+    """The tensor as one process holds it: a split one's TP shards joined as the base weight's are."""
+    import torch.distributed as dist
+
+    from megarl.models.sharding import join_tp_shards
+
+    if ps.tp == 1 or not sharded(name, adapter):
+        return t
+    shards = [torch.empty_like(t) for _ in range(ps.tp)]
+    dist.all_gather(shards, t.contiguous(), group=ps.tp_group)
+    return join_tp_shards(name.rsplit(".lora.", 1)[0] + ".weight", shards)
+
+
+def random_b(name: str, b: torch.Tensor, adapter, ps) -> torch.Tensor:
+    """A seeded random B drawn whole (one process's layout), this rank's part of it."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    rows = b.shape[0] * (ps.tp if sharded(name, adapter) else 1)
+    full = torch.randn(rows, b.shape[1], generator=g) * 0.05
+    if rows == b.shape[0]:
+        return full
+    if "linear_fc1" in name:  # gate and up, each split over TP (megatron's fused fc1)
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(ps.tp)[ps.tp_rank], up.chunk(ps.tp)[ps.tp_rank]])
+    return full.chunk(ps.tp)[ps.tp_rank]
+
+
+def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32") -> None:
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.config.schema import LoraConfig, OptimConfig
+    from megarl.trainer.lora import adapters_off
+    from megarl.trainer.policy import PolicyTrainer
+
+    spec = dict(LAYOUTS[layout])
+    ps, cfg = seeded_layout(spec, model_dir)
+    optim = OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0, logprob_chunk=8)
+    common = dict(precision=precision, packing=True)
+    batch = fixed_batch(cfg["vocab_size"])
+    base = PolicyTrainer(cfg, model_dir, ps, optim, trainable=False, **common).logprobs(batch)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, **common)
+    mask = batch.loss_mask.bool()
+    result: dict = {"b_zero_gap": float((trainer.logprobs(batch) - base)[mask].abs().max())}
+    named = {n: p for m in trainer.modules for n, p in m.named_parameters() if ".lora." in n}
+    owner = {n: m.lora for mod in trainer.modules for name, m in mod.named_modules() if hasattr(m, "lora")
+             for n in (f"{name}.lora.a", f"{name}.lora.b")}
+    with torch.no_grad():
+        for n, p in named.items():
+            if n.endswith(".lora.b"):
+                p.copy_(random_b(n, p, owner[n], ps))
+    result["b_random_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
+    with adapters_off(trainer.modules):
+        result["adapters_off_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
+    if ps.world_size == 1 and precision == "fp32":
+        result["dense_gap"] = dense_gap(trainer)
+    trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
+                                                            mb["loss_mask"], 0.2, 0.28))
+    result["grads"] = {n: whole(n, p.main_grad, owner[n], ps).tolist() for n, p in named.items()}
+    chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+    held = [p for o in chain for g in o.optimizer.param_groups for p in g["params"]]
+    states = [o.optimizer.state[p] for o in chain for p in held if p in o.optimizer.state]
+    result.update(
+        optimizer_params=sum(p.numel() for p in held),
+        optimizer_main_dtypes=sorted({str(p.dtype) for p in held}),
+        adam_state=sum(t.numel() for s in states for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")),
+        adapter_params=sum(p.numel() for p in named.values()),
+        trainable=sum(p.numel() for m in trainer.modules for p in m.parameters() if p.requires_grad),
+        base_params=sum(p.numel() for m in trainer.modules for n, p in m.named_parameters() if ".lora." not in n),
+        grad_buffer=sum(b.grad_data.numel() for c in trainer.chunks for b in c.buffers + c.expert_parallel_buffers),
+        base_dtypes=sorted({str(p.dtype) for m in trainer.modules for n, p in m.named_parameters()
+                            if ".lora." not in n}),
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    if ps.rank == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+    end_process_group()
+
+
+def dense_gap(trainer) -> float:
+    """An adapted column- and row-parallel layer (one process) against W x + b + (alpha / r) · B A x."""
+    layer = trainer.modules[0].decoder.layers[0].self_attention
+    gaps = []
+    for linear in (layer.linear_qkv, layer.linear_proj):
+        x = torch.randn(3, 2, linear.weight.shape[1], generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            out, bias = linear(x)
+            out = out + bias if bias is not None else out
+            a, b, w = linear.lora.a, linear.lora.b, linear.weight
+            ref = x @ w.T + (linear.bias if linear.bias is not None else 0) + ALPHA / RANK * (x @ a.T @ b.T)
+        gaps.append(float((out - ref).abs().max() / ref.abs().max()))
+    return max(gaps)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"ok": True}), flush=True)
