@@ -7,25 +7,6 @@
 #   MODEL_PATH=/models/Qwen2.5-32B DATA_DIR=/data/dapo examples/qwen2.5-32b.sh [key=value ...]
 #   PLAN_ONLY=1 NODES=2 examples/qwen2.5-32b.sh engine.kv_cache_gib=16      # 2 nodes: a smaller KV cache
 set -euo pipefail
-# shellcheck source=examples/common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-NODES=${NODES:-4}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
-GPU_MEM_GIB=${GPU_MEM_GIB:-80}
-MODEL_PATH=${MODEL_PATH:-/models/Qwen2.5-32B}
-DATA_DIR=${DATA_DIR:-data}
-DATA_DIR=$(run_dir "$DATA_DIR")
-RUN_DIR=${RUN_DIR:-runs/qwen2.5-32b}
-RUN_DIR=$(run_dir "$RUN_DIR")
-plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen2.5-32b.json"
-SBATCH_ARGS=(--job-name=megarl-32b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
-
-RECIPE=(--config "$ROOT/configs/qwen3-32b-dapo.yaml")  # layout, rollout, DAPO, data keys, reward: see there
-MODEL=(model.path="$MODEL_PATH")
-DATA=(data.path="$DATA_DIR/dapo-math-17k.parquet" data.eval_path="$DATA_DIR/aime-2024.parquet")
-CHECKPOINT=(train.run_dir="$RUN_DIR")
-
-ARGS=("${RECIPE[@]}" "${MODEL[@]}" "${DATA[@]}" "${CHECKPOINT[@]}" "$@")
-submit
+# the dense recipe's script with this model's defaults (its shape for the plan: examples/models/qwen2.5-32b.json)
+MODEL_PATH=${MODEL_PATH:-/models/Qwen2.5-32B} RUN_DIR=${RUN_DIR:-runs/qwen2.5-32b} MODEL_SHAPE=qwen2.5-32b \
+    exec "$(dirname "${BASH_SOURCE[0]}")/qwen3-32b.sh" "$@"

@@ -19,7 +19,7 @@ DATA_DIR=${DATA_DIR:-data}
 DATA_DIR=$(run_dir "$DATA_DIR")
 RUN_DIR=${RUN_DIR:-runs/qwen3-32b}
 RUN_DIR=$(run_dir "$RUN_DIR")
-plan_model "$MODEL_PATH" "$ROOT/examples/models/qwen3-32b.json"
+plan_model "$MODEL_PATH" "$ROOT/examples/models/${MODEL_SHAPE:-qwen3-32b}.json"  # (qwen2.5-32b.sh: its own)
 SBATCH_ARGS=(--job-name=megarl-32b --gpus-per-node="$GPUS_PER_NODE" --exclusive)
 
 RECIPE=(--config "$ROOT/configs/qwen3-32b-dapo.yaml")  # layout, rollout, DAPO, data keys, reward: see there

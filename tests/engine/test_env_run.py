@@ -8,17 +8,9 @@ import sys
 
 import pytest
 
-from helpers.runs import final_state, no_prompt_lost_or_twice, train
+from helpers.runs import final_state, no_prompt_lost_or_twice, scalars, train
 from helpers.scripts import ROOT
 from megarl.logging.metrics import read_metrics
-
-
-def scalars(run_dir) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def env_run(tmp_path, run, mode="sync", overlap="none", steps=3, *extra) -> list[str]:

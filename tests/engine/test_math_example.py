@@ -2,13 +2,13 @@
 TensorBoard metrics → ``megarl eval`` on the run's dist checkpoint (and, slow, on an HF dir)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.runs import megarl, scalars
 from helpers.scripts import ROOT, run_script
 
 CONFIG = ROOT / "examples" / "math" / "config.yaml"
@@ -20,22 +20,6 @@ def tiny(tmp_path) -> list[str]:
             "data.eval_size=6", f"model.path={tmp_path}/model", "rollout.prompts_per_step=2",
             "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12", "engine.slots=16",
             "engine.kv_cache_gib=0.125", "reward.workers=1"]
-
-
-def megarl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    assert proc.returncode == 0, f"megarl {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
-
-
-def scalars(run_dir) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 @pytest.fixture(scope="module")

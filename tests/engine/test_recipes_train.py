@@ -8,12 +8,12 @@ warm-up on the stand-in's prompts answered right and wrong alike (half each) mak
 math-verify's rewards vary within groups and both steps train."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from helpers.runs import megarl, scalars
 from helpers.scripts import ROOT
 
 # (recipe, tiny model of its kind, training file, held-out file, how a response states its final answer)
@@ -21,22 +21,6 @@ RECIPES = {
     "qwen3-30b-a3b-dapo": ("qwen3_moe", "dapo-math-17k.parquet", "aime-2024.parquet", "Answer: {}"),
     "qwen3-32b-dapo": ("qwen2", "verl-math/train.parquet", "verl-math/test.parquet", "\\boxed{{{}}}"),
 }
-
-
-def megarl(*args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    assert proc.returncode == 0, f"megarl {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
-
-
-def scalars(run_dir) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def shrunk(tmp, tiny: str, train: str, held_out: str) -> list[str]:

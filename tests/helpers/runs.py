@@ -75,3 +75,21 @@ def no_prompt_lost_or_twice(state: dict) -> None:
     ahead = ([g.prompt_index for r in pickle.loads(state["pipeline"]["queue"]) for g in r.groups]
              if "pipeline" in state else [])
     assert len(set(ahead)) == len(ahead) and set(ahead) <= set(released), "a batch generated ahead lost or doubled"
+
+
+def megarl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``megarl ARGS`` from the repository root (its output captured), asserted to exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, f"megarl {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def scalars(run_dir) -> dict[str, list[float]]:
+    """A run's TensorBoard scalars, tag → values in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
