@@ -68,6 +68,7 @@ def test_launch_engine_nodes_query(capsys):
     assert "engine.replica_nodes_dedicated=true" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (16 s; the default run keeps a linked host serving on through Slurm's preemption SIGTERM)
 def test_replica_host_links_spawns_respawns_and_ends_with_rank_0(tmp_path):
     from megarl.engines.remote.host import HostPool, rendezvous_path
     from megarl.engines.remote.nodes import RemoteProcess, Rendezvous

@@ -180,6 +180,7 @@ def _preempted(model, tmp_path, layout=ASYNC) -> tuple:
     return run, extra, "".join(lines), saved - sent if saved else None
 
 
+@pytest.mark.slow  # (63 s; the default run keeps the default path's save-within-seconds and the pause's capture, test_checkpoint_windows)
 def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
     """The wait for the batch ends, the phase in flight is paused between two engine steps (the bound: one engine
     step; the groups it completed are scored outside it) and saved with the checkpoint (its samples so far, its
@@ -207,7 +208,7 @@ def test_a_preemption_on_the_default_path_saves_within_seconds_while_a_long_phas
     assert state["controller"]["requeued"]  # the stopped phase's prompts, first in the next one
 
 
-@pytest.mark.slow  # (the preempted run resumed to its end: 35 s more than the default run's save-within-seconds)
+@pytest.mark.slow  # (the preempted run resumed to its end)
 def test_a_run_preempted_under_async_mid_phase_resumes_to_the_end_losing_nothing(model, tmp_path):
     from helpers.scripts import TESTS
 

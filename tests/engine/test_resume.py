@@ -102,7 +102,7 @@ def test_kill_9_then_resume_is_exact(baseline, tmp_path, point, step, nth, last_
     _check_same_as_baseline(baseline, run)
 
 
-@pytest.mark.slow  # 35 s; a signal's save-and-resume stays in the default run: test_overlap's SIGTERM under async
+@pytest.mark.slow  # 35 s; a signal's save stays in the default run: test_overlap's SIGTERM on the default path
 def test_sigusr1_saves_exits_0_and_the_next_start_resumes(baseline, tmp_path):
     model = baseline[0]
     run = tmp_path / "run"

@@ -107,6 +107,7 @@ def test_a_load_failing_on_one_engine_rank_restores_every_rank(tmp_path):
         assert r["resync_ok"]["engine/version"] == 2.0 and r["resync_gap"] <= 1e-4
 
 
+@pytest.mark.slow  # (13 s; the default run keeps test_families' tied Llama 3 synced into vLLM)
 def test_protocol_sync_of_a_tied_lm_head_gives_the_trainers_logprobs(tmp_path):
     r = run_script(["tests/workers/protocol_checks.py", "tied", str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
     assert r["tied"] and r["gap_stale"] > 1e-2  # the trainer moved; the engine had not yet
