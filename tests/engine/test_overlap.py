@@ -180,7 +180,7 @@ def _preempted(model, tmp_path, layout=ASYNC) -> tuple:
     return run, extra, "".join(lines), saved - sent if saved else None
 
 
-@pytest.mark.slow  # (63 s; the default run keeps the default path's save-within-seconds and the pause's capture, test_checkpoint_windows)
+@pytest.mark.slow  # (63 s; the default run keeps the default path's, and checkpoint windows' pause)
 def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
     """The wait for the batch ends, the phase in flight is paused between two engine steps (the bound: one engine
     step; the groups it completed are scored outside it) and saved with the checkpoint (its samples so far, its

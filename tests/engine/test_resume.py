@@ -131,11 +131,12 @@ def test_sigusr1_saves_exits_0_and_the_next_start_resumes(baseline, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the_run_after_its_first_step(tmp_path):
+def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the_run_at_its_first_phase(tmp_path):
     """Slurm's preemption can land while the session is still being built (minutes for a large model): SIGTERM to
     every process of the run (its process group, as Slurm signals a job step) while vLLM loads the model. The
     handlers ``train.run`` installs before the session keep it (before: the default action ended the run, nothing
-    saved); the run saves after its first step and exits 0, and what the session started survived to end cleanly."""
+    saved); the first phase stops at its first engine step, the run saves step 0 and exits 0, and what the session
+    started survived to end cleanly."""
     run = tmp_path / "run"
     proc = _start(tmp_path / "model", run, "warmup.steps=2", out=subprocess.PIPE)
     lines, sent = [], False
@@ -149,8 +150,8 @@ def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the
     finally:
         reap(proc)
     out = "".join(lines)
-    assert sent and "step 1: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
-    assert RunCheckpoints(run).steps()[0] == 1 and "eval after RL" not in out
+    assert sent and "step 0: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
+    assert RunCheckpoints(run).steps()[0] == 0 and "step 1/" not in out and "eval after RL" not in out
 
 @pytest.mark.slow  # (a whole session started to train nothing: 11 s)
 def test_a_finished_run_resubmitted_says_it_has_nothing_to_train(baseline, tmp_path):
