@@ -156,15 +156,20 @@ def controller(tok, rows, slots=1, max_tokens=200, max_turns=4, reward="helpers.
                           episodes=Episodes(pool, renderer, tok, max_turns, max_tokens))
     return c, engine, pool, rewards
 
+def one_phase(c, pool, rewards):
+    """The controller's phase 0, its environments' workers and reward pool closed after it, whatever it raised."""
+    try:
+        return c.run_phase(0)
+    finally:
+        pool.close()
+        rewards.close()
+
+
 
 def test_a_sync_phase_runs_episodes_across_turns_with_waiting_samples_holding_no_slot(tok, monkeypatch):
     monkeypatch.setenv("SLOW_ENV_S", "0.2")  # (a slow tool: the slot a waiting sample freed is taken meanwhile)
     c, engine, pool, rewards = controller(tok, [{"turns": 3}, {"turns": 3, "mode": "raise"}], env="helpers.envs:Slow")
-    try:
-        groups, m = c.run_phase(0)
-    finally:
-        pool.close()
-        rewards.close()
+    groups, m = one_phase(c, pool, rewards)
     ok, failed = sorted(groups, key=lambda g: g.prompt_index)
     for s in ok.samples:
         assert s.status == SampleStatus.CONSUMED and s.turns == 3 and not s.env_error
@@ -205,11 +210,7 @@ def test_max_turns_and_max_tokens_bound_an_episode(tok):
         rewards.close()
     for cap in (40, 80):
         c, engine, pool, rewards = controller(tok, [{"turns": 9}], max_tokens=cap)
-        try:
-            (group,), _ = c.run_phase(0)
-        finally:
-            pool.close()
-            rewards.close()
+        (group,), _ = one_phase(c, pool, rewards)
         for s in group.samples:  # every token of the trajectory counts: the model's turns and the environment's
             assert len(s.response_ids) <= cap and s.finish_reason == "length"
             assert s.turns == 1 if cap == 40 else 2 <= s.turns < 9  # 40: the first answer does not fit
@@ -370,11 +371,7 @@ def test_admission_expects_a_trajectorys_remaining_turns_and_tool_time_not_one_l
 
     c, _, pool, rewards = controller(tok, [{"turns": 2, "delay": 0.3}, {"turns": 3}], env="helpers.envs:Sleepy",
                                      dispatch="lpt", slots=4)
-    try:
-        c.run_phase(0)
-    finally:
-        pool.close()
-        rewards.close()
+    one_phase(c, pool, rewards)
     assert c.length_cache[1] > c.length_cache[0] and c.turns_cache == {0: 2.0, 1: 3.0}
     assert c.env_cache[0] >= 2 * 0.3 > 10 * c.env_cache[1] and c.token_s > 0
     again = iter([PromptItem(2, [1, 2], key=1), PromptItem(3, [1, 2], key=0)])  # (the same prompts, a new epoch)
@@ -462,11 +459,7 @@ def test_an_episode_whose_worker_a_hung_call_took_down_goes_on_from_its_kept_ins
     hung episodes end."""
     monkeypatch.setenv("SLOW_ENV_S", "0.2")  # (a slow tool: the hung episodes start while the others are mid-way)
     c, _, pool, rewards = controller(tok, [{"turns": 4}, {"turns": 3, "mode": "hang"}], env="helpers.envs:Slow")
-    try:
-        groups, _ = c.run_phase(0)
-    finally:
-        pool.close()
-        rewards.close()
+    groups, _ = one_phase(c, pool, rewards)
     ok, hung = sorted(groups, key=lambda g: g.prompt_index)
     assert all(s.env_error.startswith("timeout") for s in hung.samples) and pool.timeouts == 2
     assert pool.lost >= 1  # (the premise: a hang took down a worker holding another episode)
