@@ -17,6 +17,10 @@ so its state reshards over TP/PP/EP/DP rather than over DP only. Loading *into* 
 more repairs, each below: Adam's ``step`` tensor shared by every parameter (``compat.megatron.untie_adam_steps``),
 main params a plain optimizer never saved (``_drop_unsaved_main_params``), and param groups of a
 plain optimizer or of EP = 1 put in the distributed, chained form (``_align_chain``).
+
+LoRA adapters (``trainer/lora.py``) are saved with the model, sharded as they are, and reshard across TP with their
+optimizer state; a checkpoint whose adapters differ from the loading trainer's (none against some, other targets, rank
+or alpha) is refused with what differs named (``_check_adapters``), never loaded as the base alone.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
         ps = trainer.ps  # the layout it was saved at (loading reshards to any): for inspect_checkpoint
         layout = {k: getattr(ps, k) for k in ("world_size", "tp", "pp", "vpp", "ep", "etp", "dp", "sequence_parallel")}
         layout["precision"] = getattr(trainer, "precision", "fp32")  # trainer.precision: what its optimizer state is
+        if adapters := getattr(trainer, "adapters", None):  # (alpha is in no tensor: checked on loading from here)
+            layout["lora"] = {"rank": adapters[0].a.shape[0], "alpha": adapters[0].scale * adapters[0].a.shape[0]}
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
         old = path.with_name(path.name + ".old")
         if path.exists():  # never a moment without a complete checkpoint on disk
@@ -125,11 +131,15 @@ def load_checkpoint(trainer, path: str | Path, load_optimizer: bool = True) -> N
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     patch_step_copy()
-    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path))) if load_optimizer else set()
+    saved = dist_checkpointing.load_tensors_metadata(str(path))
+    saved_keys = set(saved) if load_optimizer else set()
     if load_optimizer and not any(_CHAIN.sub("", k).startswith("optimizer.") for k in saved_keys):
         # saved before its first optimizer step (a policy during the critic's warm-up, a run of train.steps=0): it
         # has no Adam state, and a fresh optimizer is exactly that state (asking for it was a KeyError)
         load_optimizer = False
+    # (before the optimizer is described for loading: a refusal leaves the trainer as it was)
+    _check_adapters(path, _sharded(trainer, is_loading=True, with_optimizer=False), saved,
+                    getattr(trainer, "adapters", None))
     sharded = _sharded(trainer, is_loading=True, with_optimizer=load_optimizer)
     main_params_saved = True
     if load_optimizer and "optimizer" in sharded:
@@ -172,6 +182,9 @@ def load_model_weights(modules: list[torch.nn.Module], path: str | Path, skip: t
              for key, sd in zip(keys, compact_layer_keys([m.sharded_state_dict() for m in modules]))}
     saved = set(dist_checkpointing.load_tensors_metadata(str(path)))
     wanted = {v.key for v in nested_values(state) if isinstance(v, ShardedTensor)}
+    if not any(".lora." in k for k in wanted) and (lora := _saved_adapter_keys(saved)):
+        raise ValueError(f"{path}: a LoRA run's checkpoint (adapters such as {lora[0]}, {len(lora)} tensors): its base "
+                         "weights alone would drop them; resume that run from it instead")
     if missing := sorted(wanted - saved):
         raise KeyError(f"{path}: the dist checkpoint has no tensors for {missing[:5]} ({len(missing)} missing): it "
                        "holds another model than config.json describes, or was cut short")
@@ -181,6 +194,50 @@ def load_model_weights(modules: list[torch.nn.Module], path: str | Path, skip: t
         unset = [n for n in result.missing_keys if not n.startswith(skip) and not n.endswith("_extra_state")]
         if unset:
             raise KeyError(f"{path}: no weights for parameters {unset[:5]}")
+
+
+def _saved_adapter_keys(saved_keys) -> list[str]:
+    """The model's LoRA adapter tensors among a checkpoint's keys (not the optimizer's copies of them)."""
+    return sorted(k for k in saved_keys if ".lora." in k and not _CHAIN.sub("", k).startswith("optimizer."))
+
+
+def _check_adapters(path: Path, model_sds: dict, saved: dict, adapters) -> None:
+    """Refuse a checkpoint whose LoRA adapters are not this trainer's, naming what differs: adapters saved and none
+    here (a load would be the base alone) or the reverse, other targets, another rank or alpha."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    wanted = {v.key for v in nested_values(model_sds)
+              if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and ".lora." in v.key}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank's (a pipeline
+        every: list = [None] * dist.get_world_size()  # stage may lack a key: dense layers) and one verdict on all
+        dist.all_gather_object(every, sorted(wanted))
+        wanted = set().union(*every)
+    have = _saved_adapter_keys(saved)
+    rank = {saved[k].global_shape[-2] for k in have if k.endswith(".lora.a")}
+    if have and not wanted:
+        raise ValueError(f"{path} holds LoRA adapters (rank {', '.join(map(str, sorted(rank)))}: {len(have)} tensors "
+                         f"such as {have[0]}) and this trainer has none: resume it with the lora settings it was "
+                         "saved with (loading its base alone would drop the adapters)")
+    if wanted and not have:
+        raise ValueError(f"{path} holds no LoRA adapters (saved without lora) and this trainer has {len(wanted)} "
+                         f"tensors of them (such as {min(wanted)}): resume it with lora.rank=0, or start a LoRA run "
+                         "from its weights (model.path)")
+    if wanted != set(have):
+        only_saved, only_here = sorted(set(have) - wanted), sorted(wanted - set(have))
+        raise ValueError(f"{path}: its LoRA adapters are on other layers than this trainer's (lora.targets): only in "
+                         f"the checkpoint {only_saved[:4]}, only here {only_here[:4]}")
+    if not adapters:
+        return
+    here = adapters[0].a.shape[0]
+    if rank and rank != {here}:
+        raise ValueError(f"{path}: lora.rank {', '.join(map(str, sorted(rank)))} in the checkpoint, {here} here")
+    try:
+        alpha = json.loads((path / LAYOUT_FILE).read_text())["lora"]["alpha"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if abs(alpha - adapters[0].scale * here) > 1e-6 * abs(alpha):
+        raise ValueError(f"{path}: lora.alpha {alpha:g} in the checkpoint, {adapters[0].scale * here:g} here")
 
 
 def _drop_unsaved_main_params(optimizer_sd: dict, saved_keys: set[str]) -> bool:

@@ -21,11 +21,17 @@ Sharding, at tensor-parallel size ``tp`` (``h``: the rank-r activation between A
 ``A`` is drawn whole for each layer from a generator seeded by the seed, the layer's global number and the target,
 then sliced: every layout starts from one process's adapters. ``adapters_off`` runs the model as the base (the
 reference of the KL penalty without a second model in memory).
+
+In dist checkpoints (``checkpoint/dist.py``) the adapters are the base layer's ``lora.a`` / ``lora.b`` with the
+sharding above (``LoraAdapter.sharded_state_dict``; megatron's own layers call every tensor but their ``weight`` and
+``bias`` replicated), a gated linear_fc1's B with its gate and up halves stored apart as megatron stores that weight:
+they and their optimizer state reshard across TP.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,8 +48,10 @@ class LoraAdapter(torch.nn.Module):
     """One base layer's adapter: ``a`` [r, in (/tp)], ``b`` [out (/tp), r], the scale alpha / r, the input dropout,
     and how the rank-r activation crosses the TP group (``row``: the input is split; else the output)."""
 
-    def __init__(self, base: torch.nn.Module, row: bool, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(self, base: torch.nn.Module, row: bool, rank: int, alpha: float, dropout: float,
+                 glu: bool = False) -> None:
         super().__init__()
+        self.glu = glu  # a gated linear_fc1's: B's rows are [gate shard; up shard] as the base weight's
         weight = base.weight
         out_features, in_features = weight.shape  # this rank's shard
         self.row, self.scale, self.enabled = row, alpha / rank, True
@@ -79,6 +87,22 @@ class LoraAdapter(torch.nn.Module):
         self.a.copy_(whole)
         self.b.zero_()
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """``a`` and ``b`` for a dist checkpoint, sharded as they are: B on dim 0 for a column-parallel layer (a gated
+        linear_fc1's through megatron's own factory for its weight: gate and up each split over TP), A on dim 1 for a
+        row-parallel one, the other replicated. The optimizer's state follows (it is described by these)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        metadata = metadata or {}
+        sd = make_sharded_tensors_for_checkpoint({"a": self.a, "b": self.b}, prefix, {"a": 1} if self.row else {"b": 0},
+                                                 sharded_offsets, tp_group=self.tp_group,
+                                                 dp_cp_group=metadata.get("dp_cp_group"))
+        if self.glu:
+            sd[f"{prefix}b"] = apply_swiglu_sharded_factory(sd[f"{prefix}b"], sharded_offsets,
+                                                            metadata.get("singleton_local_shards", False))
+        return sd
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's term of the base layer's output, laid out as that output is."""
         from megatron.core.tensor_parallel import mappings as tp_map
@@ -105,6 +129,14 @@ def _add_adapter(module: torch.nn.Module, args: tuple, kwargs: dict, output):
     return out + adapter(x), bias
 
 
+def _sharded_with_adapter(base: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
+                          metadata: dict | None = None) -> dict:
+    """An adapted layer's ``sharded_state_dict``: its class's for the base tensors, the adapter's for ``lora.*``."""
+    sd = type(base).sharded_state_dict(base, prefix, sharded_offsets, metadata)
+    sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}lora.")}
+    return {**sd, **base.lora.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata)}
+
+
 def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
     """Adapters on every targeted layer of the model chunks (``lora.targets``), every other parameter frozen;
     returns the adapters. Only megatron-core's own ColumnParallelLinear / RowParallelLinear are adapted (the
@@ -128,10 +160,12 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
                         not row and base.gather_output):
                     raise TypeError(f"lora.targets: {kind} ({TARGETS[kind]}) is a {type(base).__name__} here; "
                                     "adapters are built on megatron-core's own parallel linears only")
-                base.lora = LoraAdapter(base, row, lora.rank, lora.alpha, lora.dropout)
+                glu = kind == "linear_fc1" and bool(base.config.gated_linear_unit)
+                base.lora = LoraAdapter(base, row, lora.rank, lora.alpha, lora.dropout, glu)
                 g = torch.Generator().manual_seed(seed * 1_000_003 + layer.layer_number * 16 + kinds.index(kind))
                 base.lora.reset(lora.init, g)
                 base.register_forward_hook(_add_adapter, with_kwargs=True)
+                base.sharded_state_dict = types.MethodType(_sharded_with_adapter, base)  # (dist checkpoints)
                 adapters.append(base.lora)
     if not adapters:
         raise ValueError(f"lora.targets={lora.targets!r}: no layer of the model is one of them")
