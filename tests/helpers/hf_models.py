@@ -22,6 +22,8 @@ SPECS = {
     "qwen3": ("qwen3", dict(tie_word_embeddings=False)),
     "qwen3_tied": ("qwen3", dict(tie_word_embeddings=True)),
     "mistral": ("mistral", dict(tie_word_embeddings=False)),
+    # Qwen2 / Qwen2.5 style: biases on q/k/v only, untied, plain RoPE
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
     "llama_linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
     "qwen2_yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                   "original_max_position_embeddings": 64})),

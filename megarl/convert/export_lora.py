@@ -1,0 +1,56 @@
+"""A LoRA run's export: its adapters as a PEFT adapter directory, loadable over the base model by ``peft``
+(``PeftModel.from_pretrained``) and vLLM, and merged into the base by ``tools/merge_lora.py``.
+
+``<run_dir>/hf/step_<N>/`` then holds ``adapter_config.json`` (``trainer/lora_peft.py``'s ``peft_config``, its
+``base_model_name_or_path`` the absolute path of the run's ``model.path`` HF files: a dist checkpoint's ``hf/``),
+``adapter_model.safetensors`` (the adapters under PEFT's names, in the full export's dtype) and the base's tokenizer
+files — not its ``config.json``, generation config or weights. Written to ``step_<N>.tmp`` and renamed, as the full
+export is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megarl.config.schema import LoraConfig
+from megarl.convert.hf_files import copy_aux_files
+from megarl.models.hf_config import model_files_dir
+from megarl.trainer.lora_peft import gather_adapters, peft_config, peft_tensors
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+BASE_ONLY = ("config.json", "generation_config.json")
+"""Files of the base the adapter directory leaves out (``copy_aux_files`` copies them beside full weights)."""
+
+
+def export_adapter(trainer, lora: LoraConfig, model_dir: str | Path, out: str | Path,
+                   dtype: torch.dtype) -> Path | None:
+    """Write the trainer's adapters as a PEFT adapter directory at ``out`` (every rank calls: the adapters are
+    gathered whole on every rank; rank 0 writes). Returns ``out`` on rank 0, None elsewhere."""
+    if lora is None:
+        raise ValueError("the trainer has LoRA adapters: the export needs its lora config (adapter_config.json)")
+    adapters = gather_adapters(trainer.modules, trainer.ps, trainer.hf_cfg)  # collective
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    out, base = Path(out), model_files_dir(model_dir).resolve()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(peft_tensors(adapters, trainer.hf_cfg, dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, str(base)), indent=2) + "\n")
+    for name in copy_aux_files(base, tmp):  # the tokenizer and chat template; the base's config stays the base's
+        if name in BASE_ONLY:
+            (tmp / name).unlink()
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out

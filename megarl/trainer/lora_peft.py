@@ -1,0 +1,98 @@
+"""The trainer's LoRA adapters as a PEFT adapter: HF-named ``lora_A`` / ``lora_B`` tensors and ``adapter_config.json``,
+what vLLM loads as a LoRA (the adapter-only sync) and ``peft`` loads over the base model (the export).
+
+Each adapted Megatron layer maps onto the HF layers its base weight becomes (``hf_adapter.hf_parts``)::
+
+    linear_qkv  A [r, h]    → q_proj, k_proj, v_proj: lora_A = A each (one input, shared)
+                B [qkv, r]  → lora_B = B's rows split as the weight's are (per query group: ``qkv_from_megatron``)
+    linear_fc1  A [r, h]    → gate_proj, up_proj: lora_A = A each
+                B [2f, r]   → lora_B = B's gate rows, up rows
+    linear_proj / linear_fc2 → o_proj / down_proj: lora_A = A, lora_B = B
+
+exact, since ``B_q A x`` is the q rows of ``B A x``. Adapters are gathered whole: the split one of each layer over
+its TP group (joined as its base weight's shards are), the pipeline stages' layers over the PP group. They are
+small (rank r: r · (in + out) a layer) — every rank holds them all, as every engine rank needs them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import LoraConfig
+from megarl.config.validate.lora import lora_targets
+from megarl.models.hf_adapter import hf_parts, megatron_to_hf
+from megarl.models.hf_config import num_experts
+from megarl.models.sharding import global_name, join_tp_shards
+from megarl.trainer.lora import LoraAdapter
+
+PREFIX = "base_model.model."
+"""PEFT's prefix of a causal LM's module names (``PeftModelForCausalLM.base_model.model``)."""
+HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+"""The HF modules each target kind becomes (``target_modules`` of the PEFT config)."""
+
+
+def peft_config(lora: LoraConfig, base_model: str) -> dict:
+    """``adapter_config.json`` of the adapters ``lora`` describes, over ``base_model``."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
+            "target_modules": sorted(m for kind in lora_targets(lora) for m in HF_MODULES[kind]),
+            "base_model_name_or_path": str(base_model)}
+
+
+def _local_adapters(module: torch.nn.Module):
+    """(local base layer name, adapter) of one model chunk."""
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "lora", None), LoraAdapter):
+            yield name, sub.lora
+
+
+@torch.no_grad()
+def gather_adapters(modules: list[torch.nn.Module], ps, hf_cfg: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every adapter whole, on every rank: global Megatron base layer name → (A [r, in], B [out, r]). Every rank of
+    the trainer calls it (TP gathers, then one exchange over the pipeline stages)."""
+    layers, experts = hf_cfg["num_hidden_layers"], num_experts(hf_cfg)
+    whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for vp, module in enumerate(modules):
+        coords = ps.coords(vp)
+        for local, ad in _local_adapters(module):
+            weight = global_name(local.removeprefix("module.") + ".weight", layers, experts, coords)
+            a, b = ad.a.detach(), ad.b.detach()
+            if ad.tp > 1:
+                split = a if ad.row else b
+                shards = [torch.empty_like(split) for _ in range(ad.tp)]
+                dist.all_gather(shards, split.contiguous(), group=ad.tp_group)
+                joined = join_tp_shards(weight, shards)
+                a, b = (joined, b) if ad.row else (a, joined)
+            whole[weight.removesuffix(".weight")] = (a.clone(), b.clone())
+    if ps.pp > 1:
+        parts: list = [None] * ps.pp
+        dist.all_gather_object(parts, whole, group=ps.pp_group)
+        whole = {k: v for part in parts for k, v in part.items()}
+    return whole
+
+
+def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], hf_cfg: dict,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``gather_adapters``' result under PEFT's names (``PREFIX`` + HF module + ``.lora_A.weight`` or
+    ``.lora_B.weight``), cast to ``dtype`` (None: as they are). Each a copy of its own: q/k/v share one A, gate/up
+    one A and halves of one B, and tensors that share memory cannot be saved (safetensors refuses them)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def put(hf_weight: str, which: str, t: torch.Tensor) -> None:
+        out[f"{PREFIX}{hf_weight.removesuffix('.weight')}.lora_{which}.weight"] = (
+            t if dtype is None else t.to(dtype)).clone(memory_format=torch.contiguous_format)
+
+    for base in sorted(adapters):
+        a, b = adapters[base]
+        for hf_weight in hf_parts(base + ".weight", hf_cfg)[1]:
+            put(hf_weight, "A", a)
+        for hf_weight, piece in megatron_to_hf([(base + ".weight", b)], hf_cfg):
+            put(hf_weight, "B", piece)
+    return out
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
