@@ -56,7 +56,7 @@ from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source,
 from megarl.rollout.turns import Episodes, build_episodes
 from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
-from megarl.trainer.rl_update import Learners
+from megarl.trainer.rl_update import AdaptersOff, Learners
 from megarl.weight_sync.protocol import WeightSync
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,8 @@ def traced_scorer(score, timeline: Timeline):
 
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
-    """The policy; a critic (same backbone, value head) for GAE; a frozen reference for the KL penalty."""
+    """The policy (with LoRA adapters at ``lora.rank`` > 0); a critic (same backbone, value head, all its weights
+    trained) for GAE; a frozen reference for the KL penalty (with LoRA: the policy's base, its adapters off)."""
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
                   transformer_engine=resolved_transformer_engine(cfg), precision=cfg.trainer.precision,
@@ -225,9 +226,12 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
                   recompute=cfg.trainer.recompute, recompute_layers=cfg.trainer.recompute_layers,
                   cp_comm_type=cfg.parallel.cp_comm_type)
     policy = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, entropy=a.entropy_coef > 0,
-                           routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg), on_gpu()), **common)
+                           routing_replay=resolved_routing_replay(cfg, num_experts(hf_cfg), on_gpu()), lora=cfg.lora,
+                           seed=cfg.train.seed, **common)
     critic = reference = None
-    needed = needed_learners(a)  # the same rule the pre-launch resume check applies
+    if a.kl_coef > 0 and cfg.lora.rank > 0:
+        reference = AdaptersOff(policy)
+    needed = needed_learners(a, cfg.lora.rank)  # the same rule the pre-launch resume check applies
     if "critic" in needed:
         critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
     if "reference" in needed:
@@ -271,7 +275,7 @@ def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None
                               cpus=replica_cpus or [], cpu_threads=e.cpu_threads, **engine_numerics(cfg, hf_cfg))
     engine = VLLMEngine(model, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
                         max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
-                        peer_wait_s=e.peer_wait_s, **engine_numerics(cfg, hf_cfg))
+                        peer_wait_s=e.peer_wait_s, lora_rank=cfg.lora.rank, **engine_numerics(cfg, hf_cfg))
     return ColocatedEngines(engine, e.slots, e.tensor_parallel_size, cfg.sync.rollback, e.sleep_level, say)
 
 

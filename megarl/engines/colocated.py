@@ -35,6 +35,7 @@ from megarl.engines.memory import EngineSleep
 from megarl.engines.protocol import SlotEngine
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine
 from megarl.types import Completion, GenerationRequest, SlotRequest, StepReport
+from megarl.weight_sync.adapters import AdapterStream
 from megarl.weight_sync.load import LoadReport
 from megarl.weight_sync.streaming import StreamingSync
 
@@ -194,8 +195,11 @@ class ColocatedEngines:
             return self.replicas.generate(requests, seed)
         return self.engine.generate(requests, seed)
 
-    def load(self, stream: StreamingSync, version: int, in_flight: bool = False) -> LoadReport:
+    def load(self, stream: StreamingSync | AdapterStream, version: int, in_flight: bool = False) -> LoadReport:
         self.engine.idle_or_refuse()
+        if isinstance(stream, AdapterStream):  # LoRA: the adapters alone, a new vLLM adapter (no backup needed)
+            self.engine.load_adapter(stream.tensors(), stream.config, version)
+            return LoadReport()
         # zero_copy: on one rank, tensors that need no re-layout go to the engine as views of the trainer's own
         backup = self.engine.load(stream.weights(zero_copy=True), version, self.rollback)
         return LoadReport(backup_mib=backup / 2**20)

@@ -42,6 +42,7 @@ from megarl.compat.vllm import (
 )
 from megarl.distributed.collectives import any_rank, rank_and_world
 from megarl.distributed.watchdog import end_process, guard, rl_step
+from megarl.engines.adapters import EngineAdapters, lora_args
 from megarl.engines.memory import on_gpu
 from megarl.engines.protocol import EngineRestartRefused, TrackedRequests
 from megarl.engines.routes import capture_args, route_capture
@@ -107,11 +108,12 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
                  enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0,
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", lora_rank: int = 0) -> None:
         """``load_format``: vLLM's ('dummy': random weights, the trainer's come by the first sync);
         ``route_experts``: the MoE model's expert count when each token's routes are captured (routing
         replay, ``engines.routes``: vLLM's route output on a GPU, the router hook without prefix caching on CPU), 0
-        otherwise."""
+        otherwise; ``lora_rank`` > 0: the trainer's LoRA adapters are served (``engines.adapters``), the base weights
+        never change."""
         set_cpu_engine_env(kv_cache_gib)
         self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
@@ -131,7 +133,9 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
+            **lora_args(lora_rank),
         )
+        self.adapters = EngineAdapters(self) if lora_rank > 0 else None
         self.llm = self._start()
 
     @property
@@ -166,6 +170,8 @@ class VLLMEngine:
             gc.collect()
             self.llm = self._start()
             self.unusable, self.weight_version = "", 0  # a fresh engine serves the model's own files until a load
+            if self.adapters is not None:
+                self.adapters.forget()
             return
         problem = ""
         try:
@@ -217,7 +223,7 @@ class VLLMEngine:
         torch.manual_seed(seed)  # same RNG state on every rank (see module docstring)
         problem, outputs, group = "", [], self.tp_group()
         try:
-            outputs = generate_batch(self.llm, requests)
+            outputs = generate_batch(self.llm, requests, self.lora_request)
         except Exception as exc:  # noqa: BLE001  (agreed below, then raised on every rank of the engine)
             self.drop_held_requests()
             if group is None:
@@ -225,6 +231,19 @@ class VLLMEngine:
             problem = _logged(exc, "vLLM's generate")
         agree(problem, group, self.peer_wait_s, "in vLLM's generate")
         return outputs
+
+    @property
+    def lora_request(self):
+        """The adapter every request asks for (None: the base model, or no LoRA)."""
+        return self.adapters.request if self.adapters is not None else None
+
+    def load_adapter(self, tensors: dict, config: dict, version: int) -> None:
+        """The trainer's adapters (PEFT-named tensors, ``adapter_config``) served as ``version`` on every rank, or
+        on none (``WeightLoadError``, the previous adapter still served); the prefix cache dropped."""
+        self.adapters.load(tensors, config, version)
+        self.unusable = ""
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
 
     def tp_group(self):
         """The gloo group of this rank's engine (vLLM's TP group), or None when the engine is this rank alone."""
@@ -290,16 +309,17 @@ def _completion(c) -> Completion:
                       finish_reason=c.finish_reason or "abort")
 
 
-def generate_batch(llm, requests: list[GenerationRequest]) -> list[list[Completion]]:
+def generate_batch(llm, requests: list[GenerationRequest], lora=None) -> list[list[Completion]]:
     """Every completion of each request from a ``vllm.LLM`` (an in-process engine's, or a replica process's own), in
-    request order, sampling from the process's global RNG as it stands."""
+    request order, sampling from the process's global RNG as it stands; ``lora``: the adapter they ask for."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
     params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=0.0 if r.greedy else r.temperature,
                              top_p=1.0 if r.greedy else r.top_p, logprobs=0, detokenize=False) for r in requests]
-    return [[_completion(c) for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    return [[_completion(c) for c in out.outputs] for out in outs]
 
 
 class VLLMSlotEngine(TrackedRequests):
@@ -336,7 +356,7 @@ class VLLMSlotEngine(TrackedRequests):
             logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
         )
         self.engine.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
-                                               params)
+                                               params, lora_request=self.engine.lora_request)
         self._active.add(request.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -133,6 +133,7 @@ class PolicyTrainer(RouteRecording):
             load_hf_weights(self.modules, model_dir, hf_cfg, ps, skip=skip)
         # lora.rank > 0: adapters beside the loaded weights, which are frozen (DDP and the optimizer skip them)
         self.adapters = apply_lora(self.modules, lora, seed) if lora is not None and lora.rank > 0 else []
+        self.lora, self.model_dir = (lora if self.adapters else None), str(model_dir)
         # built on the host (use_cpu_initialization); on a GPU the model, its DDP buffers and each microbatch live on
         # this rank's device, and what leaves the trainer (logprobs, values) comes back to the host
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

@@ -20,6 +20,7 @@ from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import resolved_decoupled_ppo
+from megarl.trainer.lora import adapters_off
 from megarl.trainer.policy import PolicyTrainer
 from megarl.types import Group, TrainBatch
 
@@ -28,13 +29,25 @@ from megarl.types import Group, TrainBatch
 class Learners:
     policy: PolicyTrainer
     critic: PolicyTrainer | None = None
-    reference: PolicyTrainer | None = None
+    reference: PolicyTrainer | AdaptersOff | None = None
 
     def named(self) -> list[tuple[str, PolicyTrainer]]:
         """The learners there are, by name (a run checkpoint's directories): the policy, and the critic and the
-        reference where the algorithm has them."""
+        reference where the algorithm has them (a LoRA run's reference is the policy's base: nothing of its own)."""
         return [(n, t) for n, t in (("policy", self.policy), ("critic", self.critic), ("reference", self.reference))
-                if t is not None]
+                if isinstance(t, PolicyTrainer)]
+
+
+class AdaptersOff:
+    """A LoRA run's KL reference: the policy with its adapters off, which is the frozen base model (no second
+    model in memory, ``trainer.lora.adapters_off``)."""
+
+    def __init__(self, policy: PolicyTrainer) -> None:
+        self.policy = policy
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        with adapters_off(self.policy.modules):
+            return self.policy.logprobs(batch)
 
 
 def norm_tokens(cfg: RunConfig) -> int:

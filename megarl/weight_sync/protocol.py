@@ -41,8 +41,9 @@ import torch
 from megarl.algo.batch import build_batch
 from megarl.distributed.watchdog import guard
 from megarl.types import GenerationRequest
+from megarl.weight_sync.adapters import stream_of
 from megarl.weight_sync.load import LoadReport, WeightLoadError
-from megarl.weight_sync.streaming import StreamingSync, SyncStats
+from megarl.weight_sync.streaming import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class WeightSync:
     def __init__(self, trainer, dtype: torch.dtype, bucket_mib: float, check_every: int = 0,
                  say: Callable[[str], None] | None = None) -> None:
         self.trainer, self.check_every = trainer, check_every
-        self.stream = StreamingSync.of(trainer, dtype, bucket_mib)
+        self.stream = stream_of(trainer, dtype, bucket_mib)  # (its adapters alone, with LoRA)
         self.say = say or (lambda line: log.warning(line))
         self.failures = 0
         self.syncs = 0

@@ -83,12 +83,13 @@ def relative_gap(weights: dict, reference: dict) -> float:
                      / reference[k].float().abs().max().clamp(min=1e-2)) for k in reference)
 
 
-def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
+def build_trainer(layout: str, model_dir: str, optim, head: str = "lm", **extra):
     """Parallel state for ``layout``, the CPU adapter, seeds, and a trainer from the HF weights.
 
     Logprobs come from hidden states in chunks of 8 positions (several chunks per sequence),
     or from full vocab-parallel logits where the layout says ``logprob_chunk=0``. A layout's
-    OptimConfig keys (router losses, chunking) go to the optimizer config.
+    OptimConfig keys (router losses, chunking) go to the optimizer config; ``extra``: more of the trainer's
+    arguments (``lora``).
     """
     import dataclasses
 
@@ -103,7 +104,7 @@ def build_trainer(layout: str, model_dir: str, optim, head: str = "lm"):
                                 **{"logprob_chunk": 8, **{k: spec.pop(k) for k in list(spec) if k in optim_keys}})
     ps, cfg = seeded_layout(spec, model_dir)
     return ps, cfg, PolicyTrainer(cfg, model_dir, ps, optim, moe_dispatcher=dispatcher, head=head,
-                                    precision=precision)
+                                    precision=precision, **extra)
 
 
 def hf_weights(trainer):

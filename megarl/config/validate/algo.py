@@ -36,14 +36,15 @@ _AT_LEAST_ZERO = (
 _GAE_ONLY = ("gamma", "lam", "lam_critic", "value_clip", "critic_lr")
 
 
-def needed_learners(a) -> dict[str, str]:
+def needed_learners(a, lora_rank: int = 0) -> dict[str, str]:
     """The learners beside the policy that ``algo`` (an ``AlgoConfig``) builds, each with the setting that
-    needs it: a critic for GAE, the frozen reference for a KL penalty. ``session.build_learners`` builds
-    exactly these; ``validate.model.check_resume_learners`` requires them in the checkpoint a run resumes from."""
+    needs it: a critic for GAE, the frozen reference for a KL penalty (with LoRA, ``lora_rank`` > 0, none: the
+    reference is the policy with its adapters off). ``session.build_learners`` builds exactly these;
+    ``validate.model.check_resume_learners`` requires them in the checkpoint a run resumes from."""
     needed = {}
     if a.advantage == "gae":
         needed["critic"] = "algo.advantage=gae trains a critic"
-    if a.kl_coef > 0:
+    if a.kl_coef > 0 and lora_rank <= 0:
         needed["reference"] = f"algo.kl_coef={a.kl_coef} needs the frozen reference model"
     return needed
 

@@ -2,16 +2,17 @@
 LoRA does not run yet (docs/lora.md), each refused with the key named rather than run wrong.
 
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
-or without sequence parallelism), frozen base weights, adapter-only optimizer state (``trainer/lora.py``). Not built
-yet, so refused: MoE expert adapters, Transformer Engine's fused layers, dropout under TP, full activation
-recompute, and any run with engines (the adapter-only weight sync to vLLM).
+or without sequence parallelism), frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
+adapter-only sync into colocated engines (``weight_sync/adapters.py``). Not built yet, so refused: MoE expert
+adapters, Transformer Engine's fused layers, dropout under TP, full activation recompute, engines in processes of
+their own, sleep level 2, a dist checkpoint as the base.
 """
 
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import LoraConfig, RunConfig
-from megarl.models.hf_config import is_moe_layer
+from megarl.models.hf_config import is_dist_checkpoint, is_moe_layer
 
 TARGETS = {
     "linear_qkv": "attention QKV (column-parallel)",
@@ -83,8 +84,23 @@ def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None
 
 
 def check_lora_run(cfg: RunConfig) -> None:
-    """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0 would sync the base weights
-    and never the adapters: refused until the adapter-only sync exists."""
-    if cfg.lora.rank > 0:
-        raise ConfigError(f"lora.rank={cfg.lora.rank}: adapter-only sync to vLLM is not built yet (the engines would "
-                          "generate from the base weights, not the trained adapters); set lora.rank=0 for this run")
+    """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0: the engines start from the base
+    model's HF files and are sent the adapters alone (``weight_sync.adapters``), which needs an in-process engine
+    that keeps its base weights; what does not, refused with the key named."""
+    lo, e = cfg.lora, cfg.engine
+    if lo.rank <= 0:
+        return
+    from megarl.engines.adapters import VLLM_RANKS  # (no vLLM import)
+
+    if lo.rank > VLLM_RANKS[-1]:
+        raise ConfigError(f"lora.rank={lo.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
+    if e.placement != "colocated":
+        raise ConfigError(f"lora.rank={lo.rank} with engine.placement={e.placement}: the adapter sync into engines in "
+                          "processes of their own is not built yet; set engine.placement=colocated")
+    if e.sleep_level == 2:
+        raise ConfigError(f"lora.rank={lo.rank} with engine.sleep_level=2: level 2 drops the engine's weights for the "
+                          "sync to refill, and a LoRA sync sends only the adapters; set engine.sleep_level=1 or 0")
+    if is_dist_checkpoint(cfg.model.path):
+        raise ConfigError(f"lora.rank={lo.rank} with model.path={cfg.model.path} (a megatron dist checkpoint): the "
+                          "engines start from the base model's HF files and never receive its weights; give the HF "
+                          "checkpoint as model.path")

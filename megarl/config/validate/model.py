@@ -158,7 +158,7 @@ def check_resume_learners(cfg: RunConfig) -> None:
     step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
     if step is None or not (step / "policy" / "metadata.json").is_file():
         return  # nothing to resume, or an incomplete save (validate_resume_model's rule)
-    needed = needed_learners(cfg.algo)
+    needed = needed_learners(cfg.algo, cfg.lora.rank)
     missing = {n: why for n, why in needed.items() if not (step / n / "metadata.json").is_file()}
     # a trained critic the algorithm would not build: dropped, and in its own run dir the next saves rotate away the
     # last checkpoints that hold it (a reference is model.path's weights: nothing is lost without one)
