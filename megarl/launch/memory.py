@@ -3,7 +3,9 @@
 - weights P·w, gradients P·4 (fp32 main grads), optimizer state (fp32: Adam m, v = 8 B;
   bf16: + fp32 main weights = 12 B), divided by DP under the distributed optimizer (expert
   parameters by the expert data-parallel size). P = this rank's parameters:
-  (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP.
+  (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP. With LoRA
+  (``lora.rank`` > 0) the base P is frozen (weights only) and the adapters' A (PP stage's share,
+  ``model_size.adapter_params``) take the weights' bytes, the gradients and the optimizer state.
 - activations (``trainer.recompute`` none): per layer and token, w·(2h + 2·q + 2·kv) for attention, plus the core
   attention's own (``core_attention_floats``: none for fused attention — Transformer Engine's, or megarl's packed
   rows through SDPA's kernels —, 2·heads·s for megatron's unfused attention of padded rows), w·(h + 3f) for a dense
@@ -34,7 +36,7 @@ from __future__ import annotations
 from megarl.config import ConfigError
 from megarl.config.schema import RunConfig
 from megarl.launch.layout import Layout
-from megarl.launch.model_size import Counts, head_dim
+from megarl.launch.model_size import Counts, adapter_params, head_dim
 from megarl.models.hf_config import is_moe_layer, num_experts
 
 GIB = 1024**3
@@ -143,9 +145,14 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     shared, expert = rank_params(counts, lay)
     params = shared + expert
     expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
-    opt_full = params * OPTIMIZER_BYTES[precision]
     distributed = cfg.optim.distributed_optimizer and lay.dp_cp > 1
-    opt = (shared / lay.dp_cp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
+    adapters = adapter_params(hf, cfg, lay.tp) / lay.pp  # LoRA: the base frozen, only these train
+    if adapters:
+        trained, opt_full = adapters, adapters * OPTIMIZER_BYTES[precision]
+        opt = opt_full / lay.dp_cp if distributed else opt_full
+    else:
+        trained, opt_full = params, params * OPTIMIZER_BYTES[precision]
+        opt = (shared / lay.dp_cp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
     # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
     replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
     tokens = microbatch_tokens(cfg) / lay.cp  # a CP rank's share of a micro-batch's positions
@@ -164,8 +171,8 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     logits = chunk * hf["vocab_size"] / lay.tp * 4 * 2
 
     parts = {
-        "weights": params * w / GIB,
-        "gradients": params * 4 / GIB,
+        "weights": (params + adapters) * w / GIB,
+        "gradients": trained * 4 / GIB,
         "optimizer": opt / GIB,
         "activations": act / GIB,
         "logits": logits / GIB,

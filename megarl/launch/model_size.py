@@ -70,3 +70,26 @@ def count_params(hf: dict) -> Counts:
     embedding = hf["vocab_size"] * h
     head = 0 if hf.get("tie_word_embeddings") else embedding
     return Counts(embedding, head, attn * layers + h, dense, routed, active)
+
+
+def adapter_params(hf: dict, cfg, tp: int = 1) -> float:
+    """LoRA's parameters (``cfg.lora``: rank r, targets) one TP rank of ``tp`` holds over all layers: each adapted
+    layer's A [r, in] and B [out, r], the one split over TP as its base layer is (column-parallel: B; row-parallel:
+    A), the other whole; 0 without LoRA. Dense MLP targets only in the layers without routed experts."""
+    r = cfg.lora.rank
+    if r <= 0:
+        return 0.0
+    from megarl.config.validate.lora import lora_targets
+
+    h, f = hf["hidden_size"], hf["intermediate_size"]
+    q, kv = hf["num_attention_heads"] * head_dim(hf), hf["num_key_value_heads"] * head_dim(hf)
+    shapes = {"linear_qkv": (h, q + 2 * kv, False), "linear_proj": (q, h, True), "linear_fc1": (h, 2 * f, False),
+              "linear_fc2": (f, h, True)}  # (in, out, row-parallel)
+    layers = hf["num_hidden_layers"]
+    dense = sum(not is_moe_layer(hf, i) for i in range(layers))
+    total = 0.0
+    for kind in lora_targets(cfg.lora):
+        inp, out, row = shapes[kind]
+        per_layer = r * inp / tp + r * out if row else r * inp + r * out / tp
+        total += per_layer * (dense if kind in ("linear_fc1", "linear_fc2") else layers)
+    return total

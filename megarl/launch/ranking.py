@@ -111,6 +111,8 @@ def _ranked(counts: Counts, hf: dict, cfg: RunConfig, nodes: int, gpus_per_node:
     checked, fitting, closest = Checked(hf, cfg, precision), [], None
     for lay in candidates(hf, nodes, gpus_per_node, cpu, trainer_gpus, recompute, cfg.trainer.recompute_layers,
                           cps):
+        if lay.sleep_level == 2 and cfg.lora.rank > 0:
+            continue  # (level 2 drops the engine's base weights, which a LoRA sync never sends back)
         mem = memory_gib(counts, hf, cfg, lay, precision, cpu, gpu_mem_gib)
         if mem["total"] > gpu_mem_gib:
             if (closest is None or mem["total"] < closest[1]["total"]) and checked.ok(lay):

@@ -17,9 +17,9 @@
                 / ((1 − bubble)(1 − waste)) with the mode's measured bubble and waste (on_policy, partial) or
                 ``--bubble``
     sync     = weights to the engines + sleep/wake + offload
-      weights   the engine's bytes per engine GPU (N_total · w / engine TP) at the lesser of the link (NVLink in a
-                node, the network across nodes) and a peer's measured refit rate: colocated ``REFIT_COLOCATED_GBPS``,
-                disaggregated ``REFIT_GBPS`` + ``REFIT_LATENCY_S``
+      weights   the engine's bytes per engine GPU (N_total · w / engine TP; LoRA: the adapters') at the lesser of
+                the link (NVLink in a node, the network across nodes) and a peer's measured refit rate: colocated
+                ``REFIT_COLOCATED_GBPS``, disaggregated ``REFIT_GBPS`` + ``REFIT_LATENCY_S``
       sleep     level 1: the engine's weights to host and back (2 × over the host link); level 2: dropped and
                 refilled by the sync itself; 0: nothing
       offload   trainer.offload_during_rollout: gradients and optimizer state to host and back
@@ -40,7 +40,7 @@ from megarl.launch.efficiency import (
 from megarl.launch.gpus import Gpu
 from megarl.launch.layout import Layout
 from megarl.launch.memory import GIB, engine_bytes, kv_bytes_per_token
-from megarl.launch.model_size import Counts, head_dim, moe_layers
+from megarl.launch.model_size import Counts, adapter_params, head_dim, moe_layers
 from megarl.launch.step_time import MODE_MEASURED, Work, multiplying_params, peak_flops
 from megarl.models.hf_config import num_experts
 
@@ -104,7 +104,8 @@ def sync_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, t
     """Weight sync, sleep/wake and offload seconds per step (the module docstring's sync). ``trainer_gib``:
     ``memory_gib``'s parts (the gradients and optimizer state an offload moves)."""
     we = engine_bytes(cfg, cfg.trainer.precision)
-    per_gpu = counts.total * we / lay.engine_tp
+    synced = adapter_params(hf, cfg) or counts.total  # LoRA: the adapters alone (the engine keeps its base)
+    per_gpu = synced * we / lay.engine_tp
     if lay.colocated:
         path = "network" if lay.engine_tp > lay.gpus_per_node else "NVLink"
     else:  # from the trainer's ranks: within the node when trainer and replicas share one node
@@ -113,7 +114,7 @@ def sync_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, t
     rate = min(link, REFIT_COLOCATED_GBPS if lay.colocated else REFIT_GBPS)
     transfer = per_gpu / (rate * 1e9) + (0.0 if lay.colocated else REFIT_LATENCY_S)
     host = gpu.host_gbps * 1e9
-    sleep = 2 * per_gpu / host if lay.colocated and lay.sleep_level == 1 else 0.0
+    sleep = 2 * counts.total * we / lay.engine_tp / host if lay.colocated and lay.sleep_level == 1 else 0.0
     offload = 2 * (trainer_gib["gradients"] + trainer_gib["optimizer"]) * GIB / host if lay.offload else 0.0
     return {"transfer_s": transfer, "sleep_s": sleep, "offload_s": offload, "total_s": transfer + sleep + offload,
             "bytes": per_gpu, "path": path, "rate_gbps": rate}

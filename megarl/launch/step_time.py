@@ -11,7 +11,8 @@ the inputs it was computed from. Training is here; the rollout and the sync are 
                 ppo_epochs × algo.minibatches optimizer steps a learner
       compute   FLOPs / (trainer GPUs × peak × MFU); a forward is T × (2·N + 2·L·q·s), N the active parameters
                 that multiply (the input embedding is a lookup: not counted; the output head is), s the sequences'
-                length, q the attention width (QKᵀ and AV, halved by the causal mask), a backward twice that; the
+                length, q the attention width (QKᵀ and AV, halved by the causal mask), a backward twice that (LoRA:
+                the frozen base's weight gradients skipped, T × (2·N + 4·L·q·s), the adapters' negligible); the
                 expert GEMMs' share (2·N_experts_active a token) runs at MFU × their efficiency at the step's
                 tokens per expert (``efficiency.expert_gemm_efficiency``: grouped under Transformer Engine, one GEMM
                 per expert without)
@@ -130,9 +131,12 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     head = 2 * hf["vocab_size"] * h  # the output head's FLOPs a token (the critic's value head: 2·h)
     forward = 2 * multiplying_params(counts, hf) + 2 * layers * q * s  # a token's forward
     expert_fwd = 2 * counts.experts_active
-    # forward-equivalents of the policy's shape (a backward is two) and of the critic's (its head a value)
-    policy_units, critic_units = 3 * epochs + extra, (1 + 3 * epochs) if critic else 0
-    flops = tokens * (policy_units * forward + critic_units * (forward - head + 2 * h))
+    # a backward is two forwards (input and weight gradients); LoRA's skips the frozen base's weight gradients
+    lora = cfg.lora.rank > 0
+    backward = forward + 2 * layers * q * s if lora else 2 * forward
+    # forward-equivalents of the policy's parameter FLOPs and of the critic's (its head a value)
+    policy_units, critic_units = epochs * (2 if lora else 3) + extra, (1 + 3 * epochs) if critic else 0
+    flops = tokens * (epochs * (forward + backward) + extra * forward + critic_units * (forward - head + 2 * h))
     backwards = epochs * (1 + critic)
     again = recompute_flops(counts, hf, lay.recompute, tokens, s) * backwards
     peak = peak_flops(cfg, gpu)

@@ -167,3 +167,30 @@ def test_nemo_rls_published_step_times_against_the_estimates():
     ratios = row_ratios()
     assert all(0.8 < ratios[n] < 1.25 for n in ("Llama-3.1-8B", "Qwen3-30B-A3B", "Qwen3-235B-A22B")), ratios
     assert 1.25 < ratios["Qwen3-32B"] < 1.4, ratios  # dense decode of 3k-token responses: slower than its roofline
+
+
+def test_lora_plans_a_frozen_base_adapter_state_and_adapter_sync():
+    """lora.rank 16 on a dense 32B: gradients and optimizer state are the adapters' alone (counted by hand), the
+    weights the base's plus the adapters', the sync moves the adapters (≤ 5% of the weights), the backward skips the
+    base's weight gradients, and no proposal drops the engine's weights at sleep level 2."""
+    from megarl.launch.model_size import adapter_params
+    from megarl.launch.plan import plan
+
+    hf, lay = QWEN25_32B, Layout(1, 8, tp=4, pp=2, sequence_parallel=True, engine_tp=8, sleep_level=1)
+    full_cfg, lora_cfg = (load_config(None, [*RUN, *extra]) for extra in ([], ["lora.rank=16"]))
+    counts = count_params(hf)
+    h, f, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    q, kv = hf["num_attention_heads"] * 128, hf["num_key_value_heads"] * 128
+    by_hand = 16 * layers * ((h + (q + 2 * kv) / 4) + (q / 4 + h) + (h + 2 * f / 4) + (f / 4 + h))  # at TP 4
+    assert adapter_params(hf, lora_cfg, 4) == pytest.approx(by_hand) and adapter_params(hf, full_cfg, 4) == 0
+    full, lora = (memory_gib(counts, hf, c, lay, "bf16", gpu_mem_gib=79.6) for c in (full_cfg, lora_cfg))
+    assert lora["gradients"] == pytest.approx(by_hand / 2 * 4 / GIB)  # (PP 2: a stage's half)
+    assert lora["optimizer"] == pytest.approx(by_hand / 2 * 12 / GIB)  # bf16: Adam m, v and an fp32 main copy
+    assert lora["weights"] == pytest.approx(full["weights"] + by_hand / 2 * 2 / GIB)
+    a, b = (_times(hf, lay, extra) for extra in ([], ["lora.rank=16"]))
+    assert 0 < b["sync"]["bytes"] <= 0.05 * a["sync"]["bytes"]
+    assert 0.66 < b["train"]["flops"] / a["train"]["flops"] < 0.8  # the backward's weight gradients: ~1/3 of it
+    found = plan(hf, lora_cfg, 1, 8, 79.6, True, "bf16", False, H100, WORK)["proposals"]
+    assert found and all(x["layout"]["sleep_level"] != 2 for x in found)
+    assert any(x["layout"]["sleep_level"] == 2 for x in plan(hf, full_cfg, 1, 8, 79.6, True, "bf16", False, H100,
+                                                                  WORK)["proposals"])  # (without LoRA it would)
