@@ -362,6 +362,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
             raise ValueError(f"{ckpt}: {st.key} has shape {tuple(have.size)}; {hf_config}/config.json "
                              f"implies {tuple(st.global_shape)}")
     dropped = sorted(set(model_tensor_shapes(ckpt)) - {st.key for st in _shard_list(raw)})
+    if any(".lora." in k for k in dropped):
+        raise ValueError(f"{ckpt}: a LoRA run's checkpoint ({sum('.lora.' in k for k in dropped)} adapter tensors): "
+                         "its base alone would be converted; the run exports its adapters at run_dir/hf/step_N "
+                         "(a PEFT adapter) — merge one into the base with tools/merge_lora.py")
     if dropped:
         raise ValueError(f"{ckpt}: {len(dropped)} tensor(s) have no place in the model of {hf_config}/config.json "
                          f"and would be dropped: {', '.join(dropped)} (is it the model of this checkpoint?)")
