@@ -108,6 +108,15 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     return path
 
 
+def saved_lora(path: str | Path) -> dict:
+    """The LoRA adapters a checkpoint directory was saved with (``{'rank': r, 'alpha': a}``), {} for none (or no
+    layout file)."""
+    try:
+        return json.loads((Path(path) / LAYOUT_FILE).read_text()).get("lora") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def saved_precision(path: str | Path) -> str:
     """The ``trainer.precision`` a checkpoint directory was saved in ('fp32' for one saved before it was recorded:
     every earlier run was fp32); '' when the directory has no layout file."""

@@ -63,3 +63,26 @@ def test_a_run_with_engines_is_refused_where_the_adapter_sync_cannot_serve_it(tm
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # a megatron dist checkpoint
     with pytest.raises(ConfigError, match="dist checkpoint.*give the HF checkpoint as model.path"):
         check_lora_run(load_config(None, ["lora.rank=8", f"model.path={tmp_path}"]))
+
+
+def test_resuming_with_other_adapters_than_the_checkpoints_is_refused_before_launch(tmp_path):
+    """train.resume=auto finds a checkpoint saved with rank 4, alpha 8 (its layout file): other lora settings, or
+    none, are a ConfigError naming both before any process starts; the same settings pass."""
+    import json
+
+    from megarl.checkpoint.dist import LAYOUT_FILE
+    from megarl.config.validate.model import check_resume_lora
+
+    policy = tmp_path / "checkpoints" / "step_000002" / "policy"
+    policy.mkdir(parents=True)
+    (policy / "metadata.json").write_text("{}")
+    (policy / LAYOUT_FILE).write_text(json.dumps({"precision": "fp32", "lora": {"rank": 4, "alpha": 8.0}}))
+    run = [f"train.run_dir={tmp_path}"]
+    check_resume_lora(load_config(None, [*run, "lora.rank=4", "lora.alpha=8"]))
+    for other in (["lora.rank=8", "lora.alpha=8"], ["lora.rank=4"], []):
+        with pytest.raises(ConfigError, match="saved with lora.rank=4 lora.alpha=8; resume with those"):
+            check_resume_lora(load_config(None, [*run, *other]))
+    (policy / LAYOUT_FILE).write_text(json.dumps({"precision": "fp32"}))  # a full fine-tuning run's
+    check_resume_lora(load_config(None, run))
+    with pytest.raises(ConfigError, match=r"saved with lora.rank=0 \(no adapters\)"):
+        check_resume_lora(load_config(None, [*run, "lora.rank=4"]))

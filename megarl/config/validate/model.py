@@ -148,6 +148,25 @@ def check_resume_precision(cfg: RunConfig) -> None:
                           f"train.run_dir with model.path set to an HF export of that run)")
 
 
+def check_resume_lora(cfg: RunConfig) -> None:
+    """``train``, before launch: the checkpoint ``train.resume`` continues from holds the LoRA adapters ``lora.*``
+    describes (rank and alpha; none at ``lora.rank`` 0): ConfigError naming both, where loading would refuse after
+    the whole launch."""
+    from megarl.checkpoint.dist import saved_lora  # deferred: torch (see above)
+    from megarl.checkpoint.run import resume_candidate  # deferred: torch (see above)
+
+    step = resume_candidate(cfg.train.resume, cfg.train.run_dir)
+    if step is None or not (step / "policy" / "metadata.json").is_file():
+        return
+    saved, lo = saved_lora(step / "policy"), cfg.lora
+    here = {"rank": lo.rank, "alpha": lo.alpha} if lo.rank > 0 else {}
+    if (saved.get("rank"), saved.get("alpha")) != (here.get("rank"), here.get("alpha")):
+        was = f"lora.rank={saved['rank']} lora.alpha={saved['alpha']:g}" if saved else "lora.rank=0 (no adapters)"
+        raise ConfigError(f"lora.rank={lo.rank} lora.alpha={lo.alpha:g}: the checkpoint {step} that train.resume="
+                          f"{cfg.train.resume} continues from was saved with {was}; resume with those, or start "
+                          "afresh (train.resume=never, or another train.run_dir)")
+
+
 def check_resume_learners(cfg: RunConfig) -> None:
     """``train``, before launch: the checkpoint ``train.resume`` continues from has a ``critic/`` and a
     ``reference/`` where the algorithm needs them (a GRPO run's checkpoints hold ``policy/`` alone, so

@@ -17,6 +17,7 @@ from megarl.config.validate.limits import engine_dtype_notes, unread_keys
 from megarl.config.validate.lora import check_lora_run
 from megarl.config.validate.model import (
     check_resume_learners,
+    check_resume_lora,
     check_resume_precision,
     check_start_checkpoint,
     model_config,
@@ -51,6 +52,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
         check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs
         check_resume_precision(cfg)  # ... in the trainer's precision
+        check_resume_lora(cfg)  # ... with the adapters lora.* describes
     if per_node and nproc % per_node == 0:  # the job's shape is known: its checks too
         check_job_shape(cfg, hf, nproc // per_node, per_node, node_gpus)
     stores = check_data(cfg.data, command != "eval")  # files, keys, bad rows (on_bad_row=error), held-out overlap
