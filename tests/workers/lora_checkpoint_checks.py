@@ -22,9 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lora_checks' gathering
-from lora_checks import whole  # noqa: E402
-
+from helpers.lora_grads import whole  # noqa: E402
 from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import LAYOUTS, fixed_batch, seeded_layout  # noqa: E402
 

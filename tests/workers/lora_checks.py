@@ -1,13 +1,15 @@
 """LoRA adapters on the megatron-core trainer at one layout (gloo, CPU, fp32 unless the precision is given), for
 comparison with one process. Launched by the tests with torchrun (2 processes) or plainly (1).
 
-    python tests/workers/lora_checks.py LAYOUT MODEL_DIR OUT_DIR [PRECISION]
+    python tests/workers/lora_checks.py LAYOUT MODEL_DIR OUT_DIR [PRECISION] [TARGETS]
 
 Rank 0 writes OUT_DIR/result.json: the largest gap of the logprobs with B at zero, and with the adapters switched
 off, to a trainer without adapters (both exactly 0 when right); the gap made by a random B (> 0: the adapters act);
-after one backward, every adapter's gradient gathered by its sharding into one process's layout; what the optimizer
-holds (its parameters and Adam state, in elements) against the adapters' and the base's sizes; and, in one process,
-the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) · B A x.
+after one step, every adapter's gradient as the step's reduction left it, under its global name in one process's
+layout (``helpers/lora_grads.py``: TP shards joined, pipeline stages merged; ``rank_grads``: every rank's, each
+reduced over DP); what the optimizer holds (its parameters and Adam state, in elements) against the adapters' and the
+base's sizes; and, in one process, the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) ·
+B A x. TARGETS: ``lora.targets`` (default: every one).
 """
 
 from __future__ import annotations
@@ -19,28 +21,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.lora_grads import adapter_params, gathered_grads, reduced_everywhere, sharded  # noqa: E402
 from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import LAYOUTS, fixed_batch, seeded_layout  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
-
-
-def sharded(name: str, adapter) -> bool:
-    """Whether this adapter tensor is split over TP as its base weight is (column B, row A)."""
-    return name.endswith(".lora.a") == adapter.row
-
-
-def whole(name: str, t: torch.Tensor, adapter, ps) -> torch.Tensor:
-    """The tensor as one process holds it: a split one's TP shards joined as the base weight's are."""
-    import torch.distributed as dist
-
-    from megarl.models.sharding import join_tp_shards
-
-    if ps.tp == 1 or not sharded(name, adapter):
-        return t
-    shards = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(shards, t.contiguous(), group=ps.tp_group)
-    return join_tp_shards(name.rsplit(".lora.", 1)[0] + ".weight", shards)
 
 
 def random_b(name: str, b: torch.Tensor, adapter, ps) -> torch.Tensor:
@@ -56,29 +41,36 @@ def random_b(name: str, b: torch.Tensor, adapter, ps) -> torch.Tensor:
     return full.chunk(ps.tp)[ps.tp_rank]
 
 
-def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32") -> None:
+def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", targets: str = "") -> None:
+    import dataclasses
+
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import LoraConfig, OptimConfig
+    from megarl.distributed.collectives import gather
     from megarl.trainer.lora import adapters_off
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
-    ps, cfg = seeded_layout(spec, model_dir)
+    dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    # OptimConfig's default distributed optimizer at DP > 1 ("dp2", and "ep2_alltoall"'s dense part): its
+    # reduce-scatter leaves each rank its own shard of the reduced gradients, gathered back before comparing
+    # (lora_grads.reduced_everywhere); a layout's optimizer keys (if any) override
     optim = OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0, logprob_chunk=8)
-    common = dict(precision=precision, packing=True)
+    keys = {f.name for f in dataclasses.fields(optim)}
+    optim = dataclasses.replace(optim, **{k: spec.pop(k) for k in list(spec) if k in keys})
+    ps, cfg = seeded_layout(spec, model_dir)
+    common = dict(precision=precision, packing=True, moe_dispatcher=dispatcher)
     batch = fixed_batch(cfg["vocab_size"])
     base = PolicyTrainer(cfg, model_dir, ps, optim, trainable=False, **common).logprobs(batch)
-    lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
     trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, **common)
     mask = batch.loss_mask.bool()
     result: dict = {"b_zero_gap": float((trainer.logprobs(batch) - base)[mask].abs().max())}
-    named = {n: p for m in trainer.modules for n, p in m.named_parameters() if ".lora." in n}
-    owner = {n: m.lora for mod in trainer.modules for name, m in mod.named_modules() if hasattr(m, "lora")
-             for n in (f"{name}.lora.a", f"{name}.lora.b")}
+    adapters = adapter_params(trainer)  # (global name, local name, parameter, its adapter)
     with torch.no_grad():
-        for n, p in named.items():
-            if n.endswith(".lora.b"):
-                p.copy_(random_b(n, p, owner[n], ps))
+        for full, _, p, adapter in adapters:
+            if full.endswith(".lora.b"):  # drawn by the global name: every layout's B is one process's
+                p.copy_(random_b(full, p, adapter, ps))
     result["b_random_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
     with adapters_off(trainer.modules):
         result["adapters_off_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
@@ -86,15 +78,18 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32") -> 
         result["dense_gap"] = dense_gap(trainer)
     trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
                                                             mb["loss_mask"], 0.2, 0.28))
-    result["grads"] = {n: whole(n, p.main_grad, owner[n], ps).tolist() for n, p in named.items()}
+    reduced_everywhere(trainer)
+    result["grads"] = gathered_grads(trainer)
+    result["rank_grads"] = gather(result["grads"])  # every rank's, by global name
     chain = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
     held = [p for o in chain for g in o.optimizer.param_groups for p in g["params"]]
     states = [o.optimizer.state[p] for o in chain for p in held if p in o.optimizer.state]
+    params = [p for _, _, p, _ in adapters]
     result.update(
         optimizer_params=sum(p.numel() for p in held),
         optimizer_main_dtypes=sorted({str(p.dtype) for p in held}),
         adam_state=sum(t.numel() for s in states for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")),
-        adapter_params=sum(p.numel() for p in named.values()),
+        adapter_params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for m in trainer.modules for p in m.parameters() if p.requires_grad),
         base_params=sum(p.numel() for m in trainer.modules for n, p in m.named_parameters() if ".lora." not in n),
         grad_buffer=sum(b.grad_data.numel() for c in trainer.chunks for b in c.buffers + c.expert_parallel_buffers),
