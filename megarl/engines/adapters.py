@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megarl.config.validate.lora import VLLM_RANKS
+from megarl.models.hf_adapter import head_layout
+from megarl.models.hf_config import is_moe_layer
 from megarl.weight_sync.load import WeightLoadError
-
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
 
 def lora_args(rank: int) -> dict:
@@ -93,8 +93,6 @@ def every_rank(problem: str) -> list[str]:
 
 def module_shapes(hf: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of each HF module an adapter may target, from the model's config."""
-    from megarl.models.hf_adapter import head_layout
-
     h, f = hf["hidden_size"], hf["intermediate_size"]
     heads, kv, d = head_layout(hf)
     return {"q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h), "o_proj": (h, heads * d),
@@ -106,8 +104,6 @@ def check_adapter(tensors: dict, rank: int, hf: dict, served: set[str]) -> None:
     ``lora_A`` [rank, in] and ``lora_B`` [out, rank] of its shape, both of each, the same modules in every layer
     that has them. vLLM itself takes a B a row short (and serves it wrong) or an adapter missing a layer (that layer
     then runs the base): a broken transfer must fail the load instead."""
-    from megarl.models.hf_config import is_moe_layer
-
     shapes, held = module_shapes(hf), {}
     for name, t in tensors.items():
         where, which, _ = name.rsplit(".", 2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.config.validate.lora import lora_targets
 from megarl.models.hf_config import has_qk_norm, has_qkv_bias, is_moe_layer, num_experts
 
 
@@ -79,8 +80,6 @@ def adapter_params(hf: dict, cfg, tp: int = 1) -> float:
     r = cfg.lora.rank
     if r <= 0:
         return 0.0
-    from megarl.config.validate.lora import lora_targets
-
     h, f = hf["hidden_size"], hf["intermediate_size"]
     q, kv = hf["num_attention_heads"] * head_dim(hf), hf["num_key_value_heads"] * head_dim(hf)
     shapes = {"linear_qkv": (h, q + 2 * kv, False), "linear_proj": (q, h, True), "linear_fc1": (h, 2 * f, False),

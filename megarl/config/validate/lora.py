@@ -22,6 +22,10 @@ TARGETS = {
 }
 """The layers that take adapters, by megatron-core's module name (each layer's ``self_attention.*`` or ``mlp.*``)."""
 
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``): an engine serves adapters of
+the smallest that holds ``lora.rank``."""
+
 NOT_YET = {"experts": "MoE expert adapters (with expert parallelism) are not built yet"}
 NEVER = {"router": "the MoE router never gets an adapter (its routes must stay the engine's)"}
 
@@ -90,8 +94,6 @@ def check_lora_run(cfg: RunConfig) -> None:
     lo, e = cfg.lora, cfg.engine
     if lo.rank <= 0:
         return
-    from megarl.engines.adapters import VLLM_RANKS  # (no vLLM import)
-
     if lo.rank > VLLM_RANKS[-1]:
         raise ConfigError(f"lora.rank={lo.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
     if e.placement != "colocated":
