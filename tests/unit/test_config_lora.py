@@ -60,6 +60,10 @@ def test_a_run_with_engines_is_refused_where_the_adapter_sync_cannot_serve_it(tm
         check_lora_run(load_config(None, ["lora.rank=8", "engine.sleep_level=2"]))
     with pytest.raises(ConfigError, match="lora.rank=1024: vLLM serves adapters up to rank 512"):
         check_lora_run(load_config(None, ["lora.rank=1024"]))
+    with pytest.raises(ConfigError, match="an MoE model, on CPU engines.*Triton MoE kernel.*run it on GPUs"):
+        check_lora_run(load_config(None, ["lora.rank=8"]), MOE, gpu=False)
+    check_lora_run(load_config(None, ["lora.rank=8"]), MOE, gpu=True)
+    check_lora_run(load_config(None, ["lora.rank=8"]), DENSE, gpu=False)
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # a megatron dist checkpoint
     with pytest.raises(ConfigError, match="dist checkpoint.*give the HF checkpoint as model.path"):
         check_lora_run(load_config(None, ["lora.rank=8", f"model.path={tmp_path}"]))

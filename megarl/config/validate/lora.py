@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import LoraConfig, RunConfig
-from megarl.models.hf_config import is_dist_checkpoint, is_moe_layer
+from megarl.config.validate.limits import cuda_available
+from megarl.models.hf_config import is_dist_checkpoint, is_moe_layer, num_experts
 
 TARGETS = {
     "linear_qkv": "attention QKV (column-parallel)",
@@ -87,15 +88,21 @@ def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None
                               "layer (every layer routes to experts); use linear_qkv,linear_proj")
 
 
-def check_lora_run(cfg: RunConfig) -> None:
+def check_lora_run(cfg: RunConfig, hf: dict | None = None, gpu: bool | None = None) -> None:
     """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0: the engines start from the base
     model's HF files and are sent the adapters alone (``weight_sync.adapters``), which needs an in-process engine
-    that keeps its base weights; what does not, refused with the key named."""
+    that keeps its base weights; what does not, refused with the key named. ``hf``: the model's config; ``gpu``:
+    whether the engines run on GPUs (None: whether CUDA is here)."""
     lo, e = cfg.lora, cfg.engine
     if lo.rank <= 0:
         return
     if lo.rank > VLLM_RANKS[-1]:
         raise ConfigError(f"lora.rank={lo.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
+    if hf is not None and num_experts(hf) and not (cuda_available() if gpu is None else gpu):
+        raise ConfigError(f"lora.rank={lo.rank} with model.path={cfg.model.path}, an MoE model, on CPU engines: "
+                          "vLLM serves an MoE model with LoRA on through its Triton MoE kernel, which has no CPU "
+                          "build (measured: vLLM 0.32's CPU engine fails at its first step, with or without expert "
+                          "adapters); run it on GPUs, or use a dense model here")
     if e.placement != "colocated":
         raise ConfigError(f"lora.rank={lo.rank} with engine.placement={e.placement}: the adapter sync into engines in "
                           "processes of their own is not built yet; set engine.placement=colocated")
