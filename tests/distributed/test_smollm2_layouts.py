@@ -22,8 +22,12 @@ def run(smollm2, tmp_path, layout):
 @pytest.mark.parametrize("layout", ["pp2", "dp2"])
 def test_smollm2_layout_matches_one_process(smollm2, tmp_path, layout):
     ref, got = run(smollm2, tmp_path, "single"), run(smollm2, tmp_path, layout)
-    for r, g in zip(ref["steps"], got["steps"], strict=True):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+    # the first step's gradients are one process's to fp32 summation order; Adam then amplifies that order's noise
+    # (its first update is ~lr · sign(g), whatever |g|; the first grad norm is ~5e-3): measured on an AMD EPYC, PP 2
+    # against one process, grad norm gaps 0, 3.2e-5, 1.0e-4 over the three steps
+    for i, (r, g) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
+        rel = 1e-5 if i == 0 else 5e-4
+        assert g["loss"] == pytest.approx(r["loss"], rel=rel, abs=1e-6)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=rel)
     a, b, mask = (torch.tensor(x) for x in (ref["logprobs"], got["logprobs"], ref["mask"]))
     assert ((a - b).abs() * mask).max() <= 1e-4 * (a.abs() * mask).max()
