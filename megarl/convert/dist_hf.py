@@ -38,7 +38,7 @@ from megarl.checkpoint.layer_axis import compact_layer_keys
 from megarl.checkpoint.run import newest_step_dir
 from megarl.compat.megatron import activate_cpu
 from megarl.config.validate.layout import check_model_layout
-from megarl.convert.hf_files import ShardedWriter, copy_aux_files, nbytes
+from megarl.convert.hf_files import ShardedWriter, copy_aux_files, nbytes, publish, staging_dir
 from megarl.distributed.parallel import build_parallel_state
 from megarl.models.hf_adapter import hf_to_megatron, megatron_to_hf
 from megarl.models.hf_config import read_hf_config
@@ -124,13 +124,6 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _publish(tmp: Path, out: Path) -> Path:
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
 def _check_out(out: Path) -> None:
     """Before anything is read: ``--out`` is new or an empty directory, in a place this process can write."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -147,10 +140,7 @@ def _check_out(out: Path) -> None:
 
 def _fresh_tmp(out: Path) -> Path:
     _check_out(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return staging_dir(out)
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None, dtype: torch.dtype | None = None,
@@ -243,7 +233,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: dict | None = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(tmp, out)
+    publish(tmp, out)
     log(f"wrote {out}: {summary['tensors']} megatron tensors, {total} bytes")
     return summary
 
@@ -406,7 +396,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(tmp, out)
+    publish(tmp, out)
     log(f"wrote {out}: {len(plan)} HF tensors, {writer.total} bytes in {len(writer.files)} file(s)")
     return summary
 

@@ -14,8 +14,6 @@ over the base model (``export_lora.py``); ``tools/merge_lora.py`` merges one int
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import torch.distributed as dist
 
 from megarl.config.schema import LoraConfig
 from megarl.convert.export_lora import export_adapter
-from megarl.convert.hf_files import ShardedWriter, copy_aux_files
+from megarl.convert.hf_files import ShardedWriter, copy_aux_files, publish, staging_dir
 from megarl.models.hf_config import DTYPE_NAMES, model_files_dir, num_experts, torch_dtype
 from megarl.weight_sync.streaming import StreamingSync
 
@@ -56,17 +54,12 @@ def export_hf(trainer, model_dir: str | Path, out: str | Path, max_shard_bytes: 
         dist.barrier()
         return None
     writer = ShardedWriter(out, plan, max_shard_bytes)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    writer.out = tmp
+    tmp = writer.out = staging_dir(out)
     for name, tensor in stream.weights():
         writer.add(name, tensor)
     writer.finish()
     copy_aux_files(model_files_dir(model_dir), tmp)  # (a dist checkpoint's: its hf/)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    publish(tmp, out)
     if dist.is_initialized():
         dist.barrier()
     return out

@@ -11,8 +11,6 @@ export is.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.config.schema import LoraConfig
-from megarl.convert.hf_files import copy_aux_files
+from megarl.convert.hf_files import copy_aux_files, publish, staging_dir
 from megarl.models.hf_config import model_files_dir
 from megarl.trainer.lora_peft import gather_adapters, peft_config, peft_tensors
 
@@ -40,17 +38,13 @@ def export_adapter(trainer, lora: LoraConfig, model_dir: str | Path, out: str | 
         dist.barrier()
         return None
     out, base = Path(out), model_files_dir(model_dir).resolve()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     save_file(peft_tensors(adapters, trainer.hf_cfg, dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, str(base)), indent=2) + "\n")
     for name in copy_aux_files(base, tmp):  # the tokenizer and chat template; the base's config stays the base's
         if name in BASE_ONLY:
             (tmp / name).unlink()
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    publish(tmp, out)
     if dist.is_initialized():
         dist.barrier()
     return out

@@ -10,6 +10,7 @@ arrives.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -22,6 +23,23 @@ from megarl.models.hf_reader import DTYPES, INDEX
 # Files copied beside converted weights (config, generation config, tokenizer and chat template).
 AUX_FILES = re.compile(r"^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|merges|"
                        r"added_tokens|chat_template|preprocessor_config)\.(json|txt|model|jinja)$|^tokenizer\.model$")
+
+
+def staging_dir(out: Path) -> Path:
+    """``out``'s sibling ``<name>.tmp``, empty: where a checkpoint is written before ``publish`` names it ``out``."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> Path:
+    """The complete ``tmp`` renamed to ``out`` (an older ``out`` removed first): a directory named ``out`` is always
+    whole."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 def copy_aux_files(src: str | Path, dst: str | Path) -> list[str]:
