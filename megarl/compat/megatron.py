@@ -314,3 +314,27 @@ def cache_packed_rope() -> None:
 
     apply_rotary_pos_emb._megarl_packed_cache = True
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def frozen_linear_backward_in_2d() -> None:
+    """megatron-core 0.16's ``LinearWithFrozenWeight.backward`` (a frozen base layer under LoRA) multiplies the
+    gradient ``[tokens, 1, out]`` by the weight as it comes; when its size-1 dimension has an odd stride (the
+    row-parallel layers' does) torch's ``matmul`` cannot fold it into one GEMM and runs a batched one that copies
+    the weight once per token (tokens × in × out: GiBs a layer at a few thousand tokens; pytorch/pytorch#186148).
+    Flattened to 2-D first, as Megatron-LM#5092 does upstream; the same values. Idempotent."""
+    from megatron.core.tensor_parallel import layers
+
+    cls = layers.LinearWithFrozenWeight
+    if getattr(cls, "_megarl_2d", False):
+        return
+
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        flat = grad_output.reshape(-1, grad_output.shape[-1]).matmul(weight)
+        grad_input = flat.view(*grad_output.shape[:-1], weight.shape[-1])
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+    cls.backward = staticmethod(layers.custom_bwd(backward))
+    cls._megarl_2d = True

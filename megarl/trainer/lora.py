@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from megarl.compat.megatron import frozen_linear_backward_in_2d
 from megarl.config.schema import LoraConfig
 from megarl.config.validate.lora import TARGETS, lora_targets
 
@@ -145,6 +146,7 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     kinds = lora_targets(lora)
+    frozen_linear_backward_in_2d()  # (megatron's backward through a frozen layer copied its weight per token)
     for m in modules:
         for p in m.parameters():
             p.requires_grad_(False)
