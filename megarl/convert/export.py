@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import LoraConfig
 from megarl.convert.export_lora import export_adapter
 from megarl.convert.hf_files import ShardedWriter, copy_aux_files, publish, staging_dir
 from megarl.models.hf_config import DTYPE_NAMES, model_files_dir, num_experts, torch_dtype
@@ -35,16 +34,16 @@ def export_dtype(hf_cfg: dict) -> torch.dtype:
 
 
 def export_hf(trainer, model_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,
-              bucket_mib: float = 64.0, lora: LoraConfig | None = None) -> Path | None:
+              bucket_mib: float = 64.0) -> Path | None:
     """Write the trainer's policy as an HF checkpoint at ``out`` (every rank calls; rank 0 writes); a trainer with
-    LoRA adapters, its adapters as a PEFT adapter directory (``lora``: their config).
+    LoRA adapters, its adapters as a PEFT adapter directory (``export_lora.export_adapter``).
 
     The weights leave the trainer through the engine sync's stream (``StreamingSync``: layer by
     layer, in buckets, each tensor gathered only over its own TP group), so no rank holds the
     whole model: rank 0 writes each bucket's tensors at their planned offsets as they arrive."""
     out = Path(out)
     if getattr(trainer, "adapters", None):
-        return export_adapter(trainer, lora, model_dir, out, export_dtype(trainer.hf_cfg))
+        return export_adapter(trainer, model_dir, out, export_dtype(trainer.hf_cfg))
     stream = StreamingSync(trainer.modules, trainer.hf_cfg, trainer.ps, num_experts(trainer.hf_cfg),
                            int(bucket_mib * 2**20), export_dtype(trainer.hf_cfg))
     plan = [(name, shape, stream.dtype) for e in stream.plan() for name, shape in e.hf]  # collective
@@ -72,13 +71,10 @@ def export_policy(s, step: int, final: bool = False) -> Path | None:
     due = bool(every) and step % every == 0
     if (final and due and step > 0) or (not final and not due):  # (final: the loop just exported it)
         return None
-    out = Path(s.run_dir) / "hf" / f"step_{step}"
-    adapter = bool(getattr(s.trainer, "adapters", None))
-    if adapter:  # a LoRA run: its adapters over the base (export_lora.py)
-        path = export_adapter(s.trainer, s.cfg.lora, s.cfg.model.path, out, export_dtype(s.trainer.hf_cfg))
-    else:
-        path = export_hf(s.trainer, s.cfg.model.path, out, max_shard_bytes=int(s.cfg.train.export_shard_gib * 2**30))
+    path = export_hf(s.trainer, s.cfg.model.path, Path(s.run_dir) / "hf" / f"step_{step}",
+                     max_shard_bytes=int(s.cfg.train.export_shard_gib * 2**30))
     if path is not None:
+        adapter = bool(getattr(s.trainer, "adapters", None))
         what = "a PEFT adapter (tools/merge_lora.py merges it)" if adapter else "an HF checkpoint"
         log.info(f"exported the policy as {what}: {path}")
     return path

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megarl.config.schema import LoraConfig
 from megarl.convert.hf_files import copy_aux_files, publish, staging_dir
 from megarl.models.hf_config import model_files_dir
 from megarl.trainer.lora_peft import gather_adapters, peft_config, peft_tensors
@@ -27,12 +26,10 @@ BASE_ONLY = ("config.json", "generation_config.json")
 """Files of the base the adapter directory leaves out (``copy_aux_files`` copies them beside full weights)."""
 
 
-def export_adapter(trainer, lora: LoraConfig, model_dir: str | Path, out: str | Path,
-                   dtype: torch.dtype) -> Path | None:
-    """Write the trainer's adapters as a PEFT adapter directory at ``out`` (every rank calls: the adapters are
-    gathered whole on every rank; rank 0 writes). Returns ``out`` on rank 0, None elsewhere."""
-    if lora is None:
-        raise ValueError("the trainer has LoRA adapters: the export needs its lora config (adapter_config.json)")
+def export_adapter(trainer, model_dir: str | Path, out: str | Path, dtype: torch.dtype) -> Path | None:
+    """Write the trainer's adapters (``trainer.lora``: their config) as a PEFT adapter directory at ``out`` (every
+    rank calls: the adapters are gathered whole on every rank; rank 0 writes). Returns ``out`` on rank 0, None
+    elsewhere."""
     adapters = gather_adapters(trainer.modules, trainer.ps, trainer.hf_cfg)  # collective
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
@@ -40,7 +37,7 @@ def export_adapter(trainer, lora: LoraConfig, model_dir: str | Path, out: str | 
     out, base = Path(out), model_files_dir(model_dir).resolve()
     tmp = staging_dir(out)
     save_file(peft_tensors(adapters, trainer.hf_cfg, dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, str(base)), indent=2) + "\n")
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(trainer.lora, str(base)), indent=2) + "\n")
     for name in copy_aux_files(base, tmp):  # the tokenizer and chat template; the base's config stays the base's
         if name in BASE_ONLY:
             (tmp / name).unlink()

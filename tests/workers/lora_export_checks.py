@@ -67,7 +67,7 @@ def main(layout: str, model_dir: str, out_dir: str) -> None:
     run = RunConfig()
     run.model.path, run.lora, run.train.export_hf_every = model_dir, lora, 1
     exported = export_policy(SimpleNamespace(cfg=run, trainer=trainer, run_dir=out_dir), 1)
-    export_hf(trainer, model_dir, os.path.join(out_dir, "direct"), lora=lora)  # (export_hf on a LoRA trainer)
+    export_hf(trainer, model_dir, os.path.join(out_dir, "direct"))  # (export_hf on a LoRA trainer)
     if ps.rank == 0:
         assert exported is not None and exported.name == "step_1", exported
         torch.save({"input_ids": batch.input_ids, "labels": batch.labels, "loss_mask": batch.loss_mask,
