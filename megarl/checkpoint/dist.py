@@ -95,8 +95,8 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
         ps = trainer.ps  # the layout it was saved at (loading reshards to any): for inspect_checkpoint
         layout = {k: getattr(ps, k) for k in ("world_size", "tp", "pp", "vpp", "ep", "etp", "dp", "sequence_parallel")}
         layout["precision"] = getattr(trainer, "precision", "fp32")  # trainer.precision: what its optimizer state is
-        if adapters := getattr(trainer, "adapters", None):  # (alpha is in no tensor: checked on loading from here)
-            layout["lora"] = {"rank": adapters[0].a.shape[0], "alpha": adapters[0].scale * adapters[0].a.shape[0]}
+        if lora := getattr(trainer, "lora", None):  # (alpha is in no tensor: checked on loading from here)
+            layout["lora"] = {"rank": lora.rank, "alpha": lora.alpha}
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
         old = path.with_name(path.name + ".old")
         if path.exists():  # never a moment without a complete checkpoint on disk
@@ -241,11 +241,8 @@ def _check_adapters(path: Path, model_sds: dict, saved: dict, adapters) -> None:
     here = adapters[0].a.shape[0]
     if rank and rank != {here}:
         raise ValueError(f"{path}: lora.rank {', '.join(map(str, sorted(rank)))} in the checkpoint, {here} here")
-    try:
-        alpha = json.loads((path / LAYOUT_FILE).read_text())["lora"]["alpha"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if abs(alpha - adapters[0].scale * here) > 1e-6 * abs(alpha):
+    alpha = saved_lora(path).get("alpha")
+    if alpha is not None and abs(alpha - adapters[0].scale * here) > 1e-6 * abs(alpha):
         raise ValueError(f"{path}: lora.alpha {alpha:g} in the checkpoint, {adapters[0].scale * here:g} here")
 
 
