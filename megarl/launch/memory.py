@@ -4,7 +4,7 @@
   bf16: + fp32 main weights = 12 B), divided by DP under the distributed optimizer (expert
   parameters by the expert data-parallel size). P = this rank's parameters:
   (attention + dense MLPs)/(TP·PP) + experts/(PP·EP·ETP) + embedding (and head if PP = 1)/TP. With LoRA
-  (``lora.rank`` > 0) the base P is frozen (weights only) and the adapters' A (PP stage's share,
+  (``lora.rank`` > 0) the base P is frozen (weights only) and the adapters (the PP stage's share,
   ``model_size.adapter_params``) take the weights' bytes, the gradients and the optimizer state.
 - activations (``trainer.recompute`` none): per layer and token, w·(2h + 2·q + 2·kv) for attention, plus the core
   attention's own (``core_attention_floats``: none for fused attention — Transformer Engine's, or megarl's packed

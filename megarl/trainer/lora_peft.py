@@ -82,8 +82,8 @@ def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], hf_cfg:
     out: dict[str, torch.Tensor] = {}
 
     def put(hf_weight: str, which: str, t: torch.Tensor) -> None:
-        out[f"{PREFIX}{hf_weight.removesuffix('.weight')}.lora_{which}.weight"] = (
-            t if dtype is None else t.to(dtype)).clone(memory_format=torch.contiguous_format)
+        out[f"{PREFIX}{hf_weight.removesuffix('.weight')}.lora_{which}.weight"] = t.to(
+            dtype=dtype or t.dtype, memory_format=torch.contiguous_format, copy=True)
 
     for base in sorted(adapters):
         a, b = adapters[base]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.trainer.lora_peft import adapter_bytes, gather_adapters, peft_config, peft_tensors
-from megarl.weight_sync.streaming import SyncStats
+from megarl.weight_sync.streaming import StreamingSync, SyncStats
 
 
 @dataclass
@@ -33,15 +33,13 @@ class AdapterStream:
         start = time.perf_counter()
         t = self.trainer
         out = peft_tensors(gather_adapters(t.modules, t.ps, t.hf_cfg), t.hf_cfg, self.dtype)
-        self.stats = SyncStats(bytes=adapter_bytes(out), buckets=1, peak_extra_bytes=adapter_bytes(out),
-                               seconds=time.perf_counter() - start)
+        size = adapter_bytes(out)
+        self.stats = SyncStats(bytes=size, buckets=1, peak_extra_bytes=size, seconds=time.perf_counter() - start)
         return out
 
 
 def stream_of(trainer, dtype: torch.dtype, bucket_mib: float):
     """What a sync of ``trainer`` streams: its adapters (``AdapterStream``) when it has any, else its weights."""
-    from megarl.weight_sync.streaming import StreamingSync
-
     if getattr(trainer, "adapters", None):
         return AdapterStream.of(trainer, dtype)
     return StreamingSync.of(trainer, dtype, bucket_mib)
