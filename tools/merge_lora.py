@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -133,7 +132,7 @@ def merge(adapter: Path, out: Path, base: Path | None = None) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from megarl.convert.hf_files import copy_aux_files
+    from megarl.convert.hf_files import copy_aux_files, publish, staging_dir
     from megarl.models.hf_reader import INDEX
 
     cfg, adapters = read_adapter(adapter)
@@ -150,9 +149,7 @@ def merge(adapter: Path, out: Path, base: Path | None = None) -> dict:
         raise MergeError(f"--out {out} is the base or the adapter directory")
     files, meta = weight_map(base)
     by_file = plan(adapters, files, meta, base)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     try:
         for name in sorted(set(files.values())):  # one shard in memory at a time
             with safe_open(str(base / name), "pt") as f:
@@ -169,7 +166,7 @@ def merge(adapter: Path, out: Path, base: Path | None = None) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.replace(tmp, out)
+    publish(tmp, out)
     return {"base": str(base), "out": str(out), "merged": sum(len(m) for m in by_file.values()),
             "shards": len(set(files.values())), "rank": int(cfg["r"]), "alpha": cfg["lora_alpha"],
             "dtype": sorted({str(meta[w][0]).removeprefix("torch.") for m in by_file.values() for w in m})}
