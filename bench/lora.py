@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from host_cpu import host  # (bench/ is on sys.path: the script's own directory)
+from common import host, run_child  # (bench/ is on sys.path: the script's own directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "runs" / "smollm2" / "model"
@@ -130,11 +127,7 @@ def variant(model: str, rank: int, alpha: float, rows: int, seq: int, steps: int
             "losses": built["losses"]}
 
 def child(*args) -> dict:
-    cmd = [sys.executable, __file__, "--child", *map(str, args)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode:
-        raise SystemExit(f"variant {args[1:3]} failed:\n{out.stderr[-4000:]}")
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    return run_child(__file__, *args)
 
 
 def main() -> None:

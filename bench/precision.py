@@ -24,11 +24,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import run_child  # (bench/ is on sys.path: the script's own directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is 17 + 25?", "Name the capital of France.", "Write one sentence about the sea.",
@@ -123,11 +124,7 @@ def engine_part(model: str, precision: str, new: int) -> dict:
 
 
 def child(part: str, *args) -> dict:
-    cmd = [sys.executable, __file__, "--child", part, *map(str, args)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode:
-        raise SystemExit(f"{part} {args} failed:\n{out.stderr[-4000:]}")
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    return run_child(__file__, part, *args)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from host_cpu import host  # (bench/ is on sys.path: the script's own directory)
+from common import host  # (bench/ is on sys.path: the script's own directory)
 
 MODES = ("none", "selective", "full")
 
