@@ -1,13 +1,15 @@
 """LoRA adapters on the megatron-core trainer (real megatron-core, gloo; megarl/trainer/lora.py): with B at zero the
 logprobs are the base model's exactly, an adapted layer is W x + (alpha / r) · B A x, only the adapters have
 gradients and optimizer state (the base frozen in the trainer's precision), and at TP 2 (with and without sequence
-parallelism), PP 2, DP 2 and, on a tiny MoE with adapters on attention, EP 2, the adapters' gradients after one step
-(every rank's, as the step's reduction left them, by global name) are one process's.
+parallelism), PP 2, PP 2 with 2 virtual stages each, CP 2, DP 2 and, on a tiny MoE with adapters on attention, EP 2,
+the adapters' gradients after one step (every rank's, as the step's reduction left them, by global name) are one
+process's, and so are the adapters the sync and the export gather (``lora_peft.gather_adapters``).
 
 In a run's dist checkpoint (checkpoint/dist.py): one step with adapters, saved, loaded into a fresh trainer at the same
-layout or another TP, and the next step is the uninterrupted run's (the adapters as saved, a TP-split B or A whole
-again and linear_fc1's gate/up halves in place; the loss and adapter gradients; the adapters after it: Adam's moments
-and step came back with them); a checkpoint whose adapters differ from the trainer's is refused, naming what differs.
+layout, another TP or interleaved pipeline stages, and the next step is the uninterrupted run's (the adapters as saved,
+a TP-split B or A whole again and linear_fc1's gate/up halves in place; the loss and adapter gradients; the adapters
+after it: Adam's moments and step came back with them); a checkpoint whose adapters differ from the trainer's is
+refused, naming what differs.
 """
 
 import json
@@ -81,21 +83,39 @@ def test_bf16_keeps_the_base_in_bf16_with_fp32_main_copies_of_the_adapters_only(
     assert got["b_zero_gap"] == got["adapters_off_gap"] == 0.0
 
 
+PARALLEL = ["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "dp2"]
+
+
 @pytest.mark.slow  # (a 2-process run each)
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_adapter_gradients_are_one_processs(model, layout):
     ref, got = run(model, "single"), run(model, layout)
     assert got["b_zero_gap"] == got["adapters_off_gap"] == 0.0
     assert got["b_random_gap"] == pytest.approx(ref["b_random_gap"], rel=1e-4)
     if layout.startswith("tp2"):  # this rank's shards: B or A split
         assert got["trainable"] == got["optimizer_params"] < ref["trainable"]
-    elif layout == "pp2":  # this stage's 2 layers of 4
+    elif layout.startswith("pp2"):  # this stage's 2 layers of 4 (pp2_vpp2: 2 chunks of one, layers 0 and 2 or 1 and 3)
         assert 2 * got["trainable"] == 2 * got["optimizer_params"] == ref["trainable"]
+    elif layout == "cp2":  # replicated over CP (each rank half of every row), DP 1: the whole optimizer
+        assert got["trainable"] == got["optimizer_params"] == ref["trainable"]
     else:  # replicated over DP; the distributed optimizer holds this rank's share
         assert got["trainable"] == ref["trainable"] and got["optimizer_params"] < got["trainable"]
     # every rank's gradient after the step's reduction (DP: the distributed optimizer's reduced shards gathered; a
-    # rank's own unreduced gradient is ~1 off): measured 1.1e-6 (tp2), 9.7e-7 (tp2_sp), 6.3e-7 (pp2), 5.0e-7 (dp2)
+    # rank's own unreduced gradient is ~1 off; CP: all-reduced over the CP ranks, each of which ran its half of
+    # every row): measured 1.1e-6 (tp2), 9.7e-7 (tp2_sp), 6.3e-7 (pp2), 4.5e-7 (pp2_vpp2), 7.0e-7 (cp2), 5.0e-7 (dp2)
     assert grad_gap(ref, got) < 1e-5
+
+
+@pytest.mark.slow  # (the gradient test's runs)
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_adapters_gathered_for_the_sync_and_export_are_one_processs(model, layout):
+    """``lora_peft.gather_adapters`` (the adapter sync's and the PEFT export's): every adapter whole on every rank,
+    under its global base layer name (virtual stages' layers numbered over the interleaved chunks), exactly one
+    process's (A drawn whole per global layer, B a random one drawn by global name)."""
+    ref, got = run(model, "single"), run(model, layout)
+    (adapters,) = ref["rank_adapters"]
+    assert len(adapters) == 16  # 4 layers × 4 targets
+    assert all(every == adapters for every in got["rank_adapters"])
 
 
 @pytest.mark.slow  # (a 1- and a 2-process run of the MoE)
@@ -156,14 +176,16 @@ def test_adapters_resume_exactly_and_a_checkpoint_with_other_adapters_is_refused
     assert "holds no LoRA adapters (saved without lora)" in errors["no_lora_saved"]
 
 
-@pytest.mark.slow  # (a save and a load run, 2 processes at TP 2)
+@pytest.mark.slow  # (a save and a load run, 2 processes)
 @pytest.mark.parametrize("saved,loaded", [
     ("tp2_sp", "tp2_sp"),  # the same layout: exact
     ("single", "tp2_sp"),  # B of linear_qkv / linear_fc1 (gate, up) and A of linear_proj / linear_fc2 split on load
     ("tp2_sp", "single"),  # and joined
     ("dp2", "tp2_sp"),  # the distributed optimizer's fully reshardable state (DP 2) into TP 2
+    ("single", "pp2_vpp2"),  # each layer's adapters into its interleaved chunk ('model0', 'model1')
+    ("pp2_vpp2", "single"),  # and back
 ])
-def test_adapters_and_their_optimizer_state_reshard_across_tensor_parallelism(model, saved, loaded):
+def test_adapters_and_their_optimizer_state_reshard_across_layouts(model, saved, loaded):
     work, expected = saved_at(model, saved)
     got = launch("load", loaded, model[0], work)["got"]
     assert gap(expected["at_save"], got["at_save"]) == 0.0  # the adapters as saved, whole: exactly
@@ -172,8 +194,8 @@ def test_adapters_and_their_optimizer_state_reshard_across_tensor_parallelism(mo
         assert got["loss"] == expected["loss"]
         return
     # Another TP reduces in another order: measured 1.7e-7 (loss), 7.5e-7 (gradients, relative to each tensor's
-    # largest entry), 2.4e-7 (adapters after the step). A shard lost or misplaced is a gap of order 1; Adam's state
-    # lost moves the adapters by ~1e-3 (measured 1.7e-3).
+    # largest entry), 2.4e-7 (adapters after the step); PP 2 × VPP 2 ↔ one process: 2.5e-7, 3.7e-7, 4.9e-8. A shard
+    # lost or misplaced is a gap of order 1; Adam's state lost moves the adapters by ~1e-3 (measured 1.7e-3).
     assert abs(got["loss"] - expected["loss"]) <= 1e-6 * abs(expected["loss"])
     if "dp2" not in (saved, loaded):  # (DP 2's gradient buffer holds reduced gradients only in the rank's own shard)
         assert gap(expected["grads"], got["grads"]) <= 2e-6

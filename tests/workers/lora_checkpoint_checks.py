@@ -5,12 +5,12 @@ fp32). Launched by the tests with torchrun (2 processes) or plainly (1).
 
 ``save``: a trainer with adapters (rank 4 on every target) takes one PPO step, saves model + optimizer to WORK/ckpt,
 takes a second step and writes WORK/expected.pt. ``load``: a fresh trainer at LAYOUT loads WORK/ckpt, takes the same
-second step and writes WORK/got.pt. Each holds, gathered into one process's layout: the adapters as saved or loaded
-(``at_save``), the second step's loss and adapter gradients, and the adapters after it (equal only if Adam's moments
-came back). ``roundtrip`` (one process): both in one interpreter, then the refusals, each error's text under
-``errors``: the checkpoint with adapters loaded by a trainer without them, and (with and without the optimizer) by
-one of another rank, alpha or targets, as a run's base weights (``load_model_weights``), and a checkpoint without
-adapters loaded by a trainer with them.
+second step and writes WORK/got.pt. Each holds, gathered into one process's layout (by global name: TP shards joined,
+pipeline and virtual stages merged): the adapters as saved or loaded (``at_save``), the second step's loss and
+adapter gradients, and the adapters after it (equal only if Adam's moments came back). ``roundtrip`` (one process):
+both in one interpreter, then the refusals, each error's text under ``errors``: the checkpoint with adapters loaded by
+a trainer without them, and (with and without the optimizer) by one of another rank, alpha or targets, as a run's base
+weights (``load_model_weights``), and a checkpoint without adapters loaded by a trainer with them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
-from helpers.lora_grads import whole  # noqa: E402
+from helpers.lora_grads import adapter_params, whole  # noqa: E402
 from helpers.processes import end_process_group  # noqa: E402
 from helpers.trainers import LAYOUTS, fixed_batch, seeded_layout  # noqa: E402
 
@@ -37,11 +37,13 @@ def trainer_at(ps, cfg, model_dir: str, rank: int = 4, alpha: float = 8.0, targe
 
 
 def gathered(trainer, ps, grads: bool = False) -> dict:
-    """Every adapter tensor (or its gradient) as one process holds it."""
-    owner = {f"{name}.lora.{w}": m.lora for mod in trainer.modules for name, m in mod.named_modules()
-             if hasattr(m, "lora") for w in "ab"}
-    return {n: whole(n, (p.main_grad if grads else p).detach().clone(), owner[n], ps)
-            for mod in trainer.modules for n, p in mod.named_parameters() if n in owner}
+    """Every adapter tensor (or its gradient) as one process holds it, by global name: TP shards joined, every
+    pipeline stage's (and virtual stage's) merged."""
+    from megarl.distributed.collectives import gather
+
+    mine = {full: whole(name, (p.main_grad if grads else p).detach().clone(), adapter, ps)
+            for full, name, p, adapter in adapter_params(trainer)}
+    return {k: v for part in (gather(mine, ps.pp_group) if ps.pp > 1 else [mine]) for k, v in part.items()}
 
 
 def step(trainer, batch) -> float:

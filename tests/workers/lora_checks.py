@@ -7,9 +7,11 @@ Rank 0 writes OUT_DIR/result.json: the largest gap of the logprobs with B at zer
 off, to a trainer without adapters (both exactly 0 when right); the gap made by a random B (> 0: the adapters act);
 after one step, every adapter's gradient as the step's reduction left it, under its global name in one process's
 layout (``helpers/lora_grads.py``: TP shards joined, pipeline stages merged; ``rank_grads``: every rank's, each
-reduced over DP); what the optimizer holds (its parameters and Adam state, in elements) against the adapters' and the
-base's sizes; and, in one process, the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) ·
-B A x. TARGETS: ``lora.targets`` (default: every one).
+reduced over DP); before the step, with B the random one, every rank's adapters as the sync and the export gather
+them (``rank_adapters``: ``lora_peft.gather_adapters``, global base layer name → [A, B] whole); what the optimizer
+holds (its parameters and Adam state, in elements) against the adapters' and the base's sizes; and, in one process,
+the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) · B A x. TARGETS: ``lora.targets``
+(default: every one).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     from megarl.config.schema import LoraConfig, OptimConfig
     from megarl.distributed.collectives import gather
     from megarl.trainer.lora import adapters_off
+    from megarl.trainer.lora_peft import gather_adapters
     from megarl.trainer.policy import PolicyTrainer
 
     spec = dict(LAYOUTS[layout])
@@ -72,6 +75,8 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
             if full.endswith(".lora.b"):  # drawn by the global name: every layout's B is one process's
                 p.copy_(random_b(full, p, adapter, ps))
     result["b_random_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
+    gathered = gather_adapters(trainer.modules, ps, cfg)  # (a collective: every rank)
+    result["rank_adapters"] = gather({k: [a.tolist(), b.tolist()] for k, (a, b) in gathered.items()})
     with adapters_off(trainer.modules):
         result["adapters_off_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
     if ps.world_size == 1 and precision == "fp32":
