@@ -272,7 +272,8 @@ def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback, replica_nodes=e.replica_nodes,
                               hosts_file=str(rendezvous_path(cfg.train.run_dir)) if e.replica_nodes_dedicated else "",
-                              cpus=replica_cpus or [], cpu_threads=e.cpu_threads, **engine_numerics(cfg, hf_cfg))
+                              cpus=replica_cpus or [], cpu_threads=e.cpu_threads, lora_rank=cfg.lora.rank,
+                              **engine_numerics(cfg, hf_cfg))
     engine = VLLMEngine(model, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
                         max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
                         peer_wait_s=e.peer_wait_s, lora_rank=cfg.lora.rank, **engine_numerics(cfg, hf_cfg))

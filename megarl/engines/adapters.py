@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.config.validate.lora import VLLM_RANKS
-from megarl.models.hf_adapter import head_layout
-from megarl.models.hf_config import is_moe_layer
+from megarl.weight_sync.adapter_load import register
 from megarl.weight_sync.load import WeightLoadError
 
 
@@ -49,31 +48,17 @@ class EngineAdapters:
 
     def load(self, tensors: dict, config: dict, version: int) -> None:
         """``tensors`` (PEFT-named) served as ``version`` on every rank, or on none (``WeightLoadError``)."""
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-        from vllm.lora.request import LoRARequest
-
         manager = self._manager()
-        new_id, problem = self._next_id, ""
+        new_id = self._next_id
         self._next_id += 1
-        try:
-            helper = PEFTHelper.from_dict(dict(config))
-            helper.validate_legal(manager.lora_config)
-            model = LoRAModel.from_lora_tensors(new_id, tensors, helper, device="cpu",
-                                                dtype=manager.lora_config.lora_dtype,
-                                                model_vocab_size=manager.vocab_size)
-            check_adapter(tensors, helper.r, self.engine.llm.llm_engine.model_config.hf_config.to_dict(),
-                          _served_modules(manager))
-            manager._adapter_manager.add_adapter(model)
-        except Exception as exc:  # noqa: BLE001  (agreed below: every rank keeps the old adapter)
-            problem = f"{type(exc).__name__}: {exc}"
-        problems = every_rank(problem)
+        problems = every_rank(register(manager, tensors, config, new_id,
+                                       self.engine.llm.llm_engine.model_config.hf_config.to_dict()))
         if any(problems):
             manager.remove_adapter(new_id)
             why = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
             raise WeightLoadError(f"LoRA adapter for version {version} not loaded ({why}); the engine still serves "
                                   "the previous one")
-        old, self.request = self.request, LoRARequest(f"megarl-v{version}", new_id, f"megarl://adapter/{new_id}")
+        old, self.request = self.request, served_request(version, new_id)
         if old is not None:
             manager.remove_adapter(old.lora_int_id)
 
@@ -91,40 +76,9 @@ def every_rank(problem: str) -> list[str]:
     return every
 
 
-def module_shapes(hf: dict) -> dict[str, tuple[int, int]]:
-    """(out, in) of each HF module an adapter may target, from the model's config."""
-    h, f = hf["hidden_size"], hf["intermediate_size"]
-    heads, kv, d = head_layout(hf)
-    return {"q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h), "o_proj": (h, heads * d),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+def served_request(version: int, adapter_id: int):
+    """The ``LoRARequest`` that asks for adapter ``adapter_id``, the trainer's ``version`` (registered in memory: its
+    path names nothing on disk)."""
+    from vllm.lora.request import LoRARequest  # deferred: vLLM, in engine processes only
 
-
-def check_adapter(tensors: dict, rank: int, hf: dict, served: set[str]) -> None:
-    """Raise ValueError unless ``tensors`` are a whole adapter of the model ``hf``: every module vLLM serves LoRA on,
-    ``lora_A`` [rank, in] and ``lora_B`` [out, rank] of its shape, both of each, the same modules in every layer
-    that has them. vLLM itself takes a B a row short (and serves it wrong) or an adapter missing a layer (that layer
-    then runs the base): a broken transfer must fail the load instead."""
-    shapes, held = module_shapes(hf), {}
-    for name, t in tensors.items():
-        where, which, _ = name.rsplit(".", 2)
-        layer, module = where.split(".layers.", 1)[1].split(".", 1)[0], where.rsplit(".", 1)[-1]
-        if module not in served or module not in shapes:
-            raise ValueError(f"{name}: the engine's model has no LoRA-capable module {module!r}")
-        out, inp = shapes[module]
-        want = (rank, inp) if which == "lora_A" else (out, rank)
-        if tuple(t.shape) != want:
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, the model's {module} takes {want}")
-        held.setdefault(module, {}).setdefault(int(layer), set()).add(which)
-    for module, layers in held.items():
-        dense = module in ("gate_proj", "up_proj", "down_proj")
-        expected = {i for i in range(hf["num_hidden_layers"]) if not (dense and is_moe_layer(hf, i))}
-        if set(layers) != expected or any(parts != {"lora_A", "lora_B"} for parts in layers.values()):
-            raise ValueError(f"the adapter's {module} is not whole: layers {sorted(layers)} of {sorted(expected)}, "
-                             "each needs lora_A and lora_B")
-
-
-def _served_modules(manager) -> set[str]:
-    """The HF module names the engine takes adapters for (packed ones, qkv_proj and gate_up_proj, by their parts)."""
-    adapter_manager = manager._adapter_manager
-    packed = adapter_manager.packed_modules_mapping
-    return {part for m in adapter_manager.supported_lora_modules for part in packed.get(m, [m])}
+    return LoRARequest(f"megarl-v{version}", adapter_id, f"megarl://adapter/{adapter_id}")

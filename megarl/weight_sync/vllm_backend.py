@@ -16,6 +16,9 @@ vLLM 0.32's ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``up
   state and restores its backup (``megarl_abandon_update``), so the replica keeps serving the old weights on all of
   its workers, never a mix (with no backup the replica marks itself unusable instead: ``engines.remote.process``).
 - ``finish_weight_update``: finalize the reload, repack fused-MoE layers, drop the backup.
+
+With LoRA (``lora.rank`` > 0) no weights move: each worker registers the trainer's adapters from memory
+(``megarl_add_adapter``) and the replica switches to them once every worker has (``engines.remote.process``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from megarl.compat.vllm import experts_processed_in_reloads, repack_after_reload
 from megarl.models.hf_config import torch_dtype
+from megarl.weight_sync.adapter_load import register, unpacked
 from megarl.weight_sync.load import restore, snapshot
 from megarl.weight_sync.transport import join_group, receive
 
@@ -166,6 +170,15 @@ class GlooWorkerExtension:
     def megarl_update_timings(self) -> dict:
         """The last update's phases on this worker (seconds): snapshot, start, wait (receive), load, finish."""
         return dict(self.weight_transfer_engine.timings)
+
+    def megarl_add_adapter(self, wire: dict, config: dict, adapter_id: int) -> str:
+        """LoRA (``lora.rank`` > 0): the trainer's adapters (``adapter_load.packed``) registered as ``adapter_id``
+        beside what this worker serves; '' when done, else why not (``adapter_load.register``)."""
+        return register(self.model_runner.lora_manager, unpacked(wire), config, adapter_id,
+                        self.model_config.hf_config.to_dict())
+
+    def megarl_remove_adapter(self, adapter_id: int) -> None:
+        self.model_runner.lora_manager.remove_adapter(adapter_id)
 
     def megarl_backup_mib(self) -> float:
         engine = getattr(self, "weight_transfer_engine", None)

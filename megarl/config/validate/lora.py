@@ -3,9 +3,9 @@ LoRA does not run yet (docs/lora.md), each refused with the key named rather tha
 
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
 or without sequence parallelism), frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
-adapter-only sync into colocated engines (``weight_sync/adapters.py``). Not built yet, so refused: MoE expert
-adapters, Transformer Engine's fused layers, dropout under TP, full activation recompute, engines in processes of
-their own, sleep level 2, a dist checkpoint as the base.
+adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``). Not
+built yet, so refused: MoE expert adapters, Transformer Engine's fused layers, dropout under TP, full activation
+recompute, sleep level 2, a dist checkpoint as the base.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None
 
 def check_lora_run(cfg: RunConfig, hf: dict | None = None, gpu: bool | None = None) -> None:
     """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0: the engines start from the base
-    model's HF files and are sent the adapters alone (``weight_sync.adapters``), which needs an in-process engine
-    that keeps its base weights; what does not, refused with the key named. ``hf``: the model's config; ``gpu``:
+    model's HF files and are sent the adapters alone (``weight_sync.adapters``), which needs engines that keep their
+    base weights; what does not, refused with the key named. ``hf``: the model's config; ``gpu``:
     whether the engines run on GPUs (None: whether CUDA is here)."""
     lo, e = cfg.lora, cfg.engine
     if lo.rank <= 0:
@@ -103,9 +103,6 @@ def check_lora_run(cfg: RunConfig, hf: dict | None = None, gpu: bool | None = No
                           "vLLM serves an MoE model with LoRA on through its Triton MoE kernel, which has no CPU "
                           "build (measured: vLLM 0.32's CPU engine fails at its first step, with or without expert "
                           "adapters); run it on GPUs, or use a dense model here")
-    if e.placement != "colocated":
-        raise ConfigError(f"lora.rank={lo.rank} with engine.placement={e.placement}: the adapter sync into engines in "
-                          "processes of their own is not built yet; set engine.placement=colocated")
     if e.sleep_level == 2:
         raise ConfigError(f"lora.rank={lo.rank} with engine.sleep_level=2: level 2 drops the engine's weights for the "
                           "sync to refill, and a LoRA sync sends only the adapters; set engine.sleep_level=1 or 0")

@@ -15,6 +15,7 @@ next one (a message per request woke the replica for each).
 | ``Generate(requests, seed)`` | ``list[list[Completion]]`` |
 | ``InitTransfer(info)`` | ``Outcome`` |
 | ``Update(plan, groups, dtype, version, rollback, stage_only)`` | ``Updated`` |
+| ``LoadAdapter(tensors, config, version, in_flight)`` | ``Updated`` |
 | ``RecvRaw(plan, sources, dtype)`` | ``int`` (bytes received) |
 | ``Close()`` | ``Outcome`` |
 
@@ -71,6 +72,16 @@ class Update:
     rollback: str  # 'copy' (back up first) | 'resync' (no backup: unusable if the load fails)
     stage_only: bool = False  # the bench's transfer-only figure: received and staged, nothing loaded
     in_flight: bool = False  # between two engine steps with requests running (rollout.overlap=async): they go on
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """LoRA: the trainer's adapters, served from now on as ``version`` (the base weights stay)."""
+
+    tensors: dict  # PEFT name → (dtype, shape, bytes): ``weight_sync.adapter_load.packed``
+    config: dict  # the ``adapter_config`` (rank, alpha, target modules)
+    version: int
+    in_flight: bool = False  # requests running go on under the new adapter (``Update.in_flight``)
 
 
 @dataclass(frozen=True)

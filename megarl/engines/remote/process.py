@@ -6,7 +6,8 @@ or on another node by its first trainer rank: ``nodes.serve_remote``, over TCP) 
 (evaluation, the audit), InitTransfer / Update (vLLM's weight-transfer API with our ``megarl_gloo`` backend,
 ``weight_sync.vllm_backend``; the
 reply carries the update's phases and this process's CPU time; ``stage_only``: received and cut into views,
-nothing loaded — the bench's transfer-only figure), RecvRaw (the bench's transport baseline), Close. An update
+nothing loaded — the bench's transfer-only figure), LoadAdapter (LoRA: the trainer's adapters, registered on every TP
+worker and then served; ``load_adapter``), RecvRaw (the bench's transport baseline), Close. An update
 is all or nothing across the replica's TP workers: each worker keeps its own failure, and if
 any failed every worker restores its backup (``vllm_backend``). With ``sync.rollback: resync``
 there is no backup: a failed update leaves the replica unusable (its version ``UNUSABLE``; step
@@ -15,20 +16,24 @@ and generate answer ``EngineUnusable``, submits are dropped) until an update suc
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import time
+from dataclasses import replace
 
 import torch
 
 from megarl.distributed.placement import CpuShare, vllm_binding
 from megarl.distributed.placement import apply as apply_cpus
+from megarl.engines.adapters import lora_args, served_request
 from megarl.engines.memory import on_gpu
 from megarl.engines.remote.messages import (
     Abort,
     Close,
     Generate,
     InitTransfer,
+    LoadAdapter,
     Outcome,
     RecvRaw,
     Seed,
@@ -70,7 +75,7 @@ def _llm(spec: dict):
                **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
-               **capture_args(spec.get("route_experts", 0), gpu),
+               **capture_args(spec.get("route_experts", 0), gpu), **lora_args(spec.get("lora_rank", 0)),
                worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
 
 
@@ -133,13 +138,16 @@ def serve(conn, spec: dict) -> None:
 
 
 class _Replica:
-    """The replica's state between commands: the version it serves, its requests, why it refuses to generate."""
+    """The replica's state between commands: the version it serves, its requests, why it refuses to generate, the
+    LoRA adapter its requests ask for (None: the base weights, or no LoRA)."""
 
     def __init__(self, llm, routes=None) -> None:
         """``routes``: the capture of each token's routes (``engines.routes.route_capture``), None for none."""
         self.llm, self.engine = llm, llm.llm_engine
-        self.version, self.active, self.unusable = 0, set(), ""
+        self.version, self.unusable = 0, ""
+        self.active: dict[str, tuple[SlotRequest, list[int]]] = {}  # running: each request, its tokens since added
         self.routes = routes
+        self.lora, self._adapter_ids = None, itertools.count(1)  # vLLM's adapter ids are > 0, a new one per load
 
     def answer(self, msg):
         """The reply to ``msg`` (None for the commands that have none)."""
@@ -149,26 +157,17 @@ class _Replica:
                 f"engine replica refuses to generate: {self.unusable}")
         match msg:
             case Submit(requests):
-                from vllm.inputs import TokensPrompt  # deferred: vLLM (loaded with the engine, in this process only)
-
                 for request in requests:
-                    self.engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
-                                            _params(request))
-                    self.active.add(request.request_id)
+                    self._add(request)
             case Abort(request_ids):
-                ids = [r for r in request_ids if r in self.active]
-                if ids:
-                    self.engine.abort_request(ids)
-                    if self.routes is not None:
-                        self.routes.forget(ids)
-                self.active.difference_update(ids)
+                self._abort([r for r in request_ids if r in self.active])
             case Step():
                 return self.step()
             case Seed(seed):
                 torch.manual_seed(seed)  # the sampler's stream (per-request generators crash under chunked prefill)
             case Generate(requests, seed):
                 torch.manual_seed(seed)
-                return generate_batch(self.llm, requests)
+                return generate_batch(self.llm, requests, self.lora)
             case InitTransfer(info):
                 try:
                     self.llm.init_weight_transfer_engine({"init_info": info})
@@ -177,11 +176,28 @@ class _Replica:
                     return Outcome(f"{type(exc).__name__}: {exc}")
             case Update():
                 return self.update(msg)
+            case LoadAdapter():
+                return self.load_adapter(msg)
             case RecvRaw(plan, sources, dtype):
                 return self.llm.collective_rpc("megarl_recv_raw", args=(plan, sources, dtype))[0]
             case _:
                 return Outcome(f"unknown command {type(msg).__name__}")
         return None
+
+    def _add(self, request: SlotRequest) -> None:
+        from vllm.inputs import TokensPrompt  # deferred: vLLM (loaded with the engine, in this process only)
+
+        self.engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids),
+                                _params(request), lora_request=self.lora)
+        self.active[request.request_id] = (request, [])
+
+    def _abort(self, ids: list[str]) -> None:
+        if ids:
+            self.engine.abort_request(ids)
+            if self.routes is not None:
+                self.routes.forget(ids)
+        for rid in ids:
+            del self.active[rid]
 
     def step(self) -> StepDone:
         start = time.perf_counter()
@@ -192,12 +208,13 @@ class _Replica:
         for out in outputs:
             if out.request_id in self.active:
                 c = out.outputs[0]
+                self.active[out.request_id][1].extend(c.token_ids)
                 ev = TokenEvent(out.request_id, list(c.token_ids), sampled_logprobs(c), version=self.version)
                 if self.routes is not None:
                     ev.route_start, ev.routes = self.routes.take(out)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, c.finish_reason or "length"
-                    self.active.discard(out.request_id)
+                    del self.active[out.request_id]
                 events.append(ev)
         return StepDone.packed(events, elapsed, self.version)
 
@@ -235,3 +252,37 @@ class _Replica:
             if started and u.rollback != "copy":  # nothing to restore: serve nothing until an update succeeds
                 self.version, self.unusable = UNUSABLE, unusable_message(why)
             return Updated(self.version, self.unusable or why)
+
+    def load_adapter(self, u: LoadAdapter) -> Updated:
+        """LoRA: the trainer's adapters served from now on as ``u.version``, on every TP worker or on none (each
+        registers them beside the served ones first: a failure anywhere removes them everywhere, the previous ones
+        still served); the prefix cache dropped (its KV came from the previous adapter). In flight, every running
+        request goes on under the new adapter (``_continued``)."""
+        if self.engine.has_unfinished_requests() and not u.in_flight:
+            return Updated(self.version, "requests still in flight")
+        start, used = time.perf_counter(), _usage()
+        new_id = next(self._adapter_ids)
+        problems = [p for p in self.llm.collective_rpc("megarl_add_adapter", args=(u.tensors, u.config, new_id)) if p]
+        if problems:
+            self.llm.collective_rpc("megarl_remove_adapter", args=(new_id,))
+            return Updated(self.version, f"LoRA adapter for version {u.version} not loaded ({problems[0]}); the "
+                                         "replica still serves the previous one")
+        loaded = time.perf_counter() - start
+        old, self.lora = self.lora, served_request(u.version, new_id)
+        self._continued()
+        if old is not None:
+            self.llm.collective_rpc("megarl_remove_adapter", args=(old.lora_int_id,))
+        self.llm.reset_prefix_cache()
+        self.version = u.version
+        return Updated(self.version, seconds=time.perf_counter() - start,
+                       phases={"load_s": loaded, **_used_since(used)})
+
+    def _continued(self) -> None:
+        """Every running request aborted and added again under the served adapter, its prompt followed by its tokens
+        so far as the new prompt (vLLM fixes a request's adapter when it is added): its next tokens, and the KV
+        they attend to, come from the new adapter alone, as a full-weight update in flight recomputes the KV."""
+        running = list(self.active.values())
+        self._abort(list(self.active))
+        for request, tokens in running:
+            self._add(replace(request, prompt_ids=list(request.prompt_ids) + tokens,
+                              max_tokens=request.max_tokens - len(tokens), generated=request.generated + len(tokens)))

@@ -16,7 +16,8 @@ them all from one shared pull queue, and the other trainer ranks learn each phas
 it (``rollout/leader.py``). Weights go through vLLM's weight-transfer API with our
 ``megarl_gloo`` backend (``weight_sync.vllm_backend``; gloo on CPU, NCCL with ``sync.transport: nccl``):
 each bucket is broadcast once to all replicas by the trainer rank that owns it
-(``StreamingSync.sends``). A failed update leaves a replica serving its old weights (its own
+(``StreamingSync.sends``); with LoRA rank 0 sends the adapters alone over each replica's link
+(``load_adapters``). A failed update leaves a replica serving its old weights (its own
 backup), and it says so. A replica that dies (mid-sync or mid-phase) is an engine error: every
 replica is ended (their transfer group is broken), nothing hangs (liveness polling, the group's
 ``sync.timeout_s``), and the loop's containment restarts them (the keeper's engine-error path).
@@ -43,9 +44,11 @@ from megarl.engines.protocol import SlotEngine
 from megarl.engines.remote import nodes, reaper
 from megarl.engines.remote.client import DeathWatch, EngineDied, ReplicaClient
 from megarl.engines.remote.host import HostPool
-from megarl.engines.remote.messages import Close, Generate, InitTransfer, RecvRaw, Update
+from megarl.engines.remote.messages import Close, Generate, InitTransfer, LoadAdapter, RecvRaw, Update
 from megarl.engines.remote.process import serve
 from megarl.types import Completion, GenerationRequest
+from megarl.weight_sync.adapter_load import packed
+from megarl.weight_sync.adapters import AdapterStream
 from megarl.weight_sync.load import EngineUnusable, LoadReport, SyncError, WeightLoadError
 from megarl.weight_sync.streaming import StreamingSync
 from megarl.weight_sync.transport import GlooSender, join_group, listen
@@ -87,9 +90,10 @@ class EngineReplicas:
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
                  replica_nodes: int = 0, hosts_file: str = "", dtype: str = "float32", enforce_eager="auto",
                  gpu_memory_utilization: float = 0.0, route_experts: int = 0, cpus: list | None = None,
-                 cpu_threads: int = 0, load_format: str = "auto") -> None:
+                 cpu_threads: int = 0, load_format: str = "auto", lora_rank: int = 0) -> None:
         """``cpus``: the ``CpuShare``s of each replica this rank's node hosts (its workers'), in their order there
-        (``distributed.placement``); ``cpu_threads``: ``engine.cpu_threads``, for engine-only nodes to place by."""
+        (``distributed.placement``); ``cpu_threads``: ``engine.cpu_threads``, for engine-only nodes to place by;
+        ``lora_rank`` > 0: the replicas serve the trainer's LoRA adapters (``load_adapters``) over their base."""
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = collectives.rank_and_world()
         self.leader = self.rank == 0
@@ -107,7 +111,7 @@ class EngineReplicas:
                           start_timeout_s=start_timeout_s, dtype=dtype, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization, route_experts=route_experts,
                           devices=[d.strip() for d in devices.split(",") if d.strip()], cpus=cpus or [],
-                          cpu_threads=cpu_threads, load_format=load_format)
+                          cpu_threads=cpu_threads, load_format=load_format, lora_rank=lora_rank)
         self.transport, self.timeout_s = transport, timeout_s
         self.dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
         self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
@@ -178,7 +182,7 @@ class EngineReplicas:
                     slots=a["slots"], seed=a["seed"] + k, devices=",".join(a["devices"][j * tp:(j + 1) * tp]),
                     dtype=a["dtype"], enforce_eager=a["enforce_eager"],
                     gpu_memory_utilization=a["gpu_memory_utilization"], route_experts=a["route_experts"],
-                    cpu_threads=a["cpu_threads"], load_format=a["load_format"],
+                    cpu_threads=a["cpu_threads"], load_format=a["load_format"], lora_rank=a["lora_rank"],
                     cpus=[(c.threads, c.cores) for c in a["cpus"][j]] if j < len(a["cpus"]) else None)
 
     def _spawn_on_hosts(self, rendezvous) -> None:
@@ -279,16 +283,45 @@ class EngineReplicas:
             raise EngineDied(f"generation on engine replica {replica} failed: {out.error}")
         return out.completions
 
-    def load(self, stream: StreamingSync, version: int, in_flight: bool = False) -> LoadReport:
+    def load(self, stream: StreamingSync | AdapterStream, version: int, in_flight: bool = False) -> LoadReport:
         """Refused while requests run, unless the load is ``in_flight`` (they go on under the new weights); then
-        each bucket from the trainer rank that sends it (``StreamingSync.sends``)."""
+        each bucket from the trainer rank that sends it (``StreamingSync.sends``), or with LoRA the adapters."""
         if not in_flight:
             busy = collectives.share([c.index for c in self.clients if c.num_active()] if self.leader else None)
             if busy:
                 raise SyncError(f"weight sync refused: replicas {busy} still have requests in flight; end the phase "
                                 "first")
+        if isinstance(stream, AdapterStream):
+            return self.load_adapters(stream, version, in_flight)
         buckets, sources = stream.sends()
         return self.update(stream.piece_plan(), buckets, version, stream.dtype, sources, in_flight=in_flight)
+
+    def load_adapters(self, stream: AdapterStream, version: int, in_flight: bool = False) -> LoadReport:
+        """LoRA: the trainer's adapters (gathered on every rank: ``AdapterStream.tensors``) sent by rank 0 to every
+        replica over its link (no weight group: they are ~1-5% of the weights), each replica switching to them on
+        all of its TP workers or on none (``process.load_adapter``); the same outcome on every trainer rank."""
+        tensors = stream.tensors()
+        start, verdict = time.perf_counter(), None
+        if self.leader:
+            died = ""
+            try:
+                msg = LoadAdapter(packed(tensors), stream.config, version, in_flight)
+                for c in self.clients:
+                    c.call(msg, reply=False)
+            except EngineDied as exc:
+                died = str(exc)
+            verdict = self._collect(died)
+        verdict = collectives.share(verdict)
+        self.versions = verdict.versions
+        if verdict.died:
+            self.senders, self.sender = None, None
+        if verdict.failed:
+            ended = "; every replica was ended: the next phase restarts them" if verdict.died else ""
+            raise WeightLoadError(f"LoRA adapter update to version {version} failed ({'; '.join(verdict.failed)}); "
+                                  f"replicas serve versions {verdict.versions}{ended}")
+        return LoadReport(transfer_s=time.perf_counter() - start, replica_update_s=verdict.slowest_update_s,
+                          replica_load_s=verdict.slowest_load_s,
+                          sent_bytes=float(stream.stats.bytes * len(self.versions)))
 
     def sleep(self) -> None:
         pass  # replicas have devices of their own: nothing to hand over
