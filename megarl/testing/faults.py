@@ -6,6 +6,9 @@ does nothing when none is. The product's code paths hold no check of their own.
   reached during RL step STEP (1-based). Points: ``engine_step`` (generation), ``optimizer_step`` (after the
   backward, before the optimizer), ``checkpoint_write`` (after the model files of a run checkpoint, before its
   manifest).
+- ``MEGARL_TEST_SIGTERM=warmup_step@N`` — this process sends itself SIGTERM (Slurm's preemption) at the end of the
+  N-th supervised warm-up step it takes, and waits until its handler took the signal: the run must stop right after
+  that step.
 - ``MEGARL_TEST_SLOW_STOP=SECONDS`` — a checkpoint saved after this process received a preemption signal sleeps
   SECONDS at ``checkpoint_write``: a checkpoint that takes longer than Slurm's GraceTime, so that the SIGKILL lands
   mid-save (``tests/cluster/test_slurm.py``).
@@ -97,6 +100,18 @@ def kill_point(point: str) -> None:
         time.sleep(float(delay))
 
 
+def signal_point(point: str, count: int) -> None:
+    """SIGTERM this process at the ``count``-th reach of ``point`` when ``MEGARL_TEST_SIGTERM`` names them; returns
+    once the preemption handler took it (its thread, ``distributed/signals.py``), so the next check sees it."""
+    if (point, count) not in [(name, step) for name, step, _ in _parse("MEGARL_TEST_SIGTERM")]:
+        return
+    log.info(f"rank {rank_and_world()[0]}: SIGTERM sent at {point} {count} by MEGARL_TEST_SIGTERM (a test hook)")
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not signalled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _killing_at(point: str) -> bool:
     return any(name == point for name, _, _ in _parse("MEGARL_TEST_KILL")) or (
         point == "checkpoint_write" and bool(os.environ.get("MEGARL_TEST_SLOW_STOP")))
@@ -116,7 +131,8 @@ def hang_forever(where: str = "engine") -> None:
 
 def install(session) -> None:
     """Wrap ``session``'s rooms with the faults the environment asks for (nothing when it asks for none)."""
-    if not (_parse("MEGARL_TEST_FAULT") or _parse("MEGARL_TEST_KILL") or os.environ.get("MEGARL_TEST_SLOW_STOP")):
+    if not (_parse("MEGARL_TEST_FAULT") or _parse("MEGARL_TEST_KILL") or _parse("MEGARL_TEST_SIGTERM")
+            or os.environ.get("MEGARL_TEST_SLOW_STOP")):
         return
     engines = session.engines
     if isinstance(engines, ColocatedEngines):
@@ -138,6 +154,8 @@ def install(session) -> None:
         faulty_optimizer_steps(session.trainer)
     if _asked("checkpoint_writer_dies", "checkpoint_writer_dies_mid_save") or _killing_at("checkpoint_write"):
         _faulty_saves(session.saver)
+    if any(name == "warmup_step" for name, _, _ in _parse("MEGARL_TEST_SIGTERM")):
+        _signalled_warmup(session.trainer)
 
 
 def _faulty_steps(slot) -> None:
@@ -277,6 +295,20 @@ def faulty_optimizer_steps(trainer) -> None:
         return out
 
     trainer.grad_buffers = faulty
+
+
+def _signalled_warmup(trainer) -> None:
+    """The ``warmup_step`` point after each of ``trainer``'s steps before the first RL step (the warm-up's)."""
+    train_step, taken = trainer.train_step, [0]
+
+    def step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        if rl_step() == 0:
+            taken[0] += 1
+            signal_point("warmup_step", taken[0])
+        return out
+
+    trainer.train_step = step
 
 
 def kill_checkpoint_writer() -> None:

@@ -2,6 +2,12 @@
 
 The examples come from ``warmup.path`` (chat conversations, multi-turn ones with the environment's tokens masked:
 ``megarl/data/conversations.py``) or, without it, from the built-in task's reference responses.
+
+A preempted warm-up goes on where it stopped (``RunKeeper.warm_up`` asks ``stop`` between two steps, saves the
+steps done and resumes from the next): the policy's weights and Adam state come from the checkpoint, and the example
+stream is put where it was. The task's stream is the task itself, whose cursor the run checkpoint restores; a
+conversation stream is derived again from its seed, the examples of the steps done skipped (``done`` × batch size:
+the same ``warmup.batch_size`` on resume, as for every exact resume).
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ def task_examples(task, tokenizer) -> Callable[[int], list[Example]]:
     return draw
 
 
-def conversation_examples(conversations: list, render, seed: int, max_tokens: int = 0
+def conversation_examples(conversations: list, render, seed: int, max_tokens: int = 0, skip: int = 0
                           ) -> Callable[[int], list[Example]]:
     """``(where, prompt, episode)`` rows (``read_conversations``) rendered once by ``render``
     (``ConversationRenderer``), drawn in a shuffled order each epoch (seeded). ``max_tokens``: a row longer than this
-    (prompt and response) is refused, naming it (the engine could never generate it)."""
+    (prompt and response) is refused, naming it (the engine could never generate it). ``skip``: the stream starts
+    after that many draws (a resumed warm-up's), as if they had been made."""
     examples = []
     for where, prompt, episode in conversations:
         ex = render(prompt, episode)
@@ -57,26 +64,33 @@ def conversation_examples(conversations: list, render, seed: int, max_tokens: in
             out.append(examples[order.pop()])
         return out
 
+    draw(skip)  # (the order and its RNG are all the state: drawn again from the seed)
     return draw
 
 
-def warmup_examples(cfg, tokenizer, task) -> Callable[[int], list[Example]]:
+def warmup_examples(cfg, tokenizer, task, done: int = 0) -> Callable[[int], list[Example]]:
     """The examples ``warmup.*`` asks for: ``warmup.path``'s conversations, rendered as the run's rollouts render
-    them (its chat template, system prompt and ``env.tools``), else the built-in ``task``'s references."""
+    them (its chat template, system prompt and ``env.tools``), else the built-in ``task``'s references; after
+    ``done`` warm-up steps (a resumed warm-up: the conversations' stream skips their examples; the task's is where
+    the restored ``task`` is)."""
     if not cfg.warmup.path:
         return task_examples(task, tokenizer)
     d = cfg.data
     render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env),
                                   d.enable_thinking)
-    return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len)
+    return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len,
+                                 skip=done * cfg.warmup.batch_size)
 
 
 def supervised_warmup(trainer: PolicyTrainer, tokenizer, examples: Callable[[int], list[Example]], steps: int,
-                      batch_size: int, lr: float, log_every: int = 10, log=print) -> list[float]:
-    """``steps`` Adam steps on ``examples(batch_size)`` each; returns the NLL per step."""
+                      batch_size: int, lr: float, log_every: int = 10, log=print, done: int = 0,
+                      stop: Callable[[], bool] | None = None) -> list[float]:
+    """Warm-up steps ``done + 1`` to ``steps`` (``done``: those a preempted warm-up took), one Adam step on
+    ``examples(batch_size)`` each; between two steps ``stop()`` (every rank calls it at the same point) may end
+    the warm-up. Returns the NLL of each step taken."""
     trainer.set_lr(lr)
     history, start = [], time.time()
-    for step in range(1, steps + 1):
+    for step in range(done + 1, steps + 1):
         prompts, responses, masks = zip(*examples(batch_size))
         batch = build_batch(list(prompts), list(responses), loss_agg="token_mean", pad_id=pad_id(tokenizer),
                             model_masks=list(masks))
@@ -84,5 +98,7 @@ def supervised_warmup(trainer: PolicyTrainer, tokenizer, examples: Callable[[int
         history.append(metrics.get("nll", float("nan")))
         if step % log_every == 0 or step == steps:
             elapsed = time.time() - start
-            log(f"warmup {step}/{steps} | nll {history[-1]:.4f} | eta {elapsed / step * (steps - step):.0f}s")
+            log(f"warmup {step}/{steps} | nll {history[-1]:.4f} | eta {elapsed / len(history) * (steps - step):.0f}s")
+        if stop is not None and step < steps and stop():
+            break
     return history

@@ -130,15 +130,41 @@ def test_sigusr1_saves_exits_0_and_the_next_start_resumes(baseline, tmp_path):
 
 
 
+@pytest.mark.slow  # (two runs after the baseline's: 80 s)
+def test_sigterm_during_the_warmup_saves_its_steps_and_the_rerun_is_exact(baseline, tmp_path):
+    """SIGTERM at the end of warm-up step 7 of 20 (``MEGARL_TEST_SIGTERM``; the run's process signals itself and
+    waits for its handler, so the step is fixed): the warm-up stops there, the run saves step 0 holding the 7 steps
+    done (weights, Adam state, the task's cursor, RNG) and exits 0 before any evaluation or RL step. The same command
+    goes on with warm-up step 8: the NLL of every warm-up step, ``metrics.jsonl`` (wall clock aside), the rollout
+    buffer and the prompt accounting are the uninterrupted run's. (Nothing of the exactness is given up: the
+    conversation stream of ``warmup.path`` is derived again from its seed, ``tests/unit/test_warmup_stop.py``.)"""
+    model, _, _, state = baseline
+    run = tmp_path / "run"
+    out = train(model, run, env={"MEGARL_TEST_SIGTERM": "warmup_step@7"})
+    assert "warmup step 7/20: SIGTERM received; checkpoint saved, stopping" in out, out[-3000:]
+    assert "warmup 10/20" not in out and "eval before RL" not in out and "step 1/" not in out
+    saved = final_state(run)
+    assert saved["step"] == 0 and saved["run"]["warmup_done"] == 7
+    assert saved["run"]["warmup_nll"] == state["run"]["warmup_nll"][:7]
+    assert not read_metrics(run / "metrics.jsonl")  # nothing logged before RL's first evaluation
+    out = train(model, run)
+    assert re.search(r"resumed from \S+step_000000 at step 0:", out), out[-3000:]
+    assert "warmup 10/20" in out and "warmup 20/20" in out
+    resumed = final_state(run)
+    assert resumed["run"]["warmup_done"] == 20 and resumed["run"]["warmup_nll"] == state["run"]["warmup_nll"]
+    _check_same_as_baseline(baseline, run)
+
+
 @pytest.mark.slow
 def test_sigterm_to_every_process_while_the_session_starts_is_kept_and_stops_the_run_at_its_first_phase(tmp_path):
     """Slurm's preemption can land while the session is still being built (minutes for a large model): SIGTERM to
     every process of the run (its process group, as Slurm signals a job step) while vLLM loads the model. The
     handlers ``train.run`` installs before the session keep it (before: the default action ended the run, nothing
-    saved); the first phase stops at its first engine step, the run saves step 0 and exits 0, and what the session
-    started survived to end cleanly."""
+    saved); the first phase stops at its first engine step (no warm-up here: a warm-up stops after its first step,
+    ``test_sigterm_during_the_warmup_saves_its_steps_and_the_rerun_is_exact``), the run saves step 0 and exits 0, and
+    what the session started survived to end cleanly."""
     run = tmp_path / "run"
-    proc = _start(tmp_path / "model", run, "warmup.steps=2", out=subprocess.PIPE)
+    proc = _start(tmp_path / "model", run, "warmup.steps=0", out=subprocess.PIPE)
     lines, sent = [], False
     try:
         for line in proc.stdout:
