@@ -26,6 +26,7 @@ from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
 from megarl.config.schema import captures_routes, resolved_engine_dtype, resolved_routing_replay
 from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.lora import hf_modules
 from megarl.config.validate.settings import resolved_transformer_engine
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
@@ -241,15 +242,16 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
 
 def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
     """The engines' weights at start (``load_format``), dtype (``engine.dtype``, 'auto': the trainer's precision),
-    graphs and GPU memory share, and the expert count of the routes they capture (MoE: routing replay and its agreement
-    metrics; 0: none)."""
+    graphs and GPU memory share, the expert count of the routes they capture (MoE: routing replay and its agreement
+    metrics; 0: none), and the LoRA adapters they serve (rank, HF modules; rank 0: none)."""
     e, experts = cfg.engine, num_experts(hf_cfg)
     # model.path a dist checkpoint: vLLM starts on random weights (its 'dummy' load) and serves the trainer's from the
     # first sync (build_session) on; its config and tokenizer are the checkpoint's hf/
     return dict(load_format="dummy" if is_dist_checkpoint(cfg.model.path) else "auto",
                 dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
                 gpu_memory_utilization=e.gpu_memory_utilization,
-                route_experts=experts if captures_routes(cfg, experts, on_gpu()) else 0)
+                route_experts=experts if captures_routes(cfg, experts, on_gpu()) else 0,
+                lora_rank=cfg.lora.rank, lora_modules=hf_modules(cfg.lora) if cfg.lora.rank else ())
 
 
 def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:
@@ -272,11 +274,10 @@ def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,
                               devices=e.replica_devices, rollback=cfg.sync.rollback, replica_nodes=e.replica_nodes,
                               hosts_file=str(rendezvous_path(cfg.train.run_dir)) if e.replica_nodes_dedicated else "",
-                              cpus=replica_cpus or [], cpu_threads=e.cpu_threads, lora_rank=cfg.lora.rank,
-                              **engine_numerics(cfg, hf_cfg))
+                              cpus=replica_cpus or [], cpu_threads=e.cpu_threads, **engine_numerics(cfg, hf_cfg))
     engine = VLLMEngine(model, e.max_model_len, e.kv_cache_gib, e.tensor_parallel_size, seed=cfg.train.seed,
                         max_num_seqs=e.slots, enable_sleep_mode=e.sleep_level > 0 and sleep_supported(),
-                        peer_wait_s=e.peer_wait_s, lora_rank=cfg.lora.rank, **engine_numerics(cfg, hf_cfg))
+                        peer_wait_s=e.peer_wait_s, **engine_numerics(cfg, hf_cfg))
     return ColocatedEngines(engine, e.slots, e.tensor_parallel_size, cfg.sync.rollback, e.sleep_level, say)
 
 

@@ -7,6 +7,8 @@ anything but these repairs.
 - ``experts_processed_in_reloads``: a weight update skips the fused-MoE experts' own processing (CPU: padding to
   the kernel's block and prepacking), so the reload fails or leaves them unpacked.
 - ``repack_after_reload``: an in-place weight reload leaves a tied LM head unpacked.
+- ``moe_kernel_without_expert_lora``: with LoRA on, fused-MoE layers take a Triton kernel (no CPU build) even when
+  the adapters leave the experts alone.
 - ``before_each_forward``: a call at the start of every forward of an in-process model runner (its scheduled
   requests, which the routes each token took are filed under: ``engines.routes``).
 - ``routes_on_first_tp_rank``: an in-process engine of TP > 1 that returns routes fails its first step on every rank
@@ -156,6 +158,36 @@ def experts_processed_in_reloads() -> None:
 
     process_weights_after_loading.megarl_patched = True
     UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading
+
+
+ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"})
+
+
+def moe_kernel_without_expert_lora() -> None:
+    """vllm 0.32.0 gives every fused-MoE layer a LoRA-capable kernel whenever LoRA is on (``FusedMoEConfig``'s
+    ``is_lora_enabled``: ``lora_config is not None``), even when ``lora_target_modules`` keeps LoRA off the experts:
+    that kernel is Triton's, which has no CPU build, so an MoE model with adapters on attention alone fails at its
+    first CPU step ("module 'triton.language' has no attribute 'float32'"; on GPUs it runs a kernel it need not).
+    Patched once per process, before its engine builds the model: the flag stays off where the target modules are
+    attention's alone (the LoRA wrapper then never touches the experts either)."""
+    require("vllm", VERSION)
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    original = FusedMoEConfig.__post_init__
+    if getattr(original, "megarl_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        lora = get_current_vllm_config().lora_config
+        if self.is_lora_enabled and lora is not None and lora.target_modules and \
+                set(lora.target_modules) <= ATTENTION_MODULES:
+            self.is_lora_enabled = False
+        original(self)
+
+    __post_init__.megarl_patched = True
+    FusedMoEConfig.__post_init__ = __post_init__
 
 
 def repack_moe(model: torch.nn.Module) -> None:

@@ -24,14 +24,17 @@ from megarl.weight_sync.adapter_load import register
 from megarl.weight_sync.load import WeightLoadError
 
 
-def lora_args(rank: int) -> dict:
-    """``LLM``'s LoRA arguments for adapters of ``rank`` (0: none): the smallest rank vLLM accepts that holds them."""
+def lora_args(rank: int, modules: tuple[str, ...] = ()) -> dict:
+    """``LLM``'s LoRA arguments for adapters of ``rank`` (0: none): the smallest rank vLLM accepts that holds them;
+    ``modules``: the HF modules they adapt (``config.validate.lora.hf_modules``), the only ones vLLM then wraps for
+    LoRA (none: every one it supports; an MoE layer wrapped runs vLLM's Triton kernel, which has no CPU build)."""
     if rank <= 0:
         return {}
     fits = [r for r in VLLM_RANKS if r >= rank]
     if not fits:
         raise ValueError(f"lora.rank={rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2,
+            **({"lora_target_modules": list(modules)} if modules else {})}
 
 
 class EngineAdapters:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megarl.compat.megatron import cpu_suspended
 from megarl.compat.vllm import (
     experts_processed_in_reloads,
+    moe_kernel_without_expert_lora,
     repack_after_reload,
     run_unique_shm_names,
     shut_down_keeping_default_group,
@@ -108,12 +109,12 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, seed: int = 0, max_num_seqs: int = 256,
                  enable_sleep_mode: bool = False, peer_wait_s: float = 60.0, dtype: str = "float32",
                  enforce_eager="auto", gpu_memory_utilization: float = 0.0, route_experts: int = 0,
-                 load_format: str = "auto", lora_rank: int = 0) -> None:
+                 load_format: str = "auto", lora_rank: int = 0, lora_modules: tuple[str, ...] = ()) -> None:
         """``load_format``: vLLM's ('dummy': random weights, the trainer's come by the first sync);
         ``route_experts``: the MoE model's expert count when each token's routes are captured (routing
         replay, ``engines.routes``: vLLM's route output on a GPU, the router hook without prefix caching on CPU), 0
-        otherwise; ``lora_rank`` > 0: the trainer's LoRA adapters are served (``engines.adapters``), the base weights
-        never change."""
+        otherwise; ``lora_rank`` > 0: the trainer's LoRA adapters are served (``engines.adapters``) on the HF modules
+        ``lora_modules``, the base weights never change."""
         set_cpu_engine_env(kv_cache_gib)
         self.route_experts, self.routes = route_experts, None
         self.peer_wait_s = peer_wait_s
@@ -133,7 +134,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode,  # refused on CPU: see megarl/engines/memory.py
             **kv_cache_args(kv_cache_gib, on_gpu(), gpu_memory_utilization),
-            **lora_args(lora_rank),
+            **lora_args(lora_rank, lora_modules),
         )
         self.adapters = EngineAdapters(self) if lora_rank > 0 else None
         self.llm = self._start()
@@ -147,6 +148,7 @@ class VLLMEngine:
         from vllm import LLM
 
         run_unique_shm_names()
+        moe_kernel_without_expert_lora()
         llm = LLM(**self._args)
         if self.route_experts:
             self.routes = route_capture(llm, self._args["model"], on_gpu())

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import LoraConfig
-from megarl.config.validate.lora import lora_targets
+from megarl.config.validate.lora import hf_modules
 from megarl.models.hf_adapter import hf_parts, megatron_to_hf
 from megarl.models.hf_config import num_experts
 from megarl.models.sharding import global_name, join_tp_shards
@@ -28,9 +28,6 @@ from megarl.trainer.lora import LoraAdapter
 
 PREFIX = "base_model.model."
 """PEFT's prefix of a causal LM's module names (``PeftModelForCausalLM.base_model.model``)."""
-HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-"""The HF modules each target kind becomes (``target_modules`` of the PEFT config)."""
 
 
 def peft_config(lora: LoraConfig, base_model: str) -> dict:
@@ -38,7 +35,7 @@ def peft_config(lora: LoraConfig, base_model: str) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
-            "target_modules": sorted(m for kind in lora_targets(lora) for m in HF_MODULES[kind]),
+            "target_modules": list(hf_modules(lora)),
             "base_model_name_or_path": str(base_model)}
 
 

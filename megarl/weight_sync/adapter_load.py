@@ -80,7 +80,10 @@ def check_adapter(tensors: dict, rank: int, hf: dict, served: set[str]) -> None:
 
 
 def served_modules(manager) -> set[str]:
-    """The HF module names the engine takes adapters for (packed ones, qkv_proj and gate_up_proj, by their parts)."""
+    """The HF module names the engine takes adapters for (packed ones, qkv_proj and gate_up_proj, by their parts;
+    only those of ``lora_target_modules`` when the engine was started with them)."""
     adapter_manager = manager._adapter_manager
     packed_modules = adapter_manager.packed_modules_mapping
-    return {part for m in adapter_manager.supported_lora_modules for part in packed_modules.get(m, [m])}
+    served = {part for m in adapter_manager.supported_lora_modules for part in packed_modules.get(m, [m])}
+    targets = manager.lora_config.target_modules
+    return served & set(targets) if targets else served

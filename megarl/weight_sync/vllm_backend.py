@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.compat.vllm import experts_processed_in_reloads, repack_after_reload
+from megarl.compat.vllm import experts_processed_in_reloads, moe_kernel_without_expert_lora, repack_after_reload
 from megarl.models.hf_config import torch_dtype
 from megarl.weight_sync.adapter_load import register, unpacked
 from megarl.weight_sync.load import restore, snapshot
@@ -191,4 +191,8 @@ try:
 except ImportError:  # vLLM absent (a trainer-only environment): nothing to register
     pass
 except ValueError:  # already registered (module imported twice)
+    pass
+try:
+    moe_kernel_without_expert_lora()  # (every worker imports this module before it builds the model)
+except ImportError:  # vLLM absent
     pass

@@ -38,6 +38,14 @@ def test_adapter_sync_at_tensor_parallel_2(tmp_path):
                       "tests/workers/lora_sync_checks.py", str(model), "tp2"], env={"OMP_NUM_THREADS": "1"}))
 
 
+@pytest.mark.slow  # (the dense test above is its fast representative)
+def test_adapter_sync_into_an_moe_engine_on_cpu_wraps_attention_alone(tmp_path):
+    """The tiny Qwen3-MoE, adapters on attention: the engine wraps those modules alone for LoRA (vLLM's
+    ``lora_target_modules``), so its MoE layers keep their CPU kernel, and the sync is served as on a dense model."""
+    model = make_tiny_model(tmp_path / "moe", TinyShape(family="qwen3_moe"), seed=3)
+    check(run_script(["tests/workers/lora_sync_checks.py", str(model), "moe"], env={"OMP_NUM_THREADS": "1"}))
+
+
 def check_replica(r: dict) -> None:
     assert r["gap_base"] > 1e-2  # the replica still serves the base: the audit catches it
     # a broken adapter is refused by the replica: the base still served, exactly; the failure counted

@@ -3,6 +3,8 @@ colocated vLLM CPU engine serving them as vLLM LoRA adapters.
 
     python tests/workers/lora_sync_checks.py MODEL_DIR                          (one process)
     torchrun --nproc-per-node 2 tests/workers/lora_sync_checks.py MODEL_DIR tp2 (trainer TP 2 + SP, engine TP 2)
+    python tests/workers/lora_sync_checks.py MOE_MODEL_DIR moe                  (an MoE, adapters on attention: the
+                                                                                engine wraps those modules alone)
 
 1. The trainer takes a step (B moves off zero); the engine still serves the base: the audit's gap is large.
 2. A sync whose adapters are broken (one tensor of the wrong shape, on the last rank) fails on every rank: the
@@ -34,19 +36,23 @@ def main(model_dir: str, layout: str = "single") -> None:
 
     init_process_group()
     tp = 2 if layout == "tp2" else 1
+    from megarl.config.schema import LoraConfig
+    from megarl.config.validate.lora import hf_modules
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets="linear_qkv,linear_proj" if layout == "moe" else LoraConfig.targets)
     engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, tensor_parallel_size=tp, seed=0,
-                        max_num_seqs=8, lora_rank=4)
+                        max_num_seqs=8, lora_rank=4, lora_modules=hf_modules(lora))
 
     from helpers.trainers import build_trainer, fixed_batch
     from megarl.algo.losses import ppo_clip_loss
-    from megarl.config.schema import LoraConfig, OptimConfig
+    from megarl.config.schema import OptimConfig
     from megarl.engines.colocated import ColocatedEngines
     from megarl.weight_sync.adapters import AdapterStream
     from megarl.weight_sync.protocol import WeightSync, logprob_gap
 
     optim = OptimConfig(lr=3e-2, micro_batch_size=4, grad_clip=1.0)
     ps, cfg, trainer = build_trainer("tp2_sp" if layout == "tp2" else "single", model_dir, optim,
-                                     lora=LoraConfig(rank=4, alpha=8.0))
+                                     lora=lora)
     batch = fixed_batch(cfg["vocab_size"])
 
     def step():

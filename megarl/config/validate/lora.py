@@ -22,6 +22,9 @@ TARGETS = {
     "linear_fc2": "dense MLP out (row-parallel)",
 }
 """The layers that take adapters, by megatron-core's module name (each layer's ``self_attention.*`` or ``mlp.*``)."""
+HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+"""The HF modules each target kind becomes (PEFT's ``target_modules``; the modules vLLM wraps for LoRA)."""
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``): an engine serves adapters of
@@ -46,6 +49,11 @@ def lora_targets(lora: LoraConfig) -> tuple[str, ...]:
     if len(set(kinds)) != len(kinds):
         raise ConfigError(f"lora.targets={lora.targets!r} names a layer kind twice")
     return kinds
+
+
+def hf_modules(lora: LoraConfig) -> tuple[str, ...]:
+    """The HF modules ``lora.targets`` adapts, sorted."""
+    return tuple(sorted(m for kind in lora_targets(lora) for m in HF_MODULES[kind]))
 
 
 def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
@@ -98,11 +106,13 @@ def check_lora_run(cfg: RunConfig, hf: dict | None = None, gpu: bool | None = No
         return
     if lo.rank > VLLM_RANKS[-1]:
         raise ConfigError(f"lora.rank={lo.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
-    if hf is not None and num_experts(hf) and not (cuda_available() if gpu is None else gpu):
-        raise ConfigError(f"lora.rank={lo.rank} with model.path={cfg.model.path}, an MoE model, on CPU engines: "
-                          "vLLM serves an MoE model with LoRA on through its Triton MoE kernel, which has no CPU "
-                          "build (measured: vLLM 0.32's CPU engine fails at its first step, with or without expert "
-                          "adapters); run it on GPUs, or use a dense model here")
+    mlp = [k for k in lora_targets(lo) if k not in ("linear_qkv", "linear_proj")]
+    if hf is not None and num_experts(hf) and mlp and not (cuda_available() if gpu is None else gpu):
+        raise ConfigError(f"lora.targets={lo.targets!r} with model.path={cfg.model.path}, an MoE model, on CPU "
+                          f"engines: with adapters on {', '.join(mlp)} vLLM serves the MoE layers through its Triton "
+                          "kernel, which has no CPU build (vLLM 0.32's CPU engine fails at its first step); use "
+                          "lora.targets=linear_qkv,linear_proj here (the experts then keep their CPU kernel: "
+                          "compat.vllm.moe_kernel_without_expert_lora), or run on GPUs")
     if e.sleep_level == 2:
         raise ConfigError(f"lora.rank={lo.rank} with engine.sleep_level=2: level 2 drops the engine's weights for the "
                           "sync to refill, and a LoRA sync sends only the adapters; set engine.sleep_level=1 or 0")

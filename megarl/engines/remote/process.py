@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from megarl.compat.vllm import moe_kernel_without_expert_lora
 from megarl.distributed.placement import CpuShare, vllm_binding
 from megarl.distributed.placement import apply as apply_cpus
 from megarl.engines.adapters import lora_args, served_request
@@ -67,6 +68,7 @@ def _llm(spec: dict):
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     from vllm import LLM
 
+    moe_kernel_without_expert_lora()  # (a TP > 1 replica's workers: at vllm_backend's import)
     gpu = on_gpu()
     # on CPU the KV cache is sized by bytes too (VLLM_CPU_KVCACHE_SPACE is whole GiB; a replica's may be less)
     kv = kv_cache_args(spec["kv_cache_gib"], gpu, spec["gpu_memory_utilization"]) if gpu else {
@@ -75,7 +77,8 @@ def _llm(spec: dict):
                **numerics_args(spec["dtype"], spec["enforce_eager"], gpu), **SCHEDULING,
                max_model_len=spec["max_model_len"], tensor_parallel_size=spec["tp"], seed=spec["seed"],
                logprobs_mode="processed_logprobs", max_num_seqs=spec["slots"], **kv,
-               **capture_args(spec.get("route_experts", 0), gpu), **lora_args(spec.get("lora_rank", 0)),
+               **capture_args(spec.get("route_experts", 0), gpu),
+               **lora_args(spec.get("lora_rank", 0), tuple(spec.get("lora_modules", ()))),
                worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
 
 

@@ -90,10 +90,12 @@ class EngineReplicas:
                  transport: str = "gloo", timeout_s: float = 300.0, devices: str = "", rollback: str = "copy",
                  replica_nodes: int = 0, hosts_file: str = "", dtype: str = "float32", enforce_eager="auto",
                  gpu_memory_utilization: float = 0.0, route_experts: int = 0, cpus: list | None = None,
-                 cpu_threads: int = 0, load_format: str = "auto", lora_rank: int = 0) -> None:
+                 cpu_threads: int = 0, load_format: str = "auto", lora_rank: int = 0,
+                 lora_modules: tuple[str, ...] = ()) -> None:
         """``cpus``: the ``CpuShare``s of each replica this rank's node hosts (its workers'), in their order there
         (``distributed.placement``); ``cpu_threads``: ``engine.cpu_threads``, for engine-only nodes to place by;
-        ``lora_rank`` > 0: the replicas serve the trainer's LoRA adapters (``load_adapters``) over their base."""
+        ``lora_rank`` > 0: the replicas serve the trainer's LoRA adapters (``load_adapters``) on the HF modules
+        ``lora_modules`` over their base."""
         self.clients: list[ReplicaClient] = []
         self.rank, self.world = collectives.rank_and_world()
         self.leader = self.rank == 0
@@ -111,7 +113,8 @@ class EngineReplicas:
                           start_timeout_s=start_timeout_s, dtype=dtype, enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization, route_experts=route_experts,
                           devices=[d.strip() for d in devices.split(",") if d.strip()], cpus=cpus or [],
-                          cpu_threads=cpu_threads, load_format=load_format, lora_rank=lora_rank)
+                          cpu_threads=cpu_threads, load_format=load_format, lora_rank=lora_rank,
+                          lora_modules=list(lora_modules))
         self.transport, self.timeout_s = transport, timeout_s
         self.dtype = getattr(torch, dtype)  # engine.dtype as resolved: the sync's buckets are cast to it
         self.rollback = rollback  # sync.rollback, sent with every update to the replicas' workers
@@ -183,6 +186,7 @@ class EngineReplicas:
                     dtype=a["dtype"], enforce_eager=a["enforce_eager"],
                     gpu_memory_utilization=a["gpu_memory_utilization"], route_experts=a["route_experts"],
                     cpu_threads=a["cpu_threads"], load_format=a["load_format"], lora_rank=a["lora_rank"],
+                    lora_modules=a["lora_modules"],
                     cpus=[(c.threads, c.cores) for c in a["cpus"][j]] if j < len(a["cpus"]) else None)
 
     def _spawn_on_hosts(self, rendezvous) -> None:
