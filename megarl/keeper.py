@@ -122,7 +122,7 @@ class RunKeeper:
         path, state = found
         apply(self.s, state)
         self.run = state["run"]
-        self.run.setdefault("warmup_done", self.cfg.warmup.steps)  # (saved before it was kept: after the warm-up)
+        self.run.setdefault("warmup_done", self.cfg.warmup.steps)  # (a checkpoint without the key: saved after it)
         self.faults.load_state_dict(self.run)
         step = state["step"]
         self.sync(self.s.policy_version)  # the engines serve the checkpoint's policy
@@ -157,8 +157,9 @@ class RunKeeper:
     def warm_up(self) -> None:
         """``warmup.steps`` supervised steps before RL (``trainer/sft.py``), on every rank, from the step after those a
         preempted warm-up's checkpoint recorded, then the engines get the weights. A preemption signal is read between
-        two warm-up steps and after the last (every rank agreeing): the run saves a checkpoint of RL step 0 that holds
-        the warm-up steps done (``run['warmup_done']``, their NLL in ``run['warmup_nll']``) with the policy's weights,
+        warm-up steps and after the last (every rank agreeing): the run saves a checkpoint of RL step 0 that holds
+        the warm-up steps done (``run['warmup_done']``, their NLL in ``run['warmup_nll']``, the examples they drew in
+        ``run['warmup_examples']``: a resume at another ``warmup.batch_size`` goes on after them) with the policy's
         Adam state, the task's cursor and the RNG states, and stops (``stopped``, exit 0); the same command resumes
         the warm-up at its next step, exactly (the NLL of the steps left and the RL that follows are those of a run
         never stopped: ``tests/engine/test_resume.py``). Only a signal saves the warm-up: one ended otherwise (SIGKILL,
@@ -167,11 +168,15 @@ class RunKeeper:
         done = self.run.get("warmup_done", 0)
         if done >= w.steps:
             return
+        drawn = self.run.get("warmup_examples", done * w.batch_size)
         with s.cpus.alone():  # no engine generates yet: the trainer may take every core
-            nll = supervised_warmup(s.trainer, s.tokenizer, warmup_examples(self.cfg, s.tokenizer, s.task, done),
+            nll = supervised_warmup(s.trainer, s.tokenizer, warmup_examples(self.cfg, s.tokenizer, s.task, drawn),
                                     w.steps, w.batch_size, w.lr, log=self.say, done=done, stop=self.preemption.due)
         done += len(nll)
-        self.run.update(warmup_done=done, warmup_nll=[*self.run.get("warmup_nll", []), *nll])
+        self.run.update(warmup_done=done, warmup_nll=[*self.run.get("warmup_nll", []), *nll],
+                        warmup_examples=drawn + len(nll) * w.batch_size)
+        if nll:  # (a step-0 checkpoint measured the policy before these steps: measured again after them)
+            self.run.pop("pass_at_1_before", None)
         if self.preemption.due():  # (also a signal in the last step: the checkpoint is the warm-up's, done)
             self.stopped = f"{self.preemption.received or 'a signal (on another rank)'} received"
             self.save(0)

@@ -171,7 +171,7 @@ def moe_kernel_without_expert_lora() -> None:
     Patched once per process, before its engine builds the model: the flag stays off where the target modules are
     attention's alone (the LoRA wrapper then never touches the experts either)."""
     require("vllm", VERSION)
-    from vllm.config import get_current_vllm_config
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 
     original = FusedMoEConfig.__post_init__
@@ -180,9 +180,9 @@ def moe_kernel_without_expert_lora() -> None:
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
-        lora = get_current_vllm_config().lora_config
-        if self.is_lora_enabled and lora is not None and lora.target_modules and \
-                set(lora.target_modules) <= ATTENTION_MODULES:
+        vllm_config = get_current_vllm_config_or_none() if self.is_lora_enabled else None
+        lora = vllm_config.lora_config if vllm_config is not None else None
+        if lora is not None and lora.target_modules and set(lora.target_modules) <= ATTENTION_MODULES:
             self.is_lora_enabled = False
         original(self)
 

@@ -68,29 +68,31 @@ def conversation_examples(conversations: list, render, seed: int, max_tokens: in
     return draw
 
 
-def warmup_examples(cfg, tokenizer, task, done: int = 0) -> Callable[[int], list[Example]]:
+def warmup_examples(cfg, tokenizer, task, drawn: int = 0) -> Callable[[int], list[Example]]:
     """The examples ``warmup.*`` asks for: ``warmup.path``'s conversations, rendered as the run's rollouts render
     them (its chat template, system prompt and ``env.tools``), else the built-in ``task``'s references; after
-    ``done`` warm-up steps (a resumed warm-up: the conversations' stream skips their examples; the task's is where
-    the restored ``task`` is)."""
+    ``drawn`` examples (a resumed warm-up: the conversations' stream skips them; the task's is where the restored
+    ``task`` is)."""
     if not cfg.warmup.path:
         return task_examples(task, tokenizer)
     d = cfg.data
     render = ConversationRenderer(tokenizer, d.chat_template, d.system_prompt, prompt_tools(cfg.env),
                                   d.enable_thinking)
     return conversation_examples(read_conversations(cfg.warmup.path), render, d.seed, cfg.engine.max_model_len,
-                                 skip=done * cfg.warmup.batch_size)
+                                 skip=drawn)
 
 
 def supervised_warmup(trainer: PolicyTrainer, tokenizer, examples: Callable[[int], list[Example]], steps: int,
                       batch_size: int, lr: float, log_every: int = 10, log=print, done: int = 0,
                       stop: Callable[[], bool] | None = None) -> list[float]:
     """Warm-up steps ``done + 1`` to ``steps`` (``done``: those a preempted warm-up took), one Adam step on
-    ``examples(batch_size)`` each; between two steps ``stop()`` (every rank calls it at the same point) may end
+    ``examples(batch_size)`` each; before each step ``stop()`` (every rank calls it at the same point) may end
     the warm-up. Returns the NLL of each step taken."""
     trainer.set_lr(lr)
     history, start = [], time.time()
     for step in range(done + 1, steps + 1):
+        if stop is not None and stop():
+            break
         prompts, responses, masks = zip(*examples(batch_size))
         batch = build_batch(list(prompts), list(responses), loss_agg="token_mean", pad_id=pad_id(tokenizer),
                             model_masks=list(masks))
@@ -99,6 +101,4 @@ def supervised_warmup(trainer: PolicyTrainer, tokenizer, examples: Callable[[int
         if step % log_every == 0 or step == steps:
             elapsed = time.time() - start
             log(f"warmup {step}/{steps} | nll {history[-1]:.4f} | eta {elapsed / len(history) * (steps - step):.0f}s")
-        if stop is not None and step < steps and stop():
-            break
     return history

@@ -37,8 +37,8 @@ def register(manager, tensors: dict, config: dict, adapter_id: int, hf: dict) ->
 
 def packed(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
     """``tensors`` as (dtype, shape, bytes) each, to cross a pipe or a link to another node."""
-    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy())
-            for n, t in tensors.items()}
+    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()) for n, t in tensors.items()}
 
 
 def unpacked(wire: dict) -> dict[str, torch.Tensor]:
@@ -86,4 +86,4 @@ def served_modules(manager) -> set[str]:
     packed_modules = adapter_manager.packed_modules_mapping
     served = {part for m in adapter_manager.supported_lora_modules for part in packed_modules.get(m, [m])}
     targets = manager.lora_config.target_modules
-    return served & set(targets) if targets else served
+    return served & {part for t in targets for part in packed_modules.get(t, [t])} if targets else served

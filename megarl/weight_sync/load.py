@@ -61,7 +61,8 @@ class LoadReport:
     backup_mib: float = 0.0
     """The host copy kept to restore from (``sync.rollback: copy``; the largest over replicas)."""
     transfer_s: float | None = None
-    """Replicas: this rank's broadcast of its buckets, wall seconds."""
+    """Replicas: this rank's broadcast of its buckets, wall seconds (LoRA: rank 0's send of the adapters and the
+    replicas' loads of them; the other ranks' wait)."""
     replica_update_s: float | None = None
     """Replicas: the slowest replica's whole update (receive, load, finish), seconds."""
     replica_load_s: float | None = None

@@ -174,10 +174,15 @@ class GlooWorkerExtension:
     def megarl_add_adapter(self, wire: dict, config: dict, adapter_id: int) -> str:
         """LoRA (``lora.rank`` > 0): the trainer's adapters (``adapter_load.packed``) registered as ``adapter_id``
         beside what this worker serves; '' when done, else why not (``adapter_load.register``)."""
-        return register(self.model_runner.lora_manager, unpacked(wire), config, adapter_id,
+        try:
+            tensors = unpacked(wire)
+        except Exception as exc:  # noqa: BLE001  (every worker's outcome is agreed on by the replica)
+            return f"{type(exc).__name__}: {exc}"
+        return register(self.model_runner.lora_manager, tensors, config, adapter_id,
                         self.model_config.hf_config.to_dict())
 
     def megarl_remove_adapter(self, adapter_id: int) -> None:
+        """Adapter ``adapter_id`` dropped from this worker (served or only registered; absent: nothing)."""
         self.model_runner.lora_manager.remove_adapter(adapter_id)
 
     def megarl_backup_mib(self) -> float:
@@ -194,5 +199,5 @@ except ValueError:  # already registered (module imported twice)
     pass
 try:
     moe_kernel_without_expert_lora()  # (every worker imports this module before it builds the model)
-except ImportError:  # vLLM absent
+except (ImportError, RuntimeError):  # vLLM absent, or another version (refused where an engine starts)
     pass

@@ -133,8 +133,8 @@ def test_async_with_staleness_0_gives_the_results_of_no_overlap(model, tmp_path)
 
 def test_an_in_flight_update_recomputes_the_kv_of_running_requests(tmp_path):
     """A weight update that lands between two engine steps of a running request: the next token (and its logprob)
-    is what a fresh engine with the new weights gives for the same prompt and tokens, its KV all computed under
-    them; that token carries the new version."""
+    is what the idle engine with the new weights gives for the same prompt and tokens as a new request, its KV all
+    computed under them; that token carries the new version."""
     from helpers.scripts import run_script
 
     r = run_script(["tests/workers/inflight_checks.py", str(tmp_path)])

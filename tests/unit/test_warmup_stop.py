@@ -118,3 +118,30 @@ def test_a_signal_in_the_last_warmup_step_saves_it_done_and_the_rerun_trains_no_
     rerun = keeper(cfg, tok, saved=stopped.saves[0])
     rerun.warm_up()  # (the resume synced the engines: nothing to do)
     assert rerun.s.trainer.batches == [] and rerun.syncs == [] and not rerun.stopped
+
+
+def test_a_signal_before_the_first_warmup_step_trains_none_and_a_rerun_at_another_batch_size_goes_on(cfg, tok):
+    """A signal taken while the session was built: no warm-up step, the checkpoint says so. Resumed after 3 steps of
+    3 at a batch of 2: the stream goes on after the 9 examples drawn (not 3 × 2), and the pass@1 a step-0 checkpoint
+    measured before the warm-up's rest is measured again."""
+    from megarl.trainer.sft import warmup_examples
+
+    early = keeper(cfg, tok)
+    early.preemption._handle(signal.SIGTERM, None)
+    early.warm_up()
+    assert early.s.trainer.batches == [] and [run["warmup_done"] for _, run, _ in early.saves] == [0]
+
+    stopped = keeper(cfg, tok, signal_at=3)
+    stopped.warm_up()
+    (_, run, task), = stopped.saves
+    assert run["warmup_examples"] == 9
+    run["pass_at_1_before"] = 0.5
+    cfg.warmup.batch_size = 2
+    rerun = keeper(cfg, tok, saved=(0, run, task))
+    rerun.warm_up()
+    assert rerun.run["warmup_done"] == STEPS and rerun.run["warmup_examples"] == 9 + 3 * 2
+    assert "pass_at_1_before" not in rerun.run
+    if cfg.warmup.path:  # the conversations' stream: the rerun's first batch is examples 10 and 11 of one stream
+        whole = warmup_examples(cfg, tok, None)
+        whole(9)
+        assert warmup_examples(cfg, tok, None, drawn=9)(2) == whole(2)

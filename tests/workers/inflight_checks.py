@@ -5,7 +5,8 @@ new weights alone, KV included.
 
 One disaggregated replica (a process of its own) starts from model A and decodes a greedy request; after a few
 tokens, model B's weights (A perturbed) are loaded in flight. The token after the load, with its logprob, must equal
-what a fresh engine started from B gives for the same prompt and the tokens so far (its KV all computed under B).
+what the replica, idle and serving B, gives for the same prompt and the tokens so far as a new request (its KV all
+computed under B; the prefix cache was dropped at the load).
 Prints one JSON line.
 """
 
@@ -20,9 +21,7 @@ def main(workdir: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from megarl.distributed.parallel import init_process_group
     from megarl.engines.remote.replicas import EngineReplicas
-    from megarl.engines.vllm_engine import VLLMEngine
     from megarl.models.tiny import TinyShape, make_tiny_model
     from megarl.types import GenerationRequest, SlotRequest
 
@@ -55,11 +54,10 @@ def main(workdir: str) -> None:
                 logprobs += ev.logprobs
                 versions += [ev.version] * len(ev.token_ids)
         client.abort(["r"])
+        out = replicas.generate([GenerationRequest(prompt + tokens[:grown], n=1, max_tokens=1, greedy=True)],
+                                seed=0)[0][0]
     finally:
         replicas.close()
-    init_process_group()  # (the in-process engine runs on torchrun's variables)
-    fresh = VLLMEngine(str(b), max_model_len=64, kv_cache_gib=0.25, seed=0, max_num_seqs=4)
-    out = fresh.generate([GenerationRequest(prompt + tokens[:grown], n=1, max_tokens=1, greedy=True)], seed=0)[0][0]
     print(json.dumps({"tokens_before_update": grown, "versions": versions, "backup_mib": report.backup_mib,
                       "after": [tokens[grown], logprobs[grown]], "fresh": [out.token_ids[0], out.logprobs[0]]}),
           flush=True)

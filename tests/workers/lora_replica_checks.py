@@ -24,17 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from workers.lora_sync_checks import checkpoint_elements  # noqa: E402
-
-
-def greedy(replicas, vocab: int) -> list:
-    import torch
-
-    from megarl.types import GenerationRequest
-
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, vocab, (6,), generator=g).tolist() for _ in range(3)]
-    outs = replicas.generate([GenerationRequest(p, n=1, max_tokens=8, greedy=True) for p in prompts], seed=0)
-    return [(o[0].token_ids, o[0].logprobs) for o in outs]
+from workers.protocol_checks import probe  # noqa: E402
 
 
 def run_in_flight(replicas, proto, prompt: list[int], before: int, total: int) -> dict:
@@ -44,7 +34,7 @@ def run_in_flight(replicas, proto, prompt: list[int], before: int, total: int) -
 
     client = replicas.clients[0]
     client.submit(SlotRequest("r", list(prompt), total, temperature=0.0))
-    tokens, logprobs, versions, report = [], [], [], None
+    tokens, logprobs, versions, report, grown = [], [], [], None, 0
     while True:
         events = client.step().events
         for ev in events:
@@ -56,6 +46,7 @@ def run_in_flight(replicas, proto, prompt: list[int], before: int, total: int) -
         if report is None and len(tokens) >= before:
             grown = len(tokens)
             report = proto.run(replicas, 2, in_flight=True).metrics()
+    assert report is not None, f"the request ended after {len(tokens)} tokens, before the load"
     return {"tokens": tokens, "logprobs": logprobs, "versions": versions, "grown": grown, "report": report}
 
 
@@ -90,10 +81,10 @@ def main(model_dir: str, tp: str = "1") -> None:
     try:
         proto = WeightSync(trainer, replicas.dtype, bucket_mib=1, check_every=1, say=lines.append)
         step()
-        base = greedy(replicas, cfg["vocab_size"])
+        base = probe(replicas, cfg["vocab_size"])
         gap_base = logprob_gap(replicas, trainer, seed=3)
         failed = proto.run(replicas, 1, stream=Broken.of(trainer, replicas.dtype)).metrics()
-        after_failure = greedy(replicas, cfg["vocab_size"])
+        after_failure = probe(replicas, cfg["vocab_size"])
         ok = proto.run(replicas, 1).metrics()
         prompt = [3, 5, 7, 11, 13, 17, 19, 23]
         v1 = replicas.generate([GenerationRequest(prompt, n=1, max_tokens=16, greedy=True)], seed=0)[0][0]

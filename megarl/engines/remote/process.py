@@ -260,27 +260,39 @@ class _Replica:
         """LoRA: the trainer's adapters served from now on as ``u.version``, on every TP worker or on none (each
         registers them beside the served ones first: a failure anywhere removes them everywhere, the previous ones
         still served); the prefix cache dropped (its KV came from the previous adapter). In flight, every running
-        request goes on under the new adapter (``_continued``)."""
+        request goes on under the new adapter (``_rerun_under_adapter``). A failure after the switch (the requests
+        half re-added) leaves the replica unusable until a load succeeds, as a failed update without a backup does."""
         if self.engine.has_unfinished_requests() and not u.in_flight:
             return Updated(self.version, "requests still in flight")
         start, used = time.perf_counter(), _usage()
         new_id = next(self._adapter_ids)
-        problems = [p for p in self.llm.collective_rpc("megarl_add_adapter", args=(u.tensors, u.config, new_id)) if p]
+        try:
+            problems = [p for p in self.llm.collective_rpc("megarl_add_adapter", args=(u.tensors, u.config, new_id))
+                        if p]
+        except Exception as exc:  # noqa: BLE001  (refused below, as a worker's own failure is)
+            problems = [f"{type(exc).__name__}: {exc}"]
         if problems:
-            self.llm.collective_rpc("megarl_remove_adapter", args=(new_id,))
+            try:
+                self.llm.collective_rpc("megarl_remove_adapter", args=(new_id,))
+            except Exception:  # noqa: BLE001  (a worker that never registered it)
+                pass
             return Updated(self.version, f"LoRA adapter for version {u.version} not loaded ({problems[0]}); the "
                                          "replica still serves the previous one")
         loaded = time.perf_counter() - start
         old, self.lora = self.lora, served_request(u.version, new_id)
-        self._continued()
-        if old is not None:
-            self.llm.collective_rpc("megarl_remove_adapter", args=(old.lora_int_id,))
-        self.llm.reset_prefix_cache()
-        self.version = u.version
+        try:
+            self._rerun_under_adapter()
+            if old is not None:
+                self.llm.collective_rpc("megarl_remove_adapter", args=(old.lora_int_id,))
+            self.llm.reset_prefix_cache()
+        except Exception as exc:  # noqa: BLE001  (the trainer counts it; the keeper restarts the replicas)
+            self.version, self.unusable = UNUSABLE, unusable_message(f"{type(exc).__name__}: {exc}")
+            return Updated(self.version, self.unusable)
+        self.version, self.unusable = u.version, ""
         return Updated(self.version, seconds=time.perf_counter() - start,
                        phases={"load_s": loaded, **_used_since(used)})
 
-    def _continued(self) -> None:
+    def _rerun_under_adapter(self) -> None:
         """Every running request aborted and added again under the served adapter, its prompt followed by its tokens
         so far as the new prompt (vLLM fixes a request's adapter when it is added): its next tokens, and the KV
         they attend to, come from the new adapter alone, as a full-weight update in flight recomputes the KV."""

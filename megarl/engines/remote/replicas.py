@@ -307,14 +307,18 @@ class EngineReplicas:
         tensors = stream.tensors()
         start, verdict = time.perf_counter(), None
         if self.leader:
-            died = ""
             try:
                 msg = LoadAdapter(packed(tensors), stream.config, version, in_flight)
-                for c in self.clients:
-                    c.call(msg, reply=False)
-            except EngineDied as exc:
-                died = str(exc)
-            verdict = self._collect(died)
+            except Exception as exc:  # noqa: BLE001  (nothing sent: every rank raises below, none waits)
+                verdict = Verdict([f"trainer rank 0: {type(exc).__name__}: {exc}"], list(self.versions))
+            else:
+                died = ""
+                try:
+                    for c in self.clients:
+                        c.call(msg, reply=False)
+                except EngineDied as exc:
+                    died = str(exc)
+                verdict = self._collect(died)
         verdict = collectives.share(verdict)
         self.versions = verdict.versions
         if verdict.died:
