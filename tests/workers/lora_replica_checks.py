@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
-from workers.lora_sync_checks import checkpoint_elements  # noqa: E402
+from workers.lora_sync_checks import broken_stream, checkpoint_elements, lora_trainer  # noqa: E402
 from workers.protocol_checks import probe  # noqa: E402
 
 
@@ -51,32 +51,16 @@ def run_in_flight(replicas, proto, prompt: list[int], before: int, total: int) -
 
 
 def main(model_dir: str, tp: str = "1") -> None:
-    from helpers.trainers import build_trainer, fixed_batch
-    from megarl.algo.losses import ppo_clip_loss
-    from megarl.config.schema import LoraConfig, OptimConfig
+    from megarl.config.schema import LoraConfig
     from megarl.distributed.parallel import init_process_group
     from megarl.engines.remote.replicas import EngineReplicas
     from megarl.types import GenerationRequest
-    from megarl.weight_sync.adapters import AdapterStream
     from megarl.weight_sync.protocol import WeightSync, logprob_gap
 
     replicas = EngineReplicas(model_dir, 1, int(tp), 64, 0.0625, 4, lora_rank=4)
     init_process_group()
-    optim = OptimConfig(lr=3e-2, micro_batch_size=4, grad_clip=1.0)
-    _, cfg, trainer = build_trainer("single", model_dir, optim, lora=LoraConfig(rank=4, alpha=8.0))
-    batch = fixed_batch(cfg["vocab_size"])
-
-    def step():
-        trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
-                                                               mb["loss_mask"], 0.2, 0.28))
-
-    class Broken(AdapterStream):
-        def tensors(self):  # one lora_B a row short: the replica must refuse the whole adapter
-            out = super().tensors()
-            name = sorted(n for n in out if n.endswith("lora_B.weight"))[0]
-            out[name] = out[name][1:]
-            return out
-
+    ps, cfg, trainer, step = lora_trainer("single", model_dir, LoraConfig(rank=4, alpha=8.0))
+    Broken = broken_stream(ps)
     lines: list[str] = []
     try:
         proto = WeightSync(trainer, replicas.dtype, bucket_mib=1, check_every=1, say=lines.append)

@@ -43,31 +43,11 @@ def main(model_dir: str, layout: str = "single") -> None:
     engine = VLLMEngine(model_dir, max_model_len=64, kv_cache_gib=0.25, tensor_parallel_size=tp, seed=0,
                         max_num_seqs=8, lora_rank=4, lora_modules=hf_modules(lora))
 
-    from helpers.trainers import build_trainer, fixed_batch
-    from megarl.algo.losses import ppo_clip_loss
-    from megarl.config.schema import OptimConfig
     from megarl.engines.colocated import ColocatedEngines
-    from megarl.weight_sync.adapters import AdapterStream
     from megarl.weight_sync.protocol import WeightSync, logprob_gap
 
-    optim = OptimConfig(lr=3e-2, micro_batch_size=4, grad_clip=1.0)
-    ps, cfg, trainer = build_trainer("tp2_sp" if layout == "tp2" else "single", model_dir, optim,
-                                     lora=lora)
-    batch = fixed_batch(cfg["vocab_size"])
-
-    def step():
-        trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
-                                                               mb["loss_mask"], 0.2, 0.28))
-
-    class Broken(AdapterStream):
-        def tensors(self):  # one lora_B a row short, on the last rank alone: no rank may serve the adapter
-            out = super().tensors()
-            if ps.rank != ps.world_size - 1:
-                return out
-            name = sorted(n for n in out if n.endswith("lora_B.weight"))[0]
-            out[name] = out[name][1:]
-            return out
-
+    ps, cfg, trainer, step = lora_trainer("tp2_sp" if layout == "tp2" else "single", model_dir, lora)
+    Broken = broken_stream(ps)
     lines: list[str] = []
     engines = ColocatedEngines(engine, 8, tp)
     proto = WeightSync(trainer, engines.dtype, bucket_mib=1, check_every=1, say=lines.append)
@@ -93,6 +73,40 @@ def main(model_dir: str, layout: str = "single") -> None:
             "held": sorted(engine.worker.model_runner.lora_manager.list_adapters()),
             "full_bytes": full_bytes,
         }), flush=True)
+
+
+def lora_trainer(layout: str, model_dir: str, lora) -> tuple:
+    """A trainer with ``lora``'s adapters at ``layout`` (``helpers.trainers``): its parallel state, model config,
+    the trainer, and a step on a fixed PPO batch (it moves B off zero)."""
+    from helpers.trainers import build_trainer, fixed_batch
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.config.schema import OptimConfig
+
+    ps, cfg, trainer = build_trainer(layout, model_dir, OptimConfig(lr=3e-2, micro_batch_size=4, grad_clip=1.0),
+                                     lora=lora)
+    batch = fixed_batch(cfg["vocab_size"])
+
+    def step():
+        trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
+                                                               mb["loss_mask"], 0.2, 0.28))
+
+    return ps, cfg, trainer, step
+
+
+def broken_stream(ps):
+    """The adapter stream with one lora_B a row short, on the last rank alone: no rank may serve the adapter."""
+    from megarl.weight_sync.adapters import AdapterStream
+
+    class Broken(AdapterStream):
+        def tensors(self):
+            out = super().tensors()
+            if ps.rank != ps.world_size - 1:
+                return out
+            name = sorted(n for n in out if n.endswith("lora_B.weight"))[0]
+            out[name] = out[name][1:]
+            return out
+
+    return Broken
 
 
 def checkpoint_elements(model_dir: str) -> int:
