@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megarl.compat.megatron import cpu_suspended
 from megarl.compat.vllm import (
+    cpu_lora_products_per_slot,
     experts_processed_in_reloads,
     moe_kernel_without_expert_lora,
     repack_after_reload,
@@ -149,6 +150,7 @@ class VLLMEngine:
 
         run_unique_shm_names()
         moe_kernel_without_expert_lora()
+        cpu_lora_products_per_slot()
         llm = LLM(**self._args)
         if self.route_experts:
             self.routes = route_capture(llm, self._args["model"], on_gpu())

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.compat.vllm import experts_processed_in_reloads, moe_kernel_without_expert_lora, repack_after_reload
+from megarl.compat.vllm import (
+    cpu_lora_products_per_slot,
+    experts_processed_in_reloads,
+    moe_kernel_without_expert_lora,
+    repack_after_reload,
+)
 from megarl.models.hf_config import torch_dtype
 from megarl.weight_sync.adapter_load import register, unpacked
 from megarl.weight_sync.load import restore, snapshot
@@ -199,5 +204,6 @@ except ValueError:  # already registered (module imported twice)
     pass
 try:
     moe_kernel_without_expert_lora()  # (every worker imports this module before it builds the model)
+    cpu_lora_products_per_slot()
 except (ImportError, RuntimeError):  # vLLM absent, or another version (refused where an engine starts)
     pass
