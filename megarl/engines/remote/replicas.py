@@ -320,13 +320,7 @@ class EngineReplicas:
                     died = str(exc)
                 verdict = self._collect(died)
         verdict = collectives.share(verdict)
-        self.versions = verdict.versions
-        if verdict.died:
-            self.senders, self.sender = None, None
-        if verdict.failed:
-            ended = "; every replica was ended: the next phase restarts them" if verdict.died else ""
-            raise WeightLoadError(f"LoRA adapter update to version {version} failed ({'; '.join(verdict.failed)}); "
-                                  f"replicas serve versions {verdict.versions}{ended}")
+        self._settle(verdict, verdict.failed, f"LoRA adapter update to version {version}")
         return LoadReport(transfer_s=time.perf_counter() - start, replica_update_s=verdict.slowest_update_s,
                           replica_load_s=verdict.slowest_load_s,
                           sent_bytes=float(stream.stats.bytes * len(self.versions)))
@@ -378,16 +372,22 @@ class EngineReplicas:
         verdict = self._collect(watch.stop()) if self.leader else None
         parts = collectives.gather((error, verdict, sent))
         verdict = parts[0][1]
-        self.versions, self.sent_by_rank = verdict.versions, [n for _, _, n in parts]
-        errors = [e for e, _, _ in parts if e is not None] + verdict.failed
+        self.sent_by_rank = [n for _, _, n in parts]
+        self._settle(verdict, [e for e, _, _ in parts if e is not None] + verdict.failed,
+                     f"weight update to version {version}")
+        return LoadReport(backup_mib=verdict.backup_mib, transfer_s=seconds, replica_update_s=verdict.slowest_update_s,
+                          replica_load_s=verdict.slowest_load_s, sent_bytes=float(sum(n for _, _, n in parts)))
+
+    def _settle(self, verdict: Verdict, errors: list[str], what: str) -> None:
+        """Every trainer rank, after an update or an adapter load (``what``): the versions the replicas serve, the
+        transfer groups dropped if a replica died, and ``WeightLoadError`` if anything failed."""
+        self.versions = verdict.versions
         if verdict.died:
             self.senders, self.sender = None, None
         if errors:
             ended = "; every replica was ended: the next phase restarts them" if verdict.died else ""
-            raise WeightLoadError(f"weight update to version {version} failed ({'; '.join(errors)}); replicas serve "
-                                  f"versions {verdict.versions}{ended}")
-        return LoadReport(backup_mib=verdict.backup_mib, transfer_s=seconds, replica_update_s=verdict.slowest_update_s,
-                          replica_load_s=verdict.slowest_load_s, sent_bytes=float(sum(n for _, _, n in parts)))
+            raise WeightLoadError(f"{what} failed ({'; '.join(errors)}); replicas serve versions {verdict.versions}"
+                                  f"{ended}")
 
     def _collect(self, died: str = "") -> Verdict:
         """Rank 0: every replica's reply to an update; each replica's phases of it (seconds, CPU, page faults) in
