@@ -6,6 +6,8 @@
     # another copy of the base than the one adapter_config.json names (base_model_name_or_path)
     python tools/merge_lora.py --adapter runs/x/hf/step_100 --out models/x-merged --base /models/Qwen3-8B
 
+Routed experts' adapters in PEFT's fused layout (``target_parameters``: one pair per layer for every expert) merge
+into each expert's weights, as HF checkpoints store them (``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``).
 Each adapted weight becomes ``W + scale · B @ A`` (``scale`` = lora_alpha / r; lora_alpha / √r with use_rslora),
 computed in fp32 and stored in the base tensor's dtype. The base is read one safetensors shard at a time and each
 shard written with its weights merged, under the same file name, before the next is read (peak memory: about one
@@ -62,8 +64,19 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, tuple]]:
             raise MergeError(f"{config_file}: {key} must be a number > 0, got {cfg.get(key)!r}")
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    tensors = load_file(str(weights_file))
+    if cfg.get("target_parameters"):  # routed experts in PEFT's fused layout: per expert, as the base stores them
+        from megarl.models.peft_experts import TARGET_PARAMETERS, split_experts
+
+        if not set(cfg["target_parameters"]) <= set(TARGET_PARAMETERS):
+            raise MergeError(f"{config_file}: target_parameters {cfg['target_parameters']}; only "
+                             f"{TARGET_PARAMETERS} (fused MoE experts) merge")
+        try:
+            tensors = split_experts(tensors, rank)
+        except ValueError as exc:
+            raise MergeError(f"{weights_file}: {exc}") from None
     pairs: dict[str, dict[str, object]] = {}
-    for key, t in load_file(str(weights_file)).items():
+    for key, t in tensors.items():
         m = LORA_KEY.match(key)
         if m is None:
             raise MergeError(f"{weights_file}: tensor {key} is not a LoRA A or B of a linear layer "

@@ -3,7 +3,8 @@
 
 ``<run_dir>/hf/step_<N>/`` then holds ``adapter_config.json`` (``trainer/lora_peft.py``'s ``peft_config``, its
 ``base_model_name_or_path`` the absolute path of the run's ``model.path`` HF files: a dist checkpoint's ``hf/``),
-``adapter_model.safetensors`` (the adapters under PEFT's names, in the full export's dtype) and the base's tokenizer
+``adapter_model.safetensors`` (the adapters under PEFT's names, in the full export's dtype; routed experts' in
+PEFT's fused layout, ``models/peft_experts.py``) and the base's tokenizer
 files — not its ``config.json``, generation config or weights. Written to ``step_<N>.tmp`` and renamed, as the full
 export is.
 """
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from megarl.convert.hf_files import copy_aux_files, publish, staging_dir
 from megarl.models.hf_config import model_files_dir
+from megarl.models.peft_experts import fuse_experts
 from megarl.trainer.lora_peft import gather_adapters, peft_config, peft_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -36,7 +38,8 @@ def export_adapter(trainer, model_dir: str | Path, out: str | Path, dtype: torch
         return None
     out, base = Path(out), model_files_dir(model_dir).resolve()
     tmp = staging_dir(out)
-    save_file(peft_tensors(adapters, trainer.hf_cfg, dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    tensors = fuse_experts(peft_tensors(adapters, trainer.hf_cfg, dtype))  # (experts: PEFT's target_parameters)
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(trainer.lora, str(base)), indent=2) + "\n")
     for name in copy_aux_files(base, tmp):  # the tokenizer and chat template; the base's config stays the base's
         if name in BASE_ONLY:

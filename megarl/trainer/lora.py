@@ -18,9 +18,14 @@ Sharding, at tensor-parallel size ``tp`` (``h``: the rank-r activation between A
         SP:     h = A_rank x_rank    → reduce-scatter to the sequence shards             → B h
                 (B's gradient partial over positions: summed over TP)
 
-``A`` is drawn whole for each layer from a generator seeded by the seed, the layer's global number and the target,
-then sliced: every layout starts from one process's adapters. ``adapters_off`` runs the model as the base (the
-reference of the KL penalty without a second model in memory).
+Routed experts (``lora.targets`` ``experts``): every local expert's linear_fc1 and linear_fc2 its own adapter, on
+the rank EP puts the expert (expert TP 1: nothing of an expert's adapter is split), its parameters marked as
+megatron marks the expert's weights (``allreduce`` False under EP: reduced over the expert-data-parallel group, not
+DP), saved under the expert's global number as its weights are (``SequentialMLP.sharded_state_dict``).
+
+``A`` is drawn whole for each layer (each expert) from a generator seeded by the seed, the layer's global number,
+the target (and the expert's global number), then sliced: every layout starts from one process's adapters.
+``adapters_off`` runs the model as the base (the reference of the KL penalty without a second model in memory).
 
 In dist checkpoints (``checkpoint/dist.py``) the adapters are the base layer's ``lora.a`` / ``lora.b`` with the
 sharding above (``LoraAdapter.sharded_state_dict``; megatron's own layers call every tensor but their ``weight`` and
@@ -154,24 +159,53 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
     for m in modules:
         for layer in (x for x in m.modules() if isinstance(x, TransformerLayer)):
             for name, base in layer.named_modules():
-                kind = name.rsplit(".", 1)[-1]
-                if kind not in kinds or name not in (f"self_attention.{kind}", f"mlp.{kind}"):
-                    continue  # (experts' and shared experts' linears sit deeper: mlp.experts.…, mlp.shared_experts.…)
+                kind, expert = _target_kind(name)
+                what = "experts" if expert is not None else kind
+                if what not in kinds:
+                    continue
                 row = kind in ROW
                 if type(base) is not (RowParallelLinear if row else ColumnParallelLinear) or (
                         not row and base.gather_output):
-                    raise TypeError(f"lora.targets: {kind} ({TARGETS[kind]}) is a {type(base).__name__} here; "
+                    raise TypeError(f"lora.targets: {what} ({TARGETS[what]}) is a {type(base).__name__} here; "
                                     "adapters are built on megatron-core's own parallel linears only")
                 glu = kind == "linear_fc1" and bool(base.config.gated_linear_unit)
                 base.lora = LoraAdapter(base, row, lora.rank, lora.alpha, lora.dropout, glu)
-                g = torch.Generator().manual_seed(seed * 1_000_003 + layer.layer_number * 16 + kinds.index(kind))
-                base.lora.reset(lora.init, g)
+                seed_of = seed * 1_000_003 + layer.layer_number * 16
+                if expert is None:
+                    seed_of += kinds.index(kind)
+                else:  # each global expert its own A (the layer's experts spread over EP ranks: local + offset)
+                    if base.lora.tp > 1:
+                        raise ValueError("expert adapters at expert TP > 1 are not built (parallel.etp=1)")
+                    expert += _expert_offset(layer)
+                    seed_of = (seed_of + len(TARGETS)) * 1_000_003 + 2 * expert + row
+                base.lora.reset(lora.init, torch.Generator().manual_seed(seed_of))
+                if not getattr(base.weight, "allreduce", True):  # an expert's under EP: reduced over expert DP
+                    base.lora.a.allreduce = base.lora.b.allreduce = False
                 base.register_forward_hook(_add_adapter, with_kwargs=True)
                 base.sharded_state_dict = types.MethodType(_sharded_with_adapter, base)  # (dist checkpoints)
                 adapters.append(base.lora)
     if not adapters:
         raise ValueError(f"lora.targets={lora.targets!r}: no layer of the model is one of them")
     return adapters
+
+
+def _target_kind(name: str) -> tuple[str | None, int | None]:
+    """(kind, local expert) of a layer's submodule by its name in the layer: ``self_attention.<kind>`` and
+    ``mlp.<kind>`` (expert None), ``mlp.experts.local_experts.<i>.<kind>``; (None, None) for anything else (shared
+    experts, norms, the router)."""
+    parts = name.split(".")
+    if len(parts) == 2 and parts[0] in ("self_attention", "mlp") and parts[1] in COLUMN + ROW:
+        return parts[1], None
+    if len(parts) == 5 and parts[:3] == ["mlp", "experts", "local_experts"] and parts[4] in ("linear_fc1",
+                                                                                          "linear_fc2"):
+        return parts[4], int(parts[3])
+    return None, None
+
+
+def _expert_offset(layer: torch.nn.Module) -> int:
+    """The global number of this rank's first expert in ``layer`` (its EP rank × its local experts)."""
+    experts = layer.mlp.experts
+    return experts.ep_group.rank() * experts.num_local_experts
 
 
 def adapters(modules: list[torch.nn.Module]) -> list[LoraAdapter]:

@@ -9,9 +9,11 @@ Each adapted Megatron layer maps onto the HF layers its base weight becomes (``h
                 B [2f, r]   → lora_B = B's gate rows, up rows
     linear_proj / linear_fc2 → o_proj / down_proj: lora_A = A, lora_B = B
 
-exact, since ``B_q A x`` is the q rows of ``B A x``. Adapters are gathered whole: the split one of each layer over
-its TP group (joined as its base weight's shards are), the pipeline stages' layers over the PP group. They are
-small (rank r: r · (in + out) a layer) — every rank holds them all, as every engine rank needs them all.
+exact, since ``B_q A x`` is the q rows of ``B A x``; a routed expert's linear_fc1 / linear_fc2 (``mlp.experts.
+local_experts.<e>``) become ``mlp.experts.<e>.gate_proj`` … as a dense MLP's do. Adapters are gathered whole: the
+split one of each layer over its TP group (joined as its base weight's shards are), the experts' over the EP group,
+the pipeline stages' layers over the PP group. They are small (rank r: r · (in + out) a layer) — every rank holds
+them all, as every engine rank needs them all.
 """
 
 from __future__ import annotations
@@ -23,19 +25,25 @@ from megarl.config.schema import LoraConfig
 from megarl.config.validate.lora import hf_modules
 from megarl.models.hf_adapter import hf_parts, megatron_to_hf
 from megarl.models.hf_config import num_experts
+from megarl.models.peft_experts import TARGET_PARAMETERS
 from megarl.models.sharding import global_name, join_tp_shards
 from megarl.trainer.lora import LoraAdapter
 
+EXPERT = ".mlp.experts.local_experts."
+"""In a global Megatron name: a routed expert's layer."""
 PREFIX = "base_model.model."
 """PEFT's prefix of a causal LM's module names (``PeftModelForCausalLM.base_model.model``)."""
 
 
 def peft_config(lora: LoraConfig, base_model: str) -> dict:
-    """``adapter_config.json`` of the adapters ``lora`` describes, over ``base_model``."""
+    """``adapter_config.json`` of the adapters ``lora`` describes, over ``base_model`` (routed experts' as PEFT's
+    ``target_parameters`` over transformers' fused experts: ``models/peft_experts.py``)."""
+    modules = [m for m in hf_modules(lora) if m != "experts"]
+    experts = {"target_parameters": TARGET_PARAMETERS} if len(modules) < len(hf_modules(lora)) else {}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
-            "target_modules": list(hf_modules(lora)),
+            "target_modules": modules, **experts,
             "base_model_name_or_path": str(base_model)}
 
 
@@ -64,8 +72,12 @@ def gather_adapters(modules: list[torch.nn.Module], ps, hf_cfg: dict) -> dict[st
                 joined = join_tp_shards(weight, shards)
                 a, b = (joined, b) if ad.row else (a, joined)
             whole[weight.removesuffix(".weight")] = (a.clone(), b.clone())
+    if ps.ep > 1:  # each EP rank holds its own experts' adapters (expert TP 1: whole); the rest is the same
+        parts: list = [None] * ps.ep
+        dist.all_gather_object(parts, {k: v for k, v in whole.items() if EXPERT in k}, group=ps.ep_group)
+        whole = {k: v for part in [whole, *parts] for k, v in part.items()}
     if ps.pp > 1:
-        parts: list = [None] * ps.pp
+        parts = [None] * ps.pp
         dist.all_gather_object(parts, whole, group=ps.pp_group)
         whole = {k: v for part in parts for k, v in part.items()}
     return whole

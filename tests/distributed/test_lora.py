@@ -1,7 +1,8 @@
 """LoRA adapters on the megatron-core trainer (real megatron-core, gloo; megarl/trainer/lora.py): with B at zero the
 logprobs are the base model's exactly, an adapted layer is W x + (alpha / r) · B A x, only the adapters have
 gradients and optimizer state (the base frozen in the trainer's precision), and at TP 2 (with and without sequence
-parallelism), PP 2, PP 2 with 2 virtual stages each, CP 2, DP 2 and, on a tiny MoE with adapters on attention, EP 2,
+parallelism), PP 2, PP 2 with 2 virtual stages each, CP 2, DP 2 and, on a tiny MoE with adapters on attention and
+every routed expert, EP 2,
 the adapters' gradients after one step (every rank's, as the step's reduction left them, by global name) are one
 process's, and so are the adapters the sync and the export gather (``lora_peft.gather_adapters``).
 
@@ -22,7 +23,8 @@ from megarl.models.tiny import TinyShape, make_tiny_model
 
 _RUNS: dict = {}
 _SAVED: dict = {}
-ATTENTION = "linear_qkv,linear_proj"  # (the MoE's: experts' adapters are not built)
+ATTENTION = "linear_qkv,linear_proj"
+MOE_ALL = "linear_qkv,linear_proj,experts"  # (a Qwen3-MoE has no dense MLP layer)
 
 
 @pytest.fixture(scope="module")
@@ -119,34 +121,48 @@ def test_adapters_gathered_for_the_sync_and_export_are_one_processs(model, layou
 
 
 @pytest.mark.slow  # (a 1- and a 2-process run of the MoE)
-def test_expert_parallel_attention_adapter_gradients_are_one_processs(moe_model):
-    ref, got = run(moe_model, "single", targets=ATTENTION), run(moe_model, "ep2_alltoall", targets=ATTENTION)
+def test_expert_parallel_adapter_gradients_are_one_processs(moe_model):
+    """Adapters on attention and on every routed expert (``experts``) at EP 2: each rank holds its own experts'
+    adapters, reduced over expert DP (1 here) while attention's are over DP 2; the gradients, the adapters the sync
+    gathers and the plan's count of them are one process's."""
+    from megarl.config import load_config
+    from megarl.launch.model_size import adapter_params
+
+    ref, got = run(moe_model, "single", targets=MOE_ALL), run(moe_model, "ep2_alltoall", targets=MOE_ALL)
     assert got["b_zero_gap"] == got["adapters_off_gap"] == 0.0
     assert got["b_random_gap"] == pytest.approx(ref["b_random_gap"], rel=1e-4)
-    assert {n.rsplit(".", 3)[1] for n in ref["grads"]} == {"linear_qkv", "linear_proj"}
-    # at 2 processes EP 2 leaves attention DP 2: replicated, the distributed optimizer holding this rank's share
-    assert got["trainable"] == ref["trainable"] == ref["adapter_params"] > got["optimizer_params"]
-    assert grad_gap(ref, got) < 1e-5  # measured 5.1e-7
+    experts = [n for n in ref["grads"] if ".mlp.experts.local_experts." in n]
+    assert len(experts) == 4 * 4 * 2 * 2  # 4 layers × 4 experts × (fc1, fc2) × (A, B), each with a gradient
+    assert all(any(x != 0 for row in ref["grads"][n] for x in row) for n in experts)
+    assert grad_gap(ref, got) < 1e-5  # measured 1.2e-6
+    assert all(every == ref["rank_adapters"][0] for every in got["rank_adapters"])  # each expert's, whole, everywhere
+    hf = json.loads((moe_model[0] / "config.json").read_text())
+    cfg = load_config(None, [f"lora.rank={ref['rank']}", f"lora.targets={MOE_ALL}"])
+    assert ref["adapter_params"] == adapter_params(hf, cfg)  # the plan counts what the trainer holds
+    assert got["trainable"] == adapter_params(hf, cfg, ep=2) < ref["trainable"]  # an EP rank: half the experts'
+    # the distributed optimizer shards attention's adapters over DP 2, not the experts' (expert DP 1)
+    attention = adapter_params(hf, load_config(None, [f"lora.rank={ref['rank']}", f"lora.targets={ATTENTION}"]))
+    assert got["optimizer_params"] == got["trainable"] - attention / 2
 
 
 # LoRA adapters in dist checkpoints (tests/workers/lora_checkpoint_checks.py)
 
 
-def launch(action: str, layout: str, model_dir, work) -> dict:
+def launch(action: str, layout: str, model_dir, work, targets: str = "") -> dict:
     launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    run_script([*launcher, "tests/workers/lora_checkpoint_checks.py", action, layout, str(model_dir), str(work)],
-               env={"OMP_NUM_THREADS": "1"})
+    run_script([*launcher, "tests/workers/lora_checkpoint_checks.py", action, layout, str(model_dir), str(work),
+                *([targets] if targets else [])], env={"OMP_NUM_THREADS": "1"})
     return torch.load(work / f"{action}-{layout}.pt")
 
 
-def saved_at(model, layout: str):
-    """The save run at ``layout`` (once per module): its work directory and what it measured."""
+def saved_at(model, layout: str, targets: str = ""):
+    """The save run at ``layout`` (once per module and targets): its work directory and what it measured."""
     path, root = model
-    if layout not in _SAVED:
-        work = root / f"saved-{layout}"
+    if (path, layout, targets) not in _SAVED:
+        work = root / f"saved-{layout}{'-' + targets.replace(',', '-') if targets else ''}"
         work.mkdir()
-        _SAVED[layout] = work, launch("save", layout, path, work)["expected"]
-    return _SAVED[layout]
+        _SAVED[path, layout, targets] = work, launch("save", layout, path, work, targets)["expected"]
+    return _SAVED[path, layout, targets]
 
 
 def gap(expected: dict, got: dict) -> float:
@@ -197,6 +213,19 @@ def test_adapters_and_their_optimizer_state_reshard_across_layouts(model, saved,
     # largest entry), 2.4e-7 (adapters after the step); PP 2 × VPP 2 ↔ one process: 2.5e-7, 3.7e-7, 4.9e-8. A shard
     # lost or misplaced is a gap of order 1; Adam's state lost moves the adapters by ~1e-3 (measured 1.7e-3).
     assert abs(got["loss"] - expected["loss"]) <= 1e-6 * abs(expected["loss"])
-    if "dp2" not in (saved, loaded):  # (DP 2's gradient buffer holds reduced gradients only in the rank's own shard)
-        assert gap(expected["grads"], got["grads"]) <= 2e-6
+    assert gap(expected["grads"], got["grads"]) <= 2e-6
+    assert max(float((expected["after"][k] - got["after"][k]).abs().max()) for k in expected["after"]) <= 1e-5
+
+
+@pytest.mark.slow  # (a save and a load run, one of them 2 processes)
+@pytest.mark.parametrize("saved,loaded", [("ep2_alltoall", "single"), ("single", "ep2_alltoall")])
+def test_expert_adapters_and_their_optimizer_state_reshard_across_ep(moe_model, saved, loaded):
+    """Each expert's adapters saved under its global number (as its weights are): saved at EP 2 (each rank its two
+    experts), loaded by one process holding all four, and back; the next step is the uninterrupted run's."""
+    work, expected = saved_at(moe_model, saved, MOE_ALL)
+    got = launch("load", loaded, moe_model[0], work, MOE_ALL)["got"]
+    assert sum(".mlp.experts.local_experts." in k for k in got["at_save"]) == 4 * 4 * 2 * 2
+    assert gap(expected["at_save"], got["at_save"]) == 0.0  # the adapters as saved: exactly
+    assert abs(got["loss"] - expected["loss"]) <= 1e-6 * abs(expected["loss"])
+    assert gap(expected["grads"], got["grads"]) <= 2e-6
     assert max(float((expected["after"][k] - got["after"][k]).abs().max()) for k in expected["after"]) <= 1e-5

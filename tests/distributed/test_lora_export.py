@@ -31,16 +31,18 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("lora_export")
 
 
-def export(root, family: str, layout: str) -> tuple:
+def export(root, family: str, layout: str, targets: str = "") -> tuple:
     """(base, adapter dir, the worker's trainer.pt) of the trainer at ``layout`` over the tiny ``family``."""
-    if (family, layout) not in _RUNS:
-        base = make_hf_model(root / family, family, seed=1, max_shard_size="300KB")
-        out = root / f"{family}-{layout}"
+    if (family, layout, targets) not in _RUNS:
+        base = root / family
+        if not base.exists():
+            make_hf_model(base, family, seed=1, max_shard_size="300KB")
+        out = root / f"{family}-{layout}{'-' + targets.replace(',', '-') if targets else ''}"
         launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        run_script([*launcher, "tests/workers/lora_export_checks.py", layout, str(base), str(out)],
-                   env={"OMP_NUM_THREADS": "1"})
-        _RUNS[family, layout] = base, out / "hf" / "step_1", torch.load(out / "trainer.pt")
-    return _RUNS[family, layout]
+        run_script([*launcher, "tests/workers/lora_export_checks.py", layout, str(base), str(out),
+                    *([targets] if targets else [])], env={"OMP_NUM_THREADS": "1"})
+        _RUNS[family, layout, targets] = base, out / "hf" / "step_1", torch.load(out / "trainer.pt")
+    return _RUNS[family, layout, targets]
 
 
 def peft_model(base, adapter):
@@ -77,29 +79,33 @@ def test_exported_adapter_loads_in_peft_and_gives_the_trainers_logprobs(root, fa
     assert shapes[f"{q}.lora_A.weight"] == (RANK, hf["hidden_size"])
     assert shapes[f"{q.replace('q_proj', 'k_proj')}.lora_B.weight"] == (kv_rows, RANK)
     assert shapes[f"{q.replace('self_attn.q_proj', 'mlp.up_proj')}.lora_B.weight"] == (hf["intermediate_size"], RANK)
-    model = peft_model(base, adapter)
     mask = got["loss_mask"].bool()
-    with torch.no_grad():
-        theirs = logprobs(model(got["input_ids"]).logits, got["labels"])
-        with model.disable_adapter():
-            theirs_base = logprobs(model(got["input_ids"]).logits, got["labels"])
+    theirs, theirs_base = adapted(peft_model(base, adapter), got)
     assert float((got["logprobs"] - got["base"])[mask].abs().max()) > 0.5  # the adapters act
     assert float((theirs_base - got["base"])[mask].abs().max()) <= 1e-4  # the same base
     assert float((theirs - got["logprobs"])[mask].abs().max()) <= 1e-4  # and the same adapters
 
 
-def merge(root, family="qwen2", layout="single"):
+def merge(root, family="qwen2", layout="single", targets=""):
     """tools/merge_lora.py (in this process) on the export, the base from its adapter_config.json."""
     import importlib.util
 
-    base, adapter, got = export(root, family, layout)
-    out = root / f"{family}-{layout}-merged"
+    base, adapter, got = export(root, family, layout, targets)
+    out = adapter.parent.parent.parent / f"{adapter.parent.parent.name}-merged"
     if not out.exists():
         spec = importlib.util.spec_from_file_location("merge_lora", ROOT / "tools/merge_lora.py")
         tool = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(tool)
         assert tool.main(["--adapter", str(adapter), "--out", str(out)]) == 0
     return base, adapter, got, out
+
+
+def adapted(model, got) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peft model's logprobs of the trainer's batch, with its adapters and without."""
+    with torch.no_grad():
+        theirs = logprobs(model(got["input_ids"]).logits, got["labels"])
+        with model.disable_adapter():
+            return theirs, logprobs(model(got["input_ids"]).logits, got["labels"])
 
 
 def test_merged_checkpoint_keeps_the_shard_layout_and_gives_pefts_logits(root):
@@ -136,3 +142,56 @@ def test_merged_checkpoint_passes_the_conversion_check(root):
     assert proc.returncode == 0 and "check_conversion: PASS" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert report["max_abs_logit_diff"] <= 1e-4
+
+
+MOE_ALL = "linear_qkv,linear_proj,experts"
+
+
+def test_expert_adapters_export_as_pefts_fused_experts_and_merge_into_each_expert(root):
+    """Adapters on every routed expert of a Qwen3-MoE (written by transformers, whose Qwen3MoeExperts hold all
+    experts in one gate_up_proj and one down_proj): exported in PEFT's ``target_parameters`` layout, they load in
+    ``peft`` with the trainer's logprobs; merged, each expert's weights in the base's per-expert tensors change and
+    the merged model gives the trainer's logprobs."""
+    from safetensors import safe_open
+
+    from megarl.models.hf_config import num_experts
+
+    base, adapter, got, merged = merge(root, "qwen3_moe", "single", MOE_ALL)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    hf = json.loads((base / "config.json").read_text())
+    experts, h, fe = num_experts(hf), hf["hidden_size"], hf["moe_intermediate_size"]  # (transformers 5 writes
+    # num_local_experts)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    layer = "base_model.model.model.layers.3.mlp.experts"
+    assert shapes[f"{layer}.base_layer.lora_A.weight"] == (experts * RANK, h)  # gate_up_proj: every expert's A
+    assert shapes[f"{layer}.base_layer.lora_B.weight"] == (2 * fe, experts * RANK)
+    assert shapes[f"{layer}.lora_A.weight"] == (experts * RANK, fe)  # down_proj
+    assert len(shapes) == hf["num_hidden_layers"] * (4 + 2) * 2
+    mask = got["loss_mask"].bool()
+    theirs, theirs_base = adapted(peft_model(base, adapter), got)
+    assert float((got["logprobs"] - got["base"])[mask].abs().max()) > 0.5  # the adapters act
+    assert float((theirs_base - got["base"])[mask].abs().max()) <= 1e-4
+    assert float((theirs - got["logprobs"])[mask].abs().max()) <= 1e-4  # measured 6.7e-6
+    before, after = safetensors_bytes(base), safetensors_bytes(merged)
+    changed = {k for k in before if after[k] != before[k]}
+    assert changed == {f"model.layers.{i}.{m}.weight" for i in range(hf["num_hidden_layers"]) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        *(f"mlp.experts.{e}.{p}" for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")))}
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(got["input_ids"]).logits
+    assert float((logprobs(ours, got["labels"]) - got["logprobs"])[mask].abs().max()) <= 1e-4  # measured 1.3e-5
+
+
+@pytest.mark.slow  # (a 2-process export)
+def test_expert_adapters_exported_at_ep2_are_one_processs_byte_for_byte(root):
+    """Each EP rank holds its own experts' adapters (A drawn by the expert's global number, B by its global name):
+    the export gathers them over the EP group into the file one process writes."""
+    _, single, _ = export(root, "qwen3_moe", "single", MOE_ALL)
+    _, ep2, _ = export(root, "qwen3_moe", "ep2_alltoall", MOE_ALL)
+    name = "adapter_model.safetensors"
+    assert (ep2 / name).read_bytes() == (single / name).read_bytes()

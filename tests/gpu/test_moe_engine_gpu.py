@@ -64,3 +64,18 @@ def test_a_run_with_a_colocated_engine_of_tp2_replays_the_engines_routes(tmp_pat
     assert "resolves to none" not in out
     steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss/policy" in r]
     assert len(steps) == 3 and all(0.5 < r["moe/route_agreement"] <= 1.0 for r in steps)
+
+
+def test_a_lora_run_with_expert_adapters_serves_each_new_version_through_vllms_fused_moe_lora(tmp_path):
+    """Adapters on attention and every routed expert: the engine takes each sync's adapters into its fused-MoE LoRA
+    layer (Triton, the GPU's kernel) and the audit, every step, finds the engine's logprobs the trainer's."""
+    make_tiny_model(tmp_path / "model", TinyShape(family="qwen3_moe"), seed=3)
+    run = tmp_path / "run"
+    train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml",
+           f"model.path={tmp_path / 'model'}", f"train.run_dir={run}", "trainer.precision=fp32", "train.steps=3",
+           "lora.rank=8", "lora.alpha=16", "lora.targets=linear_qkv,linear_proj,experts", "sync.check_every=1"], run)
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss/policy" in r]
+    assert len(steps) == 3 and all(r["sync/failures"] == 0 for r in steps if "sync/failures" in r)
+    audits = [r["sync/logprob_gap"] for r in steps if "sync/logprob_gap" in r]
+    assert len(audits) == 3 and max(audits) < 1e-2  # fp32 (attention adapters on CPU engines: ≤ 2e-5)
+    assert [r["engine/version"] for r in steps if "engine/version" in r][-1] >= 2  # each new version served

@@ -18,10 +18,10 @@ def whole(name: str, t: torch.Tensor, adapter, ps) -> torch.Tensor:
 
     from megarl.models.sharding import join_tp_shards
 
-    if ps.tp == 1 or not sharded(name, adapter):
+    if adapter.tp == 1 or not sharded(name, adapter):  # (an expert's adapter: expert TP 1, never split)
         return t
-    shards = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(shards, t.contiguous(), group=ps.tp_group)
+    shards = [torch.empty_like(t) for _ in range(adapter.tp)]
+    dist.all_gather(shards, t.contiguous(), group=adapter.tp_group)
     return join_tp_shards(name.rsplit(".lora.", 1)[0] + ".weight", shards)
 
 
@@ -67,12 +67,17 @@ def reduced_everywhere(trainer) -> None:
 
 def gathered_grads(trainer) -> dict[str, list]:
     """Every adapter's gradient (``main_grad``, reduced over DP: ``reduced_everywhere`` first) as one process holds
-    it, by global name, on every rank: TP shards joined, every pipeline stage's merged."""
+    it, by global name, on every rank: TP shards joined, every EP rank's experts and pipeline stage's merged."""
+    ps = trainer.ps
+    return merged({full: whole(name, p.main_grad, adapter, ps).tolist()
+                   for full, name, p, adapter in adapter_params(trainer)}, ps)
+
+
+def merged(mine: dict, ps) -> dict:
+    """This rank's tensors by global name with every EP rank's (its experts) and pipeline stage's, on every rank."""
     from megarl.distributed.collectives import gather
 
-    ps = trainer.ps
-    mine = {full: whole(name, p.main_grad, adapter, ps).tolist() for full, name, p, adapter in adapter_params(trainer)}
-    merged: dict[str, list] = {}
-    for part in gather(mine, ps.pp_group) if ps.pp > 1 else [mine]:
-        merged.update(part)
-    return merged
+    for group, size in ((ps.ep_group, ps.ep), (ps.pp_group, ps.pp)):
+        if size > 1:
+            mine = {k: v for part in gather(mine, group) for k, v in part.items()}
+    return mine

@@ -29,7 +29,6 @@ def test_lora_is_off_by_default_and_a_valid_section_passes():
     ("lora.alpha=0", "lora.alpha must be > 0"),
     ("lora.dropout=1.0", "lora.dropout must be in [0, 1)"),
     ("lora.targets=linear_qkv,q_proj", "'q_proj' is not a layer kind; valid: linear_qkv, linear_proj"),
-    ("lora.targets=linear_qkv,experts", "'experts': MoE expert adapters"),
     ("lora.targets=router", "'router': the MoE router never gets an adapter"),
     ("lora.targets=linear_qkv,linear_qkv", "names a layer kind twice"),
     ("lora.targets=''", "lora.targets is empty"),
@@ -44,6 +43,11 @@ def test_targets_the_model_lacks_and_unbuilt_combinations_are_refused():
     with pytest.raises(ConfigError, match="'linear_fc1'.*no dense MLP layer"):
         check("lora.rank=8", "parallel.ep=1", hf=MOE)  # every Qwen3-MoE layer routes to experts
     check("lora.rank=8", "lora.targets=linear_qkv,linear_proj", hf=MOE)
+    check("lora.rank=8", "lora.targets=linear_qkv,experts", "parallel.ep=2", "parallel.etp=1", hf=MOE, world=2)
+    with pytest.raises(ConfigError, match="'experts'.*model.path=.* is a dense model"):
+        check("lora.rank=8", "lora.targets=linear_qkv,experts")
+    with pytest.raises(ConfigError, match=r"at parallel.etp=2 \(expert TP.*set parallel.etp=1"):  # etp 0 → tp
+        check("lora.rank=8", "lora.targets=experts", "parallel.tp=2", "parallel.ep=1", hf=MOE, world=2)
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1 at parallel.tp=2.*set lora.dropout=0"):
         check("lora.rank=8", "lora.dropout=0.1", "parallel.tp=2", world=2)
     with pytest.raises(ConfigError, match="trainer.recompute=full"):
@@ -68,6 +72,10 @@ def test_a_run_with_engines_is_refused_where_the_adapter_sync_cannot_serve_it(tm
                                           r"model, on CPU engines.*linear_fc1, linear_fc2.*Triton"):
         check_lora_run(load_config(None, ["lora.rank=8"]), mixed, gpu=False)
     check_lora_run(load_config(None, ["lora.rank=8"]), mixed, gpu=True)
+    experts = ["lora.rank=8", "lora.targets=linear_qkv,experts"]
+    with pytest.raises(ConfigError, match="an MoE model, on CPU engines: with adapters on experts.*Triton"):
+        check_lora_run(load_config(None, experts), MOE, gpu=False)
+    check_lora_run(load_config(None, experts), MOE, gpu=True)
     check_lora_run(load_config(None, ["lora.rank=8"]), DENSE, gpu=False)
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # a megatron dist checkpoint
     with pytest.raises(ConfigError, match="dist checkpoint.*give the HF checkpoint as model.path"):

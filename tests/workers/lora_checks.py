@@ -30,17 +30,17 @@ from helpers.trainers import LAYOUTS, fixed_batch, seeded_layout  # noqa: E402
 RANK, ALPHA = 4, 8.0
 
 
-def random_b(name: str, b: torch.Tensor, adapter, ps) -> torch.Tensor:
+def random_b(name: str, b: torch.Tensor, adapter) -> torch.Tensor:
     """A seeded random B drawn whole (one process's layout), this rank's part of it."""
     g = torch.Generator().manual_seed(sum(map(ord, name)))
-    rows = b.shape[0] * (ps.tp if sharded(name, adapter) else 1)
+    rows = b.shape[0] * (adapter.tp if sharded(name, adapter) else 1)
     full = torch.randn(rows, b.shape[1], generator=g) * 0.05
     if rows == b.shape[0]:
         return full
     if "linear_fc1" in name:  # gate and up, each split over TP (megatron's fused fc1)
         gate, up = full.chunk(2)
-        return torch.cat([gate.chunk(ps.tp)[ps.tp_rank], up.chunk(ps.tp)[ps.tp_rank]])
-    return full.chunk(ps.tp)[ps.tp_rank]
+        return torch.cat([gate.chunk(adapter.tp)[adapter.tp_rank], up.chunk(adapter.tp)[adapter.tp_rank]])
+    return full.chunk(adapter.tp)[adapter.tp_rank]
 
 
 def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", targets: str = "") -> None:
@@ -68,12 +68,12 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
     trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, **common)
     mask = batch.loss_mask.bool()
-    result: dict = {"b_zero_gap": float((trainer.logprobs(batch) - base)[mask].abs().max())}
+    result: dict = {"rank": RANK, "b_zero_gap": float((trainer.logprobs(batch) - base)[mask].abs().max())}
     adapters = adapter_params(trainer)  # (global name, local name, parameter, its adapter)
     with torch.no_grad():
         for full, _, p, adapter in adapters:
             if full.endswith(".lora.b"):  # drawn by the global name: every layout's B is one process's
-                p.copy_(random_b(full, p, adapter, ps))
+                p.copy_(random_b(full, p, adapter))
     result["b_random_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
     gathered = gather_adapters(trainer.modules, ps, cfg)  # (a collective: every rank)
     result["rank_adapters"] = gather({k: [a.tolist(), b.tolist()] for k, (a, b) in gathered.items()})

@@ -1,7 +1,7 @@
 """A LoRA trainer's export at one layout (gloo, CPU, fp32): its adapters as a PEFT adapter directory, for the test
 to load with ``peft`` over the base. Launched by the tests with torchrun (2 processes) or plainly (1).
 
-    python tests/workers/lora_export_checks.py LAYOUT MODEL_DIR OUT_DIR
+    python tests/workers/lora_export_checks.py LAYOUT MODEL_DIR OUT_DIR [TARGETS]
 
 Every B is drawn at random (seeded by its layer's global name, drawn whole and sliced as the layer is split, so the
 adapters are one process's at any layout) so that the adapters act; then the export runs as a run's does
@@ -40,7 +40,7 @@ def random_b(weight: str, adapter) -> torch.Tensor:
     return whole.chunk(n)[r]
 
 
-def main(layout: str, model_dir: str, out_dir: str) -> None:
+def main(layout: str, model_dir: str, out_dir: str, targets: str = "") -> None:
     from types import SimpleNamespace
 
     from megarl.config.schema import LoraConfig, OptimConfig, RunConfig
@@ -50,10 +50,12 @@ def main(layout: str, model_dir: str, out_dir: str) -> None:
     from megarl.trainer.lora import adapters_off
     from megarl.trainer.policy import PolicyTrainer
 
-    ps, cfg = seeded_layout(dict(LAYOUTS[layout]), model_dir)
+    spec = dict(LAYOUTS[layout])
+    dispatcher = spec.pop("moe_dispatcher", "alltoall")
+    ps, cfg = seeded_layout(spec, model_dir)
     optim = OptimConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.0, logprob_chunk=8)
-    lora = LoraConfig(rank=RANK, alpha=ALPHA)
-    trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, packing=True)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
+    trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, packing=True, moe_dispatcher=dispatcher)
     with torch.no_grad():
         for vp, module in enumerate(trainer.modules):
             for name, sub in module.named_modules():

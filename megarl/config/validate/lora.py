@@ -2,10 +2,11 @@
 LoRA does not run yet (docs/lora.md), each refused with the key named rather than run wrong.
 
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
-or without sequence parallelism), frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
-adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``). Not
-built yet, so refused: MoE expert adapters, Transformer Engine's fused layers, dropout under TP, full activation
-recompute, sleep level 2, a dist checkpoint as the base.
+or without sequence parallelism) and on every routed expert's at any EP (expert TP 1), frozen base weights,
+adapter-only optimizer state (``trainer/lora.py``), the adapter-only sync into colocated engines and replicas in
+processes of their own (``weight_sync/adapters.py``). Not built yet, so refused: expert adapters at expert TP > 1,
+Transformer Engine's fused layers, dropout under TP, full activation recompute, sleep level 2, a dist checkpoint as
+the base; expert adapters on CPU engines (vLLM serves them through Triton).
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ TARGETS = {
     "linear_proj": "attention out (row-parallel)",
     "linear_fc1": "dense MLP in, gate and up (column-parallel)",
     "linear_fc2": "dense MLP out (row-parallel)",
+    "experts": "every routed expert's MLP in and out (each expert its own adapters, held where EP puts the expert)",
 }
-"""The layers that take adapters, by megatron-core's module name (each layer's ``self_attention.*`` or ``mlp.*``)."""
+"""The layers that take adapters, by megatron-core's module name (each layer's ``self_attention.*`` or ``mlp.*``;
+``experts``: each ``mlp.experts.local_experts.<i>``'s linear_fc1 and linear_fc2; shared experts keep the base)."""
 HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-"""The HF modules each target kind becomes (PEFT's ``target_modules``; the modules vLLM wraps for LoRA)."""
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",), "experts": ("experts",)}
+"""The HF modules each target kind becomes (the modules vLLM wraps for LoRA: its fused-MoE layer is ``experts``;
+PEFT's ``target_modules``, the experts' ``target_parameters``: ``trainer/lora_peft.py``)."""
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``): an engine serves adapters of
 the smallest that holds ``lora.rank``."""
 
-NOT_YET = {"experts": "MoE expert adapters (with expert parallelism) are not built yet"}
 NEVER = {"router": "the MoE router never gets an adapter (its routes must stay the engine's)"}
 
 
@@ -41,7 +44,7 @@ def lora_targets(lora: LoraConfig) -> tuple[str, ...]:
     if not kinds:
         raise ConfigError(f"lora.targets is empty; {valid}")
     for kind in kinds:
-        why = NOT_YET.get(kind) or NEVER.get(kind)
+        why = NEVER.get(kind)
         if why:
             raise ConfigError(f"lora.targets={lora.targets!r}: {kind!r}: {why}; {valid}")
         if kind not in TARGETS:
@@ -71,6 +74,11 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
         return
     if hf is not None:
         check_targets_in_model(kinds, hf, cfg.model.path)
+    etp = cfg.parallel.etp or cfg.parallel.tp
+    if "experts" in kinds and etp > 1:
+        raise ConfigError(f"lora.targets={lo.targets!r} at parallel.etp={etp} (expert TP; 0 takes parallel.tp): "
+                          "expert adapters split over expert TP are not built yet; set parallel.etp=1 (EP spreads "
+                          "the experts instead)")
     if lo.dropout and cfg.parallel.tp > 1:
         raise ConfigError(f"lora.dropout={lo.dropout} at parallel.tp={cfg.parallel.tp}: the TP ranks' dropout masks "
                           "on an adapter's shared input are not tied yet; set lora.dropout=0")
@@ -88,8 +96,12 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
 
 def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None:
     """Every target kind exists in the model: a dense MLP (``linear_fc1``/``linear_fc2``) needs a layer without
-    routed experts (an all-MoE model such as Qwen3-MoE has none; its shared experts are experts)."""
+    routed experts (an all-MoE model such as Qwen3-MoE has none; its shared experts are experts); ``experts`` needs
+    routed experts."""
     dense = any(not is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"]))
+    if "experts" in kinds and not num_experts(hf):
+        raise ConfigError(f"lora.targets: 'experts' ({TARGETS['experts']}): model.path={model} is a dense model, "
+                          "without routed experts; use linear_qkv,linear_proj,linear_fc1,linear_fc2")
     for kind in kinds:
         if kind in ("linear_fc1", "linear_fc2") and not dense:
             raise ConfigError(f"lora.targets: {kind!r} ({TARGETS[kind]}): model.path={model} has no dense MLP "
