@@ -10,6 +10,8 @@ anything but these repairs.
 - ``cpu_lora_products_per_slot``: vLLM's CPU LoRA ops copy the adapter's weights once per token.
 - ``moe_kernel_without_expert_lora``: with LoRA on, fused-MoE layers take a Triton kernel (no CPU build) even when
   the adapters leave the experts alone.
+- ``compat.vllm_moe_lora.cpu_experts_with_lora``: adapters on the experts run through that Triton kernel alone.
+- ``lora_patches``: the three above, where an engine builds its model.
 - ``before_each_forward``: a call at the start of every forward of an in-process model runner (its scheduled
   requests, which the routes each token took are filed under: ``engines.routes``).
 - ``routes_on_first_tp_rank``: an in-process engine of TP > 1 that returns routes fails its first step on every rank
@@ -161,16 +163,13 @@ def experts_processed_in_reloads() -> None:
     UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading
 
 
-ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"})
-
-
 def moe_kernel_without_expert_lora() -> None:
     """vllm 0.32.0 gives every fused-MoE layer a LoRA-capable kernel whenever LoRA is on (``FusedMoEConfig``'s
     ``is_lora_enabled``: ``lora_config is not None``), even when ``lora_target_modules`` keeps LoRA off the experts:
     that kernel is Triton's, which has no CPU build, so an MoE model with adapters on attention alone fails at its
     first CPU step ("module 'triton.language' has no attribute 'float32'"; on GPUs it runs a kernel it need not).
-    Patched once per process, before its engine builds the model: the flag stays off where the target modules are
-    attention's alone (the LoRA wrapper then never touches the experts either)."""
+    Patched once per process, before its engine builds the model: the flag stays off where the target modules leave
+    out ``experts`` (the LoRA wrapper then never touches the experts either, which keep the CPU's own kernel)."""
     require("vllm", VERSION)
     from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -183,7 +182,7 @@ def moe_kernel_without_expert_lora() -> None:
     def __post_init__(self) -> None:
         vllm_config = get_current_vllm_config_or_none() if self.is_lora_enabled else None
         lora = vllm_config.lora_config if vllm_config is not None else None
-        if lora is not None and lora.target_modules and set(lora.target_modules) <= ATTENTION_MODULES:
+        if lora is not None and lora.target_modules and "experts" not in lora.target_modules:
             self.is_lora_enabled = False
         original(self)
 
@@ -245,6 +244,15 @@ def cpu_lora_products_per_slot() -> None:
         for module in (lora_ops, torch_ops, punica_cpu):  # (the sgmv ops call these through lora_ops' globals)
             if hasattr(module, op.__name__):
                 setattr(module, op.__name__, op)
+
+
+def lora_patches() -> None:
+    """Every LoRA repair above, once per process, before its engine builds the model."""
+    from megarl.compat.vllm_moe_lora import cpu_experts_with_lora
+
+    moe_kernel_without_expert_lora()
+    cpu_lora_products_per_slot()
+    cpu_experts_with_lora()
 
 
 def repack_moe(model: torch.nn.Module) -> None:

@@ -35,9 +35,8 @@ import torch.distributed as dist
 
 from megarl.compat.megatron import cpu_suspended
 from megarl.compat.vllm import (
-    cpu_lora_products_per_slot,
     experts_processed_in_reloads,
-    moe_kernel_without_expert_lora,
+    lora_patches,
     repack_after_reload,
     run_unique_shm_names,
     shut_down_keeping_default_group,
@@ -149,8 +148,7 @@ class VLLMEngine:
         from vllm import LLM
 
         run_unique_shm_names()
-        moe_kernel_without_expert_lora()
-        cpu_lora_products_per_slot()
+        lora_patches()
         llm = LLM(**self._args)
         if self.route_experts:
             self.routes = route_capture(llm, self._args["model"], on_gpu())

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.compat.vllm import (
-    cpu_lora_products_per_slot,
     experts_processed_in_reloads,
-    moe_kernel_without_expert_lora,
+    lora_patches,
     repack_after_reload,
 )
 from megarl.models.hf_config import torch_dtype
@@ -203,7 +202,6 @@ except ImportError:  # vLLM absent (a trainer-only environment): nothing to regi
 except ValueError:  # already registered (module imported twice)
     pass
 try:
-    moe_kernel_without_expert_lora()  # (every worker imports this module before it builds the model)
-    cpu_lora_products_per_slot()
+    lora_patches()  # (every worker imports this module before it builds the model)
 except (ImportError, RuntimeError):  # vLLM absent, or another version (refused where an engine starts)
     pass

@@ -63,20 +63,6 @@ def test_a_run_with_engines_is_refused_where_the_adapter_sync_cannot_serve_it(tm
         check_lora_run(load_config(None, ["lora.rank=8", "engine.sleep_level=2"]))
     with pytest.raises(ConfigError, match="lora.rank=1024: vLLM serves adapters up to rank 512"):
         check_lora_run(load_config(None, ["lora.rank=1024"]))
-    # an MoE on CPU engines: adapters on attention alone (the experts keep vLLM's CPU kernel); on a dense MLP layer of
-    # a mixed model, vLLM's Triton MoE kernel would serve the experts: refused, on GPUs served
-    attention = ["lora.rank=8", "lora.targets=linear_qkv,linear_proj"]
-    check_lora_run(load_config(None, attention), MOE, gpu=False)
-    mixed = {**MOE, "mlp_only_layers": [0]}
-    with pytest.raises(ConfigError, match=r"lora.targets='linear_qkv,linear_proj,linear_fc1,linear_fc2'.*an MoE "
-                                          r"model, on CPU engines.*linear_fc1, linear_fc2.*Triton"):
-        check_lora_run(load_config(None, ["lora.rank=8"]), mixed, gpu=False)
-    check_lora_run(load_config(None, ["lora.rank=8"]), mixed, gpu=True)
-    experts = ["lora.rank=8", "lora.targets=linear_qkv,experts"]
-    with pytest.raises(ConfigError, match="an MoE model, on CPU engines: with adapters on experts.*Triton"):
-        check_lora_run(load_config(None, experts), MOE, gpu=False)
-    check_lora_run(load_config(None, experts), MOE, gpu=True)
-    check_lora_run(load_config(None, ["lora.rank=8"]), DENSE, gpu=False)
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # a megatron dist checkpoint
     with pytest.raises(ConfigError, match="dist checkpoint.*give the HF checkpoint as model.path"):
         check_lora_run(load_config(None, ["lora.rank=8", f"model.path={tmp_path}"]))

@@ -59,3 +59,49 @@ def test_patched_cpu_lora_ops_give_the_original_results(ops, dtype, stack):
     patched.bgmv_expand(h[:1], b, got, indices[:1], True)
     original.bgmv_expand(h[:1], b, want, indices[:1], True)
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_moe_experts_with_lora_on_cpu_are_each_tokens_dense_sum():
+    """``compat.vllm_moe_lora.experts_with_lora`` (what ``TritonExperts.apply`` runs on CPU tensors) against each
+    token computed alone with every adapted expert's weights merged: W + B A in gate, up and down (B already scaled,
+    as vLLM keeps it), tokens through two adapter slots, none (−1) and a disabled slot; an expert of another EP rank
+    skipped; the router weight applied on the input instead."""
+    from megarl.compat.vllm_moe_lora import experts_with_lora
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n, e, r, slots, top = 7, 6, 5, 4, 2, 3, 2
+    x = torch.randn(m, k, generator=g)
+    w13, w2 = torch.randn(e, 2 * n, k, generator=g), torch.randn(e, k, n, generator=g)
+    topk_ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(m)])
+    topk_weights = torch.rand(m, top, generator=g)
+    a13 = tuple(torch.randn(slots, e, r, k, generator=g) for _ in range(2))
+    b13 = tuple(torch.randn(slots, e, n, r, generator=g) for _ in range(2))
+    a2, b2 = (torch.randn(slots, e, r, n, generator=g),), (torch.randn(slots, e, k, r, generator=g),)
+    enabled = torch.tensor([1, 1, 0])
+    token_slots = torch.tensor([0, 1, -1, 2, 0, 1, -1])  # slot 2 is disabled: the base
+
+    def dense(t: int, skip: int | None = None, on_input: bool = False) -> torch.Tensor:
+        s, out = int(token_slots[t]), torch.zeros(k)
+        for j in range(top):
+            ex = int(topk_ids[t, j])
+            if ex == skip:
+                continue
+            gate_w, up_w, down_w = w13[ex, :n], w13[ex, n:], w2[ex]
+            if s >= 0 and enabled[s]:
+                gate_w = gate_w + b13[0][s, ex] @ a13[0][s, ex]
+                up_w = up_w + b13[1][s, ex] @ a13[1][s, ex]
+                down_w = down_w + b2[0][s, ex] @ a2[0][s, ex]
+            y = down_w @ (torch.nn.functional.silu(gate_w @ x[t]) * (up_w @ x[t]))
+            out += y if on_input else topk_weights[t, j] * y
+        return out
+
+    lora = (a13, b13, a2, b2, enabled)
+    got = experts_with_lora(x, w13, w2, topk_weights, topk_ids, token_slots, lora)
+    assert torch.allclose(got, torch.stack([dense(t) for t in range(m)]), atol=1e-4)
+    expert_map = torch.tensor([0, 1, -1, 3])  # expert 2 on another rank
+    got = experts_with_lora(x, w13, w2, topk_weights, topk_ids, token_slots, lora, expert_map)
+    assert torch.allclose(got, torch.stack([dense(t, skip=2) for t in range(m)]), atol=1e-4)
+    got = experts_with_lora(x, w13, w2, topk_weights, topk_ids, token_slots, lora, weight_on_input=True)
+    assert torch.allclose(got, torch.stack([dense(t, on_input=True) for t in range(m)]), atol=1e-4)
+    base = experts_with_lora(x, w13, w2, topk_weights, topk_ids)  # no LoRA context: the plain experts
+    assert torch.allclose(base, experts_with_lora(x, w13, w2, topk_weights, topk_ids, torch.full((m,), -1), lora))

@@ -4,16 +4,15 @@ LoRA does not run yet (docs/lora.md), each refused with the key named rather tha
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
 or without sequence parallelism) and on every routed expert's at any EP (expert TP 1), frozen base weights,
 adapter-only optimizer state (``trainer/lora.py``), the adapter-only sync into colocated engines and replicas in
-processes of their own (``weight_sync/adapters.py``). Not built yet, so refused: expert adapters at expert TP > 1,
-Transformer Engine's fused layers, dropout under TP, full activation recompute, sleep level 2, a dist checkpoint as
-the base; expert adapters on CPU engines (vLLM serves them through Triton).
+processes of their own (``weight_sync/adapters.py``; experts' on CPU engines through ``compat.vllm_moe_lora``). Not
+built yet, so refused: expert adapters at expert TP > 1, Transformer Engine's fused layers, dropout under TP, full
+activation recompute, sleep level 2, a dist checkpoint as the base.
 """
 
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import LoraConfig, RunConfig
-from megarl.config.validate.limits import cuda_available
 from megarl.models.hf_config import is_dist_checkpoint, is_moe_layer, num_experts
 
 TARGETS = {
@@ -108,23 +107,15 @@ def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None
                               "layer (every layer routes to experts); use linear_qkv,linear_proj")
 
 
-def check_lora_run(cfg: RunConfig, hf: dict | None = None, gpu: bool | None = None) -> None:
+def check_lora_run(cfg: RunConfig) -> None:
     """A run with engines (``megarl train``, ``eval``, ``demo``) and ``lora.rank`` > 0: the engines start from the base
     model's HF files and are sent the adapters alone (``weight_sync.adapters``), which needs engines that keep their
-    base weights; what does not, refused with the key named. ``hf``: the model's config; ``gpu``:
-    whether the engines run on GPUs (None: whether CUDA is here)."""
+    base weights; what does not, refused with the key named."""
     lo, e = cfg.lora, cfg.engine
     if lo.rank <= 0:
         return
     if lo.rank > VLLM_RANKS[-1]:
         raise ConfigError(f"lora.rank={lo.rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
-    mlp = [k for k in lora_targets(lo) if k not in ("linear_qkv", "linear_proj")]
-    if hf is not None and num_experts(hf) and mlp and not (cuda_available() if gpu is None else gpu):
-        raise ConfigError(f"lora.targets={lo.targets!r} with model.path={cfg.model.path}, an MoE model, on CPU "
-                          f"engines: with adapters on {', '.join(mlp)} vLLM serves the MoE layers through its Triton "
-                          "kernel, which has no CPU build (vLLM 0.32's CPU engine fails at its first step); use "
-                          "lora.targets=linear_qkv,linear_proj here (the experts then keep their CPU kernel: "
-                          "compat.vllm.moe_kernel_without_expert_lora), or run on GPUs")
     if e.sleep_level == 2:
         raise ConfigError(f"lora.rank={lo.rank} with engine.sleep_level=2: level 2 drops the engine's weights for the "
                           "sync to refill, and a LoRA sync sends only the adapters; set engine.sleep_level=1 or 0")

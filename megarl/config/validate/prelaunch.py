@@ -47,7 +47,7 @@ def checked_config(config: str | None, overrides: list[str], nproc: int, per_nod
     elif is_dist_checkpoint(cfg.model.path):
         check_start_checkpoint(cfg, hf)  # hf-to-mcore's output: the model its hf/config.json describes
     validate(cfg, nproc, hf)
-    check_lora_run(cfg, hf)  # (every command here runs engines: what the adapter sync does not serve)
+    check_lora_run(cfg)  # (every command here runs engines: what the adapter sync does not serve)
     if command in ("train", "demo"):
         validate_resume_model(cfg, hf)  # the checkpoint it continues from is of model.path's model
         check_resume_learners(cfg)  # ... and holds the critic / reference the algorithm needs

