@@ -26,8 +26,8 @@ class ModelConfig:
     """FP8 training through Transformer Engine: '' (off), 'delayed', 'tensorwise', 'blockwise', 'mxfp8'."""
     transformer_engine: Literal["auto", True, False] = "auto"
     """Build layers from Transformer Engine's spec (fused norm+linear, grouped expert GEMMs), FP8 or not: 'auto' (on
-    where CUDA and Transformer Engine are importable, off on CPU), true (needs TE on a GPU) or false; FP8 always
-    uses it."""
+    where CUDA and Transformer Engine are importable, off on CPU and under LoRA), true (needs TE on a GPU) or false;
+    FP8 always uses it."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from megarl.config import ConfigError
 from megarl.config.schema import RunConfig
+from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.layout import Layout
 from megarl.launch.model_size import Counts, adapter_params, head_dim
 from megarl.models.hf_config import is_moe_layer, num_experts
@@ -87,11 +88,10 @@ def activation_floats(hf: dict) -> int:
 def core_attention_floats(hf: dict, cfg: RunConfig, cpu: bool = False) -> int:
     """Floats per token and layer the core attention keeps of its own, beyond its inputs q, k, v and its output
     (which ``activation_floats`` counts): what selective recompute drops. Fused attention keeps only its softmax
-    statistics, none here: Transformer Engine's (``model.transformer_engine`` true, or auto on GPUs) and megarl's
-    packed rows through SDPA's kernels (``trainer.packing``). megatron's unfused local attention over padded rows
-    keeps the scores and their softmax, heads × s each per token (s: ``engine.max_model_len``)."""
-    te = cfg.model.transformer_engine is True or (cfg.model.transformer_engine == "auto" and not cpu)
-    if te or cfg.trainer.packing:
+    statistics, none here: Transformer Engine's (``model.transformer_engine`` true, or auto on GPUs without LoRA)
+    and megarl's packed rows through SDPA's kernels (``trainer.packing``). megatron's unfused local attention over
+    padded rows keeps the scores and their softmax, heads × s each per token (s: ``engine.max_model_len``)."""
+    if transformer_engine_planned(cfg, not cpu) or cfg.trainer.packing:
         return 0
     return 2 * hf["num_attention_heads"] * cfg.engine.max_model_len
 

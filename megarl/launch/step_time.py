@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import resolved_decoupled_ppo
+from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.efficiency import HBM_EFFICIENCY, MFU, SMS, expert_gemm_efficiency
 from megarl.launch.gpus import Gpu
 from megarl.launch.layout import Layout
@@ -146,7 +147,7 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
         efficiency = expert_gemm_efficiency(
             hf, per_expert, num_experts(hf) // lay.ep, lay.etp, peak * MFU["dense"],
             gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY, SMS.get(gpu.name, 132),
-            grouped=cfg.model.transformer_engine is not False or bool(cfg.model.fp8))
+            grouped=transformer_engine_planned(cfg, True))
     experts_in = tokens * expert_fwd * (policy_units + critic_units)  # the expert GEMMs' FLOPs among them
     experts_again = tokens * expert_fwd * backwards if lay.recompute == "full" else 0
     rate = lay.world * peak * work.mfu
@@ -186,7 +187,7 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
             "peak_tflops": peak / 1e12, "mfu": work.mfu, "microbatches": micro,
             "reference_forward": "reference" in p["forwards"], "passes": p, "recompute": lay.recompute,
             "recompute_flops": again, "tokens_per_expert": per_expert, "expert_efficiency": efficiency,
-            "grouped_gemm": cfg.model.transformer_engine is not False or bool(cfg.model.fp8)}
+            "grouped_gemm": transformer_engine_planned(cfg, True)}
 
 
 def recompute_flops(counts: Counts, hf: dict, recompute: str, tokens: int, s: int) -> float:

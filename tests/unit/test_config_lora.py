@@ -54,6 +54,19 @@ def test_targets_the_model_lacks_and_unbuilt_combinations_are_refused():
         check("lora.rank=8", "trainer.recompute=full")
     with pytest.raises(ConfigError, match="model.fp8='delayed'.*not built yet"):  # (a GPU's check, made here)
         validate_lora(load_config(None, ["lora.rank=8", "model.fp8=delayed"]), DENSE)
+    with pytest.raises(ConfigError, match="model.transformer_engine=True.*set model.transformer_engine=auto"):
+        validate_lora(load_config(None, ["lora.rank=8", "model.transformer_engine=true"]), DENSE)
+
+
+def test_transformer_engine_auto_is_megatrons_own_layers_under_lora_on_gpus_too():
+    """'auto' (the default) takes Transformer Engine's layers on a GPU machine, but not with adapters, which sit on
+    megatron's own linears: a LoRA run on GPUs needs no setting, and the plan sizes what the trainer runs."""
+    from megarl.config.validate.settings import transformer_engine_planned
+
+    lora, full = load_config(None, ["lora.rank=8"]), load_config(None, [])
+    validate_lora(lora, DENSE)  # 'auto': not refused
+    assert transformer_engine_planned(full, gpu=True) and not transformer_engine_planned(lora, gpu=True)
+    assert not transformer_engine_planned(full, gpu=False)
 
 
 def test_a_run_with_engines_is_refused_where_the_adapter_sync_cannot_serve_it(tmp_path):

@@ -85,12 +85,11 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
         raise ConfigError(f"lora.rank={lo.rank} with trainer.recompute=full: a recomputed unit's input comes from "
                           "frozen weights, needs no gradient, and megatron's recompute then drops the adapters' "
                           "gradients inside it; set trainer.recompute=selective or none")
-    from megarl.config.validate.settings import resolved_transformer_engine  # deferred: settings imports this module
-
-    if cfg.model.fp8 or resolved_transformer_engine(cfg):
+    if cfg.model.fp8 or cfg.model.transformer_engine is True:  # ('auto' resolves to megatron's own layers here)
         raise ConfigError(f"lora.rank={lo.rank} with Transformer Engine layers (model.transformer_engine="
                           f"{cfg.model.transformer_engine}, model.fp8={cfg.model.fp8!r}): adapters on its fused "
-                          "norm+linear layers are not built yet; set model.transformer_engine=false and model.fp8=''")
+                          "norm+linear layers are not built yet; set model.transformer_engine=auto (megatron's own "
+                          "layers under LoRA) or false, and model.fp8=''")
 
 
 def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None:

@@ -195,12 +195,21 @@ def transformer_engine_error() -> str | None:
 
 def resolved_transformer_engine(cfg: RunConfig) -> bool:
     """``model.transformer_engine`` as the trainer applies it: 'auto' is on where CUDA and Transformer Engine are
-    importable (a GPU machine with megarl[gpu]), off elsewhere (CPU); true and false as given (true without them
-    is refused before launch: ``validate``). Called once, by the session, before the trainers are built."""
+    importable (a GPU machine with megarl[gpu]), off elsewhere (CPU) and under LoRA (adapters sit on megatron's
+    own linears: ``trainer/lora.py``); true and false as given (true without them is refused before launch:
+    ``validate``; true with LoRA too). Called once, by the session, before the trainers are built."""
     te = cfg.model.transformer_engine
     if te == "auto":
-        return cuda_available() and transformer_engine_error() is None
+        return transformer_engine_planned(cfg, cuda_available()) and transformer_engine_error() is None
     return bool(te)
+
+
+def transformer_engine_planned(cfg: RunConfig, gpu: bool) -> bool:
+    """Whether the trainer runs Transformer Engine's layers on a machine with (``gpu``) or without GPUs, as
+    ``resolved_transformer_engine`` resolves 'auto' there (Transformer Engine taken as installed with the GPUs);
+    FP8 always runs them."""
+    te = cfg.model.transformer_engine
+    return bool(cfg.model.fp8) or te is True or (te == "auto" and gpu and cfg.lora.rank <= 0)
 
 
 def _validate_model_keys(cfg: RunConfig) -> None:
