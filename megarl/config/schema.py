@@ -459,8 +459,8 @@ class LoraConfig:
     """Dropout on an adapter's input while training, in [0, 1) (0 under parallel.tp > 1 for now)."""
     targets: str = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
     """Comma-separated layers that get adapters: 'linear_qkv' (attention QKV), 'linear_proj' (attention out),
-    'linear_fc1', 'linear_fc2' (dense MLP in, out); 'experts' (every routed expert's in and out, at
-    parallel.etp=1); the router never."""
+    'linear_fc1', 'linear_fc2' (dense MLP in, out); 'experts' (every routed expert's in and out; parallel.etp 1 or
+    parallel.tp's); the router never."""
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """A's initialisation: 'kaiming' (uniform, PEFT's default) or 'gaussian' (std 1/rank); B starts at zero."""
 

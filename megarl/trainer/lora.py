@@ -19,9 +19,15 @@ Sharding, at tensor-parallel size ``tp`` (``h``: the rank-r activation between A
                 (B's gradient partial over positions: summed over TP)
 
 Routed experts (``lora.targets`` ``experts``): every local expert's linear_fc1 and linear_fc2 its own adapter, on
-the rank EP puts the expert (expert TP 1: nothing of an expert's adapter is split), its parameters marked as
-megatron marks the expert's weights (``allreduce`` False under EP: reduced over the expert-data-parallel group, not
-DP), saved under the expert's global number as its weights are (``SequentialMLP.sharded_state_dict``).
+the rank EP puts the expert, its parameters marked as megatron marks the expert's weights (``allreduce`` False under
+EP: reduced over the expert-data-parallel group, not DP), saved under the expert's global number as its weights are
+(``SequentialMLP.sharded_state_dict``). Under expert TP (``parallel.etp`` = ``parallel.tp``) the split factor is
+split as above, but the layer moves no tokens itself (the dispatcher gathered them and sums its outputs): the
+adapter's term stays a shard (column) or a partial sum (row) as the base output does, and the replicated factor's
+gradient, partial on each expert-TP rank, is summed over expert TP in its backward (``copy_to`` on the parameter)::
+
+    column (linear_fc1): out_shard += B_shard (A x)          dA = Σ_etp (B_shard^T dy_shard) x^T
+    row    (linear_fc2): out_partial += B (A_shard x_shard)   dB = Σ_etp dy (A_shard x_shard)^T
 
 ``A`` is drawn whole for each layer (each expert) from a generator seeded by the seed, the layer's global number,
 the target (and the expert's global number), then sliced: every layout starts from one process's adapters.
@@ -62,6 +68,10 @@ class LoraAdapter(torch.nn.Module):
         out_features, in_features = weight.shape  # this rank's shard
         self.row, self.scale, self.enabled = row, alpha / rank, True
         self.tp_group, self.sequence_parallel = base.tp_group, bool(base.sequence_parallel)
+        # an expert's layer under EP or expert TP: the token dispatcher moves its inputs and outputs across ranks
+        self.explicit = bool(getattr(base, "explicit_expert_comm", False))
+        if self.explicit:
+            self.sequence_parallel = False
         self.tp = self.tp_group.size() if self.tp_group is not None else 1
         self.tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
         self.a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=weight.dtype, device=weight.device))
@@ -113,6 +123,10 @@ class LoraAdapter(torch.nn.Module):
         """The adapter's term of the base layer's output, laid out as that output is."""
         from megatron.core.tensor_parallel import mappings as tp_map
 
+        if self.explicit:  # the base layer's output stays a shard (column) or a partial sum (row) for the dispatcher
+            a, b = (self.a, tp_map.copy_to_tensor_model_parallel_region(self.b, group=self.tp_group)) if self.row \
+                else (tp_map.copy_to_tensor_model_parallel_region(self.a, group=self.tp_group), self.b)
+            return F.linear(F.linear(self.dropout(x), a), b) * self.scale
         h = F.linear(self.dropout(x), self.a)
         if self.row and self.sequence_parallel:
             h = tp_map.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
@@ -174,8 +188,6 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
                 if expert is None:
                     seed_of += kinds.index(kind)
                 else:  # each global expert its own A (the layer's experts spread over EP ranks: local + offset)
-                    if base.lora.tp > 1:
-                        raise ValueError("expert adapters at expert TP > 1 are not built (parallel.etp=1)")
                     expert += _expert_offset(layer)
                     seed_of = (seed_of + len(TARGETS)) * 1_000_003 + 2 * expert + row
                 base.lora.reset(lora.init, torch.Generator().manual_seed(seed_of))

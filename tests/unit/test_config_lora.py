@@ -46,8 +46,10 @@ def test_targets_the_model_lacks_and_unbuilt_combinations_are_refused():
     check("lora.rank=8", "lora.targets=linear_qkv,experts", "parallel.ep=2", "parallel.etp=1", hf=MOE, world=2)
     with pytest.raises(ConfigError, match="'experts'.*model.path=.* is a dense model"):
         check("lora.rank=8", "lora.targets=linear_qkv,experts")
-    with pytest.raises(ConfigError, match=r"at parallel.etp=2 \(expert TP.*set parallel.etp=1"):  # etp 0 → tp
-        check("lora.rank=8", "lora.targets=experts", "parallel.tp=2", "parallel.ep=1", hf=MOE, world=2)
+    check("lora.rank=8", "lora.targets=experts", "parallel.tp=2", "parallel.sequence_parallel=true", hf=MOE,
+          world=2)  # etp 0 → tp
+    with pytest.raises(ConfigError, match=r"at parallel.etp=2, parallel.tp=1.*set parallel.etp=1 or 1"):
+        check("lora.rank=8", "lora.targets=experts", "parallel.etp=2", "parallel.ep=1", hf=MOE, world=2)
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1 at parallel.tp=2.*set lora.dropout=0"):
         check("lora.rank=8", "lora.dropout=0.1", "parallel.tp=2", world=2)
     with pytest.raises(ConfigError, match="trainer.recompute=full"):

@@ -2,11 +2,11 @@
 LoRA does not run yet (docs/lora.md), each refused with the key named rather than run wrong.
 
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
-or without sequence parallelism) and on every routed expert's at any EP (expert TP 1), frozen base weights,
+or without sequence parallelism) and on every routed expert's at any EP (expert TP 1 or TP's), frozen base weights,
 adapter-only optimizer state (``trainer/lora.py``), the adapter-only sync into colocated engines and replicas in
 processes of their own (``weight_sync/adapters.py``; experts' on CPU engines through ``compat.vllm_moe_lora``). Not
-built yet, so refused: expert adapters at expert TP > 1, Transformer Engine's fused layers, dropout under TP, full
-activation recompute, sleep level 2, a dist checkpoint as the base.
+built yet, so refused: expert adapters at an expert TP other than 1 or TP's, Transformer Engine's fused layers,
+dropout under TP, full activation recompute, sleep level 2, a dist checkpoint as the base.
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
     if hf is not None:
         check_targets_in_model(kinds, hf, cfg.model.path)
     etp = cfg.parallel.etp or cfg.parallel.tp
-    if "experts" in kinds and etp > 1:
-        raise ConfigError(f"lora.targets={lo.targets!r} at parallel.etp={etp} (expert TP; 0 takes parallel.tp): "
-                          "expert adapters split over expert TP are not built yet; set parallel.etp=1 (EP spreads "
-                          "the experts instead)")
+    if "experts" in kinds and etp not in (1, cfg.parallel.tp):
+        raise ConfigError(f"lora.targets={lo.targets!r} at parallel.etp={etp}, parallel.tp={cfg.parallel.tp}: "
+                          "expert adapters are built at expert TP 1 or equal to parallel.tp (megatron's gradient "
+                          "norm counts a factor replicated over expert TP by the dense TP rank); set parallel.etp=1 "
+                          f"or {cfg.parallel.tp}")
     if lo.dropout and cfg.parallel.tp > 1:
         raise ConfigError(f"lora.dropout={lo.dropout} at parallel.tp={cfg.parallel.tp}: the TP ranks' dropout masks "
                           "on an adapter's shared input are not tied yet; set lora.dropout=0")
