@@ -146,7 +146,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     params = shared + expert
     expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
     distributed = cfg.optim.distributed_optimizer and lay.dp_cp > 1
-    adapters = adapter_params(hf, cfg, lay.tp, lay.ep) / lay.pp  # LoRA: the base frozen, only these train
+    adapters = adapter_params(hf, cfg, lay.tp, lay.ep, lay.etp) / lay.pp  # LoRA: the base frozen, only these train
     if adapters:
         trained, opt_full = adapters, adapters * OPTIMIZER_BYTES[precision]
         opt = opt_full / lay.dp_cp if distributed else opt_full

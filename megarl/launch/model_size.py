@@ -73,12 +73,12 @@ def count_params(hf: dict) -> Counts:
     return Counts(embedding, head, attn * layers + h, dense, routed, active)
 
 
-def adapter_params(hf: dict, cfg, tp: int = 1, ep: int = 1) -> float:
-    """LoRA's parameters (``cfg.lora``: rank r, targets) one TP rank of ``tp`` (and EP rank of ``ep``) holds over
-    all layers: each adapted layer's A [r, in] and B [out, r], the one split over TP as its base layer is
-    (column-parallel: B; row-parallel: A), the other whole; 0 without LoRA. Dense MLP targets only in the layers
-    without routed experts; ``experts``: every routed expert's fc1 and fc2 whole (expert TP 1), the experts / ep
-    this rank holds."""
+def adapter_params(hf: dict, cfg, tp: int = 1, ep: int = 1, etp: int = 1) -> float:
+    """LoRA's parameters (``cfg.lora``: rank r, targets) one TP rank of ``tp`` (and EP rank of ``ep``, expert-TP
+    rank of ``etp``) holds over all layers: each adapted layer's A [r, in] and B [out, r], the one split over TP as
+    its base layer is (column-parallel: B; row-parallel: A), the other whole; 0 without LoRA. Dense MLP targets
+    only in the layers without routed experts; ``experts``: every routed expert's fc1 and fc2, split over expert TP
+    as a dense MLP's over TP, the experts / ep this rank holds."""
     r = cfg.lora.rank
     if r <= 0:
         return 0.0
@@ -92,7 +92,8 @@ def adapter_params(hf: dict, cfg, tp: int = 1, ep: int = 1) -> float:
     kinds = lora_targets(cfg.lora)
     if "experts" in kinds:
         fe = int(hf.get("moe_intermediate_size") or f)
-        total += moe_layers(hf) * num_experts(hf) / ep * r * (h + 2 * fe + fe + h)  # fc1 [2fe, h], fc2 [h, fe]
+        per_expert = r * (h + 2 * fe / etp) + r * (fe / etp + h)  # fc1 [2fe, h] column-, fc2 [h, fe] row-parallel
+        total += moe_layers(hf) * num_experts(hf) / ep * per_expert
     for kind in (k for k in kinds if k != "experts"):
         inp, out, row = shapes[kind]
         per_layer = r * inp / tp + r * out if row else r * inp + r * out / tp

@@ -155,6 +155,12 @@ def test_expert_adapters_split_over_expert_tp_have_one_processs_gradients(moe_mo
     assert got["b_random_gap"] == pytest.approx(ref["b_random_gap"], rel=1e-4)
     assert grad_gap(ref, got) < 1e-5  # measured 1.4e-6
     assert all(every == ref["rank_adapters"][0] for every in got["rank_adapters"])
+    from megarl.config import load_config
+    from megarl.launch.model_size import adapter_params
+
+    hf = json.loads((moe_model[0] / "config.json").read_text())
+    cfg = load_config(None, [f"lora.rank={ref['rank']}", f"lora.targets={MOE_ALL}"])
+    assert got["trainable"] == adapter_params(hf, cfg, tp=2, etp=2)  # the plan counts a TP rank's share
 
 
 # LoRA adapters in dist checkpoints (tests/workers/lora_checkpoint_checks.py)

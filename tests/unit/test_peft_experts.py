@@ -101,3 +101,5 @@ def test_the_plan_counts_every_experts_adapters_and_an_ep_ranks_share():
     per_expert_params = R * (h + 2 * f) + R * (f + h)  # fc1: A [r, h], B [2f, r]; fc2: A [r, f], B [h, r]
     whole = MOE["num_hidden_layers"] * MOE["num_experts"] * per_expert_params
     assert adapter_params(MOE, cfg) == whole and adapter_params(MOE, cfg, ep=2) == whole / 2
+    split = MOE["num_hidden_layers"] * MOE["num_experts"] * (R * (h + f) + R * (f / 2 + h))  # B of fc1, A of fc2
+    assert adapter_params(MOE, cfg, etp=2) == split  # at expert TP 2, halved
