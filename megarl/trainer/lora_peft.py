@@ -39,7 +39,7 @@ def peft_config(lora: LoraConfig, base_model: str) -> dict:
     """``adapter_config.json`` of the adapters ``lora`` describes, over ``base_model`` (routed experts' as PEFT's
     ``target_parameters`` over transformers' fused experts: ``models/peft_experts.py``)."""
     modules = [m for m in hf_modules(lora) if m != "experts"]
-    experts = {"target_parameters": TARGET_PARAMETERS} if len(modules) < len(hf_modules(lora)) else {}
+    experts = {"target_parameters": TARGET_PARAMETERS} if "experts" in hf_modules(lora) else {}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
@@ -72,7 +72,7 @@ def gather_adapters(modules: list[torch.nn.Module], ps, hf_cfg: dict) -> dict[st
                 joined = join_tp_shards(weight, shards)
                 a, b = (joined, b) if ad.row else (a, joined)
             whole[weight.removesuffix(".weight")] = (a.clone(), b.clone())
-    if ps.ep > 1:  # each EP rank holds its own experts' adapters (expert TP 1: whole); the rest is the same
+    if ps.ep > 1:  # each EP rank holds its own experts' adapters (whole by now); the rest is the same
         parts: list = [None] * ps.ep
         dist.all_gather_object(parts, {k: v for k, v in whole.items() if EXPERT in k}, group=ps.ep_group)
         whole = {k: v for part in [whole, *parts] for k, v in part.items()}

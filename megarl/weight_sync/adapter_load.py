@@ -71,7 +71,8 @@ def check_adapter(tensors: dict, rank: int, hf: dict, served: set[str]) -> None:
     for name, t in tensors.items():
         where, which, _ = name.rsplit(".", 2)
         layer, rest = where.split(".layers.", 1)[1].split(".", 1)
-        module, key, wrapped = where.rsplit(".", 1)[-1], int(layer), where.rsplit(".", 1)[-1]
+        module = wrapped = where.rsplit(".", 1)[-1]
+        key = int(layer)
         parts = rest.split(".")
         if parts[:2] == ["mlp", "experts"] and len(parts) == 4 and parts[2].isdigit():  # vLLM's "experts.<e>.<part>"
             module, key, wrapped = f"experts.{parts[3]}", (key, int(parts[2])), ".".join(parts[1:])
