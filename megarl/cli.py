@@ -32,7 +32,7 @@ from megarl.config.errors import PRE_LAUNCH_ERRORS
 from megarl.config.validate.limits import check_local_cpus, check_local_engine_memory
 from megarl.config.validate.model import model_config
 from megarl.config.validate.prelaunch import checked_config
-from megarl.distributed.bootstrap import detect, init_distributed
+from megarl.distributed.bootstrap import detect, end_distributed, init_distributed
 from megarl.launch.plan import main as plan_main
 from megarl.logging.console import configure as configure_console
 
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.evaluation import run_eval  # deferred: torch (fast --help and errors)
 
         run_eval(cfg, args.checkpoint)
+        end_distributed()
         return 0
     from megarl.checkpoint.saver import SaveFailed  # deferred: torch (fast --help and errors)
     from megarl.train import run  # deferred: torch (fast --help and errors)
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except SaveFailed as exc:  # transient: the rerun (requeue) resumes from the last complete checkpoint
         print(f"megarl: {exc}", file=sys.stderr, flush=True)
         return _exit_status(requeue=True)
+    end_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run directory: {Path(result.run_dir).resolve()}")
         if args.command == "demo":

@@ -166,6 +166,25 @@ def init_distributed(launch: Launch | None = None) -> Launch:
     return launch
 
 
+def end_distributed() -> None:
+    """A finished run's last collective: every rank waits for the others, then the default group (and megatron's
+    groups on it) is destroyed, so gloo's threads and NCCL's communicators end before the interpreter's teardown.
+    A rank left to exit with them alive can abort after its work is done ("terminate called without an active
+    exception", SIGABRT: seen on gloo), which the launcher reports as a failed job. A peer gone already: no wait."""
+    import torch.distributed as dist
+
+    from megarl.distributed.watchdog import guard  # deferred: torch (fast --help and errors)
+
+    if not dist.is_initialized():
+        return
+    try:
+        with guard("the last barrier"):
+            dist.barrier()
+    except RuntimeError:  # a peer ended first (its error is its own): nothing left to wait for
+        pass
+    dist.destroy_process_group()
+
+
 def local_address_to(host: str, fallback: str = "127.0.0.1") -> str:
     """The address of this host's interface that the route to ``host`` leaves by (``fallback`` with no route):
     what a process that dials ``host`` must bind and advertise, e.g. its gloo device (``weight_sync.transport``)."""

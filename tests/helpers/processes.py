@@ -65,11 +65,7 @@ def processes_with_env(entry: str) -> list[str]:
 
 
 def end_process_group() -> None:
-    """A worker's last collective step: every rank waits for the others, then the group is destroyed. (gloo's threads
-    ended before the interpreter's teardown: once in a full suite run, a rank left to exit with them alive aborted,
-    "terminate called without an active exception", SIGABRT, after writing its results.)"""
-    import torch.distributed as dist
+    """A worker's last collective step, as ``megarl train`` ends (``distributed.bootstrap.end_distributed``)."""
+    from megarl.distributed.bootstrap import end_distributed
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed()

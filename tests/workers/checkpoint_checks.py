@@ -20,6 +20,7 @@ import torch
 
 def main(action: str, layout: str, model_dir: str, work: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+    from helpers.processes import end_process_group
     from helpers.trainers import build_trainer, fixed_batch
     from megarl.algo.losses import ppo_clip_loss
     from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
@@ -51,6 +52,7 @@ def main(action: str, layout: str, model_dir: str, work: str) -> None:
     if ps.rank == 0:
         torch.save(full, os.path.join(work, "got.pt" if action == "load" else "expected.pt"))
         print(json.dumps({"ok": True, "action": action, "layout": layout}), flush=True)
+    end_process_group()
 
 
 if __name__ == "__main__":  # the dist-checkpoint writer re-imports this script: keep the guard

@@ -182,3 +182,5 @@ def main(run_dir: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

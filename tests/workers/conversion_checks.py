@@ -37,3 +37,5 @@ def main(layout: str, model_dir: str, ckpt: str, work: str) -> None:
 
 if __name__ == "__main__":  # the dist-checkpoint writer re-imports this script: keep the guard
     main(*sys.argv[1:])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

@@ -74,3 +74,5 @@ def vllm_loads(export: str) -> None:
 
 if __name__ == "__main__":
     vllm_loads(sys.argv[2]) if sys.argv[1] == "vllm" else main(*sys.argv[1:])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

@@ -100,3 +100,5 @@ def engine(work: str, name: str) -> None:
 
 if __name__ == "__main__":
     {"parity": parity, "engine": engine}[sys.argv[1]](*sys.argv[2:])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

@@ -37,3 +37,5 @@ def main(model_dir: str, layout: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

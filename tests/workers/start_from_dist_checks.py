@@ -42,3 +42,5 @@ def main(layout: str, hf_dir: str, ckpt: str) -> None:
 
 if __name__ == "__main__":  # megatron's checkpoint reader may re-import this script: keep the guard
     main(*sys.argv[1:])
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown

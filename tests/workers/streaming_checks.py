@@ -152,3 +152,5 @@ def memory_checks(model_dir: str, bucket_mib: str) -> None:
 if __name__ == "__main__":
     what, *args = sys.argv[1:]
     {"engine": engine_checks, "memory": memory_checks}[what](*args)
+    from helpers.processes import end_process_group  # (tests/ is on the worker's path)
+    end_process_group()  # gloo ended before the interpreter's teardown
