@@ -62,8 +62,14 @@ demo-real: install
 	@test -f runs/smollm2_data/test.jsonl || $(PY) examples/smollm2/make_dataset.py --out runs/smollm2_data
 	$(VENV)/bin/megarl train --config examples/smollm2/config.yaml train.time_limit_s=600 train.eval_every=0
 
+# `make test`: the default set (not slow) in two parts: two pytest-xdist workers (one file each at a time, one
+# OpenMP thread a process), then the `alone` tests one at a time (wall-clock bounds, Slurm/MPI). Both parts always
+# run; it fails if either did.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -m "not slow" tests
+	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	    -m "not slow and not alone" tests; a=$$?; \
+	    $(PY) -m pytest -q -m "not slow and alone" tests; b=$$?; test $$a = 0 -a $$b = 0
 
 # the slow set alone: what `make test` leaves out (the heavy cases; each has a fast representative in `make test`)
 test-slow: install

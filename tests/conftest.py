@@ -5,7 +5,9 @@
 - ``distributed``: two or more processes on gloo, megatron-core (and vLLM) across them (``tests/distributed/``);
 - ``cluster``: a real Slurm, Open MPI, network namespaces or shellcheck (``tests/cluster/``);
 - ``gpu``: needs CUDA, skipped without it (``tests/gpu/``, and single tests elsewhere);
-- ``slow``: long; ``make test`` leaves them out (``-m "not slow"``), ``make test-all`` runs them.
+- ``slow``: long; ``make test`` leaves them out (``-m "not slow"``), ``make test-all`` runs them;
+- ``alone``: times itself against the wall clock, or drives machine-wide daemons (every ``cluster`` test): ``make
+  test`` runs these after the rest, one at a time, where the rest run two at once (pytest-xdist, one file a worker).
 
 Engine and distributed tests run their real stack in a subprocess (``helpers.scripts.run_script`` on a script
 of ``tests/workers/``), one per model or layout, because megatron-core and vLLM keep process-global state.
@@ -30,6 +32,7 @@ def pytest_configure(config):
     for name, what in FOLDERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
     config.addinivalue_line("markers", "slow: long-running; selected with -m slow")
+    config.addinivalue_line("markers", "alone: wall-clock bounds or machine-wide daemons; never beside another test")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +41,8 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(str(item.fspath)).resolve().relative_to(root).parts[0]
         if folder in FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))
+        if folder == "cluster":  # one Slurm, one MPI, the host's network namespaces
+            item.add_marker(pytest.mark.alone)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: no CUDA device on this machine")

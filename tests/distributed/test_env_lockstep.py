@@ -12,6 +12,8 @@ from helpers.runs import final_state, no_prompt_lost_or_twice
 from helpers.scripts import ROOT, run_script
 from megarl.logging.metrics import read_metrics
 
+pytestmark = pytest.mark.alone  # env steps under a 5 s timeout: never beside another test (make test)
+
 
 def test_two_lockstep_ranks_run_the_same_episodes_on_rank_0s_answers():
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -12,6 +12,8 @@ from helpers.runs import final_state, no_prompt_lost_or_twice, scalars, train
 from helpers.scripts import ROOT
 from megarl.logging.metrics import read_metrics
 
+pytestmark = pytest.mark.alone  # env steps under a 2 s timeout: never beside another test (make test)
+
 
 def env_run(tmp_path, run, mode="sync", overlap="none", steps=3, *extra) -> list[str]:
     return [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/demo.yaml",

@@ -181,6 +181,7 @@ def _preempted(model, tmp_path, layout=ASYNC) -> tuple:
 
 
 @pytest.mark.slow  # (63 s; the default run keeps the default path's, and checkpoint windows' pause)
+@pytest.mark.alone  # saved within 10 s: never beside another test
 def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
     """The wait for the batch ends, the phase in flight is paused between two engine steps (the bound: one engine
     step; the groups it completed are scored outside it) and saved with the checkpoint (its samples so far, its
@@ -194,6 +195,7 @@ def test_a_preemption_under_async_saves_within_seconds_while_a_long_phase_runs(m
     assert any(x.response_ids for _, samples, *_ in state["controller"]["live"].values() for x in samples)
 
 
+@pytest.mark.alone  # saved within 10 s: never beside another test
 def test_a_preemption_on_the_default_path_saves_within_seconds_while_a_long_phase_runs(model, tmp_path):
     """Colocated engines, no overlap: the trainer's own thread runs the phase, which stops between two engine steps
     at the signal; the controller as it was before that phase is saved (its drawn prompts re-queued: they run again
@@ -238,6 +240,7 @@ def test_a_run_a_failed_sync_stopped_resumes_its_pipeline_at_the_step_it_trained
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a 20 s hang timeout: never beside another test
 def test_async_evaluates_every_step_under_a_short_watchdog(model, tmp_path):
     """An evaluation after every step beside the generating thread, with a 20 s hang timeout: each thread's guarded
     calls have their own watchdog slot, and the healthy run ends (one shared slot once let a returned call's slot

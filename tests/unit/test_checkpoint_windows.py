@@ -22,6 +22,8 @@ from megarl.rollout.pipeline import Pipeline
 from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
 from megarl.types import SampleStatus
 
+pytestmark = pytest.mark.alone  # slow env steps under a 2 s timeout: never beside another test (make test)
+
 DELAY = 0.3  # each window's injected delay (s): a checkpoint that must wait for the window waits that long
 
 

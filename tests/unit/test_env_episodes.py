@@ -23,6 +23,8 @@ from megarl.rollout.scoring import group_scorer
 from megarl.rollout.turns import Episodes
 from megarl.types import SampleStatus
 
+pytestmark = pytest.mark.alone  # an env hang cut between 2 and 6 s: never beside another test (make test)
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -9,6 +9,8 @@ from megarl.envs.base import check_env_call
 from megarl.envs.pool import EnvPool
 from megarl.envs.tools import ToolEnv, load_tools, parse_tool_calls
 
+pytestmark = pytest.mark.alone  # tool calls awaited against a 10 s deadline: never beside another test (make test)
+
 TOOLS = "helpers.envs:multiply, helpers.envs:lookup"
 
 

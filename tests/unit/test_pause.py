@@ -10,12 +10,16 @@ import pickle
 import threading
 import time
 
+import pytest
+
 import megarl.distributed.signals as signals
 from megarl.rollout.controller import ControllerConfig, PromptItem, RolloutController
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.rollout.pipeline import PhaseInterrupted, Pipeline, Preempted, Rollout
 from megarl.rollout.sim.engines import SimulatedEngine, StepTimeModel
 from megarl.types import SampleStatus
+
+pytestmark = pytest.mark.alone  # a pause must release within 2 s: never beside another test (make test)
 
 
 class SlowEngine(SimulatedEngine):

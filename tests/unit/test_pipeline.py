@@ -13,6 +13,8 @@ from megarl.logging.timeline import Timeline, write_trace
 from megarl.rollout.phase_metrics import PhaseMetrics
 from megarl.rollout.pipeline import Pipeline, Rollout
 
+pytestmark = pytest.mark.alone  # bounds of fractions of a second: never beside another test (make test)
+
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:
     end = time.monotonic() + timeout_s

@@ -9,6 +9,8 @@ from megarl.rewards.base import resolve_reward
 from megarl.rewards.builtin import exact_reward, last_boxed, math_reward
 from megarl.rewards.pool import RewardPool
 
+pytestmark = pytest.mark.alone  # hanging rewards cut at their timeout, timed: never beside another test (make test)
+
 EQUIVALENT = [
     (r"\frac{1}{2}", r"so the answer is \boxed{0.5}"),
     (r"\frac{1}{2}", r"The answer is $1/2$."),
