@@ -170,7 +170,11 @@ def end_distributed() -> None:
     """A finished run's last collective: every rank waits for the others, then the default group (and megatron's
     groups on it) is destroyed, so gloo's threads and NCCL's communicators end before the interpreter's teardown.
     A rank left to exit with them alive can abort after its work is done ("terminate called without an active
-    exception", SIGABRT: seen on gloo), which the launcher reports as a failed job. A peer gone already: no wait."""
+    exception", SIGABRT: seen on gloo), which the launcher reports as a failed job. A peer gone already: no wait.
+    A vLLM engine in this process (colocated, in-process) destroys every group itself when it shuts down, the default
+    one included (``vllm.distributed.parallel_state.cleanup_dist_env_and_memory``): its groups are left to it."""
+    import sys
+
     import torch.distributed as dist
 
     from megarl.distributed.watchdog import guard  # deferred: torch (fast --help and errors)
@@ -182,7 +186,9 @@ def end_distributed() -> None:
             dist.barrier()
     except RuntimeError:  # a peer ended first (its error is its own): nothing left to wait for
         pass
-    dist.destroy_process_group()
+    engine_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if engine_groups is None or not engine_groups.model_parallel_is_initialized():
+        dist.destroy_process_group()
 
 
 def local_address_to(host: str, fallback: str = "127.0.0.1") -> str:

@@ -24,6 +24,7 @@ def test_train_with_two_processes(tmp_path, layout):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # nor at exit: the engines' and the groups' ends agree
     out = proc.stdout
     assert "step 2/2 |" in out and "eval after RL: pass@1" in out
     assert "warmup 3/3 | nll " in out and "nll nan" not in out  # rank 0 reports the last stage's loss
