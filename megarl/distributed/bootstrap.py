@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 
@@ -173,8 +174,6 @@ def end_distributed() -> None:
     exception", SIGABRT: seen on gloo), which the launcher reports as a failed job. A peer gone already: no wait.
     A vLLM engine in this process (colocated, in-process) destroys every group itself when it shuts down, the default
     one included (``vllm.distributed.parallel_state.cleanup_dist_env_and_memory``): its groups are left to it."""
-    import sys
-
     import torch.distributed as dist
 
     from megarl.distributed.watchdog import guard  # deferred: torch (fast --help and errors)
