@@ -142,12 +142,13 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     again = recompute_flops(counts, hf, lay.recompute, tokens, s) * backwards
     peak = peak_flops(cfg, gpu)
     efficiency, per_expert = 1.0, 0.0
+    grouped = transformer_engine_planned(cfg, True)  # Transformer Engine's grouped expert GEMMs
     if num_experts(hf):
         per_expert = tokens_per_expert(hf, cfg, lay, tokens)
         efficiency = expert_gemm_efficiency(
             hf, per_expert, num_experts(hf) // lay.ep, lay.etp, peak * MFU["dense"],
             gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY, SMS.get(gpu.name, 132),
-            grouped=transformer_engine_planned(cfg, True))
+            grouped=grouped)
     experts_in = tokens * expert_fwd * (policy_units + critic_units)  # the expert GEMMs' FLOPs among them
     experts_again = tokens * expert_fwd * backwards if lay.recompute == "full" else 0
     rate = lay.world * peak * work.mfu
@@ -187,7 +188,7 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
             "peak_tflops": peak / 1e12, "mfu": work.mfu, "microbatches": micro,
             "reference_forward": "reference" in p["forwards"], "passes": p, "recompute": lay.recompute,
             "recompute_flops": again, "tokens_per_expert": per_expert, "expert_efficiency": efficiency,
-            "grouped_gemm": transformer_engine_planned(cfg, True)}
+            "grouped_gemm": grouped}
 
 
 def recompute_flops(counts: Counts, hf: dict, recompute: str, tokens: int, s: int) -> float:

@@ -38,8 +38,9 @@ PREFIX = "base_model.model."
 def peft_config(lora: LoraConfig, base_model: str) -> dict:
     """``adapter_config.json`` of the adapters ``lora`` describes, over ``base_model`` (routed experts' as PEFT's
     ``target_parameters`` over transformers' fused experts: ``models/peft_experts.py``)."""
-    modules = [m for m in hf_modules(lora) if m != "experts"]
-    experts = {"target_parameters": TARGET_PARAMETERS} if "experts" in hf_modules(lora) else {}
+    targeted = hf_modules(lora)
+    modules = [m for m in targeted if m != "experts"]
+    experts = {"target_parameters": TARGET_PARAMETERS} if "experts" in targeted else {}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
