@@ -27,6 +27,7 @@ Each patch names the megatron-core call that needs it. The cuda→cpu
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -99,7 +100,8 @@ class _DummyStream:
 
 
 def _patch_rng() -> None:
-    """``model_parallel_cuda_manual_seed`` and the tracker's fork() use the CUDA RNG: use the CPU one."""
+    """``model_parallel_cuda_manual_seed`` and the tracker's add() and fork() use the CUDA RNG: use the CPU one, each
+    tracked stream seeded by its own seed (per TP rank, per expert rank, as on GPUs)."""
     from megatron.core.tensor_parallel import random as mp_random
 
     def get_state(device=None, clone: bool = False, graph_safe: bool = False):
@@ -109,11 +111,23 @@ def _patch_rng() -> None:
     def set_state(new_state, device=-1, graph_safe: bool = False):
         torch.set_rng_state(new_state)
 
+    def add(tracker, name: str, seed: int) -> None:  # a stream seeded by its own seed, the CPU's state untouched
+        if seed in tracker.seeds_ or name in tracker.states_:
+            raise Exception(f"cuda rng state {name} (seed {seed}) already exists")
+        tracker._is_initialized = True
+        tracker.seeds_.add(seed)
+        tracker.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
     mp_random._get_cuda_rng_state = get_state
     mp_random._set_cuda_rng_state = set_state
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
+    # the tracker's add seeds a stream with torch.cuda.manual_seed (above: none on CPU, which left every stream a
+    # copy of the CPU state); its fork swaps that stream into the CPU generator, which fork then warns changed
+    mp_random.CudaRNGStatesTracker.add = add
+    logging.getLogger(mp_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
 
 
 def _patch_moe() -> None:

@@ -456,7 +456,7 @@ class LoraConfig:
     alpha: float = 16.0
     """Adapter scale numerator: each adapter adds (alpha / rank) · B A x to its layer's output."""
     dropout: float = 0.0
-    """Dropout on an adapter's input while training, in [0, 1) (0 under parallel.tp > 1 for now)."""
+    """Dropout on an adapter's input while training, in [0, 1); masks tied over TP where the input is replicated."""
     targets: str = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
     """Comma-separated layers that get adapters: 'linear_qkv' (attention QKV), 'linear_proj' (attention out),
     'linear_fc1', 'linear_fc2' (dense MLP in, out); 'experts' (every routed expert's in and out; parallel.etp 1 or

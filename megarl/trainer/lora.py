@@ -33,6 +33,12 @@ gradient, partial on each expert-TP rank, is summed over expert TP in its backwa
 the target (and the expert's global number), then sliced: every layout starts from one process's adapters.
 ``adapters_off`` runs the model as the base (the reference of the KL penalty without a second model in memory).
 
+Dropout (``lora.dropout``) draws its masks from megatron's RNG tracker, so that a full recompute replays them and a
+run checkpoint resumes them: an input every TP rank holds whole (a column-parallel layer without SP; an expert's
+linear_fc1 at expert TP > 1, whose tokens the dispatcher gathered) from ``TIED``, seeded alike over the TP group (the
+ranks' replicated A stays one tensor); an input split over TP (row-parallel, or a sequence shard) from megatron's
+per-rank stream (``model-parallel-rng``; an expert's ``expert-parallel-rng``), as megatron draws its own dropout.
+
 In dist checkpoints (``checkpoint/dist.py``) the adapters are the base layer's ``lora.a`` / ``lora.b`` with the
 sharding above (``LoraAdapter.sharded_state_dict``; megatron's own layers call every tensor but their ``weight`` and
 ``bias`` replicated), a gated linear_fc1's B with its gate and up halves stored apart as megatron stores that weight:
@@ -54,6 +60,8 @@ from megarl.config.schema import LoraConfig
 from megarl.config.validate.lora import TARGETS, lora_targets
 
 COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
+TIED = "lora-dropout-tied"
+"""The tracker's stream for the dropout of an input replicated over TP: one seed per TP group."""
 
 
 class LoraAdapter(torch.nn.Module):
@@ -77,6 +85,8 @@ class LoraAdapter(torch.nn.Module):
         self.a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=weight.dtype, device=weight.device))
         self.b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=weight.dtype, device=weight.device))
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        replicated = not row and (self.tp > 1 if self.explicit else not self.sequence_parallel)
+        self.rng = TIED if replicated else "expert-parallel-rng" if self.explicit else "model-parallel-rng"
         if self.tp > 1:
             from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -119,15 +129,25 @@ class LoraAdapter(torch.nn.Module):
                                                             metadata.get("singleton_local_shards", False))
         return sd
 
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the adapter's dropout, its mask drawn from the tracker's stream ``self.rng``."""
+        if not (self.training and isinstance(self.dropout, torch.nn.Dropout)):
+            return x
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork(self.rng):
+            return self.dropout(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's term of the base layer's output, laid out as that output is."""
         from megatron.core.tensor_parallel import mappings as tp_map
 
+        x = self.dropped(x)
         if self.explicit:  # the base layer's output stays a shard (column) or a partial sum (row) for the dispatcher
             a, b = (self.a, tp_map.copy_to_tensor_model_parallel_region(self.b, group=self.tp_group)) if self.row \
                 else (tp_map.copy_to_tensor_model_parallel_region(self.a, group=self.tp_group), self.b)
-            return F.linear(F.linear(self.dropout(x), a), b) * self.scale
-        h = F.linear(self.dropout(x), self.a)
+            return F.linear(F.linear(x, a), b) * self.scale
+        h = F.linear(x, self.a)
         if self.row and self.sequence_parallel:
             h = tp_map.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
         elif self.row:
@@ -198,7 +218,42 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
                 adapters.append(base.lora)
     if not adapters:
         raise ValueError(f"lora.targets={lora.targets!r}: no layer of the model is one of them")
+    if lora.dropout:
+        _add_tied_stream(adapters, seed)
+    for m in modules:
+        if m.config.recompute_granularity == "full" and getattr(m, "decoder", None) is not None:
+            m.decoder.register_forward_pre_hook(_input_needing_grad, with_kwargs=True)
     return adapters
+
+
+def _add_tied_stream(found: list[LoraAdapter], seed: int) -> None:
+    """The tracker's ``TIED`` stream (once a process), seeded by the TP group's first global rank: alike on the
+    group's ranks, another on each other group."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if TIED in tracker.get_states():
+        return
+    group = found[0].tp_group
+    if group is not None:
+        first = dist.get_process_group_ranks(group)[0]
+    else:
+        first = dist.get_rank() if dist.is_initialized() else 0
+    tracker.add(TIED, seed + 7_919_000 + first)
+
+
+def _input_needing_grad(block: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a decoder under full recompute: its input marked as needing a gradient. The first stage's
+    comes from the frozen embedding and needs none, and megatron's recompute of a unit whose inputs need no gradient
+    gives no backward, so the adapters inside would get no gradient (PEFT's ``enable_input_require_grads``)."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not (torch.is_grad_enabled() and isinstance(hidden, torch.Tensor)) or hidden.requires_grad:
+        return None
+    hidden = hidden.detach().requires_grad_()
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": hidden}
+    return (hidden, *args[1:]), kwargs
 
 
 def _target_kind(name: str) -> tuple[str | None, int | None]:

@@ -39,15 +39,16 @@ def moe_model(tmp_path_factory):
     return make_tiny_model(root / "qwen3_moe", TinyShape(family="qwen3_moe"), seed=3), root
 
 
-def run(model, layout: str, precision: str = "fp32", targets: str = "") -> dict:
+def run(model, layout: str, precision: str = "fp32", targets: str = "", dropout: float = 0.0) -> dict:
     path, root = model
-    if (path, layout, precision, targets) not in _RUNS:
-        out = root / f"{layout}-{precision}{'-' + targets.replace(',', '-') if targets else ''}"
+    key = (path, layout, precision, targets, dropout)
+    if key not in _RUNS:
+        out = root / f"{layout}-{precision}{'-' + targets.replace(',', '-') if targets else ''}-d{dropout}"
         launcher = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         run_script([*launcher, "tests/workers/lora_checks.py", layout, str(path), str(out), precision,
-                    *([targets] if targets else [])], env={"OMP_NUM_THREADS": "1"})
-        _RUNS[path, layout, precision, targets] = json.loads((out / "result.json").read_text())
-    return _RUNS[path, layout, precision, targets]
+                    targets or "", str(dropout)], env={"OMP_NUM_THREADS": "1"})
+        _RUNS[key] = json.loads((out / "result.json").read_text())
+    return _RUNS[key]
 
 
 def grad_gap(ref: dict, got: dict) -> float:
@@ -118,6 +119,20 @@ def test_adapters_gathered_for_the_sync_and_export_are_one_processs(model, layou
     (adapters,) = ref["rank_adapters"]
     assert len(adapters) == 16  # 4 layers × 4 targets
     assert all(every == adapters for every in got["rank_adapters"])
+
+
+@pytest.mark.slow  # (two 1-process runs and a 2-process run)
+def test_dropout_on_an_input_every_tp_rank_holds_draws_one_processs_masks(model):
+    """``lora.dropout`` at TP 2 without sequence parallelism: a column-parallel layer's input is whole on both ranks
+    and its masks come from the tracker's stream seeded alike over the TP group (``trainer.lora.TIED``), so both
+    ranks drop what one process drops: the replicated A stays one tensor and every gradient is one process's.
+    (Untied, each rank its own masks, the gap was 0.70.)"""
+    ref, got = run(model, "single", targets="linear_qkv,linear_fc1", dropout=0.1), \
+        run(model, "tp2", targets="linear_qkv,linear_fc1", dropout=0.1)
+    assert grad_gap(ref, got) < 1e-5
+    assert grad_gap(run(model, "single", targets="linear_qkv,linear_fc1"), ref) > 1e-2  # (the masks act)
+    tied, own = ({s[k] for s in got["streams"]} for k in ("lora-dropout-tied", "model-parallel-rng"))
+    assert len(tied) == 1 and len(own) == 2  # (a split input's stream: each TP rank its own, as on GPUs)
 
 
 @pytest.mark.slow  # (a 1- and a 2-process run of the MoE)

@@ -1,7 +1,7 @@
 """LoRA adapters on the megatron-core trainer at one layout (gloo, CPU, fp32 unless the precision is given), for
 comparison with one process. Launched by the tests with torchrun (2 processes) or plainly (1).
 
-    python tests/workers/lora_checks.py LAYOUT MODEL_DIR OUT_DIR [PRECISION] [TARGETS]
+    python tests/workers/lora_checks.py LAYOUT MODEL_DIR OUT_DIR [PRECISION] [TARGETS] [DROPOUT]
 
 Rank 0 writes OUT_DIR/result.json: the largest gap of the logprobs with B at zero, and with the adapters switched
 off, to a trainer without adapters (both exactly 0 when right); the gap made by a random B (> 0: the adapters act);
@@ -11,7 +11,7 @@ reduced over DP); before the step, with B the random one, every rank's adapters 
 them (``rank_adapters``: ``lora_peft.gather_adapters``, global base layer name → [A, B] whole); what the optimizer
 holds (its parameters and Adam state, in elements) against the adapters' and the base's sizes; and, in one process,
 the largest gap of an adapted layer's output to the dense W x + b + (alpha / r) · B A x. TARGETS: ``lora.targets``
-(default: every one).
+(default, or empty: every one); DROPOUT: ``lora.dropout`` (default 0).
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def random_b(name: str, b: torch.Tensor, adapter) -> torch.Tensor:
     return full.chunk(adapter.tp)[adapter.tp_rank]
 
 
-def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", targets: str = "") -> None:
+def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", targets: str = "",
+         dropout: str = "0") -> None:
     import dataclasses
 
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config.schema import LoraConfig, OptimConfig
     from megarl.distributed.collectives import gather
-    from megarl.trainer.lora import adapters_off
+    from megarl.trainer.lora import TIED, adapters_off
     from megarl.trainer.lora_peft import gather_adapters
     from megarl.trainer.policy import PolicyTrainer
 
@@ -65,7 +66,7 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     common = dict(precision=precision, packing=True, moe_dispatcher=dispatcher)
     batch = fixed_batch(cfg["vocab_size"])
     base = PolicyTrainer(cfg, model_dir, ps, optim, trainable=False, **common).logprobs(batch)
-    lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=float(dropout), **({"targets": targets} if targets else {}))
     trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, **common)
     mask = batch.loss_mask.bool()
     result: dict = {"rank": RANK, "b_zero_gap": float((trainer.logprobs(batch) - base)[mask].abs().max())}
@@ -79,7 +80,12 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     result["rank_adapters"] = gather({k: [a.tolist(), b.tolist()] for k, (a, b) in gathered.items()})
     with adapters_off(trainer.modules):
         result["adapters_off_gap"] = float((trainer.logprobs(batch) - base)[mask].abs().max())
-    if ps.world_size == 1 and precision == "fp32":
+    if float(dropout):  # the tracker's streams the masks come from, on every rank (a digest of each state)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        states = get_cuda_rng_tracker().get_states()
+        result["streams"] = gather({k: int(states[k].double().sum()) for k in (TIED, "model-parallel-rng")})
+    if ps.world_size == 1 and precision == "fp32" and not float(dropout):  # (its calls would draw masks)
         result["dense_gap"] = dense_gap(trainer)
     trainer.train_step(batch, lambda lp, mb: ppo_clip_loss(lp, mb["old_logprobs"], mb["advantages"],
                                                             mb["loss_mask"], 0.2, 0.28))
@@ -112,7 +118,7 @@ def dense_gap(trainer) -> float:
     """An adapted column- and row-parallel layer (one process) against W x + b + (alpha / r) · B A x."""
     layer = trainer.modules[0].decoder.layers[0].self_attention
     gaps = []
-    for linear in (layer.linear_qkv, layer.linear_proj):
+    for linear in (x for x in (layer.linear_qkv, layer.linear_proj) if hasattr(x, "lora")):
         x = torch.randn(3, 2, linear.weight.shape[1], generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
             out, bias = linear(x)

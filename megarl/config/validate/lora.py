@@ -2,11 +2,11 @@
 LoRA does not run yet (docs/lora.md), each refused with the key named rather than run wrong.
 
 Built: adapters on megatron-core's local (non-Transformer-Engine) attention and dense MLP linears at any TP (with
-or without sequence parallelism) and on every routed expert's at any EP (expert TP 1 or TP's), frozen base weights,
-adapter-only optimizer state (``trainer/lora.py``), the adapter-only sync into colocated engines and replicas in
-processes of their own (``weight_sync/adapters.py``; experts' on CPU engines through ``compat.vllm_moe_lora``). Not
-built yet, so refused: expert adapters at an expert TP other than 1 or TP's, Transformer Engine's fused layers,
-dropout under TP, full activation recompute, sleep level 2, a dist checkpoint as the base.
+or without sequence parallelism) and on every routed expert's at any EP (expert TP 1 or TP's), with dropout and
+under any activation recompute, frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
+adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``;
+experts' on CPU engines through ``compat.vllm_moe_lora``). Not built yet, so refused: expert adapters at an expert
+TP other than 1 or TP's, Transformer Engine's fused layers, sleep level 2, a dist checkpoint as the base.
 """
 
 from __future__ import annotations
@@ -79,13 +79,6 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
                           "expert adapters are built at expert TP 1 or equal to parallel.tp (megatron's gradient "
                           "norm counts a factor replicated over expert TP by the dense TP rank); set parallel.etp=1 "
                           f"or {cfg.parallel.tp}")
-    if lo.dropout and cfg.parallel.tp > 1:
-        raise ConfigError(f"lora.dropout={lo.dropout} at parallel.tp={cfg.parallel.tp}: the TP ranks' dropout masks "
-                          "on an adapter's shared input are not tied yet; set lora.dropout=0")
-    if cfg.trainer.recompute == "full":
-        raise ConfigError(f"lora.rank={lo.rank} with trainer.recompute=full: a recomputed unit's input comes from "
-                          "frozen weights, needs no gradient, and megatron's recompute then drops the adapters' "
-                          "gradients inside it; set trainer.recompute=selective or none")
     if cfg.model.fp8 or cfg.model.transformer_engine is True:  # ('auto' resolves to megatron's own layers here)
         raise ConfigError(f"lora.rank={lo.rank} with Transformer Engine layers (model.transformer_engine="
                           f"{cfg.model.transformer_engine}, model.fp8={cfg.model.fp8!r}): adapters on its fused "
