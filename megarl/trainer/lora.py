@@ -60,6 +60,10 @@ from megarl.config.schema import LoraConfig
 from megarl.config.validate.lora import TARGETS, lora_targets
 
 COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
+LAYERS = {False: ("ColumnParallelLinear", "TELayerNormColumnParallelLinear", "TEColumnParallelLinear"),
+          True: ("RowParallelLinear", "TERowParallelLinear")}
+"""The layers adapters sit on, column- (False) and row-parallel (True): megatron-core's own and its Transformer
+Engine wrappers (by class name: Transformer Engine exists on GPUs only)."""
 TIED = "lora-dropout-tied"
 """The tracker's stream for the dropout of an input replicated over TP: one seed per TP group."""
 
@@ -75,7 +79,9 @@ class LoraAdapter(torch.nn.Module):
         weight = base.weight
         out_features, in_features = weight.shape  # this rank's shard
         self.row, self.scale, self.enabled = row, alpha / rank, True
-        self.tp_group, self.sequence_parallel = base.tp_group, bool(base.sequence_parallel)
+        # (megatron's Transformer Engine wrappers keep the group as _tp_group)
+        self.tp_group = getattr(base, "tp_group", None) or getattr(base, "_tp_group", None)
+        self.sequence_parallel = bool(base.sequence_parallel)
         # an expert's layer under EP or expert TP: the token dispatcher moves its inputs and outputs across ranks
         self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         if self.explicit:
@@ -164,9 +170,29 @@ def _add_adapter(module: torch.nn.Module, args: tuple, kwargs: dict, output):
     adapter = module.lora
     if not adapter.enabled:
         return output
-    x = args[0] if args else kwargs["input_"]
+    x = args[0] if args else kwargs.get("input_", kwargs.get("x"))
     out, bias = output
-    return out + adapter(x), bias
+    return out + adapter(normed_input(module, x)), bias
+
+
+def normed_input(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What ``layer``'s weight multiplies: ``x`` itself, or for a fused norm+linear layer (Transformer Engine's
+    ``LayerNormLinear``, the input norm inside the layer) ``x`` through that norm, RMSNorm or LayerNorm with the
+    layer's own weight (``1 + weight`` when zero-centred), bias and epsilon, in fp32 and cast back as the layer
+    computes it. Per position, so a sequence shard is normed alone."""
+    gamma = getattr(layer, "layer_norm_weight", None)
+    if gamma is None:
+        return x
+    gamma = gamma.float() + 1 if layer.zero_centered_gamma else gamma.float()
+    shape = (x.shape[-1],)
+    if layer.normalization == "RMSNorm":
+        y = F.rms_norm(x.float(), shape, gamma, layer.eps)
+    elif layer.normalization == "LayerNorm":
+        beta = layer.layer_norm_bias
+        y = F.layer_norm(x.float(), shape, gamma, None if beta is None else beta.float(), layer.eps)
+    else:
+        raise ValueError(f"{type(layer).__name__}: a fused {layer.normalization!r} norm takes no adapter")
+    return y.to(x.dtype)
 
 
 def _sharded_with_adapter(base: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
@@ -179,9 +205,9 @@ def _sharded_with_adapter(base: torch.nn.Module, prefix: str = "", sharded_offse
 
 def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
     """Adapters on every targeted layer of the model chunks (``lora.targets``), every other parameter frozen;
-    returns the adapters. Only megatron-core's own ColumnParallelLinear / RowParallelLinear are adapted (the
-    local spec; Transformer Engine's fused layers are refused before launch, ``config/validate/lora.py``)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    returns the adapters. The layers are megatron-core's own ColumnParallelLinear / RowParallelLinear (its local
+    spec) or its Transformer Engine wrappers (``LAYERS``; a fused norm+linear's adapter takes the normed input);
+    Transformer Engine's grouped experts take none (refused before launch, ``config/validate/lora.py``)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     kinds = lora_targets(lora)
@@ -193,15 +219,17 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
     for m in modules:
         for layer in (x for x in m.modules() if isinstance(x, TransformerLayer)):
             for name, base in layer.named_modules():
+                if name == "mlp.experts" and "experts" in kinds and type(base).__name__ != "SequentialMLP":
+                    raise TypeError(f"lora.targets: experts are a {type(base).__name__} here (grouped GEMMs); "
+                                    "adapters are built on SequentialMLP's experts only")
                 kind, expert = _target_kind(name)
                 what = "experts" if expert is not None else kind
                 if what not in kinds:
                     continue
                 row = kind in ROW
-                if type(base) is not (RowParallelLinear if row else ColumnParallelLinear) or (
-                        not row and base.gather_output):
+                if type(base).__name__ not in LAYERS[row] or getattr(base, "gather_output", False):
                     raise TypeError(f"lora.targets: {what} ({TARGETS[what]}) is a {type(base).__name__} here; "
-                                    "adapters are built on megatron-core's own parallel linears only")
+                                    f"adapters are built on {', '.join(LAYERS[row])} only")
                 glu = kind == "linear_fc1" and bool(base.config.gated_linear_unit)
                 base.lora = LoraAdapter(base, row, lora.rank, lora.alpha, lora.dropout, glu)
                 seed_of = seed * 1_000_003 + layer.layer_number * 16

@@ -6,7 +6,9 @@ or without sequence parallelism) and on every routed expert's at any EP (expert 
 under any activation recompute, frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
 adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``;
 experts' on CPU engines through ``compat.vllm_moe_lora``). Not built yet, so refused: expert adapters at an expert
-TP other than 1 or TP's, Transformer Engine's fused layers, sleep level 2, a dist checkpoint as the base.
+TP other than 1 or TP's, Transformer Engine's grouped experts, FP8, sleep level 2, a dist checkpoint as the base.
+Adapters on Transformer Engine's linears (``model.transformer_engine=true``; 'auto' keeps megatron's own under LoRA)
+are written for GPUs and checked there against the local layers (``tests/gpu/test_lora_te_gpu.py``).
 """
 
 from __future__ import annotations
@@ -79,11 +81,13 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
                           "expert adapters are built at expert TP 1 or equal to parallel.tp (megatron's gradient "
                           "norm counts a factor replicated over expert TP by the dense TP rank); set parallel.etp=1 "
                           f"or {cfg.parallel.tp}")
-    if cfg.model.fp8 or cfg.model.transformer_engine is True:  # ('auto' resolves to megatron's own layers here)
-        raise ConfigError(f"lora.rank={lo.rank} with Transformer Engine layers (model.transformer_engine="
-                          f"{cfg.model.transformer_engine}, model.fp8={cfg.model.fp8!r}): adapters on its fused "
-                          "norm+linear layers are not built yet; set model.transformer_engine=auto (megatron's own "
-                          "layers under LoRA) or false, and model.fp8=''")
+    if cfg.model.fp8:
+        raise ConfigError(f"lora.rank={lo.rank} with model.fp8={cfg.model.fp8!r}: adapters beside FP8 GEMMs are not "
+                          "built; set model.fp8='' (LoRA trains in the trainer's precision)")
+    if cfg.model.transformer_engine is True and "experts" in kinds:  # ('auto' resolves to megatron's own layers)
+        raise ConfigError(f"lora.targets={lo.targets!r} with model.transformer_engine=true: Transformer Engine runs "
+                          "the experts as grouped GEMMs, which take no adapters yet; set model.transformer_engine="
+                          "auto (megatron's own layers under LoRA) or drop 'experts' from lora.targets")
 
 
 def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None:
