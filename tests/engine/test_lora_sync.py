@@ -140,13 +140,15 @@ def test_train_with_lora_syncs_the_adapters_and_refers_to_the_base(tmp_path):
 def test_kill_9_and_resume_with_lora_is_exact(tmp_path):
     """kill -9 during step 3's generation, resumed by the same command: the adapters and their optimizer state come
     back from the run checkpoint, the engines are sent them again, and every non-timing metric is the uninterrupted
-    run's (the entropy bonus and the KL to the base move the adapters every step)."""
+    run's (the entropy bonus and the KL to the base move the adapters every step; the dropout's masks come from
+    megatron's RNG tracker, whose states the checkpoint holds)."""
     import signal
 
     from megarl.logging.metrics import deterministic_view, read_metrics
 
     model = make_tiny_model(tmp_path / "model", TinyShape(family="qwen2"), seed=3)
-    args = ("lora.rank=4", "lora.alpha=8", "algo.entropy_coef=0.01", "algo.kl_coef=0.01", "sync.check_every=1")
+    args = ("lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "algo.entropy_coef=0.01", "algo.kl_coef=0.01",
+            "sync.check_every=1")
     runs = {name: tmp_path / name for name in ("baseline", "killed")}
     train(tiny_partial_run(model, runs["baseline"], 4, *args), runs["baseline"])
     train(tiny_partial_run(model, runs["killed"], 4, *args), runs["killed"],
