@@ -28,6 +28,7 @@ from megarl.config.schema import captures_routes, resolved_engine_dtype, resolve
 from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.lora import hf_modules
 from megarl.config.validate.settings import resolved_transformer_engine
+from megarl.convert.lora_base import engine_model_dir, engines_start_empty, ensure_lora_base
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
 from megarl.distributed.bootstrap import detect
@@ -46,7 +47,7 @@ from megarl.logging.console import configure as configure_console
 from megarl.logging.console import main_only
 from megarl.logging.metrics import MetricsLogger
 from megarl.logging.timeline import Timeline, write_trace
-from megarl.models.hf_config import is_dist_checkpoint, model_files_dir, num_experts, read_hf_config
+from megarl.models.hf_config import model_files_dir, num_experts, read_hf_config
 from megarl.models.tiny import TinyShape, make_tiny_model
 from megarl.rewards.pool import RewardPool, build_rewards
 from megarl.rollout.controller import ControllerConfig, RolloutController
@@ -149,6 +150,7 @@ def build_session(cfg: RunConfig) -> Session:
     prompts = build_prompts(d, tokenizer, task, cfg.engine.max_model_len - cfg.rollout.max_new_tokens,
                             prompt_tools(cfg.env))  # (env.fn=tools: the prompts describe env.tools)
     rewards = build_rewards(cfg.reward, d)
+    ensure_lora_base(cfg, ps.rank)  # LoRA from a dist checkpoint: its HF weights for the engines, converted once
     engines = build_engines(cfg, hf_cfg, cpus.node.replicas, main_only(log.info, ps.rank))
     activate_cpu()
     from megatron.core import tensor_parallel
@@ -200,7 +202,7 @@ def build_session(cfg: RunConfig) -> Session:
                 cpus=cpus)
     if s.eval_prompts:  # (a multi-turn run evaluates episodes, on workers apart from the controller's)
         s.eval_episodes = build_episodes(cfg, tokenizer)
-    if is_dist_checkpoint(cfg.model.path) and not weight_sync.run(engines, version=0).loaded:  # (random weights)
+    if engines_start_empty(cfg) and not weight_sync.run(engines, version=0).loaded:  # (random weights)
         raise RuntimeError(f"model.path={cfg.model.path}: the trainer's weights could not be loaded into the engines, "
                            "which started without any (see the log above)")
     install_test_faults(s)  # the fault hooks a test asks for, wrapped around the rooms (testing/); else nothing
@@ -246,8 +248,9 @@ def engine_numerics(cfg: RunConfig, hf_cfg: dict) -> dict:
     metrics; 0: none), and the LoRA adapters they serve (rank, HF modules; rank 0: none)."""
     e, experts = cfg.engine, num_experts(hf_cfg)
     # model.path a dist checkpoint: vLLM starts on random weights (its 'dummy' load) and serves the trainer's from the
-    # first sync (build_session) on; its config and tokenizer are the checkpoint's hf/
-    return dict(load_format="dummy" if is_dist_checkpoint(cfg.model.path) else "auto",
+    # first sync (build_session) on, its config and tokenizer the checkpoint's hf/; under LoRA from the checkpoint's
+    # weights converted to HF (convert/lora_base.py: a LoRA sync sends the adapters alone)
+    return dict(load_format="dummy" if engines_start_empty(cfg) else "auto",
                 dtype=resolved_engine_dtype(cfg), enforce_eager=e.enforce_eager,
                 gpu_memory_utilization=e.gpu_memory_utilization,
                 route_experts=experts if captures_routes(cfg, experts, on_gpu()) else 0,
@@ -268,7 +271,7 @@ def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:
 def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None, say=print) -> Engines:
     """The run's engines: in the trainer's processes (colocated), or ``engine.replicas`` vLLM engines in processes of
     their own (disaggregated; ``replica_cpus``: the cores of each replica this node hosts, by its place here)."""
-    e, model = cfg.engine, str(model_files_dir(cfg.model.path))  # (a dist checkpoint's hf/)
+    e, model = cfg.engine, str(engine_model_dir(cfg))  # (a dist checkpoint's hf/, or under LoRA its HF weights)
     if e.placement == "disaggregated":
         return EngineReplicas(model, e.replicas, e.tensor_parallel_size, e.max_model_len, e.kv_cache_gib,
                               e.slots, seed=cfg.train.seed, transport=cfg.sync.transport, timeout_s=cfg.sync.timeout_s,

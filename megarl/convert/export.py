@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megarl.convert.export_lora import export_adapter
 from megarl.convert.hf_files import ShardedWriter, copy_aux_files, publish, staging_dir
+from megarl.convert.lora_base import engine_model_dir
 from megarl.models.hf_config import DTYPE_NAMES, model_files_dir, num_experts, torch_dtype
 from megarl.weight_sync.streaming import StreamingSync
 
@@ -71,7 +72,7 @@ def export_policy(s, step: int, final: bool = False) -> Path | None:
     due = bool(every) and step % every == 0
     if (final and due and step > 0) or (not final and not due):  # (final: the loop just exported it)
         return None
-    path = export_hf(s.trainer, s.cfg.model.path, Path(s.run_dir) / "hf" / f"step_{step}",
+    path = export_hf(s.trainer, engine_model_dir(s.cfg), Path(s.run_dir) / "hf" / f"step_{step}",
                      max_shard_bytes=int(s.cfg.train.export_shard_gib * 2**30))
     if path is not None:
         adapter = bool(getattr(s.trainer, "adapters", None))

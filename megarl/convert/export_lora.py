@@ -2,7 +2,7 @@
 (``PeftModel.from_pretrained``) and vLLM, and merged into the base by ``tools/merge_lora.py``.
 
 ``<run_dir>/hf/step_<N>/`` then holds ``adapter_config.json`` (``trainer/lora_peft.py``'s ``peft_config``, its
-``base_model_name_or_path`` the absolute path of the run's ``model.path`` HF files: a dist checkpoint's ``hf/``),
+``base_model_name_or_path`` the absolute path of the base the engines served: ``convert.lora_base.engine_model_dir``),
 ``adapter_model.safetensors`` (the adapters under PEFT's names, in the full export's dtype; routed experts' in
 PEFT's fused layout, ``models/peft_experts.py``) and the base's tokenizer
 files — not its ``config.json``, generation config or weights. Written to ``step_<N>.tmp`` and renamed, as the full

@@ -3,7 +3,9 @@ checkpoint (docs/conversion.md#starting-a-run-from-a-dist-checkpoint).
 
 The trainer loads it with megatron's dist checkpointing at its own layout (resharded on load), the engines start on
 vLLM's dummy weights and serve the trainer's from the first sync; the config and tokenizer are the checkpoint's
-``hf/``. A checkpoint of another model than that config, or one without ``hf/``, is refused before launch.
+``hf/``. A checkpoint of another model than that config, or one without ``hf/``, is refused before launch. A LoRA
+run from it starts its engines from the checkpoint's weights converted to HF once (a LoRA sync sends the adapters
+alone).
 """
 
 import json
@@ -14,7 +16,7 @@ import pytest
 
 from helpers.conversion import convert
 from helpers.hf_models import make_hf_model
-from helpers.runs import train
+from helpers.runs import scalars, train
 from helpers.scripts import run_script
 
 
@@ -79,3 +81,20 @@ def test_a_run_from_the_dist_checkpoint_trains_as_the_run_from_its_hf_directory(
     assert ckpt["loss/policy"] == pytest.approx(hf["loss/policy"], rel=1e-6, abs=1e-9), (hf, ckpt)
     assert ckpt["loss/tokens"] == hf["loss/tokens"] and ckpt["loss/grad_norm"] == pytest.approx(hf["loss/grad_norm"],
                                                                                                  rel=1e-6)
+
+
+@pytest.mark.slow  # (a `megarl train` run, ~30 s; tests/unit/test_lora_base.py is its fast representative)
+def test_a_lora_run_from_the_dist_checkpoint_serves_its_weights_with_the_adapters(converted):
+    """The engines start from ``<run_dir>/base_hf`` (the checkpoint converted), not dummy weights: every step's audit
+    finds the engine serving the trainer's base with its synced adapters, and the PEFT export names that base."""
+    run_dir = converted["work"] / "run_lora"
+    out = train([sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                 f"model.path={converted['ckpt']}", "model.make_tiny=", f"train.run_dir={run_dir}", "train.steps=2",
+                 "warmup.steps=0", "train.resume=never", "engine.max_model_len=96", "lora.rank=4", "lora.alpha=8",
+                 "algo.entropy_coef=0.01", "sync.check_every=1"], run_dir)
+    assert f"converting its weights to HF at {run_dir / 'base_hf'}" in out
+    s = scalars(run_dir)
+    assert s["engine/version"] == [1.0, 2.0] and max(s["sync/failures"]) == 0
+    assert max(s["sync/logprob_gap"]) <= 1e-4  # (on dummy weights the audit's gap is ~10)
+    adapter = json.loads((run_dir / "hf" / "step_2" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((run_dir / "base_hf").resolve())

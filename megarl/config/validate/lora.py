@@ -6,7 +6,8 @@ or without sequence parallelism) and on every routed expert's at any EP (expert 
 under any activation recompute, frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
 adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``;
 experts' on CPU engines through ``compat.vllm_moe_lora``). Not built yet, so refused: expert adapters at an expert
-TP other than 1 or TP's, Transformer Engine's grouped experts, FP8, sleep level 2, a dist checkpoint as the base.
+TP other than 1 or TP's, Transformer Engine's grouped experts, FP8, sleep level 2. A dist checkpoint as the base is
+converted to HF once for the engines (``convert/lora_base.py``).
 Adapters on Transformer Engine's linears (``model.transformer_engine=true``; 'auto' keeps megatron's own under LoRA)
 are written for GPUs and checked there against the local layers (``tests/gpu/test_lora_te_gpu.py``).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import LoraConfig, RunConfig
-from megarl.models.hf_config import is_dist_checkpoint, is_moe_layer, num_experts
+from megarl.models.hf_config import is_moe_layer, num_experts
 
 TARGETS = {
     "linear_qkv": "attention QKV (column-parallel)",
@@ -116,7 +117,3 @@ def check_lora_run(cfg: RunConfig) -> None:
     if e.sleep_level == 2:
         raise ConfigError(f"lora.rank={lo.rank} with engine.sleep_level=2: level 2 drops the engine's weights for the "
                           "sync to refill, and a LoRA sync sends only the adapters; set engine.sleep_level=1 or 0")
-    if is_dist_checkpoint(cfg.model.path):
-        raise ConfigError(f"lora.rank={lo.rank} with model.path={cfg.model.path} (a megatron dist checkpoint): the "
-                          "engines start from the base model's HF files and never receive its weights; give the HF "
-                          "checkpoint as model.path")
