@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def ensure_lora_base(cfg: RunConfig, rank: int, poll_s: float = 2.0) -> Path | N
             log.info(f"lora: the engines' base weights are {out} (converted from {source} earlier)")
         else:
             from megarl.convert.dist_hf import mcore_to_hf  # (megatron: only where a conversion runs)
+
+            if out.exists():  # renamed into place but never marked complete: a conversion cut short
+                log.info(f"lora: {out} has no {SOURCE} (a conversion that did not finish): converting again")
+                shutil.rmtree(out)
 
             log.info(f"lora: model.path={source} is a dist checkpoint and a LoRA sync sends the engines the adapters "
                      f"alone: converting its weights to HF at {out} once for them (give the HF checkpoint as "

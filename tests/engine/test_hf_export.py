@@ -17,20 +17,16 @@ def test_exported_policy_gives_the_trainers_logprobs_in_transformers(tmp_path):
     assert v["tokens"] > 0 and v["gap"] <= 1e-4
 
 
-class _Cfg:
-    class train:
-        export_hf_every = 3
-        export_shard_gib = 0.5
-
-
 def test_export_schedule(monkeypatch):
     from megarl.convert import export as hf_export
 
     calls = []
     monkeypatch.setattr(hf_export, "export_hf", lambda trainer, model_dir, out, max_shard_bytes: calls.append(
         (out.name, max_shard_bytes)))
-    s = type("S", (), {"cfg": type("C", (), {"train": _Cfg.train, "model": type("M", (), {"path": "m"})}),
-                       "trainer": None, "run_dir": "r"})
+    from megarl.config import load_config
+
+    cfg = load_config(None, ["model.path=m", "train.export_hf_every=3", "train.export_shard_gib=0.5"])
+    s = type("S", (), {"cfg": cfg, "trainer": None, "run_dir": "r"})
     for step in range(1, 8):
         hf_export.export_policy(s, step)
     hf_export.export_policy(s, 7, final=True)

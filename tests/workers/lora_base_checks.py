@@ -4,8 +4,8 @@ pytest's): a tiny model converted to a dist checkpoint, then a LoRA run's engine
     python tests/workers/lora_base_checks.py HF_DIR WORK   (prints one JSON line)
 
 Rank 1 (a thread here) waits until rank 0's conversion is complete; the base's weights are the HF model's bit for
-bit; a second call reuses it (nothing rewritten); the same run dir with another dist checkpoint is refused; a full run
-or an HF model.path has none.
+bit; a second call reuses it (nothing rewritten), one without its completion mark converts again; the same run dir
+with another dist checkpoint is refused; a full run or an HF model.path has none.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def main(hf: str, work: str) -> None:
     peer.join(timeout=60)
     written = {p.name: p.stat().st_mtime_ns for p in base.iterdir()}
     again = ensure_lora_base(cfg, rank=0)
+    reused = again == base and written == {p.name: p.stat().st_mtime_ns for p in again.iterdir()}
     hf_weights = {k: v for f in sorted(Path(hf).glob("*.safetensors")) for k, v in load_file(f).items()}
     base_weights = {k: v for f in sorted(base.glob("*.safetensors")) for k, v in load_file(f).items()}
+    (base / SOURCE).unlink()  # a conversion cut short after its rename: converted again
+    remade = ensure_lora_base(cfg, rank=0) == base and (base / SOURCE).is_file()
     hf_to_mcore(hf, other, log=lambda _: None)
     try:
         ensure_lora_base(load_config(None, [f"model.path={other}", *run]), rank=0)
@@ -51,7 +54,8 @@ def main(hf: str, work: str) -> None:
             hf_weights[k].dtype == base_weights[k].dtype and bool((hf_weights[k] == base_weights[k]).all())
             for k in hf_weights),
         "tokenizer": (base / "tokenizer_config.json").is_file(),
-        "reused": again == base and {p.name: p.stat().st_mtime_ns for p in base.iterdir()} == written,
+        "reused": reused,
+        "remade": remade,
         "refused": refused,
         "full_run": [str(engine_model_dir(load_config(None, [f"model.path={ckpt}"]))),
                      engines_start_empty(load_config(None, [f"model.path={ckpt}"]))],
