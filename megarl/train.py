@@ -30,6 +30,7 @@ from megarl.distributed.signals import Preemption
 from megarl.evaluation import NO_EVAL_PATH
 from megarl.keeper import RunKeeper, StopRun
 from megarl.logging.console import main_only
+from megarl.logging.metrics import final_pass_at_1
 from megarl.rollout.episode_eval import summary
 from megarl.rollout.evaluate import pass_rates
 from megarl.rollout.pipeline import Rollout
@@ -117,10 +118,11 @@ def run(cfg: RunConfig) -> RunResult:
     keeper = RunKeeper(s, preemption)
     steps = keeper.resume()  # 0, or the steps of the checkpoint this run continues from
     if steps and steps >= cfg.train.steps:  # a finished run resubmitted: nothing to train, nothing to export again
+        after = final_pass_at_1(s.run_dir / "metrics.jsonl")  # (its own evaluation after RL, as it recorded it)
         say(f"nothing to train: the run in {s.run_dir} finished at step {steps} (train.steps={cfg.train.steps}; "
-            "train.resume=never starts afresh, setting it aside)")
+            f"train.resume=never starts afresh, setting it aside); its pass@1 after RL was {after:.3f}")
         s.close()
-        return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")))
+        return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")), after)
     if not steps:
         keeper.warm_up()  # warmup.steps supervised steps (a preempted warm-up's rest), then the engines synced
         if keeper.stopped:  # preempted in the warm-up: its checkpoint (the warm-up steps done) saved, leave at once

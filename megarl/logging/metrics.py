@@ -58,6 +58,12 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
+def final_pass_at_1(path: str | Path) -> float:
+    """A finished run's held-out pass@1 after RL: its metrics.jsonl's final evaluation (NaN where it has none)."""
+    finals = [r["eval/pass_at_1"] for r in read_metrics(path) if r.get("final") and "eval/pass_at_1" in r]
+    return finals[-1] if finals else float("nan")
+
+
 class MetricsLogger:
     """Writes scalars to TensorBoard (rank 0 only) and prints a progress line per step."""
 

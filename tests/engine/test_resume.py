@@ -9,6 +9,7 @@ same rollout controller state.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -24,7 +25,7 @@ from helpers.runs import train as run_train
 from helpers.scripts import ROOT
 from megarl.checkpoint.run import RunCheckpoints, verify
 from megarl.checkpoint.session_state import buffer_digest
-from megarl.logging.metrics import deterministic_view, read_metrics
+from megarl.logging.metrics import deterministic_view, final_pass_at_1, read_metrics
 
 STEPS = 6
 
@@ -188,6 +189,8 @@ def test_a_finished_run_resubmitted_says_it_has_nothing_to_train(baseline, tmp_p
     exported = {p: p.stat().st_mtime_ns for p in (again / "hf").rglob("*") if p.is_file()}
     out = train(model, again)
     assert f"nothing to train: the run in {again} finished at step {STEPS} (train.steps={STEPS};" in out, out[-3000:]
+    after = final_pass_at_1(run / "metrics.jsonl")  # (its own final evaluation: the demo's "after" on a rerun)
+    assert not math.isnan(after) and f"its pass@1 after RL was {after:.3f}" in out
     assert f"step {STEPS + 1}" not in out and "eval after RL" not in out
     assert exported and {p: p.stat().st_mtime_ns for p in (again / "hf").rglob("*") if p.is_file()} == exported
     assert [deterministic_view(r) for r in read_metrics(again / "metrics.jsonl")] == \

@@ -32,3 +32,20 @@ def test_eta_of_a_resumed_run_counts_the_steps_this_process_ran(tmp_path):
     logger.progress(40, {}, ())
     assert out.getvalue().strip() == "step 40/60 | elapsed 0m10s eta 1m40s"
     logger.close()
+
+
+def test_a_finished_runs_pass_at_1_after_rl_is_its_final_evaluation(tmp_path):
+    """A finished run resubmitted (``make demo`` again) reports the pass@1 its own final evaluation recorded (it said
+    nan): the last ``final`` line's, not an evaluation during the run; NaN where the run has none."""
+    import math
+
+    from megarl.logging.metrics import MetricsLogger, final_pass_at_1
+
+    logger = MetricsLogger(tmp_path, total_steps=4, enabled=True)
+    logger.scalars(0, {"eval/pass_at_1": 0.28})
+    logger.scalars(2, {"eval/pass_at_1": 0.35, "reward/mean": 0.1})
+    assert math.isnan(final_pass_at_1(tmp_path / "metrics.jsonl"))  # no final evaluation yet
+    logger.scalars(4, {"eval/pass_at_1": 0.44}, final=True)
+    logger.close()
+    assert final_pass_at_1(tmp_path / "metrics.jsonl") == 0.44
+    assert math.isnan(final_pass_at_1(tmp_path / "absent.jsonl"))
