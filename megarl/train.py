@@ -120,7 +120,8 @@ def run(cfg: RunConfig) -> RunResult:
     if steps and steps >= cfg.train.steps:  # a finished run resubmitted: nothing to train, nothing to export again
         after = final_pass_at_1(s.run_dir / "metrics.jsonl")  # (its own evaluation after RL, as it recorded it)
         say(f"nothing to train: the run in {s.run_dir} finished at step {steps} (train.steps={cfg.train.steps}; "
-            f"train.resume=never starts afresh, setting it aside); its pass@1 after RL was {after:.3f}")
+            "train.resume=never starts afresh, setting it aside); its pass@1 after RL "
+            + ("was not measured" if math.isnan(after) else f"was {after:.3f}"))
         s.close()
         return RunResult(str(s.run_dir), steps, keeper.run.get("pass_at_1_before", float("nan")), after)
     if not steps:

@@ -33,11 +33,13 @@ gradient, partial on each expert-TP rank, is summed over expert TP in its backwa
 the target (and the expert's global number), then sliced: every layout starts from one process's adapters.
 ``adapters_off`` runs the model as the base (the reference of the KL penalty without a second model in memory).
 
-Dropout (``lora.dropout``) draws its masks from megatron's RNG tracker, so that a full recompute replays them and a
-run checkpoint resumes them: an input every TP rank holds whole (a column-parallel layer without SP; an expert's
-linear_fc1 at expert TP > 1, whose tokens the dispatcher gathered) from ``TIED``, seeded alike over the TP group (the
-ranks' replicated A stays one tensor); an input split over TP (row-parallel, or a sequence shard) from megatron's
-per-rank stream (``model-parallel-rng``; an expert's ``expert-parallel-rng``), as megatron draws its own dropout.
+Dropout (``lora.dropout``) draws its masks from megatron's RNG tracker, so that a full recompute replays them: an
+input every TP rank holds whole (a column-parallel layer without SP; an expert's linear_fc1 at expert TP > 1, whose
+tokens the dispatcher gathered) from ``TIED``, alike over the TP group (the ranks' replicated A stays one tensor) and
+set again before each RL step from the seed, the step and the group (``tie_dropout``: a resume at any layout, from a
+checkpoint with or without the stream, draws the uninterrupted run's masks); an input split over TP (row-parallel,
+or a sequence shard) from megatron's per-rank stream (``model-parallel-rng``; an expert's ``expert-parallel-rng``,
+which run checkpoints keep), as megatron draws its own dropout.
 
 In dist checkpoints (``checkpoint/dist.py``) the adapters are the base layer's ``lora.a`` / ``lora.b`` with the
 sharding above (``LoraAdapter.sharded_state_dict``; megatron's own layers call every tensor but their ``weight`` and
@@ -91,6 +93,7 @@ class LoraAdapter(torch.nn.Module):
         self.a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=weight.dtype, device=weight.device))
         self.b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=weight.dtype, device=weight.device))
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.tied_seed = 0  # (``tie_dropout``: the TIED stream's seed, alike over the TP group)
         replicated = not row and (self.tp > 1 if self.explicit else not self.sequence_parallel)
         self.rng = TIED if replicated else "expert-parallel-rng" if self.explicit else "model-parallel-rng"
         if self.tp > 1:
@@ -141,7 +144,10 @@ class LoraAdapter(torch.nn.Module):
             return x
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        with get_cuda_rng_tracker().fork(self.rng):
+        tracker = get_cuda_rng_tracker()
+        if self.rng == TIED and TIED not in tracker.get_states():  # (tracker states loaded from before the stream)
+            tracker.states_[TIED] = seeded_rng_state(self.tied_seed)
+        with tracker.fork(self.rng):
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,21 +184,21 @@ def _add_adapter(module: torch.nn.Module, args: tuple, kwargs: dict, output):
 def normed_input(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What ``layer``'s weight multiplies: ``x`` itself, or for a fused norm+linear layer (Transformer Engine's
     ``LayerNormLinear``, the input norm inside the layer) ``x`` through that norm, RMSNorm or LayerNorm with the
-    layer's own weight (``1 + weight`` when zero-centred), bias and epsilon, in fp32 and cast back as the layer
-    computes it. Per position, so a sequence shard is normed alone."""
+    layer's own weight (``1 + weight`` when zero-centred), bias and epsilon, in ``x``'s dtype (torch's norms
+    accumulate a bf16 input in fp32, as the layer does, and keep no fp32 copy of it for the backward). Per position,
+    so a sequence shard is normed alone. The adapter keeps this output for its backward: one activation of the
+    layer's input width, as megatron's own spec keeps its separate norm's."""
     gamma = getattr(layer, "layer_norm_weight", None)
     if gamma is None:
         return x
-    gamma = gamma.float() + 1 if layer.zero_centered_gamma else gamma.float()
+    gamma = (gamma.float() + 1 if layer.zero_centered_gamma else gamma).to(x.dtype)
     shape = (x.shape[-1],)
     if layer.normalization == "RMSNorm":
-        y = F.rms_norm(x.float(), shape, gamma, layer.eps)
-    elif layer.normalization == "LayerNorm":
+        return F.rms_norm(x, shape, gamma, layer.eps)
+    if layer.normalization == "LayerNorm":
         beta = layer.layer_norm_bias
-        y = F.layer_norm(x.float(), shape, gamma, None if beta is None else beta.float(), layer.eps)
-    else:
-        raise ValueError(f"{type(layer).__name__}: a fused {layer.normalization!r} norm takes no adapter")
-    return y.to(x.dtype)
+        return F.layer_norm(x, shape, gamma, None if beta is None else beta.to(x.dtype), layer.eps)
+    raise ValueError(f"{type(layer).__name__}: a fused {layer.normalization!r} norm takes no adapter")
 
 
 def _sharded_with_adapter(base: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
@@ -247,28 +253,42 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
     if not adapters:
         raise ValueError(f"lora.targets={lora.targets!r}: no layer of the model is one of them")
     if lora.dropout:
-        _add_tied_stream(adapters, seed)
+        tie_dropout(adapters, seed, step=0)
     for m in modules:
         if m.config.recompute_granularity == "full" and getattr(m, "decoder", None) is not None:
             m.decoder.register_forward_pre_hook(_input_needing_grad, with_kwargs=True)
     return adapters
 
 
-def _add_tied_stream(found: list[LoraAdapter], seed: int) -> None:
-    """The tracker's ``TIED`` stream (once a process), seeded by the TP group's first global rank: alike on the
-    group's ranks, another on each other group."""
+def tie_dropout(found: list[LoraAdapter], seed: int, step: int) -> None:
+    """The tracker's ``TIED`` stream set to the state of (``seed``, ``step``, the dense TP group's first global rank):
+    alike on the group's ranks, another on each other group, whatever the tracker held before (a run checkpoint of
+    another layout, or of a run without dropout). Before each RL step (``rl_update``) and once at start."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    tracker = get_cuda_rng_tracker()
-    if TIED in tracker.get_states():
-        return
-    group = found[0].tp_group
+    dense = [a for a in found if not a.explicit] or found  # (experts alone: their expert-TP group, TP's when tied)
+    group = dense[0].tp_group
     if group is not None:
         first = dist.get_process_group_ranks(group)[0]
     else:
         first = dist.get_rank() if dist.is_initialized() else 0
-    tracker.add(TIED, seed + 7_919_000 + first)
+    for a in found:
+        a.tied_seed = (seed * 1_000_003 + first) * 7919 + 104_729
+    get_cuda_rng_tracker().states_[TIED] = seeded_rng_state(found[0].tied_seed * 1_000_003 + step)
+
+
+def seeded_rng_state(seed: int) -> torch.Tensor:
+    """The state of a generator seeded with ``seed``, on the device dropout draws on (as megatron's tracker makes
+    one; the process's own generator left as it was)."""
+    seed %= 2**63
+    if not torch.cuda.is_available():
+        return torch.Generator().manual_seed(seed).get_state()
+    before = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(seed)
+    state = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(before)
+    return state
 
 
 def _input_needing_grad(block: torch.nn.Module, args: tuple, kwargs: dict):

@@ -20,7 +20,7 @@ from megarl.algo.minibatches import minibatch_rows
 from megarl.algo.objective import group_advantages, policy_loss_fn, shaped_rewards, value_loss_fn, whiten
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import resolved_decoupled_ppo
-from megarl.trainer.lora import adapters_off
+from megarl.trainer.lora import adapters_off, tie_dropout
 from megarl.trainer.policy import PolicyTrainer
 from megarl.types import Group, TrainBatch
 
@@ -152,6 +152,8 @@ def rl_update(learners: Learners, groups: list[Group], cfg: RunConfig, pad_id: i
         return out
     # without a proximal forward, the mismatch is measured in the first training forward (pre-update weights)
     measure = policy_loss_fn(a, measure_mismatch=True) if level is None else None
+    if cfg.lora.dropout and learners.policy.adapters:  # the step's masks of TP-replicated inputs: from the step alone
+        tie_dropout(learners.policy.adapters, cfg.train.seed, step)
     policy = _train(learners.policy, batch, policy_loss_fn(a), cfg, seed=step + 1, first_loss_fn=measure)
     out.update({
         "loss/policy": policy.get("loss", 0.0),

@@ -125,8 +125,9 @@ def test_adapters_gathered_for_the_sync_and_export_are_one_processs(model, layou
 def test_dropout_on_an_input_every_tp_rank_holds_draws_one_processs_masks(model):
     """``lora.dropout`` at TP 2 without sequence parallelism: a column-parallel layer's input is whole on both ranks
     and its masks come from the tracker's stream seeded alike over the TP group (``trainer.lora.TIED``), so both
-    ranks drop what one process drops: the replicated A stays one tensor and every gradient is one process's.
-    (Untied, each rank its own masks, the gap was 0.70.)"""
+    ranks drop what one process drops: the replicated A stays one tensor and every gradient is one process's, also
+    after each rank's stream was made its own (as a run checkpoint of another layout leaves it) and tied again as each
+    RL step ties it (``tie_dropout``). (Untied, each rank its own masks, the gap was 0.70.)"""
     ref, got = run(model, "single", targets="linear_qkv,linear_fc1", dropout=0.1), \
         run(model, "tp2", targets="linear_qkv,linear_fc1", dropout=0.1)
     assert grad_gap(ref, got) < 1e-5

@@ -34,7 +34,7 @@ def test_the_adapter_input_of_a_fused_norm_layer_is_the_normed_input(normalizati
             ref.bias.copy_(layer.layer_norm_bias)
     x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(2)) * 3 + 1
     torch.testing.assert_close(normed_input(layer, x), ref(x), rtol=1e-6, atol=1e-6)
-    # bf16 activations: normed in fp32, handed back in bf16 as the layer computes them
+    # bf16 activations: normed in bf16 (torch accumulates in fp32, as the layer does), handed back in bf16
     got = normed_input(layer, x.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref(x.bfloat16().float()), rtol=1e-2, atol=1e-2)

@@ -4,13 +4,15 @@ pytest's): a tiny model converted to a dist checkpoint, then a LoRA run's engine
     python tests/workers/lora_base_checks.py HF_DIR WORK   (prints one JSON line)
 
 Rank 1 (a thread here) waits until rank 0's conversion is complete; the base's weights are the HF model's bit for
-bit; a second call reuses it (nothing rewritten), one without its completion mark converts again; the same run dir
-with another dist checkpoint is refused; a full run or an HF model.path has none.
+bit; a second call reuses it (nothing rewritten), one without its completion mark converts again, and so does one
+after the checkpoint was rewritten in place; the same run dir with another dist checkpoint is refused; a full run or
+an HF model.path has none.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -41,6 +43,12 @@ def main(hf: str, work: str) -> None:
     base_weights = {k: v for f in sorted(base.glob("*.safetensors")) for k, v in load_file(f).items()}
     (base / SOURCE).unlink()  # a conversion cut short after its rename: converted again
     remade = ensure_lora_base(cfg, rank=0) == base and (base / SOURCE).is_file()
+    meta = ckpt / "metadata.json"  # the checkpoint rewritten in place since: converted again
+    os.utime(meta, ns=(meta.stat().st_atime_ns, meta.stat().st_mtime_ns + 10**9))
+    before = (base / SOURCE).stat().st_mtime_ns
+    ensure_lora_base(cfg, rank=0)
+    rewritten = (base / SOURCE).stat().st_mtime_ns != before and \
+        json.loads((base / SOURCE).read_text())["files"]["metadata.json"][1] == meta.stat().st_mtime_ns
     hf_to_mcore(hf, other, log=lambda _: None)
     try:
         ensure_lora_base(load_config(None, [f"model.path={other}", *run]), rank=0)
@@ -55,7 +63,7 @@ def main(hf: str, work: str) -> None:
             for k in hf_weights),
         "tokenizer": (base / "tokenizer_config.json").is_file(),
         "reused": reused,
-        "remade": remade,
+        "remade": remade, "rewritten": rewritten,
         "refused": refused,
         "full_run": [str(engine_model_dir(load_config(None, [f"model.path={ckpt}"]))),
                      engines_start_empty(load_config(None, [f"model.path={ckpt}"]))],

@@ -83,6 +83,12 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     if float(dropout):  # the tracker's streams the masks come from, on every rank (a digest of each state)
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        from megarl.trainer.lora import seeded_rng_state, tie_dropout
+
+        # the tied stream each rank's own, as a checkpoint of another layout leaves it; tied again as each RL step
+        # ties it (the trainer's seed 0, step 0: the masks of the run without this)
+        get_cuda_rng_tracker().states_[TIED] = seeded_rng_state(1000 + ps.rank)
+        tie_dropout(trainer.adapters, 0, step=0)
         states = get_cuda_rng_tracker().get_states()
         result["streams"] = gather({k: int(states[k].double().sum()) for k in (TIED, "model-parallel-rng")})
     if ps.world_size == 1 and precision == "fp32" and not float(dropout):  # (its calls would draw masks)
