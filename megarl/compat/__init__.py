@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import functools
 
+MEGATRON_CORE = "0.16.1"
+"""The megatron-core every patch of it is written for (``compat.megatron``, ``compat.lazy_compile``)."""
+
 
 @functools.cache
 def require(library: str, written_for: str) -> None:

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from megarl.compat import MEGATRON_CORE
+
 
 def _on_first_call(compile_: Callable, fn: Callable, kwargs: dict) -> Callable:
     compiled: list[Callable] = []
@@ -87,7 +89,7 @@ def _written_for() -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("megatron-core") == "0.16.1"
+        return version("megatron-core") == MEGATRON_CORE
     except PackageNotFoundError:
         return False
 

@@ -32,10 +32,10 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megarl.compat import require
+from megarl.compat import MEGATRON_CORE, require
 from megarl.distributed.context import chunk_positions
 
-VERSION = "0.16.1"
+VERSION = MEGATRON_CORE
 
 _ACTIVE: "_CudaToCpuMode | None" = None
 
