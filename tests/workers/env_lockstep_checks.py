@@ -12,6 +12,7 @@ import json
 
 import torch.distributed as dist
 
+from helpers.processes import end_process_group
 from helpers.scripted import ScriptedEngine
 from megarl.data.chat import TurnRenderer
 from megarl.envs.pool import EnvPool
@@ -54,7 +55,7 @@ def main() -> None:
     dist.all_gather_object(every, mine)
     if rank == 0:
         print(json.dumps({"ranks": every, "rows": ROWS}))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from helpers.processes import end_process_group
 from megarl.checkpoint.run import RunCheckpoints, resolve_resume, start_run_dir
 
 
@@ -49,7 +50,7 @@ def main(run: Path) -> None:
         "prev_tb": sorted(p.name for p in (prev / "tb").iterdir()), "left": sorted(p.name for p in run.iterdir()),
         "auto_nothing": str(resolve_resume("auto", run.parent / "empty_run", 2)),
     }))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
