@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -90,8 +89,10 @@ def _pins() -> dict[str, str]:
 
 
 def _compat_version(library: str) -> str:
-    """The version a ``megarl/compat`` module patches (its ``VERSION``)."""
-    return re.search(r'^VERSION = "(.+)"$', (ROOT / "megarl" / "compat" / f"{library}.py").read_text(), re.M)[1]
+    """The version a ``megarl/compat`` module patches (its ``VERSION``; the modules import torch alone)."""
+    import importlib
+
+    return importlib.import_module(f"megarl.compat.{library}").VERSION
 
 
 def _named(reqs: list[str]) -> dict[str, Requirement]:
