@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate.algo import resolved_decoupled_ppo
+from megarl.config.validate.lora import lora_on_experts
 from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.efficiency import HBM_EFFICIENCY, MFU, SMS, expert_gemm_efficiency
 from megarl.launch.gpus import Gpu
@@ -142,7 +143,8 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     again = recompute_flops(counts, hf, lay.recompute, tokens, s) * backwards
     peak = peak_flops(cfg, gpu)
     efficiency, per_expert = 1.0, 0.0
-    grouped = transformer_engine_planned(cfg, True)  # Transformer Engine's grouped expert GEMMs
+    # Transformer Engine's grouped expert GEMMs (LoRA on the experts: one GEMM per expert, SequentialMLP)
+    grouped = transformer_engine_planned(cfg, True) and not lora_on_experts(cfg.lora)
     if num_experts(hf):
         per_expert = tokens_per_expert(hf, cfg, lay, tokens)
         efficiency = expert_gemm_efficiency(

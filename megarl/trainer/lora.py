@@ -213,7 +213,8 @@ def apply_lora(modules: list[torch.nn.Module], lora: LoraConfig, seed: int = 0) 
     """Adapters on every targeted layer of the model chunks (``lora.targets``), every other parameter frozen;
     returns the adapters. The layers are megatron-core's own ColumnParallelLinear / RowParallelLinear (its local
     spec) or its Transformer Engine wrappers (``LAYERS``; a fused norm+linear's adapter takes the normed input);
-    Transformer Engine's grouped experts take none (refused before launch, ``config/validate/lora.py``)."""
+    Transformer Engine's grouped experts take none: with ``experts`` targeted the trainer builds SequentialMLP's
+    (``config.validate.lora.lora_on_experts``)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     kinds = lora_targets(lora)

@@ -180,33 +180,46 @@ def _local_spec(tcfg, moe: bool):
     return spec
 
 
-def layer_spec(tcfg, cfg: dict, layers: list[int], te: bool = False):
+def layer_spec(tcfg, cfg: dict, layers: list[int], te: bool = False, sequential_experts: bool = False):
     """The block spec of ``layers`` (global indices): each layer dense or MoE as the HF config says;
-    megatron's local spec with ``TorchNorm`` norms, or Transformer Engine's (``te``)."""
+    megatron's local spec with ``TorchNorm`` norms, or Transformer Engine's (``te``; ``sequential_experts``: see
+    ``te_layer_spec``)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    make = te_layer_spec if te else _local_spec
-    specs = {moe: make(tcfg, moe) for moe in (False, True)}
+    specs = {moe: te_layer_spec(tcfg, moe, sequential_experts) if te else _local_spec(tcfg, moe)
+             for moe in (False, True)}
     return TransformerBlockSubmodules(layer_specs=[specs[is_moe_layer(cfg, i)] for i in layers],
                                       layer_norm=LayerNormImpl if te else TorchNorm)
 
 
-def te_layer_spec(tcfg, moe: bool):
-    """Transformer Engine's layer spec (fused norm+linear, FP8-capable GEMMs, grouped expert GEMMs)."""
+def te_layer_spec(tcfg, moe: bool, sequential_experts: bool = False):
+    """Transformer Engine's layer spec (fused norm+linear, FP8-capable GEMMs, grouped expert GEMMs); with
+    ``sequential_experts`` (LoRA on the experts: adapters sit on each expert's own linear layers, which grouped GEMMs
+    do not have) the routed experts megatron's SequentialMLP of its own linear layers, as the local spec builds them
+    (one GEMM per local expert; names, sharding and checkpoints those of the local spec)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(
-        num_experts=tcfg.num_moe_experts if moe else None, moe_grouped_gemm=moe, qk_layernorm=tcfg.qk_layernorm)
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=tcfg.num_moe_experts if moe else None,
+                                                      moe_grouped_gemm=moe and not sequential_experts,
+                                                      qk_layernorm=tcfg.qk_layernorm)
+    if moe and sequential_experts:
+        local = get_moe_module_spec(use_te=False, num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False)
+        spec.submodules.mlp.submodules.experts = local.submodules.experts
+    return spec
 
 
-def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, transformer_engine: bool = False, **kwargs):
+def build_gpt_model(cfg: dict, ps: ParallelState, vp_stage: int = 0, transformer_engine: bool = False,
+                    sequential_experts: bool = False, **kwargs):
     """A GPTModel for this rank's pipeline stage (its chunk ``vp_stage`` under virtual stages):
-    the local spec, or Transformer Engine's when asked for and always under FP8."""
+    the local spec, or Transformer Engine's when asked for and always under FP8 (its experts megatron's own
+    SequentialMLP with ``sequential_experts``: LoRA on the experts)."""
     from megatron.core.models.gpt import GPTModel
 
     cache_packed_rope()  # packed rows: one cos/sin table per micro-batch, not one per layer, row and call
     tcfg = transformer_config(cfg, ps, **kwargs)
-    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=transformer_engine or bool(tcfg.fp8))
+    spec = layer_spec(tcfg, cfg, stage_layers(cfg, ps, vp_stage), te=transformer_engine or bool(tcfg.fp8),
+                      sequential_experts=sequential_experts)
     coords = ps.coords(vp_stage)
     model = GPTModel(
         config=tcfg,

@@ -27,6 +27,7 @@ from megarl.algo.packing import (
 from megarl.checkpoint.dist import load_model_weights
 from megarl.compat.megatron import count_expert_grads_once
 from megarl.config.schema import PRECISION_DTYPES, LoraConfig, OptimConfig
+from megarl.config.validate.lora import lora_on_experts
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState
 from megarl.distributed.watchdog import guard, rl_step
@@ -120,6 +121,7 @@ class PolicyTrainer(RouteRecording):
         self.modules = [build_gpt_model(hf_cfg, ps, vp, moe_aux_loss_coeff=optim.moe_aux_loss_coeff,
                                         moe_z_loss_coeff=optim.moe_z_loss_coeff, moe_dispatcher=moe_dispatcher, fp8=fp8,
                                         transformer_engine=transformer_engine, dtype=self.dtype,
+                                        sequential_experts=lora_on_experts(lora),
                                         recompute=recompute, recompute_layers=recompute_layers,
                                         cp_comm_type=cp_comm_type)
                         for vp in range(ps.vpp)]

@@ -4,7 +4,7 @@ of LoRA does not run stop the run before launch, naming the key (megarl/config/v
 import pytest
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.validate.lora import check_lora_run, lora_targets, validate_lora
+from megarl.config.validate.lora import check_lora_run, lora_on_experts, lora_targets, validate_lora
 from megarl.models.tiny import TinyShape, hf_config
 
 DENSE = hf_config(TinyShape(family="qwen2"), eos_id=1, pad_id=0)
@@ -54,11 +54,13 @@ def test_targets_the_model_lacks_and_unbuilt_combinations_are_refused():
     check("lora.rank=8", "lora.dropout=0.1", "trainer.recompute=full")  # (built: the adapters' gradients kept)
     with pytest.raises(ConfigError, match="model.fp8='delayed'.*not built"):  # (a GPU's check, made here)
         validate_lora(load_config(None, ["lora.rank=8", "model.fp8=delayed"]), DENSE)
-    # Transformer Engine's linears take adapters (tests/gpu/test_lora_te_gpu.py); its grouped experts not yet
+    # Transformer Engine's linears take adapters (tests/gpu/test_lora_te_gpu.py), its experts as SequentialMLP's
     validate_lora(load_config(None, ["lora.rank=8", "model.transformer_engine=true"]), DENSE)
-    with pytest.raises(ConfigError, match="model.transformer_engine=true: .*grouped GEMMs.*drop 'experts'"):
-        validate_lora(load_config(None, ["lora.rank=8", "model.transformer_engine=true", "parallel.ep=1",
-                                         "lora.targets=linear_qkv,experts"]), MOE)
+    experts = load_config(None, ["lora.rank=8", "model.transformer_engine=true", "parallel.ep=1",
+                                 "lora.targets=linear_qkv,experts"])
+    validate_lora(experts, MOE)
+    assert lora_on_experts(experts.lora) and not lora_on_experts(load_config(None, ["lora.rank=8"]).lora)
+    assert not lora_on_experts(load_config(None, ["lora.targets=linear_qkv,experts"]).lora)  # (rank 0: off)
 
 
 def test_transformer_engine_auto_is_megatrons_own_layers_under_lora_on_gpus_too():

@@ -114,6 +114,12 @@ def test_expert_parallelism_and_grouped_gemms_pay_off_at_few_tokens_per_expert()
     # 128 tokens × (2 × 768) outputs: 12 tiles of 128 × 128 on 132 SMs, one wave of 11% of the GPU per expert
     assert apart["expert_efficiency"] < 0.2 * ep8["expert_efficiency"] and apart["compute_s"] > ep8["compute_s"]
     assert math.isclose(apart["flops"], ep8["flops"])  # the same work, slower
+    # LoRA on the experts builds them as SequentialMLP under Transformer Engine too: timed one GEMM per expert
+    lora = ["lora.rank=16", "model.transformer_engine=true"]
+    for targets, grouped in (("linear_qkv,experts", False), ("linear_qkv,linear_proj", True)):
+        t = _times(QWEN3_30B_A3B, Layout(1, 8, tp=1, ep=8, etp=1, engine_tp=8), [*small, *lora,
+                                                                                f"lora.targets={targets}"], work)
+        assert t["train"]["grouped_gemm"] is grouped, targets
 
 
 ROWS = {  # docs/cluster.md's NeMo-RL v0.4 rows: published step, the row's `megarl plan` arguments

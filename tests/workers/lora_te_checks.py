@@ -2,13 +2,12 @@
 
 Usage: python tests/workers/lora_te_checks.py FAMILY WORKDIR   (prints one JSON line)
 
-One tiny model (``qwen2``: adapters on attention and the dense MLP; ``qwen3_moe``: on attention, the experts Transformer
-Engine's grouped GEMMs without adapters), two LoRA trainers from its HF weights: megatron's local spec and Transformer
-Engine's (fused norm+linear ``linear_qkv`` / ``linear_fc1``, whose adapters take the normed input). Every adapter's B
-a random one drawn by its name, alike in both. Printed: the largest logprob gaps of the two (adapters off: the base;
-adapters on), the gap the adapters make, the relative gap of every adapter's gradient after one step, and which
-layer classes took adapters.
-"""
+One tiny model (``qwen2``: adapters on attention and the dense MLP; ``qwen3_moe``: on attention and the routed
+experts, which Transformer Engine's trainer then builds as megatron's SequentialMLP, not grouped GEMMs), two LoRA
+trainers from its HF weights: megatron's local spec and Transformer Engine's (fused norm+linear ``linear_qkv`` /
+``linear_fc1``, whose adapters take the normed input). Every adapter's B a random one drawn by its name, alike in
+both. Printed: the largest logprob gaps of the two (adapters off: the base; adapters on), the gap the adapters make,
+the relative gap of every adapter's gradient after one step, and which layer classes took adapters."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ def main(family: str, work: str) -> None:
     cfg = read_hf_config(model)
     batch = fixed_batch(cfg["vocab_size"], n=16, seq=32)
     batch = type(batch)(**{k: v.cuda() for k, v in batch.as_dict().items()})
-    targets = "linear_qkv,linear_proj" if family == "qwen3_moe" else "linear_qkv,linear_proj,linear_fc1,linear_fc2"
+    targets = "linear_qkv,linear_proj," + ("experts" if family == "qwen3_moe" else "linear_fc1,linear_fc2")
     lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
     trainers = {te: PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=16), lora=lora,
                                   transformer_engine=te, precision="fp32") for te in (False, True)}
@@ -70,6 +69,8 @@ def main(family: str, work: str) -> None:
         "adapters_act": float((on[True] - off[True])[mask].abs().max()),
         "grad_gap": grad_gap, "same_names": sorted(grads[True]) == sorted(grads[False]), "adapters": len(grads[True]),
         "te_layers": sorted({type(m).__name__ for m in trainers[True].modules[0].modules() if hasattr(m, "lora")}),
+        "te_experts": sorted({type(m).__name__ for n, m in trainers[True].modules[0].named_modules()
+                              if n.endswith("mlp.experts")}),
     }))
 
 

@@ -6,10 +6,11 @@ or without sequence parallelism) and on every routed expert's at any EP (expert 
 under any activation recompute, frozen base weights, adapter-only optimizer state (``trainer/lora.py``), the
 adapter-only sync into colocated engines and replicas in processes of their own (``weight_sync/adapters.py``;
 experts' on CPU engines through ``compat.vllm_moe_lora``). Not built yet, so refused: expert adapters at an expert
-TP other than 1 or TP's, Transformer Engine's grouped experts, FP8, sleep level 2. A dist checkpoint as the base is
-converted to HF once for the engines (``convert/lora_base.py``).
-Adapters on Transformer Engine's linears (``model.transformer_engine=true``; 'auto' keeps megatron's own under LoRA)
-are written for GPUs and checked there against the local layers (``tests/gpu/test_lora_te_gpu.py``).
+TP other than 1 or TP's, FP8, sleep level 2. A dist checkpoint as the base is converted to HF once for the engines
+(``convert/lora_base.py``). Adapters on Transformer Engine's linears (``model.transformer_engine=true``; 'auto' keeps
+megatron's own under LoRA) are written for GPUs and checked there against the local layers
+(``tests/gpu/test_lora_te_gpu.py``); with ``experts`` targeted its experts are megatron's SequentialMLP, not its
+grouped GEMMs (``lora_on_experts``).
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ def validate_lora(cfg: RunConfig, hf: dict | None = None) -> None:
     if cfg.model.fp8:
         raise ConfigError(f"lora.rank={lo.rank} with model.fp8={cfg.model.fp8!r}: adapters beside FP8 GEMMs are not "
                           "built; set model.fp8='' (LoRA trains in the trainer's precision)")
-    if cfg.model.transformer_engine is True and "experts" in kinds:  # ('auto' resolves to megatron's own layers)
-        raise ConfigError(f"lora.targets={lo.targets!r} with model.transformer_engine=true: Transformer Engine runs "
-                          "the experts as grouped GEMMs, which take no adapters yet; set model.transformer_engine="
-                          "auto (megatron's own layers under LoRA) or drop 'experts' from lora.targets")
+
+
+def lora_on_experts(lora: LoraConfig | None) -> bool:
+    """Whether LoRA is on with ``experts`` among its targets: the experts then run as megatron's SequentialMLP of its
+    own linear layers under Transformer Engine too (``trainer.model.te_layer_spec``), not as its grouped GEMMs."""
+    return lora is not None and lora.rank > 0 and "experts" in lora_targets(lora)
 
 
 def check_targets_in_model(kinds: tuple[str, ...], hf: dict, model: str) -> None:

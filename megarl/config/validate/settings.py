@@ -197,7 +197,8 @@ def resolved_transformer_engine(cfg: RunConfig) -> bool:
     """``model.transformer_engine`` as the trainer applies it: 'auto' is on where CUDA and Transformer Engine are
     importable (a GPU machine with megarl[gpu]), off elsewhere (CPU) and under LoRA (adapters sit on megatron's
     own linears: ``trainer/lora.py``); true and false as given (true without them is refused before launch:
-    ``validate``; with LoRA, true takes adapters on Transformer Engine's linears, its grouped experts refused).
+    ``validate``; with LoRA, true takes adapters on Transformer Engine's linears, its experts megatron's own
+    SequentialMLP when adapted).
     Called once, by the session, before the trainers are built."""
     te = cfg.model.transformer_engine
     if te == "auto":
