@@ -8,12 +8,14 @@ Parts, in this order; each after the setup runs in a process of its own (megatro
 and OUT_DIR/figures.json is rewritten as each ends:
 
 - setup: Python, torch and its CUDA, the GPU, nvcc, the packages the parts need, and what is left out (vLLM:
-  every engine test; Transformer Engine: FP8 and TE's context parallelism). Without CUDA it stops there (exit 3);
+  every engine test; Transformer Engine: FP8, TE's context parallelism, LoRA on TE's layers). Without CUDA it
+  stops there (exit 3);
 - kernels: csrc/'s CUDA kernels built with nvcc and compared bit for bit with their torch references, run as
   ``pytest -k cuda tests/unit/test_native.py`` (the ``gpu`` test among them);
 - tiny: the trainer on the GPU in bf16 with packed micro-batches (``trainer.packing``), a tiny MoE (qwen3_moe) and a
   tiny dense model (qwen2), ``--steps`` optimizer steps of NLL on one fixed batch: every loss finite, the last
-  below the first;
+  below the first; and the tiny MoE with LoRA (attention and every expert, dropout from megatron's CUDA RNG
+  tracker): the same, its base weights bit for bit unchanged and its adapters' B moved from zero;
 - big: a 1B-class model (Llama-3.2-1B's shapes, random bf16 weights made here; nothing is downloaded), the same
   trainer: the seconds of an optimizer step on 16 packed sequences of 1024 tokens and its peak memory, beside
   ``megarl plan``'s estimate for the same shapes and batch (``plan_estimate``: its train seconds, its trainer
@@ -47,8 +49,8 @@ NEEDS = {"kernels": ("pytest",), "tiny": ("megatron.core", "yaml", "safetensors"
 safetensors, pytest)."""
 LEFT_OUT = {"vllm": "every engine test (tests/engine, tests/gpu/test_moe_engine_gpu.py, test_bf16_gpu.py, the "
                     "routing replay of colocated engines)",
-            "transformer_engine": "FP8 and Transformer Engine's context parallelism (tests/gpu/test_fp8_gpu.py, "
-                                  "test_context_parallel_gpu.py)"}
+            "transformer_engine": "FP8, Transformer Engine's context parallelism and LoRA on its layers "
+                                  "(tests/gpu/test_fp8_gpu.py, test_context_parallel_gpu.py, test_lora_te_gpu.py)"}
 """What this check does not run, by the package it would need."""
 TIMEOUT_S = {"kernels": 180, "tiny": 180, "big": 300}
 """Each part's limit (on an H100: about 10 minutes in all, the machine's start aside)."""
@@ -139,9 +141,10 @@ def write_model(path: Path, cfg: dict, std: float = 0.02, seed: int = 0) -> Path
     return path
 
 
-def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float):
+def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float, lora=None):
     """megarl's policy trainer of ``model_dir`` on this GPU: bf16 (fp32 main weights and Adam), packed micro-batches
-    of at most ``microbatch_tokens``, one process (TP = PP = DP = 1). (Without CUDA: megarl's CPU adapter.)"""
+    of at most ``microbatch_tokens``, one process (TP = PP = DP = 1), LoRA adapters with ``lora`` (a LoraConfig).
+    (Without CUDA: megarl's CPU adapter.)"""
     from megatron.core import tensor_parallel
 
     from megarl.compat.megatron import activate_cpu
@@ -155,7 +158,7 @@ def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float):
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     optim = OptimConfig(lr=lr, micro_batch_size=1024)
     return PolicyTrainer(read_hf_config(str(model_dir)), str(model_dir), ps, optim, precision="bf16", packing=True,
-                         max_tokens_per_microbatch=microbatch_tokens)
+                         max_tokens_per_microbatch=microbatch_tokens, lora=lora)
 
 
 def random_batch(vocab: int, rows: int, prompt: int, response: int, seed: int, vary: bool = True):
@@ -194,7 +197,36 @@ def tiny(steps: int, work: Path) -> dict:
                        "device": str(trainer.device)}
         del trainer
         torch.cuda.empty_cache()
-    out["ok"] = all(out[f]["finite"] and out[f]["falling"] for f in ("qwen3_moe", "qwen2"))
+    out["qwen3_moe_lora"] = tiny_lora(steps, work)
+    out["ok"] = all(out[f]["finite"] and out[f]["falling"] for f in ("qwen3_moe", "qwen2")) and \
+        out["qwen3_moe_lora"]["ok"]
+    return out
+
+
+def tiny_lora(steps: int, work: Path) -> dict:
+    """The tiny MoE with LoRA (rank 8 on attention and every expert, dropout 0.1), ``steps`` steps as ``tiny``'s: its
+    losses, whether every base weight is bit for bit as loaded, and the adapters' largest B (zero at the start)."""
+    import torch
+
+    from megarl.config.schema import LoraConfig
+    from megarl.models.tiny import TinyShape, hf_config
+
+    cfg = {**hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0), "torch_dtype": "float32"}
+    lora = LoraConfig(rank=8, alpha=16.0, dropout=0.1, targets="linear_qkv,linear_proj,experts")
+    trainer = packed_trainer(write_model(work / "qwen3_moe_lora", cfg, seed=3), microbatch_tokens=256, lr=1e-2,
+                             lora=lora)
+    base = {n: p.detach().clone() for m in trainer.modules for n, p in m.named_parameters() if ".lora." not in n}
+    batch = random_batch(cfg["vocab_size"], rows=16, prompt=8, response=40, seed=1)
+    losses = [trainer.train_step(batch, nll)["loss"] for _ in range(steps)]
+    after = {n: p for m in trainer.modules for n, p in m.named_parameters()}
+    frozen = all(torch.equal(after[n], p) for n, p in base.items())
+    b_max = max(float(a.b.detach().abs().max()) for a in trainer.adapters)
+    out = {"losses": losses, "finite": all(map(math.isfinite, losses)), "falling": losses[-1] < losses[0],
+           "adapters": len(trainer.adapters), "base_unchanged": frozen, "b_max": b_max,
+           "device": str(trainer.device)}
+    out["ok"] = out["finite"] and out["falling"] and frozen and b_max > 0
+    del trainer
+    torch.cuda.empty_cache()
     return out
 
 
@@ -292,7 +324,8 @@ def summary_line(part: str, r: dict) -> str:
         return f"kernels: {verdict}: {r['summary']}"
     if part == "tiny":
         return "tiny: " + verdict + ": " + "; ".join(
-            f"{f} loss {r[f]['losses'][0]:.3f} -> {r[f]['losses'][-1]:.3f}" for f in ("qwen3_moe", "qwen2"))
+            f"{f} loss {r[f]['losses'][0]:.3f} -> {r[f]['losses'][-1]:.3f}" for f in ("qwen3_moe", "qwen2",
+                                                                                      "qwen3_moe_lora"))
     return (f"big: {verdict}: step {r['step_s_median']:.3f} s, plan {r['plan_train_s']:.3f} s "
             f"(x{r['step_over_plan']:.2f}; "
             f"MFU {r['mfu_measured']:.2f}, plan assumes {r['mfu_plan']:.2f}); peak {r['peak_allocated_gib']:.2f} GiB "

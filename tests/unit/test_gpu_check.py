@@ -56,3 +56,19 @@ def test_the_1b_step_is_compared_with_the_plans_own_figures_for_its_shapes():
     assert est["trainer_gib"] == pytest.approx(sum(parts.values())) and parts["activations"] > 0
     assert 0 < est["train_s"] < 1
     assert gpu_check.plan_estimate(gpu_check.LLAMA_1B, "NVIDIA H100 80GB HBM3", 79.6)["preset"] == "h100"
+
+
+def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
+    """The LoRA leg of the ``tiny`` part, here on CPU (on the GPU its dropout draws from megatron's CUDA tracker): the
+    loss falls, every base weight stays bit for bit, the adapters' B leave zero."""
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'tools'); import gpu_check; "
+            f"print(json.dumps(gpu_check.tiny_lora(3, Path({str(tmp_path)!r}))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["ok"] and r["base_unchanged"] and r["b_max"] > 0 and r["losses"][-1] < r["losses"][0]
+    assert r["adapters"] == 4 * (2 + 4 * 2)  # 4 layers: linear_qkv, linear_proj, 4 experts' linear_fc1 and fc2
+    assert gpu_check.summary_line("tiny", {"ok": True, **{f: {"losses": [2.0, 1.0]} for f in (
+        "qwen3_moe", "qwen2")}, "qwen3_moe_lora": r}).endswith(f"qwen3_moe_lora loss {r['losses'][0]:.3f} -> "
+                                                              f"{r['losses'][-1]:.3f}")
