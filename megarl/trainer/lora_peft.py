@@ -57,8 +57,9 @@ def _local_adapters(module: torch.nn.Module):
 
 @torch.no_grad()
 def gather_adapters(modules: list[torch.nn.Module], ps, hf_cfg: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Every adapter whole, on every rank: global Megatron base layer name → (A [r, in], B [out, r]). Every rank of
-    the trainer calls it (TP gathers, then one exchange over the pipeline stages)."""
+    """Every adapter whole, on every rank, on the host: global Megatron base layer name → (A [r, in], B [out, r]).
+    Every rank of the trainer calls it (TP gathers, then one exchange over the expert ranks and the pipeline stages:
+    pickled objects, which is why host copies: a pickled CUDA tensor comes back on its sender's device)."""
     layers, experts = hf_cfg["num_hidden_layers"], num_experts(hf_cfg)
     whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for vp, module in enumerate(modules):
@@ -72,7 +73,7 @@ def gather_adapters(modules: list[torch.nn.Module], ps, hf_cfg: dict) -> dict[st
                 dist.all_gather(shards, split.contiguous(), group=ad.tp_group)
                 joined = join_tp_shards(weight, shards)
                 a, b = (joined, b) if ad.row else (a, joined)
-            whole[weight.removesuffix(".weight")] = (a.clone(), b.clone())
+            whole[weight.removesuffix(".weight")] = (a.to("cpu", copy=True), b.to("cpu", copy=True))
     if ps.ep > 1:  # each EP rank holds its own experts' adapters (whole by now); the rest is the same
         parts: list = [None] * ps.ep
         dist.all_gather_object(parts, {k: v for k, v in whole.items() if EXPERT in k}, group=ps.ep_group)

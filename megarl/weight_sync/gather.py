@@ -28,7 +28,9 @@ def _merge_over(group, local: dict[str, torch.Tensor], size: int) -> dict[str, t
 @torch.no_grad()
 def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_layers: int,
                          num_experts: int) -> dict[str, torch.Tensor]:
-    """Full tensors under global Megatron names, identical on every rank (``modules``: the model chunks)."""
+    """Full tensors under global Megatron names, identical on every rank, on the host (``modules``: the model chunks;
+    host copies: the exchange over expert ranks and stages pickles them, and a pickled CUDA tensor comes back on its
+    sender's device)."""
     full: dict[str, torch.Tensor] = {}
     named = ((ps.coords(vp), local_expert_name(name), p)
              for vp, module in enumerate(modules) for name, p in module.named_parameters())
@@ -41,7 +43,7 @@ def gather_full_megatron(modules: list[torch.nn.Module], ps: ParallelState, num_
             shards = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = join_tp_shards(name, shards)
-        full[global_name(name, num_layers, num_experts, coords)] = t.clone()
+        full[global_name(name, num_layers, num_experts, coords)] = t.to("cpu", copy=True)
     if ps.ep > 1:
         experts = {k: v for k, v in full.items() if ".experts." in k}
         full.update(_merge_over(ps.ep_group, experts, ps.ep))
