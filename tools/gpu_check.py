@@ -2,7 +2,7 @@
 """The trainer and the CUDA kernels on one GPU, without vLLM: what ``tools/gpu_check.sh`` runs (bench/README.md,
 "GPU check").
 
-    python tools/gpu_check.py OUT_DIR [--steps 6] [--parts kernels,tiny,big]
+    python tools/gpu_check.py OUT_DIR [--steps 6] [--parts kernels,collectives,tiny,big]
 
 Parts, in this order; each after the setup runs in a process of its own (megatron-core keeps process-global state),
 and OUT_DIR/figures.json is rewritten as each ends:
@@ -12,6 +12,9 @@ and OUT_DIR/figures.json is rewritten as each ends:
   stops there (exit 3);
 - kernels: csrc/'s CUDA kernels built with nvcc and compared bit for bit with their torch references, run as
   ``pytest -k cuda tests/unit/test_native.py`` (the ``gpu`` test among them);
+- collectives: two processes on this GPU over the default group megarl starts with GPUs (gloo beside NCCL): the
+  host-tensor collectives every step runs (``collectives.any_rank``), which a group of NCCL alone refuses, run as
+  ``pytest -m gpu tests/gpu/test_host_collectives_gpu.py``;
 - tiny: the trainer on the GPU in bf16 with packed micro-batches (``trainer.packing``), a tiny MoE (qwen3_moe) and a
   tiny dense model (qwen2), ``--steps`` optimizer steps of NLL on one fixed batch: every loss finite, the last
   below the first; and the tiny MoE with LoRA (attention and every expert, dropout from megatron's CUDA RNG
@@ -42,8 +45,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("kernels", "tiny", "big")
-NEEDS = {"kernels": ("pytest",), "tiny": ("megatron.core", "yaml", "safetensors"),
+PARTS = ("kernels", "collectives", "tiny", "big")
+NEEDS = {"kernels": ("pytest",), "collectives": ("pytest",), "tiny": ("megatron.core", "yaml", "safetensors"),
          "big": ("megatron.core", "yaml", "safetensors")}
 """The modules each part imports beyond torch (the wheels ``gpu_check.sh`` installs: megatron-core, pyyaml,
 safetensors, pytest)."""
@@ -52,7 +55,7 @@ LEFT_OUT = {"vllm": "every engine test (tests/engine, tests/gpu/test_moe_engine_
             "transformer_engine": "FP8, Transformer Engine's context parallelism and LoRA on its layers "
                                   "(tests/gpu/test_fp8_gpu.py, test_context_parallel_gpu.py, test_lora_te_gpu.py)"}
 """What this check does not run, by the package it would need."""
-TIMEOUT_S = {"kernels": 180, "tiny": 180, "big": 300}
+TIMEOUT_S = {"kernels": 180, "collectives": 120, "tiny": 180, "big": 300}
 """Each part's limit (on an H100: about 10 minutes in all, the machine's start aside)."""
 TORCH = "2.13"
 """The torch megarl pins (setup.py); another is said, and its figures are that torch's."""
@@ -98,13 +101,24 @@ def _version(dist: str) -> str | None:
 def kernels(out_dir: Path) -> dict:
     """``pytest -k cuda tests/unit/test_native.py``: compile for sm80/sm90, the launchers' errors, and the gpu test
     (every kernel against its reference, bit for bit); the build cached under OUT_DIR."""
-    env = {**os.environ, "MEGARL_NATIVE_DIR": str(out_dir / "native"), "PYTHONPATH": _pythonpath()}
+    return _pytest(["-k", "cuda", "tests/unit/test_native.py"], "3 passed",
+                   {"MEGARL_NATIVE_DIR": str(out_dir / "native")})
+
+
+def collectives(out_dir: Path) -> dict:
+    """``pytest -m gpu tests/gpu/test_host_collectives_gpu.py`` (two processes by torchrun on this GPU)."""
+    return _pytest(["-m", "gpu", "tests/gpu/test_host_collectives_gpu.py"], "1 passed")
+
+
+def _pytest(args: list[str], passed: str, env: dict | None = None) -> dict:
+    """``pytest -q args`` in ROOT: ok when it exits 0 with ``passed`` in its summary and nothing skipped."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": _pythonpath()}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "cuda",
-                           "tests/unit/test_native.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     summary = lines[-1] if lines else proc.stderr.strip()[-500:]
-    return {"ok": proc.returncode == 0 and "skipped" not in summary and "3 passed" in summary,
+    return {"ok": proc.returncode == 0 and "skipped" not in summary and passed in summary,
             "summary": summary, "seconds": time.perf_counter() - start,
             **({"output": proc.stdout[-3000:] + proc.stderr[-2000:]} if proc.returncode else {})}
 
@@ -320,8 +334,8 @@ def summary_line(part: str, r: dict) -> str:
     if "skipped" in r or "error" in r:
         return f"{part}: {'SKIPPED' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('error')}"
     verdict = "ok" if r.get("ok") else "FAILED"
-    if part == "kernels":
-        return f"kernels: {verdict}: {r['summary']}"
+    if part in ("kernels", "collectives"):
+        return f"{part}: {verdict}: {r['summary']}"
     if part == "tiny":
         return "tiny: " + verdict + ": " + "; ".join(
             f"{f} loss {r[f]['losses'][0]:.3f} -> {r[f]['losses'][-1]:.3f}" for f in ("qwen3_moe", "qwen2",
@@ -343,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.part:
         with tempfile.TemporaryDirectory(dir=out) as work:
-            r = kernels(out) if args.part == "kernels" else globals()[args.part](args.steps, Path(work))
+            run = globals()[args.part]
+            r = run(out) if args.part in ("kernels", "collectives") else run(args.steps, Path(work))
         print(json.dumps(r), flush=True)
         return 0
     parts = [p for p in args.parts.split(",") if p]

@@ -4,7 +4,7 @@
 # Figures in OUT_DIR/figures.json, one line a part on stdout; exit 0 when every part passed, 1 when one failed or
 # could not run, 3 without CUDA (after the setup, whose figures it writes).
 #
-#   tools/gpu_check.sh [OUT_DIR] [--parts kernels,tiny,big]   # default OUT_DIR runs/gpu_check
+#   tools/gpu_check.sh [OUT_DIR] [--parts kernels,collectives,tiny,big]   # default OUT_DIR runs/gpu_check
 #   tools/gpu_check.sh --download [DIR] [PYVER]   # where pip reaches an index: the wheels the parts need that a bare
 #                                                 # machine may lack, for CPython PYVER (3.12) into DIR (.whl), ~21 MiB
 #   WHEELS=.whl tools/gpu_check.sh                # first installs from DIR what is missing of them (no index)

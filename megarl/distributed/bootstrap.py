@@ -117,6 +117,14 @@ def _export(launch: Launch) -> None:
                       MASTER_PORT=str(launch.master_port))
 
 
+def process_group_backend(cuda: bool) -> str:
+    """The default group's backend: gloo on CPU; with GPUs NCCL for CUDA tensors and gloo for host ones. NCCL alone
+    takes no host tensor ("No backend type associated with device type cpu"), and every rank exchanges small host
+    flags and counts (``collectives.any_rank`` each step, the routing statistics); over gloo they run as on CPU,
+    timeouts included. megatron's groups, made on the default one, take both."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def _init_mpi(launch: Launch, backend: str) -> Launch:
     import mpi4py
 
@@ -157,7 +165,7 @@ def init_distributed(launch: Launch | None = None) -> Launch:
     launch = launch or detect()
     import torch
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(torch.cuda.is_available())
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     if launch.source == "mpi":

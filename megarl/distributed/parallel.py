@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarl.distributed.bootstrap import free_port
+from megarl.distributed.bootstrap import free_port, process_group_backend
 from megarl.models.sharding import RankCoords
 
 
@@ -68,15 +68,15 @@ class ParallelState:
 
 
 def init_process_group() -> tuple[int, int]:
-    """Join (or start) the default gloo/nccl group from torchrun's environment; world 1 without it."""
+    """Join (or start) the default group (``process_group_backend``) from torchrun's environment; world 1 without
+    it."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=process_group_backend(torch.cuda.is_available()))
     return dist.get_rank(), dist.get_world_size()
 
 

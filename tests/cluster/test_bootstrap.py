@@ -51,3 +51,18 @@ def test_launch_modules_import_neither_torch_nor_mpi4py():
             "b.detect(); print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_with_gpus_the_default_group_has_a_backend_for_host_tensors_too():
+    """NCCL alone takes CUDA tensors only; every rank's per-step flags (``collectives.any_rank``) are host tensors
+    (tests/gpu/test_host_collectives_gpu.py runs both groups on a GPU)."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from megarl.distributed.bootstrap import process_group_backend
+
+    def devices(backend: str) -> dict:
+        return {d: str(b) for d, b in BackendConfig(Backend(backend)).device_backend_map.items()}
+
+    assert devices(process_group_backend(cuda=True)) == {"cpu": "gloo", "cuda": "nccl"}
+    assert devices(process_group_backend(cuda=False))["cpu"] == "gloo"
+    assert "cpu" not in devices("nccl")  # (the group megarl started with GPUs before)
