@@ -368,7 +368,8 @@ class SyncConfig:
     """Disaggregated engines: the longest wait of a weight-transfer group or a replica's reply, in seconds."""
     rollback: Literal["copy", "resync"] = "copy"
     """A load failing mid-way: 'copy' (engine backs up its weights first, ~1 model of host RAM; keeps serving the
-    old version) or 'resync' (no backup; engine unusable until re-synced)."""
+    old version) or 'resync' (no backup; engine unusable until re-synced). engine.sleep_level=2 loads as 'resync'
+    (its weights were dropped: nothing to back up)."""
 
 
 @dataclass

@@ -18,10 +18,10 @@ every rank's controller stays in lockstep.
 
 Each rank's engine holds the full weights its TP shard needs (the streaming sync feeds every
 rank). Every event carries its replica's weight version. Replicas sample from streams of their
-own (derived from the loop's per-step seed and the replica index), so two samples of one prompt
-that run on two replicas are not the same sample twice. An engine error on any replica is raised
-on every rank after the exchange, so every rank's keeper handles it at the same step and every rank
-recovers its engine in place (``VLLMEngine.restart`` under torchrun).
+own (derived from the loop's per-step seed and the replica index; the CPU's and, on GPUs, the
+device's), so two samples of one prompt that run on two replicas are not the same sample twice.
+An engine error on any replica is raised on every rank after the exchange, so every rank's keeper
+handles it at the same step and every rank recovers its engine in place (``VLLMEngine.restart`` under torchrun).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megarl.distributed.rng import seeded_rng_state
 from megarl.engines.memory import EngineSleep
 from megarl.engines.protocol import SlotEngine
 from megarl.engines.vllm_engine import VLLMEngine, VLLMSlotEngine
@@ -58,6 +59,7 @@ class ColocatedReplicas:
         self.submitted = [0] * self.replicas  # requests each replica was given over the run
         self._seed: int | None = None  # the loop's seed the replica stream was derived from
         self._rng: torch.Tensor | None = None  # this replica's sampling RNG state
+        self._cuda_rng: torch.Tensor | None = None  # and on a GPU, its device's (vLLM samples there)
 
     @property
     def engine(self):
@@ -153,18 +155,27 @@ class ColocatedReplicas:
         return out
 
     def _step_local(self) -> StepReport:
-        """One step of this rank's engine, sampling from this replica's own RNG stream."""
+        """One step of this rank's engine, sampling from this replica's own RNG streams: the CPU generator's and,
+        on a GPU, this device's (vLLM's sampler draws its noise on the logits' device)."""
         seed = torch.initial_seed()
         if seed != self._seed or self._rng is None:  # the loop reseeded (every rank alike): derive anew
             self._seed = seed
-            self._rng = torch.Generator().manual_seed((seed * _SEED_STRIDE + self.replica) % 2**63).get_state()
+            derived = (seed * _SEED_STRIDE + self.replica) % 2**63
+            self._rng = torch.Generator().manual_seed(derived).get_state()
+            self._cuda_rng = seeded_rng_state(derived) if torch.cuda.is_available() else None
         outer = torch.get_rng_state()
+        outer_cuda = torch.cuda.get_rng_state() if self._cuda_rng is not None else None
         torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state(self._cuda_rng)
         try:
             return self.local.step()
         finally:
             self._rng = torch.get_rng_state()
             torch.set_rng_state(outer)
+            if outer_cuda is not None:
+                self._cuda_rng = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(outer_cuda)
 
 
 class ColocatedEngines:
@@ -175,11 +186,12 @@ class ColocatedEngines:
                  sleep_level: int = 0, say=print) -> None:
         """``rollback``: ``sync.rollback`` ('copy': a host backup restores a failed load; 'resync': none);
         ``sleep_level``: ``engine.sleep_level``, ``say`` told once where it cannot apply."""
-        self.engine, self.rollback = engine, rollback
+        self.engine = engine
         self.local = VLLMSlotEngine(engine, slots)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.replicas = ColocatedReplicas(self.local, tensor_parallel_size) if tensor_parallel_size < world else None
         self.sleeper = EngineSleep(engine, sleep_level, say)
+        self.rollback = self.sleeper.rollback(rollback)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -65,6 +65,18 @@ class EngineSleep:
             log(f"engine.sleep_level={level}: vLLM has no sleep mode on this platform (CPU); "
                 "the engine stays awake and sleep/wake calls are skipped")
 
+    def rollback(self, requested: str) -> str:
+        """``sync.rollback`` as the loads after a wake-up can apply it: at level 2 the weights were dropped, and the
+        sync that follows the wake-up refills them whole, so 'copy' would back up (and on a failed load restore)
+        memory that holds no weights; there a failed load leaves the engine unusable until the next sync, as
+        'resync' does (said once)."""
+        if requested == "copy" and self.supported and self.level == 2:
+            self.log("engine.sleep_level=2 drops the engine's weights while it sleeps, so sync.rollback=copy has none "
+                     "to back up after the wake-up: a failed load leaves the engine unusable until the next sync "
+                     "(as sync.rollback=resync)")
+            return "resync"
+        return requested
+
     def sleep(self) -> None:
         if self.supported and not self.asleep:
             self.engine.llm.sleep(level=self.level)

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from megarl.compat.megatron import frozen_linear_backward_in_2d
 from megarl.config.schema import LoraConfig
 from megarl.config.validate.lora import TARGETS, lora_targets
+from megarl.distributed.rng import seeded_rng_state
 
 COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
 LAYERS = {False: ("ColumnParallelLinear", "TELayerNormColumnParallelLinear", "TEColumnParallelLinear"),
@@ -277,19 +278,6 @@ def tie_dropout(found: list[LoraAdapter], seed: int, step: int) -> None:
     for a in found:
         a.tied_seed = (seed * 1_000_003 + first) * 7919 + 104_729
     get_cuda_rng_tracker().states_[TIED] = seeded_rng_state(found[0].tied_seed * 1_000_003 + step)
-
-
-def seeded_rng_state(seed: int) -> torch.Tensor:
-    """The state of a generator seeded with ``seed``, on the device dropout draws on (as megatron's tracker makes
-    one; the process's own generator left as it was)."""
-    seed %= 2**63
-    if not torch.cuda.is_available():
-        return torch.Generator().manual_seed(seed).get_state()
-    before = torch.cuda.get_rng_state()
-    torch.cuda.manual_seed(seed)
-    state = torch.cuda.get_rng_state()
-    torch.cuda.set_rng_state(before)
-    return state
 
 
 def _input_needing_grad(block: torch.nn.Module, args: tuple, kwargs: dict):

@@ -129,6 +129,7 @@ class GlooSender:
         one = torch.ones(1, dtype=torch.int64, device=self.device)
         try:
             for bucket in buckets:
+                bucket = bucket.to(self.device)  # (gloo's group takes host tensors, NCCL's the GPU's)
                 works = (self.group.broadcast(one, 0), self.group.broadcast(bucket, 0))
                 for w in pending:
                     w.wait()

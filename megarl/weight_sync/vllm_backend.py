@@ -80,8 +80,10 @@ def _register() -> None:
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = init_info.rank_offset + self.parallel_config.rank
-            if init_info.backend == "nccl":
-                self.device = torch.device("cuda", torch.cuda.current_device())
+            # received where the group's backend takes tensors: NCCL a CUDA device, gloo (a CPU-only group) the host
+            # (vLLM sets ``device`` to the worker's GPU; its weight loaders copy host tensors in)
+            gpu = init_info.backend == "nccl"
+            self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
             self.groups = [join_group(host, port, rank, init_info.world_size, init_info.backend, init_info.timeout_s)
                            for host, port in init_info.groups]
 

@@ -66,6 +66,22 @@ def test_cpu_skips_sleep_and_offload_with_one_line_each():
     assert not sleeper.asleep and not h.offload.offloaded
 
 
+
+def test_a_level_2_sleep_loads_without_a_backup_copy():
+    """Level 2 drops the weights, so the loads after a wake-up have nothing to back up: 'copy' becomes 'resync'
+    (said once) where vLLM sleeps (GPUs: ``supported``); level 1, and CPU where nothing sleeps, keep 'copy'."""
+    from megarl.engines.memory import EngineSleep
+
+    lines = []
+    cpu = EngineSleep(object(), 2, log=lines.append)
+    assert not cpu.supported and cpu.rollback("copy") == "copy"
+    for level, requested, applied in ((2, "copy", "resync"), (2, "resync", "resync"), (1, "copy", "copy")):
+        sleeper = EngineSleep(object(), level, log=lines.append)
+        sleeper.supported = True  # (as on a GPU with vLLM's sleep mode)
+        before = len(lines)
+        assert sleeper.rollback(requested) == applied
+        said = lines[before:]
+        assert (len(said) == 1 and "sync.rollback=copy has none to back up" in said[0]) == (applied != requested)
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_and_restores_engine_memory_with_equal_outputs(tmp_path, level):

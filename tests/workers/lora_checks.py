@@ -83,7 +83,8 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     if float(dropout):  # the tracker's streams the masks come from, on every rank (a digest of each state)
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        from megarl.trainer.lora import seeded_rng_state, tie_dropout
+        from megarl.distributed.rng import seeded_rng_state
+        from megarl.trainer.lora import tie_dropout
 
         # the tied stream each rank's own, as a checkpoint of another layout leaves it; tied again as each RL step
         # ties it (the trainer's seed 0, step 0: the masks of the run without this)
