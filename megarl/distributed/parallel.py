@@ -104,6 +104,11 @@ def build_parallel_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 0,
             context_parallel_size=cp,
             create_gloo_process_groups=True,
         )
+        if torch.cuda.is_available() and world > 1:
+            # NCCL makes a group's communicator at its first operation, which every rank of the group must join when
+            # that is a batched point-to-point (torch's batch_isend_irecv): the route exchange over DP, where a rank
+            # with nothing to send skips it, would wait forever. One all-reduce over DP, every rank, makes it here.
+            dist.all_reduce(torch.zeros(1, device="cuda"), group=mpu.get_data_parallel_group())
     return ParallelState(
         world_size=world,
         rank=rank,

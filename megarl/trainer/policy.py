@@ -219,23 +219,35 @@ class PolicyTrainer(RouteRecording):
         rows = self.optim_cfg.micro_batch_size * (self.ps.pp if self.ps.vpp > 1 else 1)
         if self.ps.pp > 1 and batch.size % rows:
             batch = batch.pad_rows(rows - batch.size % rows)
-        if self.ps.sequence_parallel and batch.seq_len % self.ps.tp:
-            batch = batch.pad_columns(self.ps.tp - batch.seq_len % self.ps.tp)
+        multiple = self._token_multiple()
+        if batch.seq_len % multiple:
+            batch = batch.pad_columns(multiple - batch.seq_len % multiple)
         return batch
+
+    def _token_multiple(self) -> int:
+        """What a micro-batch's positions are padded to a multiple of: TP under sequence parallelism (each rank its
+        shard), times megatron's FP8 alignment under FP8 (Transformer Engine's FP8 GEMMs take token counts of a
+        multiple of 16 only, 32 under MXFP8, on each rank's shard)."""
+        fp8 = 1
+        if self.tcfg.fp8:
+            from megatron.core.fp8_utils import get_fp8_align_size
+
+            fp8 = get_fp8_align_size(self.tcfg.fp8_recipe)
+        return (self.ps.tp if self.ps.sequence_parallel else 1) * fp8
 
     def _plan(self, batch: TrainBatch) -> list[list[PackedLayout]]:
         """Every DP rank's packed micro-batches (``algo/packing.py``) shaped for the layout: a multiple of TP
-        positions under sequence parallelism; one length under PP (equal p2p shapes) and under megatron's
-        all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches under virtual stages.
-        Rows of similar length together (``by_length``) where nothing reads a micro-batch's make-up: not under one
-        length (the longest micro-batch would set every one's) nor with the MoE router losses on (a micro-batch's
-        load statistic)."""
+        positions under sequence parallelism (and of 16 or 32 under FP8); one length under PP (equal p2p shapes)
+        and under megatron's all-gather dispatcher at EP > 1 (equal all-gathers); a multiple of PP micro-batches
+        under virtual stages. Rows of similar length together (``by_length``) where nothing reads a
+        micro-batch's make-up: not under one length (the longest micro-batch would set every one's) nor with the
+        MoE router losses on (a micro-batch's load statistic)."""
         ps, cfg = self.ps, self.tcfg
         same = ps.pp > 1 or (ps.ep > 1 and cfg.moe_token_dispatcher_type == "allgather")
         router_losses = bool(self.moe and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff))
         rows = 2 * ps.cp if ps.cp > 1 else 1  # context parallelism: each row in 2·CP chunks, each rank's a multiple
         return plan_microbatches(batch.row_lengths(), ps.dp, self.optim_cfg.micro_batch_size, self.max_tokens,
-                                 multiple=rows * (ps.tp if ps.sequence_parallel else 1), equal_length=same,
+                                 multiple=rows * self._token_multiple(), equal_length=same,
                                  count_multiple=ps.pp if ps.vpp > 1 else 1, by_length=not same and not router_losses,
                                  row_multiple=rows)
 
@@ -322,7 +334,9 @@ class PolicyTrainer(RouteRecording):
                     back = {"logprobs": out.detach().cpu()}
                     if packed is not None:
                         back["rows"] = mb["rows"].cpu()
-                    return torch.zeros((), requires_grad=False), back
+                    # (on the output's device: megatron keeps MoE's aux-loss scale, made on this loss's device by the
+                    # first micro-batch of the process, for every later backward)
+                    return torch.zeros((), device=out.device), back
                 per_token, metrics = loss_fn(out, mb)
                 weighted = per_token * mb["weights"]
                 # under CP every rank has the whole rows' loss: each back-propagates the positions it computed, and

@@ -78,12 +78,12 @@ class RouteStore:
                 continue
             sent = [r for r in rows if r >= 0 and self.holder[r] == me]
             if sent:
-                ops.append(dist.P2POp(dist.isend, torch.stack([self._row(r, positions) for r in sent]).to(device),
-                                      ranks[peer], self.group))
+                rows_sent = torch.stack([self._row(r, positions) for r in sent]).to(device)
+                ops.append(dist.P2POp(dist.isend, as_bytes(rows_sent), ranks[peer], self.group))
             taken = [i for i, r in enumerate(wanted) if r >= 0 and self.holder[r] == peer]
             if taken:
                 buf = torch.empty(len(taken), positions, len(self.columns), self.k, dtype=self.dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], self.group))
+                ops.append(dist.P2POp(dist.irecv, as_bytes(buf), ranks[peer], self.group))
                 received.append((taken, buf))
         for request in dist.batch_isend_irecv(ops) if ops else []:
             request.wait()
@@ -153,17 +153,23 @@ def store_from_source(arrays: list, lengths: list[int], holder: list[int], me: i
                     first, stop = share_of(row, positions)
                     parts.append(torch.from_numpy(a[first:stop][:, cols].copy()).reshape(-1))
             if parts and sum(p.numel() for p in parts):
-                dist.send(torch.cat(parts).to(device), peer)
+                dist.send(as_bytes(torch.cat(parts).to(device)), peer)
         return store_of_arrays(arrays, lengths, holder, me, columns, span, width, group)
     rows = [row for row in range(len(holder)) if holder[row] == me and have[row] >= 0]
     sizes = [share_of(row, span) for row in rows]
     counts = [(stop - first) * len(columns) * k for first, stop in sizes]
     flat = torch.empty(sum(counts), dtype=dtype, device=device)
     if flat.numel():
-        dist.recv(flat, source)
+        dist.recv(as_bytes(flat), source)
     pieces = flat.cpu().split(counts)
     held = {row: piece.view(stop - first, len(columns), k) for row, piece, (first, stop) in zip(rows, pieces, sizes)}
     return store_of_rows(held, holder, columns, span, layers, k, dtype, width, group)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as uint8 (a view): what routes go over the wire as, since NCCL has no int16 (the expert ids of a
+    model of 255 experts or more)."""
+    return t.view(torch.uint8)
 
 
 def row_holders(rows: int, dp: int, plan: list | None = None) -> list[int]:

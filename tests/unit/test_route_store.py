@@ -41,3 +41,17 @@ def test_the_views_of_a_batch_fetch_what_the_whole_tensor_holds():
     assert (got[:, 4:] == no_route(torch.uint8)).all()
     assert torch.equal(batch.routes.dense(), dense)
     assert store_of_arrays([None] * 3, [4] * 3, [0] * 3, 0, [0], None, 4) is None  # no sample captured routes
+
+
+def test_routes_cross_the_wire_as_bytes_whatever_their_dtype():
+    """NCCL has no int16 (the ids of 255 experts or more): routes are sent and received as their bytes, a receive
+    writing the typed buffer it views."""
+    from megarl.trainer.route_store import as_bytes
+
+    for dtype, top in ((torch.uint8, 255), (torch.int16, 300)):
+        sent = torch.randint(-1, top, (3, 5, 4, 2)).to(dtype)
+        wire = as_bytes(sent)
+        assert wire.dtype == torch.uint8 and wire.numel() == sent.numel() * sent.element_size()
+        buf = torch.empty_like(sent)
+        as_bytes(buf).copy_(wire)  # what a receive into ``as_bytes(buf)`` does
+        assert torch.equal(buf, sent)

@@ -49,8 +49,16 @@ def main(recipe: str, work: str, family: str = "qwen2") -> None:
     from megarl.models.tiny import hf_weight_shapes
 
     shapes_match = {k: tuple(v.shape) for k, v in exported.items()} == hf_weight_shapes(cfg)
+    # rollout lengths: 7 rows of 29 positions (203 tokens, a multiple of neither 8 nor 16), as rows and packed
+    odd = fixed_batch(cfg["vocab_size"], n=7, seq=29)
+    odd = type(odd)(**{k: v.cuda() for k, v in odd.as_dict().items()})
+    packed = PolicyTrainer(cfg, str(model), ps, OptimConfig(lr=1e-3, micro_batch_size=7), packing=True,
+                           fp8="" if recipe == "none" else recipe, transformer_engine=True,
+                           precision="fp32" if recipe == "none" else "bf16")
+    odd_losses = [t.train_step(odd, lambda lp, mb: nll_loss(lp, mb["loss_mask"]))["loss"] for t in (fp8, packed)]
     print(json.dumps({"te_spec": te, "fp8_loss_finite": math.isfinite(metrics["loss"]),
-                      "mean_abs_logprob_gap": float(gap), "weights_moved": moved, "export_matches": shapes_match}))
+                      "mean_abs_logprob_gap": float(gap), "weights_moved": moved, "export_matches": shapes_match,
+                      "odd_lengths_finite": all(map(math.isfinite, odd_losses))}))
 
 
 if __name__ == "__main__":
