@@ -115,8 +115,9 @@ class RunKeeper:
     def resume(self) -> int:
         """Load the checkpoint ``train.resume`` names (see ``checkpoint.run.resolve_resume``); the steps it had done."""
         t = self.cfg.train
-        found = self.s.saver.resume(t.resume)
+        found = self.s.saver.resume(t.resume, around=self.s.handover.training)  # (then the sync refills the engines)
         if found is None:
+            self.s.handover.to_generate()  # trainer state to host before the first generation (offload_during_rollout)
             self.s.logger.start_fresh()
             return 0
         path, state = found
@@ -169,7 +170,8 @@ class RunKeeper:
         if done >= w.steps:
             return
         drawn = self.run.get("warmup_examples", done * w.batch_size)
-        with s.cpus.alone():  # no engine generates yet: the trainer may take every core
+        with s.cpus.alone(), s.handover.training():  # no engine generates yet: the trainer takes every core (and
+            # the GPU: the engines asleep, as megarl plan sized the trainer's peak; the sync below refills them)
             nll = supervised_warmup(s.trainer, s.tokenizer, warmup_examples(self.cfg, s.tokenizer, s.task, drawn),
                                     w.steps, w.batch_size, w.lr, log=self.say, done=done, stop=self.preemption.due)
         done += len(nll)

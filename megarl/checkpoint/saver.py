@@ -9,6 +9,7 @@ every ``train.save_every`` steps, on preemption, at the end) and keeps generatio
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 from megarl.checkpoint.dist import load_checkpoint, save_checkpoint
@@ -35,14 +36,16 @@ class RunSaver:
         self.ckpts = RunCheckpoints(run_dir, keep)
         self.saved_at = -1  # the step of the last checkpoint saved or resumed from (-1: none)
 
-    def resume(self, spec: str) -> tuple[Path, dict] | None:
-        """Load the learners of the checkpoint ``spec`` (``train.resume``) names (``resolve_resume``); that
-        checkpoint and its run state (this rank's RNG states put back), or None for a fresh run."""
+    def resume(self, spec: str, around=nullcontext) -> tuple[Path, dict] | None:
+        """Load the learners of the checkpoint ``spec`` (``train.resume``) names (``resolve_resume``), inside
+        ``around()`` (the engines asleep meanwhile: ``Handover.training``); that checkpoint and its run state (this
+        rank's RNG states put back), or None for a fresh run."""
         path = resolve_resume(spec, self.run_dir, self.keep)
         if path is None:
             return None
-        for name, learner in self.learners:
-            load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
+        with around():
+            for name, learner in self.learners:
+                load_checkpoint(learner, path / name, load_optimizer=learner.optimizer is not None)
         state = read_state(path)
         self.saved_at = state["step"]
         return path, state

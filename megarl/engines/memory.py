@@ -16,7 +16,8 @@ memory: there each call is skipped, said once in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -91,34 +92,68 @@ class EngineSleep:
 class TrainerOffload:
     """``trainer.offload_during_rollout``: optimizer state and gradient buffers to host while engines generate.
 
-    Uses megatron-core's own ``optimizer.offload_to_cpu`` / ``restore_from_cpu`` and the DDP
-    wrappers' ``offload_grad_buffers`` / ``restore_grad_buffers`` (the buffers' storage is
-    freed and reallocated, views stay valid, grads are zeroed — they are zeroed before every
-    step anyway). With the trainer on CPU there is nothing to move: skipped, said once.
+    Moves the optimizer's own tensors (``offloadable``: not megatron's ``offload_to_cpu``, which moves an fp32
+    optimizer's parameters, there the model's own) and uses the DDP wrappers' ``offload_grad_buffers`` /
+    ``restore_grad_buffers`` (the buffers' storage is freed and reallocated, views stay valid, grads are zeroed —
+    they are zeroed before every step anyway). With the trainer on CPU there is nothing to move: skipped, said
+    once.
     """
 
     def __init__(self, trainer, enabled: bool, log: Callable[[str], None] = print) -> None:
         self.trainer, self.log = trainer, log
         self.active = enabled and on_gpu()
         self.offloaded = False
+        self.params, self.state, self.device = [], [], None  # what the offload moved, and from where
         if enabled and not self.active:
             log("trainer.offload_during_rollout: the trainer's state is already in host memory (CPU); skipped")
 
     def offload(self) -> None:
         if not self.active or self.offloaded or self.trainer.optimizer is None:
             return
-        self.trainer.optimizer.offload_to_cpu()
+        import torch
+
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.params, self.state = offloadable(self.trainer.optimizer, self.trainer.chunks, self.device)
+        for p in self.params:
+            p.data = p.data.cpu()
+        for entries, key in self.state:
+            entries[key] = entries[key].cpu()
         for chunk in self.trainer.chunks:
             chunk.offload_grad_buffers()
+        torch.cuda.empty_cache()
         self.offloaded = True
 
     def restore(self) -> None:
         if not self.offloaded:
             return
-        self.trainer.optimizer.restore_from_cpu()
+        for p in self.params:
+            p.data = p.data.to(self.device)
+        for entries, key in self.state:
+            entries[key] = entries[key].to(self.device)
         for chunk in self.trainer.chunks:
             chunk.restore_grad_buffers()
         self.offloaded = False
+
+
+def offloadable(optimizer, modules, device) -> tuple[list, list]:
+    """What an offload moves to host: the tensors of megatron's ``optimizer`` (chained or not) on ``device`` — its
+    state entries (Adam's moments and step, as (dict, key)) and the parameters it steps that are not the model's
+    (fp32 main copies) — never one of ``modules``' parameters: an fp32 run without the distributed optimizer steps
+    the model's own, and a parameter moved through ``.data`` across devices loses the gradient accumulator DDP
+    hooked (its gradients would stay zero)."""
+    import torch
+
+    model = {id(p) for m in modules for p in m.parameters()}
+    params, state = [], []
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(sub, "optimizer", None)
+        if inner is None or getattr(sub, "is_stub_optimizer", False):
+            continue
+        params += [p for group in inner.param_groups for p in group["params"]
+                   if id(p) not in model and p.device == device]
+        state += [(entries, key) for entries in inner.state.values() for key, v in entries.items()
+                  if isinstance(v, torch.Tensor) and v.device == device]
+    return params, state
 
 
 class Handover:
@@ -135,3 +170,14 @@ class Handover:
     def to_generate(self) -> None:
         self.offload.offload()
         self.engines.wake()
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Trainer work outside the RL step (the supervised warm-up, a checkpoint's load): the engines asleep and the
+        trainer's state on device inside, as ``megarl plan`` sized the trainer's peak; the engines awake after (at
+        sleep level 2 without weights: the caller syncs)."""
+        self.to_train()
+        try:
+            yield
+        finally:
+            self.to_generate()

@@ -94,3 +94,46 @@ def test_sleep_frees_and_restores_engine_memory_with_equal_outputs(tmp_path, lev
 def test_trainer_offload_moves_state_to_host_and_back_with_equal_results(tmp_path):
     r = run_script(["tests/workers/memory_checks.py", str(tmp_path), "offload"])
     assert r["freed_bytes"] > 0 and r["losses_equal"]
+
+
+def test_the_offload_moves_the_optimizers_own_tensors_never_the_models_parameters():
+    """An fp32 run without the distributed optimizer steps the model's own parameters (megatron's FP32Optimizer):
+    the offload moves Adam's state only (a parameter moved across devices would lose DDP's gradient hook); where
+    the optimizer steps main copies, those go too. megatron's real optimizer classes, on CPU (in a process of its
+    own: megarl's CPU adapter patches torch.cuda)."""
+    import subprocess
+    import sys
+
+    from helpers.scripts import ROOT, worker_env
+
+    proc = subprocess.run([sys.executable, "-c", OFFLOADABLE], cwd=ROOT, env=worker_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ok"
+
+
+OFFLOADABLE = """
+import torch
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+from megarl.compat.megatron import activate_cpu
+from megarl.engines.memory import offloadable
+
+activate_cpu()
+model = torch.nn.Linear(4, 3)
+mains = [p.detach().clone().requires_grad_() for p in model.parameters()]  # (a bf16 run's fp32 copies)
+own = FP32Optimizer(torch.optim.Adam(model.parameters()), OptimizerConfig(lr=1e-3), lambda o: None)
+copies = FP32Optimizer(torch.optim.Adam(mains), OptimizerConfig(lr=1e-3), lambda o: None)
+for p in [*model.parameters(), *mains]:
+    p.grad = torch.ones_like(p)
+own.optimizer.step()
+copies.optimizer.step()
+cpu = torch.device("cpu")
+params, state = offloadable(own, [model], cpu)
+assert params == [] and {k for _, k in state} == {"exp_avg", "exp_avg_sq", "step"} and len(state) == 6, state
+params, state = offloadable(ChainedOptimizer([own, copies]), [model], cpu)
+assert [id(p) for p in params] == [id(p) for p in mains] and len(state) == 12
+assert offloadable(own, [model], torch.device("meta")) == ([], [])  # (only what is on the trainer's device)
+print("ok")
+"""
