@@ -48,6 +48,18 @@ def one_line(exc: BaseException) -> str:
     return traceback.format_exception_only(exc)[-1].strip()
 
 
+def release_frames(exc: BaseException | None) -> None:
+    """Drop the locals of the frames ``exc``'s traceback (and those of its causes) ran through: an engine's error
+    raised out of vLLM's frames keeps its model runner, weights and KV cache reachable through them, which on a GPU
+    a fresh engine started after it then finds still allocated. Frames still running are left (Python refuses);
+    each frame's file and line stay for printing."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 class FaultPolicy:
     """``engine.max_restarts``, ``train.max_bad_steps`` and ``reward.max_failed_steps`` applied; ``say`` gets the
     log line of each fault (a warning on rank 0)."""

@@ -55,7 +55,7 @@ from megarl.distributed.signals import Preemption
 from megarl.distributed.watchdog import guard, note_rl_step
 from megarl.distributed.watchdog import start as start_watchdog
 from megarl.engines.protocol import EngineRestartRefused
-from megarl.faults import Action, FaultPolicy, one_line
+from megarl.faults import Action, FaultPolicy, one_line, release_frames
 from megarl.logging.console import main_only
 from megarl.rollout.leader import groups_without_routes
 from megarl.rollout.phase import PhaseStopped
@@ -382,6 +382,7 @@ class RunKeeper:
         if decision.action is Action.STOP:
             raise StopRun(decision.reason) from exc
         self.s.pipeline.stop_ahead()  # the generating thread ends first: the engines restart under no phase
+        release_frames(exc)  # (the old engine's memory, held through the error's frames, freed before the new one)
         try:
             self.s.engines.restart()  # under torchrun: recovered in place, or refused (every rank alike)
         except EngineRestartRefused as refused:

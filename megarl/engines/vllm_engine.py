@@ -170,6 +170,8 @@ class VLLMEngine:
             shut_down_keeping_default_group(old)
             del old
             gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # (the old engine's blocks back before the new one sizes its share)
             self.llm = self._start()
             self.unusable, self.weight_version = "", 0  # a fresh engine serves the model's own files until a load
             if self.adapters is not None:
