@@ -56,9 +56,10 @@ def _mpi(env) -> Launch | None:
     world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", default=1)
     if rank is None or world < 2:
         return None
-    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", default=0)
-    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", default=1)
-    return Launch("mpi", rank, world, local, local_size)
+    # srun --mpi=pmix/pmi2 exports no local rank or size of its own: Slurm's task's (mpirun's and hydra's first)
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", default=0)
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+    return Launch("mpi", rank, world, local, local_size or _slurm_local_size(env))
 
 
 def _slurm(env) -> Launch | None:
@@ -67,10 +68,14 @@ def _slurm(env) -> Launch | None:
         return None
     host = first_host(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else "127.0.0.1"
     port = _int(env, "MASTER_PORT", default=None) or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    return Launch("slurm", int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", "0")),
+                  _slurm_local_size(env), env.get("MASTER_ADDR") or host, port)
+
+
+def _slurm_local_size(env) -> int:
+    """Tasks of this Slurm step on this node (1 outside one)."""
     per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1")
-    local_size = per_node[min(int(env.get("SLURM_NODEID", "0")), len(per_node) - 1)]
-    return Launch("slurm", int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", "0")), local_size,
-                  env.get("MASTER_ADDR") or host, port)
+    return per_node[min(int(env.get("SLURM_NODEID", "0")), len(per_node) - 1)]
 
 
 def tasks_per_node(spec: str) -> list[int]:

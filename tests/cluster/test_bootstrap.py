@@ -66,3 +66,15 @@ def test_with_gpus_the_default_group_has_a_backend_for_host_tensors_too():
     assert devices(process_group_backend(cuda=True)) == {"cpu": "gloo", "cuda": "nccl"}
     assert devices(process_group_backend(cuda=False))["cpu"] == "gloo"
     assert "cpu" not in devices("nccl")  # (the group megarl started with GPUs before)
+
+
+def test_srun_mpi_takes_the_local_rank_and_size_from_slurm():
+    """``srun --mpi=pmix`` exports PMIX_RANK but no local rank or size: Slurm's task's (each rank its own GPU,
+    ``local_rank % GPUs``); mpirun's own win where it sets them."""
+    env = {"PMIX_RANK": "9", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_PROCID": "9"}
+    got = detect(env)
+    assert (got.source, got.rank, got.world_size, got.local_rank, got.local_world_size) == ("mpi", 9, 16, 1, 8)
+    ompi = detect({**env, "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_SIZE": "16",
+                   "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    assert (ompi.local_rank, ompi.local_world_size) == (3, 4)
