@@ -171,12 +171,17 @@ def init_distributed(launch: Launch | None = None) -> Launch:
     import torch
 
     backend = process_group_backend(torch.cuda.is_available())
-    if torch.cuda.is_available():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    device = launch.local_rank % torch.cuda.device_count() if torch.cuda.is_available() else None
+    if device is not None:
+        torch.cuda.set_device(device)
     if launch.source == "mpi":
-        return _init_mpi(launch, backend)
-    if launch.source == "slurm":
+        launch = _init_mpi(launch, backend)
+    elif launch.source == "slurm":
         _export(launch)
+    if device is not None:
+        # vLLM's external launcher (colocated engines) takes its GPU as cuda:LOCAL_RANK: this rank's device among
+        # those it sees, which differs from its local rank where Slurm gives each task its own (--gpus-per-task)
+        os.environ["LOCAL_RANK"] = str(device)
     return launch
 
 
