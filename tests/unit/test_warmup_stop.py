@@ -20,6 +20,7 @@ from megarl.config.schema import RunConfig
 from megarl.data.addition import AdditionTask
 from megarl.distributed import signals
 from megarl.distributed.signals import Preemption
+from megarl.engines.memory import Handover
 from megarl.keeper import RunKeeper
 from megarl.models.tiny import build_tokenizer
 
@@ -76,16 +77,20 @@ def no_signal_left(monkeypatch):
 def keeper(cfg, tok, signal_at: int = 0, saved: tuple | None = None) -> RunKeeper:
     """A keeper of a fresh process's session (the task, the tokenizer, a recording trainer); ``saved``: the
     checkpoint it resumed, ``(step, run state, task state)``, put back as ``RunKeeper.resume`` puts it back."""
-    d, flag = cfg.data, Flag()
-    s = SimpleNamespace(cfg=cfg, tokenizer=tok, trainer=Trainer(flag, signal_at), cpus=SimpleNamespace(
-        alone=contextlib.nullcontext), task=AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size))
+    d, flag, calls = cfg.data, Flag(), []
+    trainer = Trainer(flag, signal_at)
+    engines = SimpleNamespace(sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
+    s = SimpleNamespace(cfg=cfg, tokenizer=tok, trainer=trainer, cpus=SimpleNamespace(alone=contextlib.nullcontext),
+                        task=AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size),
+                        handover=Handover(engines, trainer, offload=False))
     k = RunKeeper(s, flag)
+    k.handed = calls  # the engines' sleep and wake around the warm-up
     if saved is not None:
         k.run = copy.deepcopy(saved[1])
         restore(s.task, saved[2])
     k.saves, k.syncs = [], []
     k.save = lambda step, exact=True: k.saves.append((step, copy.deepcopy(k.run), state_of(s.task)))
-    k.sync = lambda version, done_steps=0: k.syncs.append(version) or {}
+    k.sync = lambda version, done_steps=0: k.syncs.append(version) or calls.append("sync") or {}
     return k
 
 
@@ -94,6 +99,7 @@ def test_a_preemption_stops_the_warmup_after_its_step_and_the_rerun_goes_on_from
     ref.warm_up()
     assert len(ref.s.trainer.batches) == STEPS and ref.run["warmup_done"] == STEPS and ref.syncs == [0]
     assert not ref.saves and not ref.stopped
+    assert ref.handed == ["sleep", "wake", "sync"]  # the engines asleep while it trains, synced once awake
 
     stopped = keeper(cfg, tok, signal_at=3)
     stopped.warm_up()
