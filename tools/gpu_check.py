@@ -198,17 +198,10 @@ def tiny(steps: int, work: Path) -> dict:
     """A tiny MoE and a tiny dense model, each trained ``steps`` steps on one fixed packed batch."""
     import torch
 
-    from megarl.models.tiny import TinyShape, hf_config
-
     out = {}
     for family in ("qwen3_moe", "qwen2"):
-        cfg = {**hf_config(TinyShape(family=family), eos_id=1, pad_id=0), "torch_dtype": "float32"}
-        trainer = packed_trainer(write_model(work / family, cfg, seed=3), microbatch_tokens=256, lr=1e-3)
-        batch = random_batch(cfg["vocab_size"], rows=16, prompt=8, response=40, seed=1)
-        losses = [trainer.train_step(batch, nll)["loss"] for _ in range(steps)]
-        out[family] = {"losses": losses, "finite": all(map(math.isfinite, losses)),
-                       "falling": losses[-1] < losses[0], "params_dtype": str(trainer.dtype),
-                       "device": str(trainer.device)}
+        trainer, batch = tiny_trainer(work, family, family)
+        out[family] = {**fit(trainer, batch, steps), "params_dtype": str(trainer.dtype)}
         del trainer
         torch.cuda.empty_cache()
     out["qwen3_moe_lora"] = tiny_lora(steps, work)
@@ -223,25 +216,36 @@ def tiny_lora(steps: int, work: Path) -> dict:
     import torch
 
     from megarl.config.schema import LoraConfig
-    from megarl.models.tiny import TinyShape, hf_config
 
-    cfg = {**hf_config(TinyShape(family="qwen3_moe"), eos_id=1, pad_id=0), "torch_dtype": "float32"}
     lora = LoraConfig(rank=8, alpha=16.0, dropout=0.1, targets="linear_qkv,linear_proj,experts")
-    trainer = packed_trainer(write_model(work / "qwen3_moe_lora", cfg, seed=3), microbatch_tokens=256, lr=1e-2,
-                             lora=lora)
+    trainer, batch = tiny_trainer(work, "qwen3_moe_lora", "qwen3_moe", lr=1e-2, lora=lora)
     base = {n: p.detach().clone() for m in trainer.modules for n, p in m.named_parameters() if ".lora." not in n}
-    batch = random_batch(cfg["vocab_size"], rows=16, prompt=8, response=40, seed=1)
-    losses = [trainer.train_step(batch, nll)["loss"] for _ in range(steps)]
+    out = fit(trainer, batch, steps)
     after = {n: p for m in trainer.modules for n, p in m.named_parameters()}
     frozen = all(torch.equal(after[n], p) for n, p in base.items())
     b_max = max(float(a.b.detach().abs().max()) for a in trainer.adapters)
-    out = {"losses": losses, "finite": all(map(math.isfinite, losses)), "falling": losses[-1] < losses[0],
-           "adapters": len(trainer.adapters), "base_unchanged": frozen, "b_max": b_max,
-           "device": str(trainer.device)}
+    out.update(adapters=len(trainer.adapters), base_unchanged=frozen, b_max=b_max)
     out["ok"] = out["finite"] and out["falling"] and frozen and b_max > 0
     del trainer
     torch.cuda.empty_cache()
     return out
+
+
+def tiny_trainer(work: Path, name: str, family: str, lr: float = 1e-3, lora=None) -> tuple:
+    """A tiny ``family`` model made under ``work/name``, its packed trainer (``lora``: a LoraConfig) and the fixed
+    batch the ``tiny`` part trains on."""
+    from megarl.models.tiny import TinyShape, hf_config
+
+    cfg = {**hf_config(TinyShape(family=family), eos_id=1, pad_id=0), "torch_dtype": "float32"}
+    trainer = packed_trainer(write_model(work / name, cfg, seed=3), microbatch_tokens=256, lr=lr, lora=lora)
+    return trainer, random_batch(cfg["vocab_size"], rows=16, prompt=8, response=40, seed=1)
+
+
+def fit(trainer, batch, steps: int) -> dict:
+    """``steps`` NLL steps of ``trainer`` on ``batch``: the losses, all finite, the last below the first."""
+    losses = [trainer.train_step(batch, nll)["loss"] for _ in range(steps)]
+    return {"losses": losses, "finite": all(map(math.isfinite, losses)), "falling": losses[-1] < losses[0],
+            "device": str(trainer.device)}
 
 
 def plan_estimate(hf: dict, gpu_name: str, gpu_mem_gib: float, batch: dict = BIG_BATCH) -> dict:
