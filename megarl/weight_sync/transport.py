@@ -111,6 +111,12 @@ def receive(groups: list, plan: list, sources: list[int], dtype: torch.dtype, de
     return got
 
 
+def wire_device(backend: str) -> torch.device:
+    """Where a transfer group's tensors live, sent and received: NCCL's on this process's GPU, gloo's (a CPU-only
+    group) on the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 class GlooSender:
     """A trainer sending rank's side: broadcast each of its buckets once to every replica's workers (rank 0 of its
     group).

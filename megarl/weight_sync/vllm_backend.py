@@ -36,7 +36,7 @@ from megarl.compat.vllm import (
 from megarl.models.hf_config import torch_dtype
 from megarl.weight_sync.adapter_load import register, unpacked
 from megarl.weight_sync.load import restore, snapshot
-from megarl.weight_sync.transport import join_group, receive
+from megarl.weight_sync.transport import join_group, receive, wire_device
 
 BACKEND = "megarl_gloo"
 WORKER_EXTENSION = "megarl.weight_sync.vllm_backend.GlooWorkerExtension"
@@ -80,10 +80,8 @@ def _register() -> None:
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = init_info.rank_offset + self.parallel_config.rank
-            # received where the group's backend takes tensors: NCCL a CUDA device, gloo (a CPU-only group) the host
-            # (vLLM sets ``device`` to the worker's GPU; its weight loaders copy host tensors in)
-            gpu = init_info.backend == "nccl"
-            self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+            # (vLLM set ``device`` to the worker's GPU; under gloo buckets arrive on the host, its loaders copy them in)
+            self.device = wire_device(init_info.backend)
             self.groups = [join_group(host, port, rank, init_info.world_size, init_info.backend, init_info.timeout_s)
                            for host, port in init_info.groups]
 

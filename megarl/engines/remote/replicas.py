@@ -51,7 +51,7 @@ from megarl.weight_sync.adapter_load import packed
 from megarl.weight_sync.adapters import AdapterStream
 from megarl.weight_sync.load import EngineUnusable, LoadReport, SyncError, WeightLoadError
 from megarl.weight_sync.streaming import StreamingSync
-from megarl.weight_sync.transport import GlooSender, join_group, listen
+from megarl.weight_sync.transport import GlooSender, join_group, listen, wire_device
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +239,8 @@ class EngineReplicas:
                                      "backend": self.transport, "timeout_s": self.timeout_s}), reply=False)
             if self.rank in senders:
                 host, port, sock = mine
-                device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "nccl" else None
                 group = join_group(host, port, 0, world, self.transport, self.timeout_s, listen_socket=sock)
-                self.sender = GlooSender(group, device)
+                self.sender = GlooSender(group, wire_device(self.transport))
             errors = [f"replica {c.index}: {r.error}" for c in self.clients if (r := self._reply(c)).error]
         except Exception as exc:  # noqa: BLE001  (every rank raises below)
             errors.append(f"trainer rank {self.rank}: {type(exc).__name__}: {exc}")
