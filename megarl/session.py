@@ -31,10 +31,10 @@ from megarl.config.validate.settings import resolved_transformer_engine
 from megarl.convert.lora_base import engine_model_dir, engines_start_empty, ensure_lora_base
 from megarl.data.addition import AdditionTask
 from megarl.data.source import Prompt, build_prompts
-from megarl.distributed.bootstrap import detect
+from megarl.distributed.bootstrap import detect, gpu_identity, refuse_shared_gpus
 from megarl.distributed.collectives import gather
 from megarl.distributed.parallel import ParallelState, build_parallel_state
-from megarl.distributed.placement import RankPlacement, node_placement
+from megarl.distributed.placement import RankPlacement, available_cores, rank_placement
 from megarl.distributed.placement import apply as use_cpus
 from megarl.engines.colocated import ColocatedEngines
 from megarl.engines.memory import Handover, on_gpu, sleep_supported
@@ -261,11 +261,15 @@ def place_trainer(cfg: RunConfig, ps: ParallelState) -> RankPlacement:
     """This node's cpu placement (``distributed.placement``), applied to this trainer rank and said by rank 0."""
     launch = detect()
     local = max(1, launch.local_world_size)
-    node = node_placement(cfg, local, node=ps.rank // local, nodes=max(1, ps.world_size // local))
-    use_cpus(node.trainer[launch.local_rank % local])
+    node = ps.rank // local
+    seen = gather((tuple(available_cores()), gpu_identity()))  # every rank's CPU set and GPU
+    refuse_shared_gpus([gpu for _, gpu in seen])
+    local_cores = [cores for cores, _ in seen][node * local:(node + 1) * local]  # (bound apart by a launcher?)
+    placed = rank_placement(cfg, local_cores, launch.local_rank % local, node, max(1, ps.world_size // local))
+    use_cpus(placed.node.trainer[placed.index])
     if ps.rank == 0:
-        log.info(f"megarl: {node.describe()} (trainer.cpu_threads, engine.cpu_threads: 0 = megarl's choice)")
-    return RankPlacement(node, launch.local_rank % local)
+        log.info(f"megarl: {placed.node.describe()} (trainer.cpu_threads, engine.cpu_threads: 0 = megarl's choice)")
+    return placed
 
 
 def build_engines(cfg: RunConfig, hf_cfg: dict, replica_cpus: list | None = None, say=print) -> Engines:

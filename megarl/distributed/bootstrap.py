@@ -185,6 +185,32 @@ def init_distributed(launch: Launch | None = None) -> Launch:
     return launch
 
 
+def gpu_identity() -> tuple[str, str] | None:
+    """(host, the GPU's UUID) of this rank's device; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return socket.gethostname(), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def refuse_shared_gpus(identities: list) -> None:
+    """Every trainer rank's ``gpu_identity`` (rank order): two on one GPU are refused, naming them. A node's ranks
+    take cuda:(local rank mod the GPUs they see), so more ranks a node than its GPUs would wrap onto used ones
+    (where each task sees one GPU of its own, ``--gpus-per-task=1``, each is at cuda:0 of its own)."""
+    first: dict = {}
+    for rank, gpu in enumerate(identities):
+        if gpu is None:
+            continue
+        if gpu in first:
+            raise RuntimeError(
+                f"trainer ranks {first[gpu]} and {rank} are both on GPU {gpu[1]} of {gpu[0]}: each trainer rank "
+                "needs a GPU of its own; launch as many ranks a node as it has GPUs (srun --ntasks-per-node, "
+                "torchrun --nproc-per-node, the launch scripts' GPUS_PER_NODE) or give each task one "
+                "(--gpus-per-task=1)")
+        first[gpu] = rank
+
+
 def end_distributed() -> None:
     """A finished run's last collective: every rank waits for the others, then the default group (and megatron's
     groups on it) is destroyed, so gloo's threads and NCCL's communicators end before the interpreter's teardown.

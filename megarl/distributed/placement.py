@@ -16,13 +16,17 @@
 Under the split, rank 0's generating thread (it drives the replicas' engine steps) runs on the replicas' cores
 (``RankPlacement.generating_thread``). A process that is alone in its side of the node is not pinned (the OS places
 its threads); several are, each to its own cores. With fewer cores than processes nothing is pinned and each runs
-one thread. ``OMP_NUM_THREADS`` in the environment (torchrun sets it to 1) is not what decides: these keys are. On
-GPUs the same shares govern the host threads of each process.
+one thread. A launcher that bound each process to cores of its own (srun under Slurm's task/affinity, ``mpirun
+--bind-to core``, numactl) already split the node: the local ranks' CPU sets are then disjoint, and each rank
+computes on its whole set (``rank_placement``), the replicas a rank spawns on a share of that rank's.
+``OMP_NUM_THREADS`` in the environment (torchrun sets it to 1) is not what decides: these keys are. On GPUs the same
+shares govern the host threads of each process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -46,16 +50,21 @@ class NodePlacement:
     trainer: list[CpuShare]
     replicas: list[list[CpuShare]]
     together: bool  # the two sides run at once (generation beside training)
-    cores: tuple[int, ...]  # the node's cores, placed
+    cores: tuple[int, ...]  # the node's cores, placed (bound: this rank's)
     trainer_threads: int = 0  # trainer.cpu_threads (0: auto)
+    bound: bool = False  # the launcher bound each local rank to cores of its own: this is one rank's placement
 
     def describe(self) -> str:
-        parts = [f"trainer rank {r}: {s.describe()}" for r, s in enumerate(self.trainer)]
+        if self.bound:
+            parts = [f"this trainer rank: {self.trainer[0].describe()}"]
+        else:
+            parts = [f"trainer rank {r}: {s.describe()}" for r, s in enumerate(self.trainer)]
         for k, workers in enumerate(self.replicas):
             parts += [f"replica {k}{f' worker {w}' if len(workers) > 1 else ''}: {s.describe()}"
                       for w, s in enumerate(workers)]
         how = "generation beside training: the cores split" if self.together else "trainer and engines take turns"
-        return f"cpu placement on {len(self.cores)} cores ({how}): " + "; ".join(parts)
+        where = "each rank's own cores, bound by its launcher" if self.bound else f"{len(self.cores)} cores"
+        return f"cpu placement on {where} ({how}): " + "; ".join(parts)
 
 
 def available_cores() -> list[int]:
@@ -176,16 +185,41 @@ def replicas_on_node(placement: str, replicas: int, replica_nodes: int, dedicate
     return replicas // replica_nodes if node >= nodes - replica_nodes else 0
 
 
-def node_placement(cfg, trainer_procs: int, node: int = 0, nodes: int = 1, cores: list[int] | None = None
-                   ) -> NodePlacement:
+def node_placement(cfg, trainer_procs: int, node: int = 0, nodes: int = 1, cores: list[int] | None = None,
+                   hosts_replicas: bool = True) -> NodePlacement:
     """A run's placement (a ``RunConfig``) on trainer node ``node`` of ``nodes``, with ``trainer_procs`` trainer
-    ranks there (0: an engine-only node) and its cores (default: this process's)."""
+    ranks there (0: an engine-only node) and its cores (default: this process's); ``hosts_replicas`` false: the
+    node's replicas are not on these cores (a bound rank that does not spawn them)."""
     e = cfg.engine
     here = (e.replicas // max(1, e.replica_nodes) if trainer_procs == 0 else
             replicas_on_node(e.placement, e.replicas, e.replica_nodes, e.replica_nodes_dedicated, node, nodes))
     together = cfg.rollout.overlap != "none" and e.placement == "disaggregated"
     return place_node(available_cores() if cores is None else cores, trainer_procs,
-                      [e.tensor_parallel_size] * here, together, cfg.trainer.cpu_threads, e.cpu_threads)
+                      [e.tensor_parallel_size] * (here if hosts_replicas else 0), together, cfg.trainer.cpu_threads,
+                      e.cpu_threads)
+
+
+def bound_apart(local_cores: list[tuple[int, ...]]) -> bool:
+    """Whether a launcher bound each of a node's processes (``local_cores``: their CPU sets, local rank order) to
+    cores of its own: several, pairwise disjoint. Shared or overlapping sets (no binding, a job's cgroup) are the
+    node's cores, split by ``place_node``."""
+    seen: set[int] = set()
+    for cores in local_cores:
+        if seen & set(cores):
+            return False
+        seen |= set(cores)
+    return len(local_cores) > 1
+
+
+def rank_placement(cfg, local_cores: list[tuple[int, ...]], local_rank: int, node: int = 0, nodes: int = 1
+                   ) -> RankPlacement:
+    """Trainer rank ``local_rank``'s placement among its node's processes (``local_cores``: each local rank's CPU
+    set): the node's cores split between them (``node_placement``), or, bound apart by the launcher, its own set
+    alone, shared with the replicas it spawns (the node's first rank spawns them: ``engines.remote.nodes.place``)."""
+    if not bound_apart(local_cores):
+        return RankPlacement(node_placement(cfg, len(local_cores), node, nodes), local_rank)
+    own = node_placement(cfg, 1, node, nodes, list(local_cores[local_rank]), hosts_replicas=local_rank == 0)
+    return RankPlacement(dataclasses.replace(own, bound=True), 0)
 
 
 def apply(share: CpuShare) -> None:

@@ -78,3 +78,18 @@ def test_srun_mpi_takes_the_local_rank_and_size_from_slurm():
     ompi = detect({**env, "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_SIZE": "16",
                    "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
     assert (ompi.local_rank, ompi.local_world_size) == (3, 4)
+
+
+def test_two_trainer_ranks_on_one_gpu_are_refused_naming_them():
+    """16 ranks a node on 8 GPUs would wrap (cuda:local_rank mod 8) onto used GPUs: refused at start, naming both
+    ranks and the GPU; one GPU a task (``--gpus-per-task=1``: each at cuda:0 of its own) and CPU runs pass."""
+    import pytest
+
+    from megarl.distributed.bootstrap import gpu_identity, refuse_shared_gpus
+
+    node = [("n1", f"GPU-{i}") for i in range(8)]
+    refuse_shared_gpus(node + [("n2", f"GPU-{i}") for i in range(8)])  # same indices, other hosts: fine
+    refuse_shared_gpus([None, None])  # CPU ranks
+    with pytest.raises(RuntimeError, match=r"trainer ranks 0 and 8 are both on GPU GPU-0 of n1.*gpus-per-task=1"):
+        refuse_shared_gpus(node + node)
+    assert gpu_identity() is None  # (this CPU machine)

@@ -1,5 +1,6 @@
 """``mpirun -np 2`` (Debian's Open MPI, mpi4py) runs the tiny config: rank 0's TCPStore port goes to the
-other rank by MPI broadcast, and the run is the same loop as under torchrun."""
+other rank by MPI broadcast, and the run is the same loop as under torchrun. Each rank bound to a core of its own
+(``--bind-to core``, Open MPI's default at two ranks) keeps it whole."""
 
 import os
 import shutil
@@ -14,7 +15,7 @@ from helpers.scripts import ROOT
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="missing system tool: mpirun (openmpi-bin)")
 def test_mpirun_two_ranks_run_the_tiny_config(tmp_path):
     pytest.importorskip("mpi4py", reason="mpi4py not installed")
-    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "core", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
            sys.executable, "-m", "megarl.cli", "train", "--config", "configs/tiny_cpu.yaml",
            "engine.tensor_parallel_size=1", "train.steps=2", f"train.run_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}"]
@@ -26,5 +27,7 @@ def test_mpirun_two_ranks_run_the_tiny_config(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout
     assert "megarl: 2 processes started by mpi, rendezvous " in out  # the bootstrap's MPI path
+    # mpirun bound each rank to a core of its own: megarl computes on it rather than splitting it between the ranks
+    assert "cpu placement on each rank's own cores, bound by its launcher" in out, out[-3000:]
     assert out.count("step 2/2 |") == 1 and "eval after RL: pass@1" in out
     assert (tmp_path / "run" / "metrics.jsonl").is_file()

@@ -10,8 +10,10 @@ from megarl.distributed.placement import (
     CpuShare,
     RankPlacement,
     available_cores,
+    bound_apart,
     node_placement,
     place_node,
+    rank_placement,
     replicas_on_node,
     vllm_binding,
 )
@@ -129,6 +131,24 @@ def test_the_run_shape_decides_which_replicas_share_a_node():
     assert node_placement(cfg, 1, cores=[0, 1]).together
     none = load_config(None, ["engine.placement=disaggregated"])
     assert not node_placement(none, 1, cores=[0, 1]).together
+
+
+def test_a_rank_bound_to_its_own_cores_by_its_launcher_computes_on_all_of_them():
+    # srun under task/affinity with --cpus-per-task=8 (or mpirun --bind-to core): 4 ranks of a 32-core node, each
+    # its own 8 cores. Splitting each rank's set again among the 4 ranks would leave each 2 of them.
+    sets = [tuple(range(8 * r, 8 * r + 8)) for r in range(4)]
+    assert bound_apart(sets) and not bound_apart([tuple(range(32))] * 4) and not bound_apart(sets[:1])
+    assert not bound_apart([(0, 1, 2), (2, 3)])  # overlapping: not a binding of each to its own
+    cfg = load_config(None, ["engine.placement=disaggregated", "rollout.overlap=async", "rollout.mode=partial",
+                             "engine.replicas=1"])
+    third = rank_placement(cfg, sets, 2)
+    assert third.node.bound and third.node.trainer[third.index] == CpuShare(8)  # its 8 cores, the OS places them
+    assert third.node.replicas == [] and "this trainer rank: any core, 8 threads" in third.node.describe()
+    first = rank_placement(cfg, sets, 0)  # the node's first rank spawns the replica: its cores split with it
+    assert first.node.trainer[0].cores and set(first.node.trainer[0].cores) | set(first.node.replicas[0][0].cores) \
+        == set(sets[0])
+    shared = rank_placement(cfg, [tuple(available_cores())] * 2, 1)  # no binding: the node's cores split as before
+    assert not shared.node.bound and len(shared.node.trainer) == 2 and shared.index == 1
 
 
 def test_vllm_binds_pinned_workers_and_leaves_the_rest():
