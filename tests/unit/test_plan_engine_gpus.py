@@ -164,3 +164,15 @@ def test_an_example_plans_the_split_it_is_given_and_refuses_a_clash_before_submi
                            env={**env, "TRAINER_GPUS_PER_NODE": "6"}, timeout=60)
     assert clash.returncode == 2 and "engine.replica_devices='4,5,6,7' takes GPU 4" in clash.stderr, clash.stderr
     assert "nothing submitted" in clash.stderr
+
+
+def test_replica_device_ids_count_the_gpus_the_trainer_sees():
+    """A replica's CUDA_VISIBLE_DEVICES: its ids through the trainer's own (Slurm's allocation '4,5,6,7' makes id 2
+    GPU 6; set absolutely it would take GPU 2, which another job holds); unset, the ids as they are."""
+    from megarl.engines.remote.process import replica_visible_devices
+
+    assert replica_visible_devices("2,3", "4,5,6,7") == "6,7"
+    assert replica_visible_devices("6,7", None) == "6,7" and replica_visible_devices("6,7", "") == "6,7"
+    assert replica_visible_devices("1", "GPU-aa, GPU-bb") == "GPU-bb"  # UUIDs pass as they are
+    with pytest.raises(ValueError, match=r"names GPU 4, but this node's trainer process sees 4 \(CUDA_VISIBLE"):
+        replica_visible_devices("4", "4,5,6,7")

@@ -55,13 +55,31 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
+def replica_visible_devices(ids: str, inherited: str | None) -> str:
+    """A replica's ``CUDA_VISIBLE_DEVICES`` from its ``engine.replica_devices`` ids, which number GPUs as the
+    trainer's processes do (cuda:N): through the trainer's own ``CUDA_VISIBLE_DEVICES`` where it has one (a Slurm
+    allocation's '4,5,6,7': id 2 is GPU 6; UUIDs and MIG names pass as they are). ``ValueError`` naming the id when
+    the trainer does not see that many GPUs."""
+    visible = [d.strip() for d in (inherited or "").split(",") if d.strip()]
+    if not visible:
+        return ids
+    out = []
+    for d in ids.split(","):
+        if int(d) >= len(visible):
+            raise ValueError(f"engine.replica_devices names GPU {d}, but this node's trainer process sees "
+                             f"{len(visible)} (CUDA_VISIBLE_DEVICES={inherited}): ids count the GPUs it sees, from 0")
+        out.append(visible[int(d)])
+    return ",".join(out)
+
+
 def _llm(spec: dict):
     # a replica is no rank of the trainer's job: torchrun's variables would make vLLM's own process
     # group join the trainer's store (TORCHELASTIC_USE_AGENT_STORE) and wait there forever
     for key in [k for k in os.environ if k in _LAUNCHER_ENV or k.startswith(("TORCHELASTIC_", "OMPI_", "PMI_"))]:
         del os.environ[key]
     if spec.get("devices"):  # on GPUs: this replica's own devices (engine.replica_devices)
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec["devices"]
+        os.environ["CUDA_VISIBLE_DEVICES"] = replica_visible_devices(spec["devices"],
+                                                                     os.environ.get("CUDA_VISIBLE_DEVICES"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     place_replica([CpuShare(threads, tuple(cores)) for threads, cores in spec.get("cpus") or []], spec["tp"])
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
