@@ -17,7 +17,7 @@
 - ``run``: the pass@1 before RL, fault counters, the supervised warm-up steps done and their NLL (a checkpoint
   of step 0 saved on a preemption during the warm-up: the rerun goes on at its next step, ``RunKeeper.warm_up``).
 
-``rng/rank_NNNNN.pt`` (every rank): python's, torch's and megatron's tracker RNG states. A run
+``rng/rank_NNNNN.pt`` (every rank): python's, torch's, megatron's tracker RNG states (and the GPU's). A run
 resumed at another world size takes rank ``r``'s file, or rank ``r mod saved`` when it has none.
 """
 
@@ -161,16 +161,31 @@ def buffer_digest(controller_state: dict) -> str:
 def rng_state() -> dict:
     from megatron.core import tensor_parallel
 
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():  # the GPU's default generator (megatron's dropout outside the tracker's regions)
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Put ``rng_state`` back. The tracker's streams (dropout) only where they are of this device's kind: a CPU
+    generator's state (5,056 bytes, the streams of a run on CPU) cannot seed a GPU's Philox one (16 bytes) or the
+    other way round; a run resumed on the other kind keeps the streams seeded from ``train.seed``, said once."""
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    now, saved = tracker.get_states(), state["tracker"]
+    if all(name in now and now[name].numel() == t.numel() for name, t in saved.items()):
+        tracker.set_states(saved)
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    else:
+        warnings.warn("run checkpoint: its dropout RNG streams were written on another kind of device (CPU and GPU "
+                      "generators differ); they start again from train.seed (dropout is not bit-exact across the "
+                      "resume, everything else is restored)", stacklevel=2)
 
 
 def write_state(root: Path, state: dict | None) -> None:
