@@ -149,6 +149,9 @@ class PolicyTrainer(RouteRecording):
             last.output_layer = HiddenOutput(last.output_layer, ps.sequence_parallel)
         self.tcfg = last.config
         distributed = optim.distributed_optimizer and ps.dp > 1
+        if not trainable:  # frozen before DDP wraps it: DDP then keeps no gradient buffer (fp32, 4 B a parameter)
+            for m in self.modules:
+                m.requires_grad_(False)
         self.chunks = [
             DistributedDataParallel(
                 config=m.config,
@@ -175,9 +178,6 @@ class PolicyTrainer(RouteRecording):
         self.last_nonfinite = ""  # what was non-finite in a skipped step ('loss', 'gradient'); cleared by the loop
         self.updates = 0  # optimizer steps applied (skipped ones not): the loop's policy version moves with them
         if not trainable:
-            for c in self.chunks:
-                for p in c.parameters():
-                    p.requires_grad_(False)
             return
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(

@@ -65,7 +65,10 @@ def main(layout: str, model_dir: str, out_dir: str, precision: str = "fp32", tar
     ps, cfg = seeded_layout(spec, model_dir)
     common = dict(precision=precision, packing=True, moe_dispatcher=dispatcher)
     batch = fixed_batch(cfg["vocab_size"])
-    base = PolicyTrainer(cfg, model_dir, ps, optim, trainable=False, **common).logprobs(batch)
+    frozen = PolicyTrainer(cfg, model_dir, ps, optim, trainable=False, **common)
+    # a frozen model (the KL reference) keeps no gradient buffer: DDP wrapped it with nothing to train
+    assert not any(b.numel for c in frozen.chunks for b in c.buffers + c.expert_parallel_buffers), "frozen grads"
+    base = frozen.logprobs(batch)
     lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=float(dropout), **({"targets": targets} if targets else {}))
     trainer = PolicyTrainer(cfg, model_dir, ps, optim, lora=lora, **common)
     mask = batch.loss_mask.bool()
