@@ -195,7 +195,8 @@ def build_session(cfg: RunConfig) -> Session:
     phases = PhaseRunner(controller, rewards, prompts, cfg.train.seed, timeline.span)
     weight_sync = WeightSync(trainer, engines.dtype, cfg.sync.bucket_mib, cfg.sync.check_every,
                              main_only(log.warning, ps.rank))
-    handover = Handover(engines, trainer, cfg.trainer.offload_during_rollout, main_only(log.info, ps.rank))
+    handover = Handover(engines, [t for _, t in learners.named()], cfg.trainer.offload_during_rollout,
+                        main_only(log.info, ps.rank))
     saver = RunSaver(cfg.train.run_dir, cfg.train.keep_checkpoints, learners.named())
     s = Session(cfg, ps, hf_cfg, tokenizer, engines, trainer, learners, task, rewards, controller, logger, run_dir,
                 weight_sync, handover, saver, phases, pipeline, timeline, prompts, prompts.eval_prompts(), stateful,

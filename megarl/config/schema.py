@@ -379,7 +379,8 @@ class TrainerConfig:
     state; logprobs and the loss in fp32 from bf16 logits); 'fp32': everything fp32. The critic and the
     reference follow it; FP8 (``model.fp8``) runs on bf16."""
     offload_during_rollout: bool = False
-    """Move the optimizer state and gradient buffers to host memory while the engines generate (GPU)."""
+    """Move the optimizer state and gradient buffers (the critic's too) and a frozen KL reference's weights to host
+    memory while the engines generate (GPU)."""
     cpu_threads: int = 0
     """Compute threads of each trainer rank (0: megarl chooses: the node's cores split between its ranks, and with
     the replicas while generation runs beside training; see docs/cluster.md)."""

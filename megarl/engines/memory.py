@@ -95,8 +95,9 @@ class TrainerOffload:
     Moves the optimizer's own tensors (``offloadable``: not megatron's ``offload_to_cpu``, which moves an fp32
     optimizer's parameters, there the model's own) and uses the DDP wrappers' ``offload_grad_buffers`` /
     ``restore_grad_buffers`` (the buffers' storage is freed and reallocated, views stay valid, grads are zeroed —
-    they are zeroed before every step anyway). With the trainer on CPU there is nothing to move: skipped, said
-    once.
+    they are zeroed before every step anyway). A frozen model (the KL reference: no optimizer, no gradients) moves
+    its weights, which only its forward in the training phase reads. With the trainer on CPU there is nothing to
+    move: skipped, said once.
     """
 
     def __init__(self, trainer, enabled: bool, log: Callable[[str], None] = print) -> None:
@@ -108,12 +109,15 @@ class TrainerOffload:
             log("trainer.offload_during_rollout: the trainer's state is already in host memory (CPU); skipped")
 
     def offload(self) -> None:
-        if not self.active or self.offloaded or self.trainer.optimizer is None:
+        if not self.active or self.offloaded:
             return
         import torch
 
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.params, self.state = offloadable(self.trainer.optimizer, self.trainer.chunks, self.device)
+        if self.trainer.optimizer is None:  # frozen: its weights (no DDP hook on a parameter that takes no grad)
+            self.params = [p for c in self.trainer.chunks for p in c.parameters() if p.device == self.device]
+        else:
+            self.params, self.state = offloadable(self.trainer.optimizer, self.trainer.chunks, self.device)
         for p in self.params:
             p.data = p.data.cpu()
         for entries, key in self.state:
@@ -158,17 +162,22 @@ def offloadable(optimizer, modules, device) -> tuple[list, list]:
 
 class Handover:
     """The loop's two calls: ``to_train`` after generation, ``to_generate`` before the sync (``engines``: the run's
-    ``Engines``, which sleep as ``engine.sleep_level`` says)."""
+    ``Engines``, which sleep as ``engine.sleep_level`` says; ``trainers``: the learners an offload moves, the policy
+    first, then a GAE critic and a frozen KL reference where the run has them)."""
 
-    def __init__(self, engines, trainer, offload: bool, log: Callable[[str], None] = print) -> None:
-        self.engines, self.offload = engines, TrainerOffload(trainer, offload, log)
+    def __init__(self, engines, trainers: list, offload: bool, log: Callable[[str], None] = print) -> None:
+        self.engines = engines
+        self.offloads = [TrainerOffload(t, offload, log if i == 0 else (lambda _: None))
+                         for i, t in enumerate(trainers)]
 
     def to_train(self) -> None:
         self.engines.sleep()
-        self.offload.restore()
+        for o in self.offloads:
+            o.restore()
 
     def to_generate(self) -> None:
-        self.offload.offload()
+        for o in self.offloads:
+            o.offload()
         self.engines.wake()
 
     @contextmanager

@@ -56,14 +56,15 @@ def test_cpu_skips_sleep_and_offload_with_one_line_each():
 
     lines = []
     sleeper = EngineSleep(object(), 2, log=lines.append)  # what colocated engines hold (engine.sleep_level)
-    h = Handover(SimpleNamespace(sleep=sleeper.sleep, wake=sleeper.wake), object(), offload=True, log=lines.append)
+    engines = SimpleNamespace(sleep=sleeper.sleep, wake=sleeper.wake)
+    h = Handover(engines, [object(), object()], offload=True, log=lines.append)  # (a policy and a critic)
     for _ in range(3):
         h.to_train()
         h.to_generate()
     assert len(lines) == 2
     assert "engine.sleep_level=2" in lines[0] and "skipped" in lines[0]
     assert "trainer.offload_during_rollout" in lines[1] and "skipped" in lines[1]
-    assert not sleeper.asleep and not h.offload.offloaded
+    assert not sleeper.asleep and not any(o.offloaded for o in h.offloads)
 
 
 
@@ -94,6 +95,7 @@ def test_sleep_frees_and_restores_engine_memory_with_equal_outputs(tmp_path, lev
 def test_trainer_offload_moves_state_to_host_and_back_with_equal_results(tmp_path):
     r = run_script(["tests/workers/memory_checks.py", str(tmp_path), "offload"])
     assert r["freed_bytes"] > 0 and r["losses_equal"]
+    assert r["reference_freed"] > 0 and r["reference_equal"]  # a frozen KL reference's weights, and back
 
 
 def test_the_offload_moves_the_optimizers_own_tensors_never_the_models_parameters():

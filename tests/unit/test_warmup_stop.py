@@ -82,7 +82,7 @@ def keeper(cfg, tok, signal_at: int = 0, saved: tuple | None = None) -> RunKeepe
     engines = SimpleNamespace(sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
     s = SimpleNamespace(cfg=cfg, tokenizer=tok, trainer=trainer, cpus=SimpleNamespace(alone=contextlib.nullcontext),
                         task=AdditionTask(d.max_digits, d.tail_alpha, d.seed, d.eval_size),
-                        handover=Handover(engines, trainer, offload=False))
+                        handover=Handover(engines, [trainer], offload=False))
     k = RunKeeper(s, flag)
     k.handed = calls  # the engines' sleep and wake around the warm-up
     if saved is not None:

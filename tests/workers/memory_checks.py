@@ -85,7 +85,19 @@ def offload_checks(workdir: str) -> None:
 
     plain, _ = losses(False)
     offloaded, freed = losses(True)
-    print(json.dumps({"freed_bytes": freed, "losses_equal": plain == offloaded}), flush=True)
+    # a frozen model (the KL reference): its weights leave the device and come back to the same logprobs
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    _, cfg, frozen = build_trainer("single", model, OptimConfig(micro_batch_size=4), trainable=False)
+    batch = fixed_batch(cfg["vocab_size"])
+    before, off = frozen.logprobs(batch), TrainerOffload(frozen, True, log=print)
+    held = torch.cuda.memory_allocated()
+    off.offload()
+    reference_freed = held - torch.cuda.memory_allocated()
+    off.restore()
+    print(json.dumps({"freed_bytes": freed, "losses_equal": plain == offloaded, "reference_freed": reference_freed,
+                      "reference_equal": bool(torch.equal(before, frozen.logprobs(batch)))}), flush=True)
 
 
 if __name__ == "__main__":
