@@ -17,6 +17,9 @@
   layers (times the micro-batches in flight, as above), plus one unit's working set: its layers' activations as
   without recompute, once (the backward recomputes one unit at a time).
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
+- the other learners (``config.validate.algo.needed_learners``): a frozen KL reference, P·w (no gradients, no
+  optimizer; with LoRA none: the policy's base with its adapters off); a GAE critic, a whole model of its own
+  (P·w + P·4 + its optimizer state, LoRA or not).
 - context parallelism (``parallel.cp``): a rank holds 1/CP of a micro-batch's positions, so its activations and
   (unchunked) logits are 1/CP; where keys and values are all-gathered (the CPU path, ``parallel.cp_comm_type``
   all_gather) each layer also keeps the other ranks' (CP−1)/CP of them for the backward: 2·KV heads/TP·head dim·w a
@@ -27,14 +30,16 @@
   estimate of vLLM's pool (``cuda_graph_gib``). Plus 2 GiB runtime overhead.
 
 The total is the peak of the phases: colocated at sleep level 0, everything at once; at level 1 or 2 the larger of
-training (the trainer alone: the engine asleep) and generation (trainer weights, its gradients and optimizer state
-unless ``trainer.offload_during_rollout``, the engine); disaggregated, the larger of a trainer GPU and an engine GPU.
+training (the trainer alone: the engine asleep) and generation (the policy's and critic's weights; their gradients
+and optimizer state and the reference unless ``trainer.offload_during_rollout``; the engine); disaggregated, the
+larger of a trainer GPU and an engine GPU.
 """
 
 from __future__ import annotations
 
 from megarl.config import ConfigError
 from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.layout import Layout
 from megarl.launch.model_size import Counts, adapter_params, head_dim
@@ -46,7 +51,7 @@ OVERHEAD_GIB = 2.0
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
 ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TRAINER_PARTS = ("weights", "gradients", "optimizer", "activations", "logits")
+TRAINER_PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "critic")
 
 
 def engine_bytes(cfg: RunConfig, precision: str) -> int:
@@ -147,12 +152,15 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     expert_dp = lay.world // (lay.pp * lay.ep * lay.etp)
     distributed = cfg.optim.distributed_optimizer and lay.dp_cp > 1
     adapters = adapter_params(hf, cfg, lay.tp, lay.ep, lay.etp) / lay.pp  # LoRA: the base frozen, only these train
+    whole_opt = (shared / lay.dp_cp + expert / expert_dp if distributed else params) * OPTIMIZER_BYTES[precision]
     if adapters:
         trained, opt_full = adapters, adapters * OPTIMIZER_BYTES[precision]
         opt = opt_full / lay.dp_cp if distributed else opt_full
     else:
         trained, opt_full = params, params * OPTIMIZER_BYTES[precision]
-        opt = (shared / lay.dp_cp + expert / expert_dp) * OPTIMIZER_BYTES[precision] if distributed else opt_full
+        opt = whole_opt
+    learners = needed_learners(cfg.algo, cfg.lora.rank)
+    critic_state = params * 4 + whole_opt if "critic" in learners else 0.0  # its gradients and optimizer state
     # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
     replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
     tokens = microbatch_tokens(cfg) / lay.cp  # a CP rank's share of a micro-batch's positions
@@ -176,6 +184,9 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "optimizer": opt / GIB,
         "activations": act / GIB,
         "logits": logits / GIB,
+        "reference": params * w / GIB if "reference" in learners else 0.0,
+        "critic": (params * w + critic_state) / GIB if critic_state else 0.0,
+        "critic_state": critic_state / GIB,
         "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,
         "cuda_graphs": cuda_graph_gib(hf, cfg, lay, precision, cpu),
         "overhead": 0.0 if cpu else OVERHEAD_GIB,
@@ -210,7 +221,8 @@ def peak_of(parts: dict, lay: Layout) -> tuple[float, str]:
         return max((trainer, "on a trainer GPU"), (engine + parts["overhead"], "on an engine GPU"))
     if lay.sleep_level == 0:
         return trainer + engine, "training and generation at once"
-    held = parts["weights"] + (0.0 if lay.offload else parts["gradients"] + parts["optimizer"])
+    moved = parts["gradients"] + parts["optimizer"] + parts["critic_state"] + parts["reference"]  # (the offload's)
+    held = parts["weights"] + parts["critic"] - parts["critic_state"] + (0.0 if lay.offload else moved)
     return max((trainer, "while training"), (held + engine + parts["overhead"], "while generating"))
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from megarl.launch.plan_timing import timing_lines
 
 ROWS = (("weights", "weights"), ("gradients", "gradients (fp32)"), ("optimizer", "optimizer state"),
-        ("activations", "activations"), ("logits", "logits (chunked)"), ("engine_weights", "vLLM weights"),
+        ("activations", "activations"), ("logits", "logits (chunked)"), ("reference", "KL reference (frozen)"),
+        ("critic", "critic (GAE)"), ("engine_weights", "vLLM weights"),
         ("cuda_graphs", "vLLM CUDA graphs"), ("kv_cache", "vLLM KV cache"), ("overhead", "runtime overhead"))
 
 
@@ -87,7 +88,8 @@ def memory_lines(res: dict) -> list[str]:
              "kv_cache": kv_note(res), "cuda_graphs": "estimated (engine.enforce_eager=true: none)"}
     lines = [f"memory per {_device(res)[1]} ({unit_of(res)[0]})"]
     for key, label in ROWS:
-        if key in ("overhead", "cuda_graphs") and res.get("device") == "cpu":
+        if key in ("overhead", "cuda_graphs") and res.get("device") == "cpu" or key in ("reference", "critic") \
+                and not mem.get(key):
             continue
         lines.append(f"  {label:<22}{amount(mem[key], res, 9)}   {notes.get(key, '')}".rstrip())
     verdict = "fits" if res["fits"] else "DOES NOT FIT"

@@ -22,7 +22,8 @@
                 ``REFIT_COLOCATED_GBPS``, disaggregated ``REFIT_GBPS`` + ``REFIT_LATENCY_S``
       sleep     level 1: the engine's weights to host and back (2 × over the host link); level 2: dropped and
                 refilled by the sync itself; 0: nothing
-      offload   trainer.offload_during_rollout: gradients and optimizer state to host and back
+      offload   trainer.offload_during_rollout: gradients and optimizer state (the critic's too) and a frozen
+                reference's weights to host and back
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def sync_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, t
     transfer = per_gpu / (rate * 1e9) + (0.0 if lay.colocated else REFIT_LATENCY_S)
     host = gpu.host_gbps * 1e9
     sleep = 2 * counts.total * we / lay.engine_tp / host if lay.colocated and lay.sleep_level == 1 else 0.0
-    offload = 2 * (trainer_gib["gradients"] + trainer_gib["optimizer"]) * GIB / host if lay.offload else 0.0
+    moved = trainer_gib["gradients"] + trainer_gib["optimizer"] + trainer_gib["critic_state"] + trainer_gib["reference"]
+    offload = 2 * moved * GIB / host if lay.offload else 0.0
     return {"transfer_s": transfer, "sleep_s": sleep, "offload_s": offload, "total_s": transfer + sleep + offload,
             "bytes": per_gpu, "path": path, "rate_gbps": rate}

@@ -136,7 +136,7 @@ ROWS = {  # docs/cluster.md's NeMo-RL v0.4 rows: published step, the row's `mega
                        "engine.tensor_parallel_size=4"]),
     "Qwen3-235B-A22B": (506, "examples/models/qwen3-235b-a22b.json", 16, 150, 5521,
                         ["rollout.prompts_per_step=16", "rollout.max_new_tokens=8042", "engine.max_model_len=8192",
-                         "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=16",
+                         "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=32",
                          "parallel.etp=1", "parallel.pp=2", "trainer.recompute=full", "trainer.packing=true",
                          "engine.tensor_parallel_size=16"]),
 }
@@ -200,3 +200,21 @@ def test_lora_plans_a_frozen_base_adapter_state_and_adapter_sync():
     assert found and all(x["layout"]["sleep_level"] != 2 for x in found)
     assert any(x["layout"]["sleep_level"] == 2 for x in plan(hf, full_cfg, 1, 8, 79.6, True, "bf16", False, H100,
                                                                   WORK)["proposals"])  # (without LoRA it would)
+
+
+def test_the_kl_reference_and_the_critic_are_sized_and_offloaded():
+    """A KL reference is the policy's weights again (frozen: no gradients, no optimizer; with LoRA none, the base
+    with its adapters off); a GAE critic a whole trained model. Offloaded while generating: everything but the
+    policy's and the critic's weights, which the offload's host traffic carries too."""
+    hf, counts = QWEN25_32B, count_params(QWEN25_32B)
+    lay = Layout(1, 8, tp=4, pp=2, sequence_parallel=True, engine_tp=8, sleep_level=1, offload=True)
+    plain, kl, lora_kl, gae = (memory_gib(counts, hf, load_config(None, [*RUN, *extra]), lay, "bf16", gpu_mem_gib=79.6)
+                               for extra in ([], ["algo.kl_coef=0.01"], ["algo.kl_coef=0.01", "lora.rank=16"],
+                                             ["algo.advantage=gae"]))
+    assert plain["reference"] == plain["critic"] == 0 and lora_kl["reference"] == 0
+    assert kl["reference"] == pytest.approx(plain["weights"])
+    assert gae["critic"] == pytest.approx(plain["weights"] + plain["gradients"] + plain["optimizer"])
+    assert kl["total"] == pytest.approx(plain["total"] + kl["reference"]) and kl["peak"] == "while training"
+    a, b = (_times(hf, lay, extra) for extra in ([], ["algo.advantage=gae", "algo.kl_coef=0.01"]))
+    moved = (b["sync"]["offload_s"] - a["sync"]["offload_s"]) * PRESETS["h100"].host_gbps * 1e9 / GIB / 2
+    assert moved == pytest.approx(gae["critic_state"] + kl["reference"], rel=1e-6)
