@@ -68,8 +68,28 @@ class NodePlacement:
 
 
 def available_cores() -> list[int]:
-    """The cores this process may run on (its affinity: a Slurm allocation's, a cpuset's), sorted."""
-    return sorted(os.sched_getaffinity(0))
+    """The cores this process may run on (its affinity: a Slurm allocation's, a cpuset's), in ``by_topology``'s
+    order."""
+    cpus = os.sched_getaffinity(0)
+    return by_topology(cpus, {c: _topology(c) for c in cpus})
+
+
+def _topology(cpu: int) -> tuple[int, int]:
+    """(socket, physical core) of logical CPU ``cpu`` from sysfs; (0, cpu) where the kernel does not say."""
+    root = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(root + "physical_package_id") as pkg, open(root + "core_id") as core:
+            return int(pkg.read()), int(core.read())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def by_topology(cpus, topology: dict[int, tuple[int, int]]) -> list[int]:
+    """``cpus`` socket by socket, each physical core's hyperthreads side by side (``topology``: a CPU's (socket,
+    core)). Linux numbers a core's second hyperthread after every first one (0-63, then siblings 64-127), so
+    slices of the sorted numbers would give two processes the two halves of the same cores, and a slice would
+    straddle sockets where this order keeps whole cores of one socket together."""
+    return sorted(cpus, key=lambda c: (*topology.get(c, (0, c)), c))
 
 
 def _ranges(cores: tuple[int, ...]) -> str:
@@ -84,10 +104,10 @@ def _ranges(cores: tuple[int, ...]) -> str:
 
 
 def _slices(cores: list[int], counts: list[int]) -> list[tuple[int, ...]]:
-    """Consecutive slices of ``cores`` of the given sizes."""
+    """Consecutive slices of ``cores`` (``by_topology``'s order) of the given sizes, each sorted."""
     out, at = [], 0
     for n in counts:
-        out.append(tuple(cores[at:at + n]))
+        out.append(tuple(sorted(cores[at:at + n])))
         at += n
     return out
 
@@ -122,7 +142,7 @@ def place_node(cores: list[int], trainer_procs: int, replica_workers: list[int],
         asked = " + ".join(x for x in (
             f"trainer.cpu_threads={trainer_threads} × {trainer_procs} trainer ranks" if want_t else "",
             f"engine.cpu_threads={engine_threads} × {workers} replica workers" if want_e else "") if x)
-        raise ValueError(f"{asked} asks for more than this node's {n} cores ({_ranges(tuple(cores))}); "
+        raise ValueError(f"{asked} asks for more than this node's {n} cores ({_ranges(tuple(sorted(cores)))}); "
                          "set fewer threads, or 0 (auto) to let megarl split the cores")
     if not both:
         trainer = _side(cores, trainer_procs, trainer_threads, False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megarl.config import ConfigError, load_config
@@ -11,6 +13,7 @@ from megarl.distributed.placement import (
     RankPlacement,
     available_cores,
     bound_apart,
+    by_topology,
     node_placement,
     place_node,
     rank_placement,
@@ -149,6 +152,20 @@ def test_a_rank_bound_to_its_own_cores_by_its_launcher_computes_on_all_of_them()
         == set(sets[0])
     shared = rank_placement(cfg, [tuple(available_cores())] * 2, 1)  # no binding: the node's cores split as before
     assert not shared.node.bound and len(shared.node.trainer) == 2 and shared.index == 1
+
+
+def test_slices_are_whole_physical_cores_of_one_socket():
+    """2 sockets × 4 cores × 2 hyperthreads as Linux numbers them: CPUs 0-7 the cores' first threads (0-3 socket 0),
+    8-15 their siblings. Slices of the sorted numbers gave rank 2 the siblings of rank 0's cores; in topology
+    order each of 4 ranks has two whole cores (both threads) of one socket."""
+    topology = {c: (c % 8 // 4, c % 4) for c in range(16)}
+    order = by_topology(range(16), topology)
+    assert order[:4] == [0, 8, 1, 9] and order[8:12] == [4, 12, 5, 13]
+    node = place_node(order, 4, [], together=False)
+    assert [s.cores for s in node.trainer] == [(0, 1, 8, 9), (2, 3, 10, 11), (4, 5, 12, 13), (6, 7, 14, 15)]
+    assert "trainer rank 1: cores 2-3,10-11, 4 threads" in node.describe()
+    assert by_topology([3, 1, 2], {}) == [1, 2, 3]  # where sysfs says nothing: the numbers' order
+    assert sorted(available_cores()) == sorted(os.sched_getaffinity(0))
 
 
 def test_vllm_binds_pinned_workers_and_leaves_the_rest():
