@@ -28,7 +28,7 @@ The step-time model (``megarl/launch/step_time.py``, each term printed with its 
            network
   rollout  prefill compute-bound; decode memory-bound (weights and KV cache read per token step over HBM
            bandwidth, at the batch each replica holds), replicas in parallel, the sync-mode tail or the mode's
-           measured bubble
+           measured bubble; sequences vLLM admits beyond what its cache holds, preempted and prefilled again
   sync     weight bytes per engine GPU over NVLink or the network, sleep/wake (level 1) and offload over the host
   step     their sum; with disaggregated engines and rollout.overlap one_step/async, max(train, rollout) + sync
 The GPU's figures come from ``--gpu`` (a100, h100, h200, b200) or the flags of the same name; the lengths from

@@ -44,10 +44,12 @@ def rollout_terms(r: dict) -> str:
     comm = f", TP all-reduces {r['comm_s'] * 1e3:.2f} ms{' across nodes' if r['across_nodes'] else ''}" \
         if r["engine_tp"] > 1 else ""
     bound = "compute-bound" if r["compute_bound"] else f"reads at HBM × {HBM_EFFICIENCY:g}"
+    again = (f" + recompute {_s(r['recompute_s'])} ({r['preempted']} sequences a replica preempted when its KV cache "
+             "fills, prefilled again)") if r.get("preempted") else ""
     return (f"  rollout {_s(r['total_s']):>6} s = prefill {_s(r['prefill_s'])} + decode {_s(r['decode_s'])} "
             f"({r['replicas']} replica{'s' if r['replicas'] > 1 else ''} × batch {r['batch']}: "
             f"{r['useful_steps']:,.0f} steps{tail} × {r['decode_step_s'] * 1e3:.2f} ms; weights "
-            f"{r['weight_bytes'] / 1e9:.2f} GB + KV {r['kv_bytes'] / 1e9:.2f} GB per GPU, {bound}{comm})")
+            f"{r['weight_bytes'] / 1e9:.2f} GB + KV {r['kv_bytes'] / 1e9:.2f} GB per GPU, {bound}{comm}){again}")
 
 
 def sync_terms(s: dict) -> str:

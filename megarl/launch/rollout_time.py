@@ -1,6 +1,6 @@
 """Seconds of a step's rollout and weight sync (``step_time.py`` has training and how the three combine).
 
-    rollout  = prefill + decode, replicas in parallel, each with sequences / replicas of the step
+    rollout  = prefill + decode + recompute, replicas in parallel, each with sequences / replicas of the step
       prefill   compute-bound: prompt tokens · (2·N + 2·L·q·prompt) / (engine TP × peak × MFU), N the active
                 parameters that multiply (not the input embedding)
       decode    memory-bound: a decode step of batch b reads the engine's weights (dense part, and for an MoE the
@@ -16,6 +16,11 @@
                 (rollout.max_new_tokens − response: the longest sequence ends last) in sync mode, or
                 / ((1 − bubble)(1 − waste)) with the mode's measured bubble and waste (on_policy, partial) or
                 ``--bubble``
+      recompute vLLM admits min(engine.slots, sequences per replica) at once, whatever their final length: where
+                its cache holds fewer (b), it preempts the rest when the cache fills (at K / admitted tokens each,
+                K the cache's tokens) and prefills their context again later (vLLM's V1 scheduler preempts by
+                recompute): (admitted − b) · K / admitted tokens at prefill's rate (all of them: prefix caching may
+                keep some, which this does not count)
     sync     = weights to the engines + sleep/wake + offload
       weights   the engine's bytes per engine GPU (N_total · w / engine TP; LoRA: the adapters') at the lesser of
                 the link (NVLink in a node, the network across nodes) and a peer's measured refit rate: colocated
@@ -91,9 +96,15 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
         else useful * (1 / ((1 - bubble) * (1 - waste)) - 1)
     prefill_s = per_replica * work.prompt_tokens * (2 * n + 2 * layers * q * work.prompt_tokens) / (e * peak)
     decode_s = (useful + tail) * step_s
+    admitted = min(cfg.engine.slots, math.ceil(per_replica))
+    cache = (cfg.engine.kv_cache_gib if kv_gib is None else kv_gib) * GIB / kv_bytes_per_token(hf, e, we)
+    preempted = max(0, admitted - b) if b < admitted else 0
+    at = min(cache / admitted, work.prompt_tokens + work.response_tokens)  # each one's context when preempted
+    recompute_s = preempted * at * (2 * n + 2 * layers * q * at) / (e * peak)
     # The simulator's engine step: base + per_seq × active sequences (weights and latency; KV and traffic per seq).
     per_seq_s = (kv_bytes / b) / bandwidth + (2 * layers * h * we * 2 * (e - 1) / e / (link * 1e9) if e > 1 else 0)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s, "replicas":
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "recompute_s": recompute_s, "preempted": preempted,
+            "total_s": prefill_s + decode_s + recompute_s, "replicas":
             lay.engine_replicas, "engine_tp": e, "batch": b, "decode_step_s": step_s, "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes, "comm_s": comm_s, "across_nodes": across, "compute_bound": flops_s > memory_s,
             "steps": useful + tail, "useful_steps": useful, "tail_steps": tail, "bubble": bubble, "waste": waste,
