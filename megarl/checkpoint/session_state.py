@@ -168,6 +168,11 @@ def rng_state() -> dict:
     return state
 
 
+def _size(state) -> int | None:
+    """A generator state's size in bytes (None: a graph-safe ``torch.Generator``, not a tensor)."""
+    return state.numel() if isinstance(state, torch.Tensor) else None
+
+
 def set_rng_state(state: dict) -> None:
     """Put ``rng_state`` back. The tracker's streams (dropout) only where they are of this device's kind: a CPU
     generator's state (5,056 bytes, the streams of a run on CPU) cannot seed a GPU's Philox one (16 bytes) or the
@@ -178,7 +183,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     tracker = tensor_parallel.get_cuda_rng_tracker()
     now, saved = tracker.get_states(), state["tracker"]
-    if all(name in now and now[name].numel() == t.numel() for name, t in saved.items()):
+    if all(name in now and _size(now[name]) == _size(t) for name, t in saved.items()):
         tracker.set_states(saved)
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
