@@ -10,6 +10,7 @@ normaliser) without the trainer knowing which one is in use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -219,12 +220,13 @@ class PolicyTrainer(RouteRecording):
         rows = self.optim_cfg.micro_batch_size * (self.ps.pp if self.ps.vpp > 1 else 1)
         if self.ps.pp > 1 and batch.size % rows:
             batch = batch.pad_rows(rows - batch.size % rows)
-        multiple = self._token_multiple()
+        multiple = self.token_multiple
         if batch.seq_len % multiple:
             batch = batch.pad_columns(multiple - batch.seq_len % multiple)
         return batch
 
-    def _token_multiple(self) -> int:
+    @functools.cached_property
+    def token_multiple(self) -> int:
         """What a micro-batch's positions are padded to a multiple of: TP under sequence parallelism (each rank its
         shard), times megatron's FP8 alignment under FP8 (Transformer Engine's FP8 GEMMs take token counts of a
         multiple of 16 only, 32 under MXFP8, on each rank's shard)."""
@@ -247,7 +249,7 @@ class PolicyTrainer(RouteRecording):
         router_losses = bool(self.moe and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff))
         rows = 2 * ps.cp if ps.cp > 1 else 1  # context parallelism: each row in 2·CP chunks, each rank's a multiple
         return plan_microbatches(batch.row_lengths(), ps.dp, self.optim_cfg.micro_batch_size, self.max_tokens,
-                                 multiple=rows * self._token_multiple(), equal_length=same,
+                                 multiple=rows * self.token_multiple, equal_length=same,
                                  count_multiple=ps.pp if ps.vpp > 1 else 1, by_length=not same and not router_losses,
                                  row_multiple=rows)
 
