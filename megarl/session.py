@@ -58,7 +58,7 @@ from megarl.rollout.scoring import PromptFeed, group_scorer, pool_prompt_source,
 from megarl.rollout.turns import Episodes, build_episodes
 from megarl.testing.faults import install as install_test_faults
 from megarl.trainer.policy import PolicyTrainer
-from megarl.trainer.rl_update import AdaptersOff, Learners
+from megarl.trainer.rl_update import AdaptersOff, HostReference, Learners
 from megarl.weight_sync.protocol import WeightSync
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,8 @@ def traced_scorer(score, timeline: Timeline):
 
 def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     """The policy (with LoRA adapters at ``lora.rank`` > 0); a critic (same backbone, value head, all its weights
-    trained) for GAE; a frozen reference for the KL penalty (with LoRA: the policy's base, its adapters off)."""
+    trained) for GAE; a frozen reference for the KL penalty (with LoRA: the policy's base, its adapters off;
+    ``trainer.reference_on_host``: its weights on the host, run in the policy's model)."""
     a = cfg.algo
     common = dict(temperature=cfg.rollout.temperature, moe_dispatcher=cfg.parallel.moe_dispatcher, fp8=cfg.model.fp8,
                   transformer_engine=resolved_transformer_engine(cfg), precision=cfg.trainer.precision,
@@ -239,7 +240,9 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     if "critic" in needed:
         critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
     if "reference" in needed:
-        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, **common)
+        host = cfg.trainer.reference_on_host
+        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, on_host=host, **common)
+        reference = HostReference(policy, reference) if host else reference
     return Learners(policy, critic, reference)
 
 

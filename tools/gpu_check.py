@@ -155,10 +155,10 @@ def write_model(path: Path, cfg: dict, std: float = 0.02, seed: int = 0) -> Path
     return path
 
 
-def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float, lora=None):
+def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float, lora=None, **frozen):
     """megarl's policy trainer of ``model_dir`` on this GPU: bf16 (fp32 main weights and Adam), packed micro-batches
-    of at most ``microbatch_tokens``, one process (TP = PP = DP = 1), LoRA adapters with ``lora`` (a LoraConfig).
-    (Without CUDA: megarl's CPU adapter.)"""
+    of at most ``microbatch_tokens``, one process (TP = PP = DP = 1), LoRA adapters with ``lora`` (a LoraConfig);
+    ``frozen``: ``trainable=False`` and ``on_host`` (a KL reference). (Without CUDA: megarl's CPU adapter.)"""
     from megatron.core import tensor_parallel
 
     from megarl.compat.megatron import activate_cpu
@@ -172,7 +172,7 @@ def packed_trainer(model_dir: Path, microbatch_tokens: int, lr: float, lora=None
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     optim = OptimConfig(lr=lr, micro_batch_size=1024)
     return PolicyTrainer(read_hf_config(str(model_dir)), str(model_dir), ps, optim, precision="bf16", packing=True,
-                         max_tokens_per_microbatch=microbatch_tokens, lora=lora)
+                         max_tokens_per_microbatch=microbatch_tokens, lora=lora, **frozen)
 
 
 def random_batch(vocab: int, rows: int, prompt: int, response: int, seed: int, vary: bool = True):
@@ -205,8 +205,40 @@ def tiny(steps: int, work: Path) -> dict:
         del trainer
         torch.cuda.empty_cache()
     out["qwen3_moe_lora"] = tiny_lora(steps, work)
+    out["host_reference"] = tiny_host_reference(work)
     out["ok"] = all(out[f]["finite"] and out[f]["falling"] for f in ("qwen3_moe", "qwen2")) and \
-        out["qwen3_moe_lora"]["ok"]
+        out["qwen3_moe_lora"]["ok"] and out["host_reference"]["ok"]
+    return out
+
+
+def tiny_host_reference(work: Path) -> dict:
+    """``trainer.reference_on_host`` on the tiny MoE: after two policy steps, a reference kept in pinned host memory
+    and copied into the policy's model for its forward scores the batch as a reference on the GPU does, and the
+    policy's weights and logprobs come back bit for bit; the host copy holds no GPU memory."""
+    import torch
+
+    from megarl.trainer.rl_update import HostReference
+
+    policy, batch = tiny_trainer(work, "qwen3_moe_reference", "qwen3_moe", lr=1e-2)
+    fit(policy, batch, 2)
+    model = work / "qwen3_moe_reference"
+    resident = packed_trainer(model, 256, 1e-2, trainable=False)
+    held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    host = HostReference(policy, packed_trainer(model, 256, 1e-2, trainable=False, on_host=True))
+    added = (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0) - held
+    weights = [p.detach().clone() for m in policy.modules for p in m.parameters()]
+    before = policy.logprobs(batch)
+    got, want = host.logprobs(batch), resident.logprobs(batch)
+    mask = batch.loss_mask.bool()
+    now = (p for m in policy.modules for p in m.parameters())
+    out = {"reference_gap": float((got - want)[mask].abs().max()),
+           "policy_gap": float((got - before)[mask].abs().max()),
+           "weights_back": all(torch.equal(w, p) for w, p in zip(weights, now)),
+           "logprobs_back": bool(torch.equal(before, policy.logprobs(batch))), "gpu_bytes_added": added}
+    out["ok"] = out["reference_gap"] == 0 and out["policy_gap"] > 0 and out["weights_back"] and \
+        out["logprobs_back"] and added < 1 << 20
+    del policy, resident, host
+    torch.cuda.empty_cache()
     return out
 
 
@@ -343,7 +375,8 @@ def summary_line(part: str, r: dict) -> str:
     if part == "tiny":
         return "tiny: " + verdict + ": " + "; ".join(
             f"{f} loss {r[f]['losses'][0]:.3f} -> {r[f]['losses'][-1]:.3f}" for f in ("qwen3_moe", "qwen2",
-                                                                                      "qwen3_moe_lora"))
+                                                                                      "qwen3_moe_lora")) + \
+            (f"; host reference gap {r['host_reference']['reference_gap']:g}" if "host_reference" in r else "")
     return (f"big: {verdict}: step {r['step_s_median']:.3f} s, plan {r['plan_train_s']:.3f} s "
             f"(x{r['step_over_plan']:.2f}; "
             f"MFU {r['mfu_measured']:.2f}, plan assumes {r['mfu_plan']:.2f}); peak {r['peak_allocated_gib']:.2f} GiB "

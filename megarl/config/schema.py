@@ -381,6 +381,11 @@ class TrainerConfig:
     offload_during_rollout: bool = False
     """Move the optimizer state and gradient buffers (the critic's too) and a frozen KL reference's weights to host
     memory while the engines generate (GPU)."""
+    reference_on_host: bool = False
+    """A KL penalty's frozen reference (``algo.kl_coef`` > 0 without LoRA) kept in host memory and copied into the
+    policy's own model for its forward pass, the policy's weights put back after (as NeMo-RL does): no second model
+    on the GPU, for 3 copies of this rank's weights over the host link a step. False: a model of its own beside the
+    policy (offloaded while generating under ``offload_during_rollout``). Not with ``model.fp8``."""
     cpu_threads: int = 0
     """Compute threads of each trainer rank (0: megarl chooses: the node's cores split between its ranks, and with
     the replicas while generation runs beside training; see docs/cluster.md)."""

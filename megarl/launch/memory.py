@@ -18,8 +18,8 @@
   without recompute, once (the backward recomputes one unit at a time).
 - logits: logprob_chunk (or all) positions × vocab/TP × 4 B × 2 (values and gradient).
 - the other learners (``config.validate.algo.needed_learners``): a frozen KL reference, P·w (no gradients, no
-  optimizer; with LoRA none: the policy's base with its adapters off); a GAE critic, a whole model of its own
-  (P·w + P·4 + its optimizer state, LoRA or not).
+  optimizer; with LoRA none: the policy's base with its adapters off; ``trainer.reference_on_host`` none: host
+  memory); a GAE critic, a whole model of its own (P·w + P·4 + its optimizer state, LoRA or not).
 - context parallelism (``parallel.cp``): a rank holds 1/CP of a micro-batch's positions, so its activations and
   (unchunked) logits are 1/CP; where keys and values are all-gathered (the CPU path, ``parallel.cp_comm_type``
   all_gather) each layer also keeps the other ranks' (CP−1)/CP of them for the backward: 2·KV heads/TP·head dim·w a
@@ -184,7 +184,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "optimizer": opt / GIB,
         "activations": act / GIB,
         "logits": logits / GIB,
-        "reference": params * w / GIB if "reference" in learners else 0.0,
+        "reference": params * w / GIB if "reference" in learners and not cfg.trainer.reference_on_host else 0.0,
         "critic": (params * w + critic_state) / GIB if critic_state else 0.0,
         "critic_state": critic_state / GIB,
         "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import RunConfig
+from megarl.config.validate.algo import needed_learners
 from megarl.config.validate.model import model_config, routes_off_note
 from megarl.launch.gpus import PRESETS, Gpu
 from megarl.launch.layout import (
@@ -241,6 +242,14 @@ def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu
             if mine["fits"]:
                 hints.append(f"trainer.recompute=full (activations {mine['memory_gib_per_gpu']['activations']:.2f} "
                              f"GiB per GPU; about a third more training compute)")
+        except ConfigError:
+            pass
+    if needed_learners(cfg.algo, cfg.lora.rank).get("reference") and not cfg.trainer.reference_on_host:
+        host = replace(cfg, trainer=replace(cfg.trainer, reference_on_host=True))
+        try:
+            if again(host, nodes, not explicit, precision)["fits"]:
+                hints.append("trainer.reference_on_host=true (the KL reference's weights in host memory, copied into "
+                             "the policy's model for its forward)")
         except ConfigError:
             pass
     if precision == "fp32" and again(cfg, nodes, not explicit, "bf16")["fits"]:

@@ -36,6 +36,7 @@ def train_terms(t: dict) -> str:
             f"{_s(t['tp_s'])} + EP {_s(t['ep_s'])}" + (f" + CP {_s(t['cp_s'])}" if t.get("cp_s") else "")
             + f" + PP bubble {_s(t['pp_s'])} ({t['microbatches']} micro-batches)"
             f" + DP {_s(t['dp_s'])} + optimizer {_s(t['optimizer_s'])}"
+            + (f" + reference swap {_s(t['reference_swap_s'])}" if t.get("reference_swap_s") else "")
             + (" (a reference forward included)" if t["reference_forward"] else ""))
 
 

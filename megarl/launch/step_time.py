@@ -2,7 +2,7 @@
 the GPU's figures (``gpus.Gpu``), at the named efficiencies of ``efficiency.py``. Pure arithmetic; every term keeps
 the inputs it was computed from. Training is here; the rollout and the sync are in ``rollout_time.py``.
 
-    train    = compute + recompute + TP + EP + CP + PP bubble + DP + optimizer
+    train    = compute + recompute + TP + EP + CP + PP bubble + DP + optimizer + reference swap
       passes    what a step runs over its T trained tokens (sequences × (prompt + response)): the policy's forward
                 and backward ``algo.ppo_epochs`` times, forwards alone for the reference model (algo.kl_coef > 0),
                 the proximal policy (algo.tis, algo.decoupled_ppo as resolved) and R2's route recording
@@ -36,6 +36,8 @@ the inputs it was computed from. Training is here; the rollout and the sync are 
                 weights) · (DP−1)/DP under the distributed optimizer (2 · 4 B all-reduce without); experts over the
                 expert data-parallel group; over the network when the job has several nodes, else NVLink
       optimizer per optimizer step, Adam's read and write of ~32 B per parameter of the rank's shard at HBM bandwidth
+      reference swap  trainer.reference_on_host with a KL reference: 3 copies of the rank's weights over the host
+                link a step (the policy's out, the reference's in, the policy's back)
     step     = train + rollout + sync (colocated, or rollout.overlap none); rollout.overlap one_step / async with
                disaggregated engines: max(train, rollout) + sync
 """
@@ -184,8 +186,11 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     dp = learners * dp_bytes / (network if lay.nodes > 1 else nvlink)
     shard = shared / lay.dp_cp + expert / expert_dp if distributed else shared + expert
     optimizer = learners * shard * OPTIMIZER_TRAFFIC / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    # trainer.reference_on_host: the policy's weights to the host, the reference's in, the policy's back (a step's)
+    swap = 3 * (shared + expert) * w / (gpu.host_gbps * 1e9) if "reference" in p["forwards"] and \
+        cfg.trainer.reference_on_host and cfg.lora.rank <= 0 else 0.0
     terms = {"compute_s": compute, "recompute_s": recompute, "tp_s": tp, "ep_s": ep, "cp_s": cp, "pp_s": pp,
-             "dp_s": dp, "optimizer_s": optimizer}
+             "dp_s": dp, "optimizer_s": optimizer, "reference_swap_s": swap}
     return {**terms, "total_s": sum(terms.values()), "flops": flops, "tokens": tokens, "gpus": lay.world,
             "peak_tflops": peak / 1e12, "mfu": work.mfu, "microbatches": micro,
             "reference_forward": "reference" in p["forwards"], "passes": p, "recompute": lay.recompute,

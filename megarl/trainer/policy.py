@@ -71,7 +71,8 @@ def nonfinite(loss_sums: list, grad_buffers: list[torch.Tensor], device=None) ->
 
 class PolicyTrainer(RouteRecording):
     """``head='lm'``: the policy (logprobs); ``head='value'``: a critic on the same backbone (values).
-    ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty).
+    ``trainable=False`` builds no optimizer (the frozen reference policy of the KL penalty); ``on_host`` (frozen
+    only) keeps its weights in host memory on a GPU machine (``rl_update.HostReference`` runs its forward).
 
     ``precision='bf16'`` is megatron's mixed precision: the model's weights and activations in bf16, gradients
     accumulated and reduced in fp32 (DDP's buffers), fp32 main parameters and Adam state in the optimizer (the
@@ -98,7 +99,7 @@ class PolicyTrainer(RouteRecording):
                  transformer_engine: bool = False, precision: str = "fp32", routing_replay: str = "none",
                  packing: bool = False, max_tokens_per_microbatch: int = 0, recompute: str = "none",
                  recompute_layers: int = 1, cp_comm_type: str = "p2p", lora: LoraConfig | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_host: bool = False) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -140,9 +141,12 @@ class PolicyTrainer(RouteRecording):
         # built on the host (use_cpu_initialization); on a GPU the model, its DDP buffers and each microbatch live on
         # this rank's device, and what leaves the trainer (logprobs, values) comes back to the host
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if self.device is not None:
+        if self.device is not None and not on_host:
             for m in self.modules:
                 m.cuda(self.device)
+        elif self.device is not None:  # a frozen model kept on the host (trainer.reference_on_host): pinned copies
+            for p in (p for m in self.modules for p in m.parameters()):
+                p.data = p.data.pin_memory()
         # Logprobs straight from hidden states in sequence chunks (no [tokens × vocab] logits) when
         # entropy (which needs full logits) is not asked for; vocab-parallel under TP either way.
         self.chunk = optim.logprob_chunk if head == "lm" and not entropy else 0

@@ -29,13 +29,46 @@ from megarl.types import Group, TrainBatch
 class Learners:
     policy: PolicyTrainer
     critic: PolicyTrainer | None = None
-    reference: PolicyTrainer | AdaptersOff | None = None
+    reference: PolicyTrainer | AdaptersOff | HostReference | None = None
 
     def named(self) -> list[tuple[str, PolicyTrainer]]:
         """The learners there are, by name (a run checkpoint's directories): the policy, and the critic and the
-        reference where the algorithm has them (a LoRA run's reference is the policy's base: nothing of its own)."""
-        return [(n, t) for n, t in (("policy", self.policy), ("critic", self.critic), ("reference", self.reference))
+        reference where the algorithm has them (a LoRA run's reference is the policy's base: nothing of its own; a
+        host-resident one its weights' holder)."""
+        reference = self.reference.weights if isinstance(self.reference, HostReference) else self.reference
+        return [(n, t) for n, t in (("policy", self.policy), ("critic", self.critic), ("reference", reference))
                 if isinstance(t, PolicyTrainer)]
+
+
+class HostReference:
+    """``trainer.reference_on_host``: the KL reference's weights (``weights``, a frozen ``PolicyTrainer`` built on
+    the host) copied into the policy's own model for its forward, the policy's weights put back bit for bit after;
+    no second model on the GPU. Each rank swaps its own shards: the two models are built alike, parameter for
+    parameter. The forward routes freely, as a reference of its own does (no routing replay)."""
+
+    def __init__(self, policy: PolicyTrainer, weights: PolicyTrainer) -> None:
+        self.policy, self.weights = policy, weights
+        self.pairs = []
+        for mine, theirs in zip(policy.modules, weights.modules, strict=True):
+            for (name, p), (other, r) in zip(mine.named_parameters(), theirs.named_parameters(), strict=True):
+                if name != other or p.shape != r.shape:
+                    raise RuntimeError(f"the host reference's {other} {tuple(r.shape)} is not the policy's {name} "
+                                       f"{tuple(p.shape)}: they must be built alike")
+                self.pairs.append((p, r))
+        pin = torch.cuda.is_available()  # (pinned host memory: the copies run at the link's rate)
+        self.stash = [torch.empty(r.shape, dtype=r.dtype, pin_memory=pin) for _, r in self.pairs]  # the policy's
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        with torch.no_grad():
+            for (p, r), kept in zip(self.pairs, self.stash):
+                kept.copy_(p.data)
+                p.data.copy_(r.data)
+        try:
+            return self.policy.logprobs(replace(batch, routes=None))
+        finally:
+            with torch.no_grad():
+                for (p, _), kept in zip(self.pairs, self.stash):
+                    p.data.copy_(kept)
 
 
 class AdaptersOff:

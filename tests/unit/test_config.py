@@ -178,6 +178,9 @@ def test_fp8_without_transformer_engine_is_a_config_error():
     with pytest.raises(ConfigError, match="model.fp8='delayed' runs on megatron's bf16 mixed precision; set "
                                           "trainer.precision=bf16"):
         validate(load_config(None, ["model.fp8=delayed", "trainer.precision=fp32"]), 1, MOE)
+    with pytest.raises(ConfigError, match=r"trainer.reference_on_host=true with model.fp8='delayed': .* stale; set "
+                                          "trainer.reference_on_host=false"):
+        validate(load_config(None, ["model.fp8=delayed", "trainer.reference_on_host=true"]), 1, MOE)
     if transformer_engine_error() is None:
         pytest.skip("gpu: Transformer Engine is importable here; the FP8 path is tested in test_fp8_gpu.py")
     with pytest.raises(ConfigError, match="needs Transformer Engine"):

@@ -72,3 +72,15 @@ def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
     assert gpu_check.summary_line("tiny", {"ok": True, **{f: {"losses": [2.0, 1.0]} for f in (
         "qwen3_moe", "qwen2")}, "qwen3_moe_lora": r}).endswith(f"qwen3_moe_lora loss {r['losses'][0]:.3f} -> "
                                                               f"{r['losses'][-1]:.3f}")
+
+
+def test_the_tiny_parts_host_reference_leg_scores_as_a_reference_on_the_device(tmp_path):
+    """The ``tiny`` part's ``trainer.reference_on_host`` leg, here on CPU (on the GPU its weights are pinned host
+    memory and must add no GPU memory): the same logprobs as a frozen reference of its own, the policy given back."""
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'tools'); import gpu_check; "
+            f"print(json.dumps(gpu_check.tiny_host_reference(Path({str(tmp_path)!r}))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["ok"] and r["reference_gap"] == 0 and r["policy_gap"] > 0 and r["weights_back"] and r["logprobs_back"]

@@ -160,9 +160,9 @@ ROWS = {  # docs/cluster.md's NeMo-RL v0.4 rows: published step, the row's `mega
                        "engine.tensor_parallel_size=4"]),
     "Qwen3-235B-A22B": (506, "examples/models/qwen3-235b-a22b.json", 16, 150, 5521,
                         ["rollout.prompts_per_step=16", "rollout.max_new_tokens=8042", "engine.max_model_len=8192",
-                         "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=32",
+                         "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=16",
                          "parallel.etp=1", "parallel.pp=2", "trainer.recompute=full", "trainer.packing=true",
-                         "engine.tensor_parallel_size=16"]),
+                         "trainer.reference_on_host=true", "engine.tensor_parallel_size=16"]),
 }
 NEMO_RL = ["rollout.samples_per_prompt=32", "engine.gpu_memory_utilization=0.6", "engine.slots=256",
            "engine.sleep_level=1", "trainer.offload_during_rollout=true", "optim.micro_batch_size=1",
@@ -197,6 +197,20 @@ def test_nemo_rls_published_step_times_against_the_estimates():
     ratios = row_ratios()
     assert all(0.8 < ratios[n] < 1.25 for n in ("Llama-3.1-8B", "Qwen3-30B-A3B", "Qwen3-235B-A22B")), ratios
     assert 1.25 < ratios["Qwen3-32B"] < 1.4, ratios  # dense decode of 3k-token responses: slower than its roofline
+
+
+def test_a_layout_that_fits_only_without_the_reference_on_the_gpu_is_told_so(capsys):
+    """The 235B row at NeMo-RL's own layout with a reference of its own does not fit (92.7 GiB); the plan names
+    trainer.reference_on_host among what would, and with it the layout fits."""
+    from helpers.scripts import ROOT
+    from megarl.launch.plan import main
+
+    _, model, nodes, prompt, response, layout = ROWS["Qwen3-235B-A22B"]
+    job = ["--model", str(ROOT / model), "--nodes", str(nodes), "--gpu", "h100", "--prompt-tokens", str(prompt),
+           "--response-tokens", str(response), *[x for x in layout if "reference_on_host" not in x], *NEMO_RL]
+    assert main(job) == 1
+    assert "trainer.reference_on_host=true (the KL reference's weights in host memory" in capsys.readouterr().out
+    assert main([*job, "trainer.reference_on_host=true"]) == 0
 
 
 def test_lora_plans_a_frozen_base_adapter_state_and_adapter_sync():
@@ -242,3 +256,10 @@ def test_the_kl_reference_and_the_critic_are_sized_and_offloaded():
     a, b = (_times(hf, lay, extra) for extra in ([], ["algo.advantage=gae", "algo.kl_coef=0.01"]))
     moved = (b["sync"]["offload_s"] - a["sync"]["offload_s"]) * PRESETS["h100"].host_gbps * 1e9 / GIB / 2
     assert moved == pytest.approx(gae["critic_state"] + kl["reference"], rel=1e-6)
+    # trainer.reference_on_host: nothing on the GPU, three copies of the rank's weights over the host link a step
+    host = ["algo.kl_coef=0.01", "trainer.reference_on_host=true"]
+    on_host = memory_gib(counts, hf, load_config(None, [*RUN, *host]), lay, "bf16", gpu_mem_gib=79.6)
+    assert on_host["reference"] == 0 and on_host["total"] == pytest.approx(plain["total"])
+    swap = _times(hf, lay, host)["train"]["reference_swap_s"]
+    assert swap == pytest.approx(3 * plain["weights"] * GIB / (PRESETS["h100"].host_gbps * 1e9))
+    assert _times(hf, lay, ["algo.kl_coef=0.01"])["train"]["reference_swap_s"] == 0

@@ -220,6 +220,9 @@ def _validate_model_keys(cfg: RunConfig) -> None:
     if m.fp8 and cfg.trainer.precision != "bf16":
         raise ConfigError(f"model.fp8={m.fp8!r} runs on megatron's bf16 mixed precision; set trainer.precision=bf16 "
                           f"(got {cfg.trainer.precision!r}) or model.fp8=''")
+    if m.fp8 and cfg.trainer.reference_on_host:
+        raise ConfigError(f"trainer.reference_on_host=true with model.fp8={m.fp8!r}: copying weights into FP8 layers "
+                          "would leave their cached FP8 copies stale; set trainer.reference_on_host=false")
     if m.fp8 and (why := transformer_engine_error()) is not None:
         raise ConfigError(f"model.fp8={m.fp8!r} needs Transformer Engine on a GPU, which is not importable here "
                           f"({why}); install megarl[gpu] on a CUDA machine or set model.fp8=''")
