@@ -58,15 +58,21 @@ def test_the_1b_step_is_compared_with_the_plans_own_figures_for_its_shapes():
     assert gpu_check.plan_estimate(gpu_check.LLAMA_1B, "NVIDIA H100 80GB HBM3", 79.6)["preset"] == "h100"
 
 
-def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
-    """The LoRA leg of the ``tiny`` part, here on CPU (on the GPU its dropout draws from megatron's CUDA tracker): the
-    loss falls, every base weight stays bit for bit, the adapters' B leave zero."""
+def tiny_leg(call: str, tmp_path) -> dict:
+    """A leg of the GPU check's ``tiny`` part (``call``: 'gpu_check.<call>Path(tmp_path)))'), in a fresh interpreter
+    (megarl's CPU adapter patches torch.cuda): its JSON result."""
     code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'tools'); import gpu_check; "
-            f"print(json.dumps(gpu_check.tiny_lora(3, Path({str(tmp_path)!r}))))")
+            f"print(json.dumps(gpu_check.{call}Path({str(tmp_path)!r}))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
+    """The LoRA leg of the ``tiny`` part, here on CPU (on the GPU its dropout draws from megatron's CUDA tracker): the
+    loss falls, every base weight stays bit for bit, the adapters' B leave zero."""
+    r = tiny_leg("tiny_lora(3, ", tmp_path)
     assert r["ok"] and r["base_unchanged"] and r["b_max"] > 0 and r["losses"][-1] < r["losses"][0]
     assert r["adapters"] == 4 * (2 + 4 * 2)  # 4 layers: linear_qkv, linear_proj, 4 experts' linear_fc1 and fc2
     assert gpu_check.summary_line("tiny", {"ok": True, **{f: {"losses": [2.0, 1.0]} for f in (
@@ -77,10 +83,5 @@ def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
 def test_the_tiny_parts_host_reference_leg_scores_as_a_reference_on_the_device(tmp_path):
     """The ``tiny`` part's ``trainer.reference_on_host`` leg, here on CPU (on the GPU its weights are pinned host
     memory and must add no GPU memory): the same logprobs as a frozen reference of its own, the policy given back."""
-    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'tools'); import gpu_check; "
-            f"print(json.dumps(gpu_check.tiny_host_reference(Path({str(tmp_path)!r}))))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = tiny_leg("tiny_host_reference(", tmp_path)
     assert r["ok"] and r["reference_gap"] == 0 and r["policy_gap"] > 0 and r["weights_back"] and r["logprobs_back"]
