@@ -47,7 +47,7 @@ def kv_note(res: dict) -> str:
         else "engine.kv_cache_gib"
     note = f"{source}; {want} sequences at engine.max_model_len need {amount(need, res)} {unit_of(res)[0]}"
     if held < want:
-        note += f": it holds {held} at once (vLLM admits more, preempting what it cannot hold: the rollout's recompute)"
+        note += f": it holds {held} at once at that length (vLLM admits up to engine.slots and preempts when it fills)"
     return note
 
 

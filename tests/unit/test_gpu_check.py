@@ -80,6 +80,7 @@ def test_the_tiny_parts_lora_leg_trains_the_adapters_alone(tmp_path):
                                                               f"{r['losses'][-1]:.3f}")
 
 
+@pytest.mark.slow  # (the behaviour's default test: tests/distributed/test_host_reference.py)
 def test_the_tiny_parts_host_reference_leg_scores_as_a_reference_on_the_device(tmp_path):
     """The ``tiny`` part's ``trainer.reference_on_host`` leg, here on CPU (on the GPU its weights are pinned host
     memory and must add no GPU memory): the same logprobs as a frozen reference of its own, the policy given back."""

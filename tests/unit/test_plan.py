@@ -396,7 +396,7 @@ def test_the_kv_line_is_engine_kv_cache_gib_and_says_when_it_holds_fewer_sequenc
     assert main([*job, "engine.kv_cache_gib=8"]) == 0
     out = capsys.readouterr().out
     assert ("vLLM KV cache              8.00   engine.kv_cache_gib; 64 sequences at engine.max_model_len need "
-            "12.00 GiB: it holds 42 at once (vLLM admits more, preempting what it cannot hold") in out, out
+            "12.00 GiB: it holds 42 at once at that length (vLLM admits up to engine.slots") in out, out
     assert main([*job, "engine.kv_cache_gib=60"]) == 1
     assert main([*job, "engine.kv_cache_gib=0.1"]) == 2  # not one 4096-token sequence: vLLM would not start
     assert "engine.kv_cache_gib=0.1 cannot hold one sequence of engine.max_model_len=4096" in capsys.readouterr().err
