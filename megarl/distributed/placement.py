@@ -237,7 +237,8 @@ def rank_placement(cfg, local_cores: list[tuple[int, ...]], local_rank: int, nod
     set): the node's cores split between them (``node_placement``), or, bound apart by the launcher, its own set
     alone, shared with the replicas it spawns (the node's first rank spawns them: ``engines.remote.nodes.place``)."""
     if not bound_apart(local_cores):
-        return RankPlacement(node_placement(cfg, len(local_cores), node, nodes), local_rank)
+        return RankPlacement(node_placement(cfg, len(local_cores), node, nodes, list(local_cores[local_rank])),
+                             local_rank)
     own = node_placement(cfg, 1, node, nodes, list(local_cores[local_rank]), hosts_replicas=local_rank == 0)
     return RankPlacement(dataclasses.replace(own, bound=True), 0)
 
