@@ -25,7 +25,7 @@ from megarl.checkpoint.session_state import IndexedSource
 from megarl.compat.megatron import activate_cpu
 from megarl.config import RunConfig, to_dict, validate
 from megarl.config.schema import captures_routes, resolved_engine_dtype, resolved_routing_replay
-from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.algo import needed_learners, reference_kept
 from megarl.config.validate.lora import hf_modules
 from megarl.config.validate.settings import resolved_transformer_engine
 from megarl.convert.lora_base import engine_model_dir, engines_start_empty, ensure_lora_base
@@ -239,10 +239,10 @@ def build_learners(cfg: RunConfig, hf_cfg: dict, ps: ParallelState) -> Learners:
     needed = needed_learners(a, cfg.lora.rank)  # the same rule the pre-launch resume check applies
     if "critic" in needed:
         critic = PolicyTrainer(hf_cfg, cfg.model.path, ps, replace(cfg.optim, lr=a.critic_lr), head="value", **common)
-    if "reference" in needed:
-        host = cfg.trainer.reference_on_host
-        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, on_host=host, **common)
-        reference = HostReference(policy, reference) if host else reference
+    if kept := reference_kept(cfg):  # (needed_learners' reference, its weights on the device or the host)
+        reference = PolicyTrainer(hf_cfg, cfg.model.path, ps, cfg.optim, trainable=False, on_host=kept == "host",
+                                  **common)
+        reference = HostReference(policy, reference) if kept == "host" else reference
     return Learners(policy, critic, reference)
 
 

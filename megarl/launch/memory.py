@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from megarl.config import ConfigError
 from megarl.config.schema import RunConfig
-from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.algo import needed_learners, reference_kept
 from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.layout import Layout
 from megarl.launch.model_size import Counts, adapter_params, head_dim
@@ -159,8 +159,8 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
     else:
         trained, opt_full = params, params * OPTIMIZER_BYTES[precision]
         opt = whole_opt
-    learners = needed_learners(cfg.algo, cfg.lora.rank)
-    critic_state = params * 4 + whole_opt if "critic" in learners else 0.0  # its gradients and optimizer state
+    critic = "critic" in needed_learners(cfg.algo, cfg.lora.rank)
+    critic_state = params * 4 + whole_opt if critic else 0.0  # its gradients and optimizer state
     # Without sequence parallelism the norms' inputs and outputs (3h per layer) are whole on every TP rank.
     replicated = 3 * h * layers if lay.tp > 1 and not lay.sequence_parallel else 0
     tokens = microbatch_tokens(cfg) / lay.cp  # a CP rank's share of a micro-batch's positions
@@ -184,7 +184,7 @@ def memory_gib(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, precision:
         "optimizer": opt / GIB,
         "activations": act / GIB,
         "logits": logits / GIB,
-        "reference": params * w / GIB if "reference" in learners and not cfg.trainer.reference_on_host else 0.0,
+        "reference": params * w / GIB if reference_kept(cfg) == "device" else 0.0,
         "critic": (params * w + critic_state) / GIB if critic_state else 0.0,
         "critic_state": critic_state / GIB,
         "engine_weights": counts.total * engine_bytes(cfg, precision) / lay.engine_tp / GIB,
@@ -221,9 +221,14 @@ def peak_of(parts: dict, lay: Layout) -> tuple[float, str]:
         return max((trainer, "on a trainer GPU"), (engine + parts["overhead"], "on an engine GPU"))
     if lay.sleep_level == 0:
         return trainer + engine, "training and generation at once"
-    moved = parts["gradients"] + parts["optimizer"] + parts["critic_state"] + parts["reference"]  # (the offload's)
-    held = parts["weights"] + parts["critic"] - parts["critic_state"] + (0.0 if lay.offload else moved)
+    held = parts["weights"] + parts["critic"] - parts["critic_state"] + (0.0 if lay.offload else offloaded(parts))
     return max((trainer, "while training"), (held + engine + parts["overhead"], "while generating"))
+
+
+def offloaded(parts: dict) -> float:
+    """GiB ``trainer.offload_during_rollout`` moves to host while the engines generate (``memory_gib``'s parts): the
+    policy's and the critic's gradients and optimizer state, a frozen reference's weights."""
+    return parts["gradients"] + parts["optimizer"] + parts["critic_state"] + parts["reference"]
 
 
 def microbatch_tokens(cfg: RunConfig) -> int:

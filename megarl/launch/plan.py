@@ -53,7 +53,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import RunConfig
-from megarl.config.validate.algo import needed_learners
+from megarl.config.validate.algo import reference_kept
 from megarl.config.validate.model import model_config, routes_off_note
 from megarl.launch.gpus import PRESETS, Gpu
 from megarl.launch.layout import (
@@ -244,7 +244,7 @@ def what_would_fit(hf: dict, cfg: RunConfig, nodes: int, gpus_per_node: int, gpu
                              f"GiB per GPU; about a third more training compute)")
         except ConfigError:
             pass
-    if needed_learners(cfg.algo, cfg.lora.rank).get("reference") and not cfg.trainer.reference_on_host:
+    if reference_kept(cfg) == "device":
         host = replace(cfg, trainer=replace(cfg.trainer, reference_on_host=True))
         try:
             if again(host, nodes, not explicit, precision)["fits"]:

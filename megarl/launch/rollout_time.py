@@ -45,7 +45,7 @@ from megarl.launch.efficiency import (
 )
 from megarl.launch.gpus import Gpu
 from megarl.launch.layout import Layout
-from megarl.launch.memory import GIB, engine_bytes, kv_bytes_per_token
+from megarl.launch.memory import GIB, engine_bytes, kv_bytes_per_token, offloaded
 from megarl.launch.model_size import Counts, adapter_params, head_dim, moe_layers
 from megarl.launch.step_time import MODE_MEASURED, Work, multiplying_params, peak_flops
 from megarl.models.hf_config import num_experts
@@ -127,7 +127,6 @@ def sync_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, t
     transfer = per_gpu / (rate * 1e9) + (0.0 if lay.colocated else REFIT_LATENCY_S)
     host = gpu.host_gbps * 1e9
     sleep = 2 * counts.total * we / lay.engine_tp / host if lay.colocated and lay.sleep_level == 1 else 0.0
-    moved = trainer_gib["gradients"] + trainer_gib["optimizer"] + trainer_gib["critic_state"] + trainer_gib["reference"]
-    offload = 2 * moved * GIB / host if lay.offload else 0.0
+    offload = 2 * offloaded(trainer_gib) * GIB / host if lay.offload else 0.0
     return {"transfer_s": transfer, "sleep_s": sleep, "offload_s": offload, "total_s": transfer + sleep + offload,
             "bytes": per_gpu, "path": path, "rate_gbps": rate}

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 
 from megarl.config.schema import RunConfig
-from megarl.config.validate.algo import resolved_decoupled_ppo
+from megarl.config.validate.algo import reference_kept, resolved_decoupled_ppo
 from megarl.config.validate.lora import lora_on_experts
 from megarl.config.validate.settings import transformer_engine_planned
 from megarl.launch.efficiency import HBM_EFFICIENCY, MFU, SMS, expert_gemm_efficiency
@@ -187,8 +187,7 @@ def train_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu, 
     shard = shared / lay.dp_cp + expert / expert_dp if distributed else shared + expert
     optimizer = learners * shard * OPTIMIZER_TRAFFIC / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     # trainer.reference_on_host: the policy's weights to the host, the reference's in, the policy's back (a step's)
-    swap = 3 * (shared + expert) * w / (gpu.host_gbps * 1e9) if "reference" in p["forwards"] and \
-        cfg.trainer.reference_on_host and cfg.lora.rank <= 0 else 0.0
+    swap = 3 * (shared + expert) * w / (gpu.host_gbps * 1e9) if reference_kept(cfg) == "host" else 0.0
     terms = {"compute_s": compute, "recompute_s": recompute, "tp_s": tp, "ep_s": ep, "cp_s": cp, "pp_s": pp,
              "dp_s": dp, "optimizer_s": optimizer, "reference_swap_s": swap}
     return {**terms, "total_s": sum(terms.values()), "flops": flops, "tokens": tokens, "gpus": lay.world,

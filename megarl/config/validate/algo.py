@@ -49,6 +49,15 @@ def needed_learners(a, lora_rank: int = 0) -> dict[str, str]:
     return needed
 
 
+def reference_kept(cfg: RunConfig) -> str:
+    """Where the frozen reference model ``needed_learners`` builds keeps its weights: 'host'
+    (``trainer.reference_on_host``: copied into the policy's model for its forward), 'device', or '' (no such model:
+    no KL penalty, or LoRA's base with its adapters off)."""
+    if "reference" not in needed_learners(cfg.algo, cfg.lora.rank):
+        return ""
+    return "host" if cfg.trainer.reference_on_host else "device"
+
+
 def validate_algo(cfg: RunConfig) -> None:
     """Raise ConfigError naming the ``algo`` key, its value and what is valid."""
     _ranges(cfg)
