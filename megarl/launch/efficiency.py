@@ -22,10 +22,18 @@ logprob forwards of 2048 × ~3400 tokens on 64 H100, megatron-core, token-drople
 tuned dropless pre-training of the same model on 16 H100 (121 model TFLOP/s a GPU in FP8, NeMo 25.11) is 0.12, the
 ceiling. Either runs its expert GEMMs at ~1–4k tokens an expert, where ``expert_gemm_efficiency`` is 1: the figure
 is the rest of an MoE layer's cost (routing, permutation, dropless host syncs). ``--mfu`` replaces it with yours."""
-MOE_READ_EFFICIENCY = 0.27
+MOE_READ_EFFICIENCY = 0.28
 """The share of HBM bandwidth vLLM's fused-MoE kernel reaches reading the experts a decode step touches: NeMo-RL
 v0.3's published generation phase of Qwen3-30B-A3B GRPO (78 s for 2048 × ~3250 tokens, 16 replicas of TP 4 ×
-batch 128, ~8 tokens an expert, on 64 H100) less the rest of each step at ``HBM_EFFICIENCY``."""
+batch 128, ~8 tokens an expert, on 64 H100) less the rest of each step (the sampler's passes included) at
+``HBM_EFFICIENCY``."""
+SAMPLER_BYTES = 70
+"""Bytes of HBM traffic vLLM's V1 sampler moves per entry of its batch × vocabulary logits each decode step
+(vllm/v1/sample/sampler.py; topk_topp_sampler.py without top-k or top-p, as RL samples): the bf16 logits made fp32
+(2 read + 4 written), the log-softmax of the logprobs an RL rollout returns (two reading passes and the write over a
+row too long for shared memory: 16), temperature (8), the softmax (16), the exponential draw (4) and the division by
+it (12), argmax (4) and the sampled token's rank (4). Every engine TP rank samples the all-gathered logits. At a
+151,936-token vocabulary and 256 sequences: 2.7 GB a step, as much as a 1.4B model's weights."""
 GEMM_TILE = 128
 """Rows and columns of one output tile of a Hopper bf16 GEMM kernel (cuBLAS's and CUTLASS's 128×128 tiles)."""
 SMS = {"a100": 108, "h100": 132, "h200": 132, "b200": 148}

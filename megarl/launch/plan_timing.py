@@ -42,7 +42,7 @@ def train_terms(t: dict) -> str:
 
 def rollout_terms(r: dict) -> str:
     tail = f" + {r['tail_steps']:,.0f} tail" if r["tail_steps"] else ""
-    comm = f", TP all-reduces {r['comm_s'] * 1e3:.2f} ms{' across nodes' if r['across_nodes'] else ''}" \
+    comm = f", TP collectives {r['comm_s'] * 1e3:.2f} ms{' across nodes' if r['across_nodes'] else ''}" \
         if r["engine_tp"] > 1 else ""
     bound = "compute-bound" if r["compute_bound"] else f"reads at HBM × {HBM_EFFICIENCY:g}"
     again = (f" + recompute {_s(r['recompute_s'])} ({r['preempted']} sequences a replica preempted when its KV cache "
@@ -50,7 +50,8 @@ def rollout_terms(r: dict) -> str:
     return (f"  rollout {_s(r['total_s']):>6} s = prefill {_s(r['prefill_s'])} + decode {_s(r['decode_s'])} "
             f"({r['replicas']} replica{'s' if r['replicas'] > 1 else ''} × batch {r['batch']}: "
             f"{r['useful_steps']:,.0f} steps{tail} × {r['decode_step_s'] * 1e3:.2f} ms; weights "
-            f"{r['weight_bytes'] / 1e9:.2f} GB + KV {r['kv_bytes'] / 1e9:.2f} GB per GPU, {bound}{comm}){again}")
+            f"{r['weight_bytes'] / 1e9:.2f} GB + KV {r['kv_bytes'] / 1e9:.2f} GB + sampler "
+            f"{r['sampler_bytes'] / 1e9:.2f} GB per GPU, {bound}{comm}){again}")
 
 
 def sync_terms(s: dict) -> str:

@@ -3,13 +3,15 @@
     rollout  = prefill + decode + recompute, replicas in parallel, each with sequences / replicas of the step
       prefill   compute-bound: prompt tokens · (2·N + 2·L·q·prompt) / (engine TP × peak × MFU), N the active
                 parameters that multiply (not the input embedding)
-      decode    memory-bound: a decode step of batch b reads the engine's weights (dense part, and for an MoE the
-                experts its b tokens touch: E·(1 − (1 − topk/E)^b) per layer, at HBM × ``MOE_READ_EFFICIENCY``,
-                vLLM's fused-MoE kernel's) and b sequences' KV cache at the mean context, per GPU / (HBM ×
-                ``HBM_EFFICIENCY``), or its FLOPs if slower, b · (2·N + 4·L·q·context)
-                (one query against the whole context: QKᵀ and AV, 2·q·context each, nothing masked); + 2·L
-                all-reduces of b·h·w between engine TP ranks (latency + bytes over NVLink, the network when the
-                engine spans nodes); b = min(engine.slots, sequences per replica, what the engine's KV cache holds
+      decode    memory-bound: a decode step of batch b reads the engine's weights (dense part and the output
+                head, tied to the embedding or not; for an MoE the experts its b tokens touch: E·(1 − (1 −
+                topk/E)^b) per layer, at HBM × ``MOE_READ_EFFICIENCY``, vLLM's fused-MoE kernel's), b sequences' KV
+                cache at the mean context and the sampler's passes over b × vocabulary (``SAMPLER_BYTES`` an entry,
+                on every engine TP rank), per GPU / (HBM × ``HBM_EFFICIENCY``), or its FLOPs if slower, b · (2·N +
+                4·L·q·context) (one query against the whole context: QKᵀ and AV, 2·q·context each, nothing
+                masked); + 2·L all-reduces of b·h·w and one all-gather of the logits, b·V·w, between engine TP
+                ranks (latency + bytes over NVLink, the network when the engine spans nodes); b = min(engine.slots,
+                sequences per replica, what the engine's KV cache holds
                 at the sequences' mean length): the cache ``engine.kv_cache_gib``, or with
                 ``engine.gpu_memory_utilization`` what that share of the GPU leaves after the engine's weights and
                 CUDA graphs (``memory.engine_reserved_gib``); steps = sequences · response / b, + the tail
@@ -42,6 +44,7 @@ from megarl.launch.efficiency import (
     REFIT_COLOCATED_GBPS,
     REFIT_GBPS,
     REFIT_LATENCY_S,
+    SAMPLER_BYTES,
 )
 from megarl.launch.gpus import Gpu
 from megarl.launch.layout import Layout
@@ -72,23 +75,27 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     h, layers, q = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"] * head_dim(hf)
     b = decode_batch(hf, cfg, lay, work, kv_gib)
     per_replica = work.sequences / lay.engine_replicas
-    dense = counts.total - counts.experts - counts.embedding  # an embedding is looked up, not read whole
+    vocab = hf["vocab_size"]
+    # the input embedding is looked up, not read whole; the output head is read whole, tied to it or not
+    dense = counts.total - counts.experts - counts.embedding - counts.head + vocab * h
     experts, moe = num_experts(hf), moe_layers(hf)
     touched = experts * (1 - (1 - int(hf.get("num_experts_per_tok") or 0) / experts) ** b) if experts else 0
     expert_size = counts.experts / (moe * experts) if experts else 0
     weight_bytes = (dense + moe * touched * expert_size) * we / e
     context = work.prompt_tokens + work.response_tokens / 2
     kv_bytes = b * context * kv_bytes_per_token(hf, e, we)
+    sampler_bytes = b * vocab * SAMPLER_BYTES  # each engine TP rank samples from the all-gathered logits
     bandwidth = gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY
     peak = peak_flops(cfg, gpu) * work.mfu
     n = multiplying_params(counts, hf)
     expert_bytes = moe * touched * expert_size * we / e
-    memory_s = (weight_bytes - expert_bytes + kv_bytes) / bandwidth + expert_bytes / (
+    memory_s = (weight_bytes - expert_bytes + kv_bytes + sampler_bytes) / bandwidth + expert_bytes / (
         gpu.hbm_tbps * 1e12 * MOE_READ_EFFICIENCY)
     flops_s = b * (2 * n + 4 * layers * q * context) / (e * peak)
     across = e > (lay.engine_gpus or lay.gpus_per_node)  # (engine GPUs inside a node: within it)
     link, latency = ((gpu.network_gbps, NETWORK_LATENCY_S) if across else (gpu.nvlink_gbps, NVLINK_LATENCY_S))
-    comm_s = 2 * layers * (latency + b * h * we * 2 * (e - 1) / e / (link * 1e9)) if e > 1 else 0.0
+    share = (e - 1) / e / (link * 1e9)  # seconds a byte of a collective's message takes between the engine's ranks
+    comm_s = 2 * layers * (latency + b * h * we * 2 * share) + latency + b * vocab * we * share if e > 1 else 0.0
     step_s = max(memory_s, flops_s) + comm_s
     useful = per_replica * work.response_tokens / b
     bubble, waste = (work.bubble, 0.0) if work.bubble is not None else MODE_MEASURED.get(cfg.rollout.mode, (0, 0))
@@ -102,11 +109,12 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     at = min(cache / admitted, work.prompt_tokens + work.response_tokens)  # each one's context when preempted
     recompute_s = preempted * at * (2 * n + 2 * layers * q * at) / (e * peak)
     # The simulator's engine step: base + per_seq × active sequences (weights and latency; KV and traffic per seq).
-    per_seq_s = (kv_bytes / b) / bandwidth + (2 * layers * h * we * 2 * (e - 1) / e / (link * 1e9) if e > 1 else 0)
+    per_seq_s = (kv_bytes / b + vocab * SAMPLER_BYTES) / bandwidth + (
+        (2 * layers * h * we * 2 + vocab * we) * share if e > 1 else 0)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "recompute_s": recompute_s, "preempted": preempted,
-            "total_s": prefill_s + decode_s + recompute_s, "replicas":
-            lay.engine_replicas, "engine_tp": e, "batch": b, "decode_step_s": step_s, "weight_bytes": weight_bytes,
-            "kv_bytes": kv_bytes, "comm_s": comm_s, "across_nodes": across, "compute_bound": flops_s > memory_s,
+            "total_s": prefill_s + decode_s + recompute_s, "replicas": lay.engine_replicas, "engine_tp": e,
+            "batch": b, "decode_step_s": step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "sampler_bytes":
+            sampler_bytes, "comm_s": comm_s, "across_nodes": across, "compute_bound": flops_s > memory_s,
             "steps": useful + tail, "useful_steps": useful, "tail_steps": tail, "bubble": bubble, "waste": waste,
             "step_base_s": max(step_s - b * per_seq_s, 0.0), "step_per_seq_s": per_seq_s,
             "kv_cache_gib": cfg.engine.kv_cache_gib if kv_gib is None else kv_gib}

@@ -53,8 +53,10 @@ def test_the_split_inside_a_node_against_the_hand_calculation():
     kv_token = 2 * layers * (8 // 4) * 128 * 2  # K and V of 2 KV heads a rank, bf16
     batch = int(8 * 2**30 // (kv_token * 1280))  # what 8 GiB of KV cache holds at the mean full length: 204
     assert r["replicas"] == 1 and r["batch"] == batch == 204 and not r["across_nodes"]
-    comm = 2 * layers * (10e-6 + batch * h * 2 * 2 * 3 / 4 / NVLINK)  # TP all-reduces within the node
-    decode_step = ((n - counts.embedding) * 2 / 4 + batch * (256 + 512) * kv_token) / HBM + comm
+    vocab = LLAMA_8B["vocab_size"]  # TP all-reduces and the logits' all-gather, within the node
+    comm = 2 * layers * (10e-6 + batch * h * 2 * 2 * 3 / 4 / NVLINK) + 10e-6 + batch * vocab * 2 * 3 / 4 / NVLINK
+    sampler = batch * vocab * 70  # the sampler's fp32 passes on every rank
+    decode_step = ((n - counts.embedding) * 2 / 4 + batch * (256 + 512) * kv_token + sampler) / HBM + comm
     assert r["decode_step_s"] == pytest.approx(decode_step)
     assert r["steps"] == pytest.approx(512 * 1024 / batch + 3072 - 1024)
     refit = 0.48 + n * 2 / 4 / 19.7e9  # NeMo-RL's measured refit into each engine GPU, under NVLink's rate

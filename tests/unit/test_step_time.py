@@ -87,15 +87,18 @@ def _kv_token(hf, engine_tp):
 
 
 def test_rollout_terms_of_a_dense_model_match_the_hand_calculation():
-    """Memory-bound decode: each step reads the engine's weights (less the embedding) and the batch's KV cache."""
+    """Memory-bound decode: each step reads the engine's weights (less the embedding), the batch's KV cache and the
+    sampler's fp32 passes over batch × vocabulary, all-reducing twice a layer and gathering the logits once."""
     lay = Layout(2, 8, tp=8, sequence_parallel=True, engine_tp=4)  # 4 replicas of TP 4
     r = _times(QWEN25_32B, lay)["rollout"]
     c = count_params(QWEN25_32B)
     assert r["replicas"] == 4 and r["batch"] == 32  # 128 sequences over 4 replicas, under the 64 slots
     weights = (c.total - c.embedding) * 2 / 4
     kv = 32 * (100 + 200) * _kv_token(QWEN25_32B, 4)  # mean context: the prompt and half the response
-    comm = 2 * 64 * (10e-6 + 32 * 5120 * 2 * 2 * 3 / 4 / NVLINK)
-    step = (weights + kv) / HBM + comm
+    sampler = 32 * 152064 * 70  # SAMPLER_BYTES an entry, on every TP rank
+    assert r["sampler_bytes"] == pytest.approx(sampler)
+    comm = 2 * 64 * (10e-6 + 32 * 5120 * 2 * 2 * 3 / 4 / NVLINK) + 10e-6 + 32 * 152064 * 2 * 3 / 4 / NVLINK
+    step = (weights + kv + sampler) / HBM + comm
     assert r["decode_step_s"] == pytest.approx(step)
     steps = 32 * 400 / 32 + (1000 - 400)  # sync mode: the longest ends last (the cap)
     assert r["steps"] == pytest.approx(steps) and r["decode_s"] == pytest.approx(steps * step)
@@ -107,6 +110,22 @@ def test_rollout_terms_of_a_dense_model_match_the_hand_calculation():
     assert partial["steps"] == pytest.approx(32 * 400 / 32 / 0.92)
     given = _times(QWEN25_32B, lay, work=Work(128, 100, 400, 1000, 0.4, bubble=0.5))["rollout"]
     assert given["steps"] == pytest.approx(32 * 400 / 32 / 0.5)
+
+
+def test_decode_reads_the_output_head_tied_or_not_and_samples_over_the_vocabulary():
+    """A decode step multiplies by the output head whether or not it is tied to the input embedding (the same
+    bytes), and the sampler's passes grow with the vocabulary (as much as the weights of a small model)."""
+    lay = Layout(2, 8, tp=8, sequence_parallel=True, engine_tp=4)
+    untied = _times(QWEN25_32B, lay)["rollout"]
+    tied = _times({**QWEN25_32B, "tie_word_embeddings": True}, lay)["rollout"]
+    assert count_params({**QWEN25_32B, "tie_word_embeddings": True}).total < count_params(QWEN25_32B).total
+    assert tied["weight_bytes"] == pytest.approx(untied["weight_bytes"])
+    assert tied["decode_step_s"] == pytest.approx(untied["decode_step_s"])
+    wider = _times({**QWEN25_32B, "vocab_size": 2 * 152064}, lay)["rollout"]
+    assert wider["sampler_bytes"] == pytest.approx(2 * untied["sampler_bytes"])
+    head = 152064 * 5120 * 2 / 4  # the wider head's extra rows a GPU reads, and the extra sampled and gathered logits
+    extra = (head + untied["sampler_bytes"]) / HBM + 32 * 152064 * 2 * 3 / 4 / NVLINK
+    assert wider["decode_step_s"] - untied["decode_step_s"] == pytest.approx(extra)
 
 
 def test_moe_decode_reads_the_experts_its_batch_touches():
