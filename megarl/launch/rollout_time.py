@@ -11,13 +11,12 @@
                 4·L·q·context) (one query against the whole context: QKᵀ and AV, 2·q·context each, nothing
                 masked); + 2·L all-reduces of b·h·w and one all-gather of the logits, b·V·w, between engine TP
                 ranks (latency + bytes over NVLink, the network when the engine spans nodes); b = min(engine.slots,
-                sequences per replica, what the engine's KV cache holds
-                at the sequences' mean length): the cache ``engine.kv_cache_gib``, or with
-                ``engine.gpu_memory_utilization`` what that share of the GPU leaves after the engine's weights and
-                CUDA graphs (``memory.engine_reserved_gib``); steps = sequences · response / b, + the tail
-                (rollout.max_new_tokens − response: the longest sequence ends last) in sync mode, or
-                / ((1 − bubble)(1 − waste)) with the mode's measured bubble and waste (on_policy, partial) or
-                ``--bubble``
+                sequences per replica, what the engine's KV cache holds at the sequences' mean length): the cache
+                ``engine.kv_cache_gib``, or with ``engine.gpu_memory_utilization`` what that share of the GPU leaves
+                after the engine's weights and CUDA graphs (``memory.engine_reserved_gib``); steps = sequences ·
+                response / b, + the tail (rollout.max_new_tokens − response: the longest sequence ends last) in sync
+                mode, or / ((1 − bubble)(1 − waste)) with the mode's measured bubble and waste (on_policy, partial)
+                or ``--bubble``
       recompute vLLM admits min(engine.slots, sequences per replica) at once, whatever their final length: where
                 its cache holds fewer (b), it preempts the rest when the cache fills (at K / admitted tokens each,
                 K the cache's tokens) and prefills their context again later (vLLM's V1 scheduler preempts by
