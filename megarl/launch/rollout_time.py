@@ -1,8 +1,9 @@
 """Seconds of a step's rollout and weight sync (``step_time.py`` has training and how the three combine).
 
     rollout  = prefill + decode + recompute, replicas in parallel, each with sequences / replicas of the step
-      prefill   compute-bound: prompt tokens · (2·N + 2·L·q·prompt) / (engine TP × peak × MFU), N the active
-                parameters that multiply (not the input embedding)
+      prefill   compute-bound: prompt tokens · (2·N_layers + 2·L·q·prompt) + 2·V·h for each prompt's last position
+                (vLLM computes logits there alone), / (engine TP × peak × MFU), N_layers the active parameters that
+                multiply less the output head (and the input embedding)
       decode    memory-bound: a decode step of batch b reads the engine's weights (dense part and the output
                 head, tied to the embedding or not; for an MoE the experts its b tokens touch: E·(1 − (1 −
                 topk/E)^b) per layer, at HBM × ``MOE_READ_EFFICIENCY``, vLLM's fused-MoE kernel's), b sequences' KV
@@ -100,13 +101,15 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     bubble, waste = (work.bubble, 0.0) if work.bubble is not None else MODE_MEASURED.get(cfg.rollout.mode, (0, 0))
     tail = max(0, work.max_response - work.response_tokens) if cfg.rollout.mode == "sync" and work.bubble is None \
         else useful * (1 / ((1 - bubble) * (1 - waste)) - 1)
-    prefill_s = per_replica * work.prompt_tokens * (2 * n + 2 * layers * q * work.prompt_tokens) / (e * peak)
+    body = n - vocab * h  # a prefill multiplies every position by the layers, only its last by the output head
+    prefill_s = per_replica * (work.prompt_tokens * (2 * body + 2 * layers * q * work.prompt_tokens)
+                               + 2 * vocab * h) / (e * peak)
     decode_s = (useful + tail) * step_s
     admitted = min(cfg.engine.slots, math.ceil(per_replica))
     cache = (cfg.engine.kv_cache_gib if kv_gib is None else kv_gib) * GIB / kv_bytes_per_token(hf, e, we)
     preempted = max(0, admitted - b) if b < admitted else 0
     at = min(cache / admitted, work.prompt_tokens + work.response_tokens)  # each one's context when preempted
-    recompute_s = preempted * at * (2 * n + 2 * layers * q * at) / (e * peak)
+    recompute_s = preempted * (at * (2 * body + 2 * layers * q * at) + 2 * vocab * h) / (e * peak)
     # The simulator's engine step: base + per_seq × active sequences (weights and latency; KV and traffic per seq).
     per_seq_s = (kv_bytes / b + vocab * SAMPLER_BYTES) / bandwidth + (
         (2 * layers * h * we * 2 + vocab * we) * share if e > 1 else 0)

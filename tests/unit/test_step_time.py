@@ -103,7 +103,9 @@ def test_rollout_terms_of_a_dense_model_match_the_hand_calculation():
     steps = 32 * 400 / 32 + (1000 - 400)  # sync mode: the longest ends last (the cap)
     assert r["steps"] == pytest.approx(steps) and r["decode_s"] == pytest.approx(steps * step)
     n = c.total - c.embedding
-    assert r["prefill_s"] == pytest.approx(32 * 100 * (2 * n + 2 * 64 * 5120 * 100) / (4 * 989e12 * 0.4))
+    head = 152064 * 5120  # the output head multiplies each prompt's last position alone
+    assert r["prefill_s"] == pytest.approx(32 * (100 * (2 * (n - head) + 2 * 64 * 5120 * 100) + 2 * head)
+                                           / (4 * 989e12 * 0.4))
     # the simulator's engine step: base + per_seq × the batch is the step
     assert r["step_base_s"] + 32 * r["step_per_seq_s"] == pytest.approx(step)
     partial = _times(QWEN25_32B, lay, ["rollout.mode=partial"])["rollout"]  # measured bubble 8%, no waste
