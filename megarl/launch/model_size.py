@@ -37,6 +37,11 @@ class Counts:
     def active(self) -> int:
         return self.total - self.experts + self.experts_active
 
+    @property
+    def in_layers(self) -> int:
+        """Parameters of the layers a token passes through: the active ones less the embedding and output head."""
+        return self.attention + self.dense + self.experts_active
+
 
 def head_dim(hf: dict) -> int:
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])

@@ -76,8 +76,8 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     b = decode_batch(hf, cfg, lay, work, kv_gib)
     per_replica = work.sequences / lay.engine_replicas
     vocab = hf["vocab_size"]
-    # the input embedding is looked up, not read whole; the output head is read whole, tied to it or not
-    dense = counts.total - counts.experts - counts.embedding - counts.head + vocab * h
+    head = vocab * h  # the output head, read whole each step, tied to the input embedding (looked up) or not
+    dense = counts.attention + counts.dense + head
     experts, moe = num_experts(hf), moe_layers(hf)
     touched = experts * (1 - (1 - int(hf.get("num_experts_per_tok") or 0) / experts) ** b) if experts else 0
     expert_size = counts.experts / (moe * experts) if experts else 0
@@ -94,25 +94,25 @@ def rollout_time(counts: Counts, hf: dict, cfg: RunConfig, lay: Layout, gpu: Gpu
     flops_s = b * (2 * n + 4 * layers * q * context) / (e * peak)
     across = e > (lay.engine_gpus or lay.gpus_per_node)  # (engine GPUs inside a node: within it)
     link, latency = ((gpu.network_gbps, NETWORK_LATENCY_S) if across else (gpu.nvlink_gbps, NVLINK_LATENCY_S))
-    share = (e - 1) / e / (link * 1e9)  # seconds a byte of a collective's message takes between the engine's ranks
-    comm_s = 2 * layers * (latency + b * h * we * 2 * share) + latency + b * vocab * we * share if e > 1 else 0.0
+    # 2·L all-reduces of b·h·w (ring: twice the message) and the logits' all-gather, b·V·w, between the ranks
+    traffic_s = b * (2 * layers * h * we * 2 + vocab * we) * (e - 1) / e / (link * 1e9)
+    comm_s = (2 * layers + 1) * latency + traffic_s if e > 1 else 0.0
     step_s = max(memory_s, flops_s) + comm_s
     useful = per_replica * work.response_tokens / b
     bubble, waste = (work.bubble, 0.0) if work.bubble is not None else MODE_MEASURED.get(cfg.rollout.mode, (0, 0))
     tail = max(0, work.max_response - work.response_tokens) if cfg.rollout.mode == "sync" and work.bubble is None \
         else useful * (1 / ((1 - bubble) * (1 - waste)) - 1)
-    body = n - vocab * h  # a prefill multiplies every position by the layers, only its last by the output head
-    prefill_s = per_replica * (work.prompt_tokens * (2 * body + 2 * layers * q * work.prompt_tokens)
-                               + 2 * vocab * h) / (e * peak)
+    # a prefill multiplies every position by the layers, only its last by the output head
+    prefill_s = per_replica * (work.prompt_tokens * (2 * counts.in_layers + 2 * layers * q * work.prompt_tokens)
+                               + 2 * head) / (e * peak)
     decode_s = (useful + tail) * step_s
     admitted = min(cfg.engine.slots, math.ceil(per_replica))
     cache = (cfg.engine.kv_cache_gib if kv_gib is None else kv_gib) * GIB / kv_bytes_per_token(hf, e, we)
     preempted = max(0, admitted - b) if b < admitted else 0
     at = min(cache / admitted, work.prompt_tokens + work.response_tokens)  # each one's context when preempted
-    recompute_s = preempted * (at * (2 * body + 2 * layers * q * at) + 2 * vocab * h) / (e * peak)
+    recompute_s = preempted * (at * (2 * counts.in_layers + 2 * layers * q * at) + 2 * head) / (e * peak)
     # The simulator's engine step: base + per_seq × active sequences (weights and latency; KV and traffic per seq).
-    per_seq_s = (kv_bytes / b + vocab * SAMPLER_BYTES) / bandwidth + (
-        (2 * layers * h * we * 2 + vocab * we) * share if e > 1 else 0)
+    per_seq_s = (kv_bytes + sampler_bytes) / b / bandwidth + (traffic_s / b if e > 1 else 0.0)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "recompute_s": recompute_s, "preempted": preempted,
             "total_s": prefill_s + decode_s + recompute_s, "replicas": lay.engine_replicas, "engine_tp": e,
             "batch": b, "decode_step_s": step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "sampler_bytes":

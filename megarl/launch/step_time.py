@@ -103,7 +103,7 @@ def peak_flops(cfg: RunConfig, gpu: Gpu) -> float:
 def multiplying_params(counts: Counts, hf: dict) -> int:
     """Active parameters a token's forward multiplies by: all but the input embedding (a lookup), the output head
     counted as a GEMM of vocab × h even when tied to the embedding."""
-    return counts.active - counts.embedding - counts.head + hf["vocab_size"] * hf["hidden_size"]
+    return counts.in_layers + hf["vocab_size"] * hf["hidden_size"]
 
 
 def passes_of(cfg: RunConfig, hf: dict) -> dict:
@@ -203,7 +203,7 @@ def recompute_flops(counts: Counts, hf: dict, recompute: str, tokens: int, s: in
     q = hf["num_attention_heads"] * head_dim(hf)
     attention = 2 * hf["num_hidden_layers"] * q * s
     if recompute == "full":
-        return tokens * (2 * (counts.active - counts.embedding - counts.head) + attention)
+        return tokens * (2 * counts.in_layers + attention)
     return tokens * attention if recompute == "selective" else 0.0
 
 
